@@ -1,0 +1,304 @@
+//! Element types: the runtime [`DType`] tag, the compile-time [`Element`]
+//! trait that ties a Rust type to its tag, and [`Scalar`] values.
+
+use half::{bf16, f16};
+use std::fmt;
+
+/// The element type of a tensor, known at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum DType {
+    /// `bool`, stored as one byte holding 0 or 1.
+    Bool,
+    /// 32-bit signed integer.
+    I32,
+    /// 64-bit signed integer.
+    I64,
+    /// IEEE half precision (storage and casts; arithmetic runs in f32).
+    F16,
+    /// bfloat16 (storage and casts; arithmetic runs in f32).
+    BF16,
+    /// IEEE single precision.
+    F32,
+    /// IEEE double precision.
+    F64,
+}
+
+impl DType {
+    /// Every dtype, in promotion order.
+    pub const ALL: [DType; 7] = [
+        DType::Bool,
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+    ];
+
+    /// Bytes per element.
+    pub const fn size_in_bytes(self) -> usize {
+        match self {
+            DType::Bool => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// True for the floating-point dtypes.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+    }
+
+    /// True for the signed integer dtypes.
+    pub const fn is_int(self) -> bool {
+        matches!(self, DType::I32 | DType::I64)
+    }
+
+    /// True for numbers (everything but bool).
+    pub const fn is_numeric(self) -> bool {
+        !matches!(self, DType::Bool)
+    }
+
+    /// The short name used in messages and in the text form of traces.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bool => "bool",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        }
+    }
+
+    /// Parses a short name such as `"f32"`.
+    pub fn parse(name: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == name)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A single value of any dtype.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    /// A bool value.
+    Bool(bool),
+    /// An i32 value.
+    I32(i32),
+    /// An i64 value.
+    I64(i64),
+    /// An f16 value.
+    F16(f16),
+    /// A bf16 value.
+    BF16(bf16),
+    /// An f32 value.
+    F32(f32),
+    /// An f64 value.
+    F64(f64),
+}
+
+impl Scalar {
+    /// The dtype of the value.
+    pub fn dtype(self) -> DType {
+        match self {
+            Scalar::Bool(_) => DType::Bool,
+            Scalar::I32(_) => DType::I32,
+            Scalar::I64(_) => DType::I64,
+            Scalar::F16(_) => DType::F16,
+            Scalar::BF16(_) => DType::BF16,
+            Scalar::F32(_) => DType::F32,
+            Scalar::F64(_) => DType::F64,
+        }
+    }
+
+    /// The value as f64 (exact for every dtype but i64 beyond 2^53).
+    pub fn to_f64(self) -> f64 {
+        match self {
+            Scalar::Bool(v) => v as u8 as f64,
+            Scalar::I32(v) => v as f64,
+            Scalar::I64(v) => v as f64,
+            Scalar::F16(v) => v.to_f64(),
+            Scalar::BF16(v) => v.to_f64(),
+            Scalar::F32(v) => v as f64,
+            Scalar::F64(v) => v,
+        }
+    }
+
+    /// The value as i64, truncating floats toward zero (saturating).
+    pub fn to_i64(self) -> i64 {
+        match self {
+            Scalar::Bool(v) => v as i64,
+            Scalar::I32(v) => v as i64,
+            Scalar::I64(v) => v,
+            other => other.to_f64() as i64,
+        }
+    }
+
+    /// Converts the value to `dtype` with the same rules as the `Cast` op.
+    pub fn cast(self, dtype: DType) -> Scalar {
+        match dtype {
+            DType::Bool => Scalar::Bool(match self {
+                Scalar::I64(v) => v != 0,
+                other => other.to_f64() != 0.0,
+            }),
+            DType::I32 => Scalar::I32(match self {
+                Scalar::I64(v) => v as i32,
+                other => other.to_f64() as i32,
+            }),
+            DType::I64 => Scalar::I64(self.to_i64()),
+            DType::F16 => Scalar::F16(f16::from_f64(self.to_f64())),
+            DType::BF16 => Scalar::BF16(bf16::from_f64(self.to_f64())),
+            DType::F32 => Scalar::F32(match self {
+                Scalar::F64(v) => v as f32,
+                Scalar::I64(v) => v as f32,
+                other => other.to_f64() as f32,
+            }),
+            DType::F64 => Scalar::F64(self.to_f64()),
+        }
+    }
+
+    /// The little-endian bytes of the value in its own dtype.
+    pub fn to_bits(self) -> u64 {
+        match self {
+            Scalar::Bool(v) => v as u64,
+            Scalar::I32(v) => v as u32 as u64,
+            Scalar::I64(v) => v as u64,
+            Scalar::F16(v) => v.to_bits() as u64,
+            Scalar::BF16(v) => v.to_bits() as u64,
+            Scalar::F32(v) => v.to_bits() as u64,
+            Scalar::F64(v) => v.to_bits(),
+        }
+    }
+
+    /// Rebuilds a value from [`Scalar::to_bits`].
+    pub fn from_bits(dtype: DType, bits: u64) -> Scalar {
+        match dtype {
+            DType::Bool => Scalar::Bool(bits != 0),
+            DType::I32 => Scalar::I32(bits as u32 as i32),
+            DType::I64 => Scalar::I64(bits as i64),
+            DType::F16 => Scalar::F16(f16::from_bits(bits as u16)),
+            DType::BF16 => Scalar::BF16(bf16::from_bits(bits as u16)),
+            DType::F32 => Scalar::F32(f32::from_bits(bits as u32)),
+            DType::F64 => Scalar::F64(f64::from_bits(bits)),
+        }
+    }
+}
+
+impl fmt::Display for Scalar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Scalar::Bool(v) => write!(f, "{v}"),
+            Scalar::I32(v) => write!(f, "{v}"),
+            Scalar::I64(v) => write!(f, "{v}"),
+            Scalar::F16(v) => write!(f, "{v:?}"),
+            Scalar::BF16(v) => write!(f, "{v:?}"),
+            Scalar::F32(v) => write!(f, "{v:?}"),
+            Scalar::F64(v) => write!(f, "{v:?}"),
+        }
+    }
+}
+
+/// A Rust type that is the element of a tensor.
+///
+/// # Safety
+/// Implementors must be plain data: no padding, no drop glue, valid when all
+/// bytes are zero, and `DTYPE.size_in_bytes() == size_of::<Self>()`. Buffers
+/// are reinterpreted as slices of `Self`.
+pub unsafe trait Element:
+    Copy + Send + Sync + PartialEq + PartialOrd + fmt::Debug + fmt::Display + Default + 'static
+{
+    /// The runtime tag of this type.
+    const DTYPE: DType;
+    /// Wraps the value as a [`Scalar`].
+    fn to_scalar(self) -> Scalar;
+    /// Converts a [`Scalar`] of any dtype to this type (the `Cast` rules).
+    fn from_scalar(value: Scalar) -> Self;
+    /// The value as f64, for reference implementations and display.
+    fn to_f64(self) -> f64 {
+        self.to_scalar().to_f64()
+    }
+}
+
+/// Floating-point element types (f16, bf16, f32, f64).
+pub trait FloatElement: Element {}
+
+macro_rules! impl_element {
+    ($t:ty, $dtype:ident, $variant:ident) => {
+        // SAFETY: primitive numeric types (and half's repr(transparent) u16
+        // wrappers) are plain data; the zero bit pattern is valid for each,
+        // and their sizes match `DType::size_in_bytes`.
+        unsafe impl Element for $t {
+            const DTYPE: DType = DType::$dtype;
+            #[inline]
+            fn to_scalar(self) -> Scalar {
+                Scalar::$variant(self)
+            }
+            #[inline]
+            fn from_scalar(value: Scalar) -> Self {
+                match value.cast(DType::$dtype) {
+                    Scalar::$variant(v) => v,
+                    _ => unreachable!("Scalar::cast returns the requested dtype"),
+                }
+            }
+        }
+    };
+}
+
+impl_element!(bool, Bool, Bool);
+impl_element!(i32, I32, I32);
+impl_element!(i64, I64, I64);
+impl_element!(f16, F16, F16);
+impl_element!(bf16, BF16, BF16);
+impl_element!(f32, F32, F32);
+impl_element!(f64, F64, F64);
+
+impl FloatElement for f16 {}
+impl FloatElement for bf16 {}
+impl FloatElement for f32 {}
+impl FloatElement for f64 {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_match_rust_types() {
+        assert_eq!(DType::Bool.size_in_bytes(), std::mem::size_of::<bool>());
+        assert_eq!(DType::F16.size_in_bytes(), std::mem::size_of::<f16>());
+        assert_eq!(DType::BF16.size_in_bytes(), std::mem::size_of::<bf16>());
+        assert_eq!(DType::I64.size_in_bytes(), std::mem::size_of::<i64>());
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::parse(d.name()), Some(d));
+        }
+        assert_eq!(DType::parse("f128"), None);
+    }
+
+    #[test]
+    fn casts_follow_rust_as_semantics() {
+        assert_eq!(Scalar::F32(-2.7).cast(DType::I32), Scalar::I32(-2));
+        assert_eq!(Scalar::F32(f32::NAN).cast(DType::I64), Scalar::I64(0));
+        assert_eq!(Scalar::I32(3).cast(DType::Bool), Scalar::Bool(true));
+        assert_eq!(Scalar::F64(0.1).cast(DType::F32), Scalar::F32(0.1f32));
+        assert_eq!(Scalar::I64(i64::MAX).cast(DType::I64), Scalar::I64(i64::MAX));
+        assert_eq!(f16::from_scalar(Scalar::F32(1.5)), f16::from_f32(1.5));
+    }
+
+    #[test]
+    fn bits_round_trip() {
+        for v in [Scalar::F32(-0.0), Scalar::I32(-7), Scalar::BF16(bf16::from_f32(3.0)), Scalar::Bool(true)] {
+            assert_eq!(Scalar::from_bits(v.dtype(), v.to_bits()), v);
+        }
+    }
+}

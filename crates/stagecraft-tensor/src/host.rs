@@ -1,0 +1,291 @@
+//! Host tensors: dense values in a shared buffer, and a broadcast scalar that
+//! needs no buffer at all until it is converted.
+
+use crate::buffer::bytes_for;
+use crate::{Buffer, DType, Element, Error, Result, Scalar, Shape, TensorMetadata};
+
+/// A dense, row-major tensor in host memory.
+///
+/// Cloning shares the buffer. Kernels may write into the buffer in place when
+/// [`DenseHostTensor::is_unique`] holds.
+#[derive(Clone, Debug)]
+pub struct DenseHostTensor {
+    meta: TensorMetadata,
+    buffer: Buffer,
+}
+
+impl DenseHostTensor {
+    /// A tensor of zeros.
+    pub fn zeros(meta: TensorMetadata) -> Result<DenseHostTensor> {
+        let numel = meta.shape.checked_numel()?;
+        let bytes = numel
+            .checked_mul(meta.dtype.size_in_bytes())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| Error::shape(format!("a tensor of {meta} does not fit in memory")))?;
+        Ok(DenseHostTensor {
+            meta,
+            buffer: Buffer::zeroed(bytes),
+        })
+    }
+
+    /// A tensor taking its values from `values`, which must hold exactly
+    /// `shape.numel()` elements.
+    pub fn from_slice<T: Element>(values: &[T], shape: impl Into<Shape>) -> Result<DenseHostTensor> {
+        let shape = shape.into();
+        let numel = shape.checked_numel()?;
+        if numel != values.len() {
+            return Err(Error::invalid(format!(
+                "{} values cannot fill a tensor of shape {shape} ({numel} elements)",
+                values.len()
+            )));
+        }
+        Ok(DenseHostTensor {
+            meta: TensorMetadata::new(T::DTYPE, shape),
+            buffer: Buffer::from_slice(values),
+        })
+    }
+
+    /// Wraps an existing buffer; its length must match the metadata.
+    pub fn from_buffer(meta: TensorMetadata, buffer: Buffer) -> Result<DenseHostTensor> {
+        if buffer.len() != bytes_for(meta.dtype, meta.shape.numel()) {
+            return Err(Error::internal(format!(
+                "a buffer of {} bytes cannot hold {meta}",
+                buffer.len()
+            )));
+        }
+        Ok(DenseHostTensor { meta, buffer })
+    }
+
+    /// Dtype and shape.
+    #[inline]
+    pub fn metadata(&self) -> &TensorMetadata {
+        &self.meta
+    }
+
+    /// The element type.
+    #[inline]
+    pub fn dtype(&self) -> DType {
+        self.meta.dtype
+    }
+
+    /// The shape.
+    #[inline]
+    pub fn shape(&self) -> &Shape {
+        &self.meta.shape
+    }
+
+    /// The number of elements.
+    #[inline]
+    pub fn numel(&self) -> usize {
+        self.meta.shape.numel()
+    }
+
+    /// The underlying buffer.
+    pub fn buffer(&self) -> &Buffer {
+        &self.buffer
+    }
+
+    /// True when no other tensor shares the buffer.
+    pub fn is_unique(&self) -> bool {
+        self.buffer.is_unique()
+    }
+
+    /// The same values under another shape with as many elements (no copy).
+    pub fn reshaped(&self, shape: impl Into<Shape>) -> Result<DenseHostTensor> {
+        let shape = shape.into();
+        if shape.numel() != self.numel() {
+            return Err(Error::shape(format!(
+                "cannot view {} elements as shape {shape}",
+                self.numel()
+            )));
+        }
+        Ok(DenseHostTensor {
+            meta: TensorMetadata::new(self.dtype(), shape),
+            buffer: self.buffer.clone(),
+        })
+    }
+
+    /// Reuses this tensor's buffer for a result of the same byte size,
+    /// relabelled with `meta`.
+    pub fn into_relabelled(self, meta: TensorMetadata) -> Result<DenseHostTensor> {
+        DenseHostTensor::from_buffer(meta, self.buffer)
+    }
+
+    fn check_dtype<T: Element>(&self) -> Result<()> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::dtype(format!(
+                "the tensor holds {} values, not {}",
+                self.dtype(),
+                T::DTYPE
+            )));
+        }
+        Ok(())
+    }
+
+    /// The values as a slice, if `T` is the tensor's dtype.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.check_dtype::<T>()?;
+        Ok(self.buffer.typed())
+    }
+
+    /// The values as a mutable slice, if `T` is the dtype and the buffer is
+    /// not shared.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.check_dtype::<T>()?;
+        self.buffer
+            .typed_mut()
+            .ok_or_else(|| Error::internal("cannot write to a shared buffer"))
+    }
+
+    /// A copy of the values.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        Ok(self.as_slice::<T>()?.to_vec())
+    }
+
+    /// The value at a flat (row-major) index, as a [`Scalar`].
+    pub fn get_scalar(&self, index: usize) -> Option<Scalar> {
+        fn get<T: Element>(t: &DenseHostTensor, i: usize) -> Option<Scalar> {
+            t.buffer.typed::<T>().get(i).map(|v| v.to_scalar())
+        }
+        match self.dtype() {
+            DType::Bool => get::<bool>(self, index),
+            DType::I32 => get::<i32>(self, index),
+            DType::I64 => get::<i64>(self, index),
+            DType::F16 => get::<half::f16>(self, index),
+            DType::BF16 => get::<half::bf16>(self, index),
+            DType::F32 => get::<f32>(self, index),
+            DType::F64 => get::<f64>(self, index),
+        }
+    }
+}
+
+/// A tensor whose elements all equal one scalar: `full`, `zeros` and `ones`
+/// need no buffer until something asks for dense values.
+#[derive(Clone, Debug)]
+pub struct ScalarHostTensor {
+    meta: TensorMetadata,
+    value: Scalar,
+}
+
+impl ScalarHostTensor {
+    /// A tensor of `shape` filled with `value`.
+    pub fn new(value: Scalar, shape: impl Into<Shape>) -> ScalarHostTensor {
+        ScalarHostTensor {
+            meta: TensorMetadata::new(value.dtype(), shape),
+            value,
+        }
+    }
+
+    /// Dtype and shape.
+    pub fn metadata(&self) -> &TensorMetadata {
+        &self.meta
+    }
+
+    /// The repeated value.
+    pub fn value(&self) -> Scalar {
+        self.value
+    }
+
+    /// Materializes the values (the explicit conversion to a dense tensor).
+    pub fn to_dense(&self) -> Result<DenseHostTensor> {
+        fn fill<T: Element>(meta: &TensorMetadata, v: Scalar) -> Result<DenseHostTensor> {
+            let mut dense = DenseHostTensor::zeros(meta.clone())?;
+            let v = T::from_scalar(v);
+            if v != T::default() {
+                dense.as_mut_slice::<T>()?.fill(v);
+            }
+            Ok(dense)
+        }
+        match self.meta.dtype {
+            DType::Bool => fill::<bool>(&self.meta, self.value),
+            DType::I32 => fill::<i32>(&self.meta, self.value),
+            DType::I64 => fill::<i64>(&self.meta, self.value),
+            DType::F16 => fill::<half::f16>(&self.meta, self.value),
+            DType::BF16 => fill::<half::bf16>(&self.meta, self.value),
+            DType::F32 => fill::<f32>(&self.meta, self.value),
+            DType::F64 => fill::<f64>(&self.meta, self.value),
+        }
+    }
+}
+
+/// Any host tensor kind.
+#[derive(Clone, Debug)]
+pub enum HostTensor {
+    /// Dense values in a buffer.
+    Dense(DenseHostTensor),
+    /// One value repeated over a shape.
+    Scalar(ScalarHostTensor),
+}
+
+impl HostTensor {
+    /// Dtype and shape.
+    pub fn metadata(&self) -> &TensorMetadata {
+        match self {
+            HostTensor::Dense(t) => t.metadata(),
+            HostTensor::Scalar(t) => t.metadata(),
+        }
+    }
+
+    /// The values as a dense tensor (free for dense, one fill for scalar).
+    pub fn to_dense(&self) -> Result<DenseHostTensor> {
+        match self {
+            HostTensor::Dense(t) => Ok(t.clone()),
+            HostTensor::Scalar(t) => t.to_dense(),
+        }
+    }
+
+    /// Converts into a dense tensor without sharing when already dense.
+    pub fn into_dense(self) -> Result<DenseHostTensor> {
+        match self {
+            HostTensor::Dense(t) => Ok(t),
+            HostTensor::Scalar(t) => t.to_dense(),
+        }
+    }
+}
+
+impl From<DenseHostTensor> for HostTensor {
+    fn from(t: DenseHostTensor) -> HostTensor {
+        HostTensor::Dense(t)
+    }
+}
+
+impl From<ScalarHostTensor> for HostTensor {
+    fn from(t: ScalarHostTensor) -> HostTensor {
+        HostTensor::Scalar(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_slice_checks_length() {
+        assert!(DenseHostTensor::from_slice(&[1.0f32, 2.0], [3]).is_err());
+        let t = DenseHostTensor::from_slice(&[1.0f32, 2.0, 3.0], [3]).unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+        assert!(t.as_slice::<f64>().is_err());
+    }
+
+    #[test]
+    fn scalar_tensor_converts_explicitly() {
+        let s = ScalarHostTensor::new(Scalar::I32(7), [2, 2]);
+        assert_eq!(s.to_dense().unwrap().to_vec::<i32>().unwrap(), vec![7; 4]);
+        let empty = ScalarHostTensor::new(Scalar::F32(1.0), [0, 5]);
+        assert_eq!(empty.to_dense().unwrap().numel(), 0);
+    }
+
+    #[test]
+    fn reshape_shares_and_checks() {
+        let t = DenseHostTensor::from_slice(&[1i64, 2, 3, 4, 5, 6], [2, 3]).unwrap();
+        let r = t.reshaped([3, 2]).unwrap();
+        assert!(r.buffer().ptr_eq(t.buffer()));
+        assert!(t.reshaped([4]).is_err());
+    }
+
+    #[test]
+    fn huge_shapes_fail_cleanly() {
+        let meta = TensorMetadata::new(DType::F64, [usize::MAX / 2, 4]);
+        assert!(DenseHostTensor::zeros(meta).is_err());
+    }
+}

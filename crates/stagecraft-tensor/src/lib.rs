@@ -1,0 +1,19 @@
+//! The bottom layer of stagecraft: element types, shapes, errors with source
+//! locations, aligned reference-counted buffers and host tensors.
+//!
+//! Nothing here knows about ops, devices or execution; every other crate
+//! builds on these types.
+
+mod buffer;
+mod dtype;
+mod error;
+mod host;
+mod shape;
+
+pub use buffer::Buffer;
+pub use dtype::{DType, Element, FloatElement, Scalar};
+pub use error::{Error, ErrorKind, Location, Result};
+pub use host::{DenseHostTensor, HostTensor, ScalarHostTensor};
+pub use shape::{broadcast_shapes, normalize_axis, Shape, TensorMetadata};
+
+pub use half::{bf16, f16};
