@@ -1,0 +1,89 @@
+//! The op set, grouped by family. Adding an op is one definition in its
+//! family's file and one line in [`ALL_OPS`].
+
+mod creation;
+mod effects;
+mod elementwise;
+mod linalg;
+mod nn;
+mod reduce;
+mod shape;
+
+pub use creation::*;
+pub use effects::*;
+pub use elementwise::*;
+pub use linalg::*;
+pub use nn::*;
+pub use reduce::*;
+pub use shape::*;
+
+use crate::op::{OpDef, OutputMetas};
+use smallvec::smallvec;
+use stagecraft_tensor::{DType, Error, Result, TensorMetadata};
+
+/// Every op, in a stable order.
+pub static ALL_OPS: &[&OpDef] = &[
+    // elementwise
+    &NEG, &ABS, &EXP, &LOG, &SQRT, &RSQRT, &TANH, &SIGMOID, &RELU, &GELU, &SIN, &COS, &SIGN,
+    &LOGICAL_NOT, &ADD, &SUB, &MUL, &DIV, &POW, &MAXIMUM, &MINIMUM, &LOGICAL_AND, &LOGICAL_OR,
+    &EQUAL, &NOT_EQUAL, &LESS, &LESS_EQUAL, &GREATER, &GREATER_EQUAL, &SELECT, &CAST,
+    // creation
+    &FILL, &ARANGE, &RANDOM_UNIFORM, &RANDOM_NORMAL,
+    // reductions
+    &SUM, &MEAN, &MAX, &MIN, &PROD, &ARGMAX, &ARGMIN, &SOFTMAX, &LOG_SOFTMAX,
+    // linear algebra
+    &MATMUL,
+    // shape and indexing
+    &RESHAPE, &TRANSPOSE, &BROADCAST_TO, &CONCAT, &SLICE, &GATHER, &ONE_HOT, &PAD, &NONZERO,
+    // neural network
+    &CONV2D, &MAX_POOL2D, &AVG_POOL2D,
+    // side effects
+    &PRINT,
+];
+
+/// One output.
+pub(crate) fn one(meta: TensorMetadata) -> Result<OutputMetas> {
+    Ok(smallvec![meta])
+}
+
+/// Requires a floating-point input.
+pub(crate) fn require_float(role: &str, meta: &TensorMetadata) -> Result<()> {
+    if meta.dtype.is_float() {
+        Ok(())
+    } else {
+        Err(Error::dtype(format!(
+            "{role} must be a floating-point tensor, got {meta}"
+        )))
+    }
+}
+
+/// Requires a numeric (non-bool) input.
+pub(crate) fn require_numeric(role: &str, meta: &TensorMetadata) -> Result<()> {
+    if meta.dtype.is_numeric() {
+        Ok(())
+    } else {
+        Err(Error::dtype(format!("{role} must be numeric, got {meta}")))
+    }
+}
+
+/// Requires an integer input (indices).
+pub(crate) fn require_int(role: &str, meta: &TensorMetadata) -> Result<()> {
+    if meta.dtype.is_int() {
+        Ok(())
+    } else {
+        Err(Error::dtype(format!(
+            "{role} must be an integer tensor (i32 or i64), got {meta}"
+        )))
+    }
+}
+
+/// Requires two inputs of the same dtype.
+pub(crate) fn require_same_dtype(a: &TensorMetadata, b: &TensorMetadata) -> Result<DType> {
+    if a.dtype == b.dtype {
+        Ok(a.dtype)
+    } else {
+        Err(Error::dtype(format!(
+            "operands must have the same dtype, got {a} and {b}"
+        )))
+    }
+}

@@ -1,0 +1,204 @@
+//! Neural-network ops on NCHW images: 2-D convolution and pooling.
+
+use super::{one, require_float, require_same_dtype};
+use crate::attrs::AttrKind;
+use crate::op::*;
+use stagecraft_tensor::{Error, Result, TensorMetadata};
+
+/// 2-D convolution (cross-correlation) of `x: [N, C, H, W]` with
+/// `w: [O, C/groups, KH, KW]`, giving `[N, O, OH, OW]`.
+pub static CONV2D: OpDef = OpDef {
+    name: "Conv2d",
+    inputs: &["x", "w"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[
+        AttrSpec::optional("stride", AttrKind::Ints, AttrDefault::Ints(&[1, 1])),
+        AttrSpec::optional("padding", AttrKind::Ints, AttrDefault::Ints(&[0, 0])),
+        AttrSpec::optional("dilation", AttrKind::Ints, AttrDefault::Ints(&[1, 1])),
+        AttrSpec::optional("groups", AttrKind::Int, AttrDefault::Int(1)),
+    ],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: conv2d_meta,
+};
+
+/// Resolved 2-D window parameters (height, width pairs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window2d {
+    /// Window size.
+    pub kernel: [usize; 2],
+    /// Step between windows.
+    pub stride: [usize; 2],
+    /// Implicit padding on each side.
+    pub padding: [usize; 2],
+    /// Spacing between window taps.
+    pub dilation: [usize; 2],
+}
+
+impl Window2d {
+    /// The output size along one spatial axis, or an error if the window
+    /// does not fit.
+    pub fn output_dim(&self, axis: usize, input: usize) -> Result<usize> {
+        let span = self.dilation[axis] * (self.kernel[axis] - 1) + 1;
+        let padded = input + 2 * self.padding[axis];
+        if padded < span {
+            return Err(Error::shape(format!(
+                "the window ({span} wide with dilation) does not fit the padded input ({padded}) on spatial axis {axis}"
+            )));
+        }
+        Ok((padded - span) / self.stride[axis] + 1)
+    }
+}
+
+fn pair(attrs: &Attrs<'_>, name: &str, min: usize) -> Result<[usize; 2]> {
+    let v = attrs.dims(name)?;
+    if v.len() != 2 || v.iter().any(|&x| x < min) {
+        return Err(Error::attribute(format!(
+            "`{name}` needs two entries (height, width) of at least {min}, got {v:?}"
+        )));
+    }
+    Ok([v[0], v[1]])
+}
+
+/// Reads and checks the window attributes of a convolution.
+pub fn conv2d_window(attrs: &Attrs<'_>, kernel: [usize; 2]) -> Result<Window2d> {
+    Ok(Window2d {
+        kernel,
+        stride: pair(attrs, "stride", 1)?,
+        padding: pair(attrs, "padding", 0)?,
+        dilation: pair(attrs, "dilation", 1)?,
+    })
+}
+
+fn conv2d_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let (x, w) = (&inputs[0], &inputs[1]);
+    require_float("x", x)?;
+    require_same_dtype(x, w)?;
+    if x.shape.rank() != 4 || w.shape.rank() != 4 {
+        return Err(Error::shape(format!(
+            "conv2d needs x: [N, C, H, W] and w: [O, C/groups, KH, KW], got {} and {}",
+            x.shape, w.shape
+        )));
+    }
+    let groups = attrs.int("groups")?;
+    if groups < 1 {
+        return Err(Error::attribute(format!("groups must be at least 1, got {groups}")));
+    }
+    let groups = groups as usize;
+    let (c, o) = (x.shape[1], w.shape[0]);
+    if c % groups != 0 || o % groups != 0 || w.shape[1] * groups != c {
+        return Err(Error::shape(format!(
+            "with {groups} groups, x has {c} channels and w {} {} input channels per group: need C = groups * w.shape[1] and O divisible by groups",
+            o, w.shape[1]
+        )));
+    }
+    if w.shape[2] == 0 || w.shape[3] == 0 {
+        return Err(Error::shape(format!("empty kernel {}", w.shape)));
+    }
+    let win = conv2d_window(attrs, [w.shape[2], w.shape[3]])?;
+    let (oh, ow) = (win.output_dim(0, x.shape[2])?, win.output_dim(1, x.shape[3])?);
+    one(TensorMetadata::new(x.dtype, [x.shape[0], o, oh, ow]))
+}
+
+const POOL_ATTRS_MAX: &[AttrSpec] = &[
+    AttrSpec::required("kernel", AttrKind::Ints),
+    AttrSpec::optional("stride", AttrKind::Ints, AttrDefault::Ints(&[])),
+    AttrSpec::optional("padding", AttrKind::Ints, AttrDefault::Ints(&[0, 0])),
+];
+
+const POOL_ATTRS_AVG: &[AttrSpec] = &[
+    AttrSpec::required("kernel", AttrKind::Ints),
+    AttrSpec::optional("stride", AttrKind::Ints, AttrDefault::Ints(&[])),
+    AttrSpec::optional("padding", AttrKind::Ints, AttrDefault::Ints(&[0, 0])),
+    AttrSpec::optional("count_include_pad", AttrKind::Bool, AttrDefault::Bool(true)),
+];
+
+/// Max over `kernel` windows of `x: [N, C, H, W]`; padding is -infinity.
+/// `stride` defaults to the kernel size.
+pub static MAX_POOL2D: OpDef = OpDef {
+    name: "MaxPool2d",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 1,
+    attrs: POOL_ATTRS_MAX,
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: pool_meta,
+};
+
+/// Mean over `kernel` windows of `x: [N, C, H, W]`; `stride` defaults to
+/// the kernel size; padded zeros count unless `count_include_pad` is false.
+pub static AVG_POOL2D: OpDef = OpDef {
+    name: "AvgPool2d",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 1,
+    attrs: POOL_ATTRS_AVG,
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: pool_meta,
+};
+
+/// Reads and checks the window attributes of a pooling op.
+pub fn pool_window(attrs: &Attrs<'_>) -> Result<Window2d> {
+    let kernel = pair(attrs, "kernel", 1)?;
+    let stride = if attrs.ints("stride")?.is_empty() { kernel } else { pair(attrs, "stride", 1)? };
+    let padding = pair(attrs, "padding", 0)?;
+    if padding[0] * 2 > kernel[0] || padding[1] * 2 > kernel[1] {
+        return Err(Error::attribute(format!(
+            "padding {padding:?} must be at most half the kernel {kernel:?}"
+        )));
+    }
+    Ok(Window2d { kernel, stride, padding, dilation: [1, 1] })
+}
+
+fn pool_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let x = &inputs[0];
+    require_float("x", x)?;
+    if x.shape.rank() != 4 {
+        return Err(Error::shape(format!("pooling needs x: [N, C, H, W], got {}", x.shape)));
+    }
+    let win = pool_window(attrs)?;
+    let (oh, ow) = (win.output_dim(0, x.shape[2])?, win.output_dim(1, x.shape[3])?);
+    one(TensorMetadata::new(x.dtype, [x.shape[0], x.shape[1], oh, ow]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::OpAttrs;
+    use stagecraft_tensor::DType;
+
+    fn f(dims: &[usize]) -> TensorMetadata {
+        TensorMetadata::new(DType::F32, dims)
+    }
+
+    #[test]
+    fn conv_shapes() {
+        let mut a = OpAttrs::new();
+        a.set_ints("padding", &[1, 1]).set_ints("stride", &[2, 2]);
+        assert_eq!(CONV2D.infer(&[f(&[2, 3, 8, 8]), f(&[4, 3, 3, 3])], &a).unwrap()[0], f(&[2, 4, 4, 4]));
+        assert!(CONV2D.infer(&[f(&[2, 3, 8, 8]), f(&[4, 2, 3, 3])], &a).is_err());
+        assert!(CONV2D.infer(&[f(&[2, 3, 2, 2]), f(&[4, 3, 7, 7])], &OpAttrs::new()).is_err());
+        a.set_int("groups", 3);
+        assert_eq!(CONV2D.infer(&[f(&[1, 3, 5, 5]), f(&[6, 1, 3, 3])], &a).unwrap()[0], f(&[1, 6, 3, 3]));
+        a.set_int("groups", 0);
+        assert!(CONV2D.infer(&[f(&[1, 3, 5, 5]), f(&[6, 1, 3, 3])], &a).is_err());
+        a.set_int("groups", 1).set_ints("stride", &[0, 1]);
+        assert!(CONV2D.infer(&[f(&[1, 3, 5, 5]), f(&[6, 3, 3, 3])], &a).is_err());
+    }
+
+    #[test]
+    fn pool_shapes() {
+        let mut a = OpAttrs::new();
+        a.set_ints("kernel", &[2, 2]);
+        assert_eq!(MAX_POOL2D.infer(&[f(&[1, 3, 28, 28])], &a).unwrap()[0], f(&[1, 3, 14, 14]));
+        a.set_ints("padding", &[2, 0]);
+        assert!(AVG_POOL2D.infer(&[f(&[1, 3, 28, 28])], &a).is_err());
+        assert!(MAX_POOL2D.infer(&[f(&[3, 28, 28])], &OpAttrs::new()).is_err());
+    }
+}

@@ -1,0 +1,407 @@
+//! Ops that move or select values: reshape, transpose, broadcast, concat,
+//! slice, gather, one-hot, pad and nonzero.
+
+use super::{one, require_int};
+use crate::attrs::AttrKind;
+use crate::op::*;
+use smallvec::SmallVec;
+use stagecraft_tensor::{
+    broadcast_shapes, normalize_axis, DType, Error, ErrorKind, Result, Shape, TensorMetadata,
+};
+
+/// The same values under a new shape; one entry of `shape` may be -1 and is
+/// inferred.
+pub static RESHAPE: OpDef = OpDef {
+    name: "Reshape",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[AttrSpec::required("shape", AttrKind::Ints)],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: reshape_meta,
+};
+
+/// Resolves a reshape target with at most one -1 against `numel` elements.
+pub fn resolve_reshape(target: &[i64], from: &Shape) -> Result<Shape> {
+    let numel = from.numel();
+    let mut inferred = None;
+    let mut known = 1usize;
+    for (i, &d) in target.iter().enumerate() {
+        match d {
+            -1 if inferred.is_none() => inferred = Some(i),
+            -1 => return Err(Error::shape(format!("reshape target {target:?} has more than one -1"))),
+            d if d < 0 => return Err(Error::shape(format!("reshape target {target:?} has a negative dimension"))),
+            d => {
+                known = known
+                    .checked_mul(d as usize)
+                    .ok_or_else(|| Error::shape(format!("reshape target {target:?} overflows")))?
+            }
+        }
+    }
+    let mut dims: SmallVec<[usize; 4]> = target.iter().map(|&d| d.max(0) as usize).collect();
+    if let Some(i) = inferred {
+        if known == 0 || numel % known != 0 {
+            return Err(Error::shape(format!(
+                "cannot reshape {from} ({numel} elements) to {target:?}"
+            )));
+        }
+        dims[i] = numel / known;
+    } else if known != numel {
+        return Err(Error::shape(format!(
+            "cannot reshape {from} ({numel} elements) to {target:?} ({known} elements)"
+        )));
+    }
+    Ok(Shape::new(&dims))
+}
+
+fn reshape_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let x = &inputs[0];
+    one(TensorMetadata::new(x.dtype, resolve_reshape(attrs.ints("shape")?, &x.shape)?))
+}
+
+/// Permutes the axes: output axis `i` is input axis `perm[i]`.
+pub static TRANSPOSE: OpDef = OpDef {
+    name: "Transpose",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[AttrSpec::required("perm", AttrKind::Ints)],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: transpose_meta,
+};
+
+/// Resolves a permutation (negative entries allowed), checking that it is
+/// one.
+pub fn resolve_perm(perm: &[i64], rank: usize) -> Result<SmallVec<[usize; 4]>> {
+    if perm.len() != rank {
+        return Err(Error::new(
+            ErrorKind::Axis,
+            format!("permutation {perm:?} has {} entries for a tensor of rank {rank}", perm.len()),
+        ));
+    }
+    let mut seen: SmallVec<[bool; 4]> = SmallVec::from_elem(false, rank);
+    let mut out = SmallVec::new();
+    for &p in perm {
+        let a = normalize_axis(p as isize, rank)?;
+        if seen[a] {
+            return Err(Error::new(ErrorKind::Axis, format!("{perm:?} is not a permutation")));
+        }
+        seen[a] = true;
+        out.push(a);
+    }
+    Ok(out)
+}
+
+fn transpose_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let x = &inputs[0];
+    let perm = resolve_perm(attrs.ints("perm")?, x.shape.rank())?;
+    one(TensorMetadata::new(x.dtype, perm.iter().map(|&p| x.shape[p]).collect::<Shape>()))
+}
+
+/// Broadcasts `x` to `shape` (NumPy rules; `x` must broadcast to exactly
+/// `shape`).
+pub static BROADCAST_TO: OpDef = OpDef {
+    name: "BroadcastTo",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[AttrSpec::required("shape", AttrKind::Ints)],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: broadcast_to_meta,
+};
+
+fn broadcast_to_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let x = &inputs[0];
+    let target = Shape::new(&attrs.dims("shape")?);
+    if broadcast_shapes(&x.shape, &target).ok().as_ref() != Some(&target) {
+        return Err(Error::shape(format!("cannot broadcast {} to {target}", x.shape)));
+    }
+    one(TensorMetadata::new(x.dtype, target))
+}
+
+/// Joins tensors along `axis`; all other dimensions must match.
+pub static CONCAT: OpDef = OpDef {
+    name: "Concat",
+    inputs: &["xs"],
+    variadic: true,
+    outputs: 1,
+    attrs: &[AttrSpec::optional("axis", AttrKind::Int, AttrDefault::Int(0))],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: concat_meta,
+};
+
+fn concat_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let first = &inputs[0];
+    let axis = normalize_axis(attrs.int("axis")? as isize, first.shape.rank())?;
+    let mut out = first.shape.clone();
+    for (i, t) in inputs.iter().enumerate().skip(1) {
+        if t.dtype != first.dtype {
+            return Err(Error::dtype(format!("input {i} is {t} but input 0 is {first}")));
+        }
+        let same_rest = t.shape.rank() == first.shape.rank()
+            && (0..t.shape.rank()).all(|d| d == axis || t.shape[d] == first.shape[d]);
+        if !same_rest {
+            return Err(Error::shape(format!(
+                "input {i} has shape {} but input 0 has {}: only axis {axis} may differ",
+                t.shape, first.shape
+            )));
+        }
+        out.dims_mut()[axis] += t.shape[axis];
+    }
+    one(TensorMetadata::new(first.dtype, out))
+}
+
+/// Strided slice: for each axis, elements `start, start+step, ...` before
+/// `end`. Negative starts and ends count from the end; both are clamped to
+/// the axis like Python slices. Steps must be positive.
+pub static SLICE: OpDef = OpDef {
+    name: "Slice",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[
+        AttrSpec::required("starts", AttrKind::Ints),
+        AttrSpec::required("ends", AttrKind::Ints),
+        AttrSpec::optional("steps", AttrKind::Ints, AttrDefault::Ints(&[])),
+    ],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: slice_meta,
+};
+
+/// A resolved slice of one axis: first index, step and count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AxisSlice {
+    /// First index taken.
+    pub start: usize,
+    /// Distance between taken indices.
+    pub step: usize,
+    /// Number of indices taken.
+    pub len: usize,
+}
+
+/// Resolves slice attributes against a shape.
+pub fn resolve_slice(attrs: &Attrs<'_>, shape: &Shape) -> Result<SmallVec<[AxisSlice; 4]>> {
+    let (starts, ends, steps) = (attrs.ints("starts")?, attrs.ints("ends")?, attrs.ints("steps")?);
+    let rank = shape.rank();
+    if starts.len() != rank || ends.len() != rank || !(steps.is_empty() || steps.len() == rank) {
+        return Err(Error::attribute(format!(
+            "starts, ends (and steps) need one entry per axis of {shape}: got {} starts, {} ends, {} steps",
+            starts.len(),
+            ends.len(),
+            steps.len()
+        )));
+    }
+    (0..rank)
+        .map(|i| {
+            let dim = shape[i] as i64;
+            let step = if steps.is_empty() { 1 } else { steps[i] };
+            if step <= 0 {
+                return Err(Error::attribute(format!("slice step must be positive, got {step} on axis {i}")));
+            }
+            let clamp = |v: i64| if v < 0 { (v + dim).max(0) } else { v.min(dim) };
+            let (s, e) = (clamp(starts[i]), clamp(ends[i]));
+            let len = if e > s { (e - s + step - 1) / step } else { 0 };
+            Ok(AxisSlice { start: s as usize, step: step as usize, len: len as usize })
+        })
+        .collect()
+}
+
+fn slice_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let x = &inputs[0];
+    let slices = resolve_slice(attrs, &x.shape)?;
+    one(TensorMetadata::new(x.dtype, slices.iter().map(|s| s.len).collect::<Shape>()))
+}
+
+/// Selects entries of `x` along `axis` by integer `indices` (negative
+/// indices count from the end); the result has shape
+/// `x[..axis] ++ indices ++ x[axis+1..]`.
+pub static GATHER: OpDef = OpDef {
+    name: "Gather",
+    inputs: &["x", "indices"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[AttrSpec::optional("axis", AttrKind::Int, AttrDefault::Int(0))],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: gather_meta,
+};
+
+fn gather_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let (x, idx) = (&inputs[0], &inputs[1]);
+    require_int("indices", idx)?;
+    let axis = normalize_axis(attrs.int("axis")? as isize, x.shape.rank())?;
+    let mut out: Shape = x.shape.dims()[..axis].iter().copied().collect();
+    for &d in idx.shape.dims().iter().chain(&x.shape.dims()[axis + 1..]) {
+        out.push(d);
+    }
+    one(TensorMetadata::new(x.dtype, out))
+}
+
+/// One-hot encoding of integer `indices` into `depth` classes: the result
+/// has shape `indices ++ [depth]`; an index outside `0..depth` is an error.
+pub static ONE_HOT: OpDef = OpDef {
+    name: "OneHot",
+    inputs: &["indices"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[
+        AttrSpec::required("depth", AttrKind::Int),
+        AttrSpec::optional("dtype", AttrKind::DType, AttrDefault::DType(DType::F32)),
+    ],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: one_hot_meta,
+};
+
+fn one_hot_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let idx = &inputs[0];
+    require_int("indices", idx)?;
+    let depth = attrs.int("depth")?;
+    if depth < 0 {
+        return Err(Error::attribute(format!("depth must be non-negative, got {depth}")));
+    }
+    let mut shape = idx.shape.clone();
+    shape.push(depth as usize);
+    shape.checked_numel()?;
+    one(TensorMetadata::new(attrs.dtype("dtype")?, shape))
+}
+
+/// Pads with a constant: `pads` holds `(before, after)` for every axis.
+pub static PAD: OpDef = OpDef {
+    name: "Pad",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[
+        AttrSpec::required("pads", AttrKind::Ints),
+        AttrSpec::optional("value", AttrKind::Float, AttrDefault::Float(0.0)),
+    ],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: pad_meta,
+};
+
+fn pad_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let x = &inputs[0];
+    let pads = attrs.dims("pads")?;
+    if pads.len() != 2 * x.shape.rank() {
+        return Err(Error::attribute(format!(
+            "pads needs (before, after) for each of the {} axes of {x}, got {} entries",
+            x.shape.rank(),
+            pads.len()
+        )));
+    }
+    let shape: Shape = x
+        .shape
+        .dims()
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| d + pads[2 * i] + pads[2 * i + 1])
+        .collect();
+    shape.checked_numel()?;
+    one(TensorMetadata::new(x.dtype, shape))
+}
+
+/// Coordinates (i64, shape `[count, rank]`) of the nonzero (true) elements
+/// in row-major order. Its shape depends on the values.
+pub static NONZERO: OpDef = OpDef {
+    name: "Nonzero",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::DataDependent,
+    metadata: nonzero_meta,
+};
+
+fn nonzero_meta(inputs: &[TensorMetadata], _: &Attrs<'_>) -> Result<OutputMetas> {
+    one(TensorMetadata::new(DType::I64, [0, inputs[0].shape.rank()]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::OpAttrs;
+    use stagecraft_tensor::Scalar;
+
+    fn m(dtype: DType, dims: &[usize]) -> TensorMetadata {
+        TensorMetadata::new(dtype, dims)
+    }
+    fn f(dims: &[usize]) -> TensorMetadata {
+        m(DType::F32, dims)
+    }
+
+    #[test]
+    fn reshape_rules() {
+        let mut a = OpAttrs::new();
+        a.set_ints("shape", &[3, -1]);
+        assert_eq!(RESHAPE.infer(&[f(&[2, 6])], &a).unwrap()[0], f(&[3, 4]));
+        a.set_ints("shape", &[5, -1]);
+        assert!(RESHAPE.infer(&[f(&[2, 6])], &a).is_err());
+        a.set_ints("shape", &[-1, -1]);
+        assert!(RESHAPE.infer(&[f(&[2, 6])], &a).is_err());
+        a.set_ints("shape", &[0, -1]);
+        assert!(RESHAPE.infer(&[f(&[0, 6])], &a).is_err());
+        a.set_ints("shape", &[0, 3]);
+        assert_eq!(RESHAPE.infer(&[f(&[3, 0])], &a).unwrap()[0], f(&[0, 3]));
+    }
+
+    #[test]
+    fn transpose_broadcast_concat() {
+        let mut a = OpAttrs::new();
+        a.set_ints("perm", &[2, 0, -2]);
+        assert_eq!(TRANSPOSE.infer(&[f(&[2, 3, 4])], &a).unwrap()[0], f(&[4, 2, 3]));
+        a.set_ints("perm", &[0, 0, 1]);
+        assert!(TRANSPOSE.infer(&[f(&[2, 3, 4])], &a).is_err());
+        let mut b = OpAttrs::new();
+        b.set_ints("shape", &[4, 2, 3]);
+        assert!(BROADCAST_TO.infer(&[f(&[3, 1])], &b).is_err());
+        assert!(BROADCAST_TO.infer(&[f(&[5, 2, 3])], &b).is_err());
+        assert_eq!(BROADCAST_TO.infer(&[f(&[1, 3])], &b).unwrap()[0], f(&[4, 2, 3]));
+        let mut c = OpAttrs::new();
+        c.set_int("axis", -1);
+        assert_eq!(CONCAT.infer(&[f(&[2, 1]), f(&[2, 0]), f(&[2, 4])], &c).unwrap()[0], f(&[2, 5]));
+        assert!(CONCAT.infer(&[f(&[2, 1]), f(&[3, 1])], &c).is_err());
+        assert!(CONCAT.infer(&[f(&[2, 1]), m(DType::F64, &[2, 1])], &c).is_err());
+        assert!(CONCAT.infer(&[], &c).is_err());
+    }
+
+    #[test]
+    fn slice_gather_onehot_pad() {
+        let mut s = OpAttrs::new();
+        s.set_ints("starts", &[1, -2]).set_ints("ends", &[100, 4]).set_ints("steps", &[2, 1]);
+        assert_eq!(SLICE.infer(&[f(&[6, 4])], &s).unwrap()[0], f(&[3, 2]));
+        s.set_ints("steps", &[0, 1]);
+        assert!(SLICE.infer(&[f(&[6, 4])], &s).is_err());
+        let mut g = OpAttrs::new();
+        g.set_int("axis", 1);
+        assert_eq!(GATHER.infer(&[f(&[2, 5, 3]), m(DType::I64, &[4, 2])], &g).unwrap()[0], f(&[2, 4, 2, 3]));
+        assert!(GATHER.infer(&[f(&[2, 5]), f(&[4])], &g).is_err());
+        let mut o = OpAttrs::new();
+        o.set_int("depth", 10);
+        assert_eq!(ONE_HOT.infer(&[m(DType::I32, &[3])], &o).unwrap()[0], f(&[3, 10]));
+        let mut p = OpAttrs::new();
+        p.set_ints("pads", &[1, 2, 0, 3]);
+        assert_eq!(PAD.infer(&[f(&[2, 2])], &p).unwrap()[0], f(&[5, 5]));
+        p.set_ints("pads", &[1, 2]);
+        assert!(PAD.infer(&[f(&[2, 2])], &p).is_err());
+        p.set_ints("pads", &[-1, 0, 0, 0]);
+        assert!(PAD.infer(&[f(&[2, 2])], &p).is_err());
+        let _ = Scalar::F32(0.0);
+    }
+}

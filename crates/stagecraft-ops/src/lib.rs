@@ -1,0 +1,28 @@
+//! The op registry: every op is defined once, here, with its inputs, typed
+//! attributes, properties and metadata (shape and dtype) function.
+//!
+//! Device kernels live in the device crates (`stagecraft-cpu`) and are
+//! registered per device kind against these definitions; the core runtime
+//! runs the metadata function before any kernel, so shape, dtype and
+//! attribute errors are found synchronously at the call.
+
+mod attrs;
+pub mod defs;
+mod op;
+
+pub use attrs::{AttrKind, AttrValue, FrozenOpAttrs, OpAttrs, OpAttrsRef};
+pub use defs::*;
+pub use op::{
+    AttrDefault, AttrSpec, Attrs, BinaryOp, CompareOp, Effect, MetadataFn, OpDef, OpKind,
+    OutputMetas, ReduceOp, ShapeKind, UnaryOp,
+};
+
+/// Every registered op.
+pub fn all_ops() -> &'static [&'static OpDef] {
+    defs::ALL_OPS
+}
+
+/// Looks an op up by name (as printed in traces).
+pub fn find_op(name: &str) -> Option<&'static OpDef> {
+    defs::ALL_OPS.iter().copied().find(|op| op.name == name)
+}
