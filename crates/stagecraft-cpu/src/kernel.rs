@@ -1,0 +1,73 @@
+//! The CPU kernel contract and the registry that maps ops to kernels.
+
+use smallvec::SmallVec;
+use stagecraft_ops::{Attrs, OpDef};
+use stagecraft_tensor::{DenseHostTensor, Result, TensorMetadata};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+/// Kernel inputs: owned, so a kernel may write into a buffer it holds the
+/// last reference to (`DenseHostTensor::is_unique`).
+pub type Inputs = SmallVec<[DenseHostTensor; 4]>;
+
+/// Kernel outputs, one per op output.
+pub type Outputs = SmallVec<[DenseHostTensor; 1]>;
+
+/// What a kernel knows besides its inputs.
+pub struct KernelContext<'a> {
+    /// The op's attributes, with declared defaults.
+    pub attrs: Attrs<'a>,
+    /// The output metadata computed by the op's metadata function (for a
+    /// data-dependent op, only the dtype and rank are meaningful).
+    pub outputs: &'a [TensorMetadata],
+}
+
+/// A kernel instantiated for one (op, attributes, input dtypes): it may
+/// capture decoded attributes and a dtype-specialised function.
+pub type Kernel = Arc<dyn Fn(Inputs, &KernelContext<'_>) -> Result<Outputs> + Send + Sync>;
+
+/// Instantiates a kernel for the given attributes and input metadata. The
+/// runtime caches the result per (op, attrs, input dtypes, device).
+pub type KernelFactory = fn(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel>;
+
+/// Maps op definitions to kernel factories.
+#[derive(Default)]
+pub struct KernelRegistry {
+    factories: HashMap<usize, KernelFactory>,
+}
+
+impl KernelRegistry {
+    /// Registers the kernel factory of `op`; one per op.
+    pub fn add(&mut self, op: &'static OpDef, factory: KernelFactory) {
+        let previous = self.factories.insert(op as *const OpDef as usize, factory);
+        assert!(previous.is_none(), "two CPU kernels registered for {}", op.name);
+    }
+
+    /// The factory for `op`, if the CPU has a kernel for it.
+    pub fn get(&self, op: &OpDef) -> Option<KernelFactory> {
+        self.factories.get(&(op as *const OpDef as usize)).copied()
+    }
+}
+
+/// The CPU kernel registry, built on first use.
+pub fn registry() -> &'static KernelRegistry {
+    static REGISTRY: OnceLock<KernelRegistry> = OnceLock::new();
+    REGISTRY.get_or_init(|| {
+        let mut registry = KernelRegistry::default();
+        crate::kernels::register_all(&mut registry);
+        registry
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_op_has_a_cpu_kernel() {
+        let missing: Vec<&str> = stagecraft_ops::all_ops()
+            .iter()
+            .filter(|op| super::registry().get(op).is_none())
+            .map(|op| op.name)
+            .collect();
+        assert!(missing.is_empty(), "ops without a CPU kernel: {missing:?}");
+    }
+}

@@ -1,0 +1,21 @@
+//! Kernel families; each registers its ops' kernels here.
+
+use crate::KernelRegistry;
+
+mod creation;
+mod effects;
+mod elementwise;
+mod linalg;
+mod nn;
+mod reduce;
+mod shape;
+
+pub(crate) fn register_all(registry: &mut KernelRegistry) {
+    creation::register(registry);
+    effects::register(registry);
+    elementwise::register(registry);
+    linalg::register(registry);
+    nn::register(registry);
+    reduce::register(registry);
+    shape::register(registry);
+}

@@ -1,0 +1,19 @@
+//! CPU kernels: one dispatch function per op, registered against the op
+//! definitions of `stagecraft-ops`.
+//!
+//! A kernel receives dense host inputs (owned, so it may reuse a buffer it
+//! holds the last reference to) and the output metadata that the op's
+//! metadata function already computed; it never re-validates shapes. The
+//! [`reference`] module holds slow, obviously correct versions of the same
+//! ops that the tests compare against.
+
+mod kernel;
+mod kernels;
+pub mod numeric;
+pub mod reference;
+
+pub use kernel::{registry, Inputs, Kernel, KernelContext, KernelFactory, KernelRegistry, Outputs};
+
+/// Below this many elements a kernel runs on the calling thread: forking
+/// onto the rayon pool costs more than it saves.
+pub const PARALLEL_THRESHOLD: usize = 1 << 15;

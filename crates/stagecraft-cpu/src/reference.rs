@@ -1,0 +1,13 @@
+//! Slow, obviously correct reference kernels, used by tests to check the
+//! fast kernels. They compute in f64 on flat vectors with explicit index
+//! arithmetic and favour clarity over speed.
+//!
+//! Each family lives in its own submodule, beside the kernel family it
+//! checks.
+
+pub mod creation;
+pub mod elementwise;
+pub mod linalg;
+pub mod nn;
+pub mod reduce;
+pub mod shape;
