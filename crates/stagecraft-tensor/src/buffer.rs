@@ -73,6 +73,17 @@ impl Buffer {
         buffer
     }
 
+    /// A new buffer holding a copy of `bytes` (keeps the 64-byte alignment
+    /// that a `Vec<u8>` would not).
+    pub fn copy_of(bytes: &[u8]) -> Buffer {
+        let mut buffer = Buffer::zeroed(bytes.len());
+        let raw = Arc::get_mut(&mut buffer.0).expect("a fresh buffer is unique");
+        // SAFETY: the fresh allocation is valid for `len` bytes, unique, and
+        // cannot overlap `bytes`.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), raw.ptr.as_ptr(), bytes.len()) };
+        buffer
+    }
+
     /// The length in bytes.
     pub fn len(&self) -> usize {
         self.0.len

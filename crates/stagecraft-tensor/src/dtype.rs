@@ -227,8 +227,14 @@ pub unsafe trait Element:
     }
 }
 
+/// Numeric element types: every element type but `bool`.
+pub trait NumElement: Element {}
+
 /// Floating-point element types (f16, bf16, f32, f64).
-pub trait FloatElement: Element {}
+pub trait FloatElement: NumElement {}
+
+/// Integer element types usable as indices (i32, i64).
+pub trait IndexElement: NumElement {}
 
 macro_rules! impl_element {
     ($t:ty, $dtype:ident, $variant:ident) => {
@@ -260,6 +266,14 @@ impl_element!(bf16, BF16, BF16);
 impl_element!(f32, F32, F32);
 impl_element!(f64, F64, F64);
 
+impl NumElement for i32 {}
+impl NumElement for i64 {}
+impl NumElement for f16 {}
+impl NumElement for bf16 {}
+impl NumElement for f32 {}
+impl NumElement for f64 {}
+impl IndexElement for i32 {}
+impl IndexElement for i64 {}
 impl FloatElement for f16 {}
 impl FloatElement for bf16 {}
 impl FloatElement for f32 {}

@@ -105,6 +105,14 @@ impl DenseHostTensor {
         })
     }
 
+    /// A copy of the values in a new buffer of its own.
+    pub fn deep_copy(&self) -> DenseHostTensor {
+        DenseHostTensor {
+            meta: self.meta.clone(),
+            buffer: Buffer::copy_of(self.buffer.bytes()),
+        }
+    }
+
     /// Reuses this tensor's buffer for a result of the same byte size,
     /// relabelled with `meta`.
     pub fn into_relabelled(self, meta: TensorMetadata) -> Result<DenseHostTensor> {

@@ -11,7 +11,7 @@ mod host;
 mod shape;
 
 pub use buffer::Buffer;
-pub use dtype::{DType, Element, FloatElement, Scalar};
+pub use dtype::{DType, Element, FloatElement, IndexElement, NumElement, Scalar};
 pub use error::{Error, ErrorKind, Location, Result};
 pub use host::{DenseHostTensor, HostTensor, ScalarHostTensor};
 pub use shape::{broadcast_shapes, normalize_axis, Shape, TensorMetadata};

@@ -1,1 +1,52 @@
-//! stagecraft
+//! stagecraft: a tensor runtime for plain, imperative tensor code.
+//!
+//! Write ordinary Rust against [`Tensor<T>`]; each op runs through the core
+//! runtime on the device it is placed on (explicit [`with_device`] scope,
+//! else the inputs' device, else the default device). Errors are values:
+//! an invalid op yields a tensor holding an error that names the op, the
+//! shapes and your source line, and reading it returns that error.
+//!
+//! ```
+//! use stagecraft::{Device, Tensor};
+//! let cpu = Device::cpu();
+//! let x = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2], &cpu)?;
+//! let y = (&x * 2.0 + 1.0).relu().sum(&[-1], false);
+//! assert_eq!(y.to_vec()?, vec![8.0, 16.0]);
+//! # Ok::<(), stagecraft::Error>(())
+//! ```
+//!
+//! Mixing element types does not compile:
+//!
+//! ```compile_fail
+//! use stagecraft::{Device, Tensor};
+//! let cpu = Device::cpu();
+//! let a = Tensor::<f32>::zeros(&[2], &cpu);
+//! let b = Tensor::<f64>::zeros(&[2], &cpu);
+//! let _ = a + b;
+//! ```
+
+mod operators;
+mod ops;
+mod random;
+mod tensor;
+
+pub use ops::{where_, Conv2dOptions, Pool2dOptions};
+pub use random::Rng;
+pub use tensor::Tensor;
+
+pub use stagecraft_runtime::{
+    cancel_execution, restart, set_diagnostic_handler, with_device, with_execution_mode, Device,
+    ExecutionMode,
+};
+pub use stagecraft_tensor::{
+    bf16, f16, DType, Element, Error, ErrorKind, FloatElement, IndexElement, Location, NumElement,
+    Result, Shape,
+};
+
+/// The layers underneath, for code that works below the typed API.
+pub mod layers {
+    pub use stagecraft_cpu as cpu;
+    pub use stagecraft_ops as ops;
+    pub use stagecraft_runtime as runtime;
+    pub use stagecraft_tensor as tensor;
+}

@@ -1,0 +1,336 @@
+//! The CPU op handler: looks kernels up in a cache keyed by (op, attributes,
+//! input dtypes, device) and runs them now (sync mode) or on a worker pool
+//! once their inputs are ready (async mode).
+
+use crate::context::{execution_mode, ExecutionMode};
+use crate::handle::{MetadataState, TensorHandle};
+use crate::op_handler::{Args, OpHandler, OpInvocation, Results};
+use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
+use smallvec::SmallVec;
+use stagecraft_cpu::{Inputs, Kernel, KernelContext};
+use stagecraft_ops::{Attrs, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
+use stagecraft_tensor::{DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// A multiply-rotate hasher for small keys that are already well mixed
+/// (fingerprints); SipHash would dominate the cost of a tiny op.
+#[derive(Default)]
+struct FxHasher(u64);
+
+impl Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64)
+    }
+    fn write_u8(&mut self, v: u8) {
+        self.write_u64(v as u64)
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FxBuild = BuildHasherDefault<FxHasher>;
+
+struct CacheEntry {
+    op: usize,
+    attrs: FrozenOpAttrs,
+    dtypes: SmallVec<[DType; 4]>,
+    kernel: Kernel,
+}
+
+/// Instantiated kernels, keyed by (op, attributes, input dtypes) for one
+/// device.
+#[derive(Default)]
+pub struct KernelCache {
+    buckets: RwLock<HashMap<u64, SmallVec<[CacheEntry; 1]>, FxBuild>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+/// Hit and miss counts of a kernel cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelCacheStats {
+    /// Lookups that found an instantiated kernel.
+    pub hits: u64,
+    /// Lookups that instantiated one.
+    pub misses: u64,
+    /// Kernels held.
+    pub entries: usize,
+}
+
+impl KernelCache {
+    fn fingerprint(op: &OpDef, attrs: &OpAttrs, dtypes: &[DType]) -> u64 {
+        let mut h = FxHasher::default();
+        h.write_usize(op as *const OpDef as usize);
+        if !attrs.is_empty() {
+            attrs.hash(&mut h);
+        }
+        for d in dtypes {
+            h.write_u8(*d as u8);
+        }
+        h.finish()
+    }
+
+    /// The kernel for `op` with these attributes and inputs, instantiating
+    /// it on first use.
+    pub fn get(&self, op: &'static OpDef, attrs: &OpAttrs, inputs: &[TensorMetadata]) -> Result<Kernel> {
+        let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|m| m.dtype).collect();
+        let key = Self::fingerprint(op, attrs, &dtypes);
+        let op_id = op as *const OpDef as usize;
+        let matches = |e: &CacheEntry| e.op == op_id && e.dtypes == dtypes && *e.attrs == *attrs;
+        {
+            let buckets = self.buckets.read().unwrap_or_else(|p| p.into_inner());
+            if let Some(entry) = buckets.get(&key).and_then(|b| b.iter().find(|e| matches(e))) {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(entry.kernel.clone());
+            }
+        }
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        let factory = stagecraft_cpu::registry().get(op).ok_or_else(|| {
+            Error::new(ErrorKind::Device, format!("the CPU has no kernel for {}", op.name))
+        })?;
+        let kernel = factory(&Attrs::new(attrs, op), inputs)?;
+        let mut buckets = self.buckets.write().unwrap_or_else(|p| p.into_inner());
+        let bucket = buckets.entry(key).or_default();
+        if !bucket.iter().any(|e| matches(e)) {
+            bucket.push(CacheEntry {
+                op: op_id,
+                attrs: attrs.freeze(),
+                dtypes,
+                kernel: kernel.clone(),
+            });
+        }
+        Ok(kernel)
+    }
+
+    /// Hit and miss counts.
+    pub fn stats(&self) -> KernelCacheStats {
+        KernelCacheStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            entries: self.buckets.read().unwrap_or_else(|p| p.into_inner()).values().map(|b| b.len()).sum(),
+        }
+    }
+}
+
+/// Executes ops with the CPU kernels of `stagecraft-cpu`.
+pub struct CpuOpHandler {
+    name: String,
+    cache: Arc<KernelCache>,
+}
+
+impl CpuOpHandler {
+    /// The handler of CPU device `cpu:index`.
+    pub fn new(index: usize) -> CpuOpHandler {
+        CpuOpHandler {
+            name: format!("cpu:{index}"),
+            cache: Arc::new(KernelCache::default()),
+        }
+    }
+
+    /// The handler's kernel cache.
+    pub fn kernel_cache(&self) -> &KernelCache {
+        &self.cache
+    }
+}
+
+/// Why a kernel did not produce outputs.
+enum Failure {
+    /// An input was an error: pass it on, unreported.
+    Propagated(Error),
+    /// This op failed: tag, report, pass on.
+    Raised(Error),
+}
+
+fn run_kernel(
+    cache: &KernelCache,
+    op: &'static OpDef,
+    attrs: &OpAttrs,
+    args: Args,
+    outputs: &OutputMetas,
+) -> std::result::Result<SmallVec<[DenseHostTensor; 1]>, Failure> {
+    if is_cancelled() {
+        return Err(Failure::Raised(Error::cancelled()));
+    }
+    for arg in &args {
+        if let Err(e) = arg.wait() {
+            return Err(Failure::Propagated(e));
+        }
+    }
+    let metas: SmallVec<[TensorMetadata; 4]> = args.iter().map(|a| a.metadata().clone()).collect();
+    let kernel = cache.get(op, attrs, &metas).map_err(Failure::Raised)?;
+    let inputs = args
+        .into_iter()
+        .map(|a| a.into_value().and_then(HostTensor::into_dense))
+        .collect::<Result<Inputs>>()
+        .map_err(Failure::Propagated)?;
+    count_kernel_launch();
+    let ctx = KernelContext {
+        attrs: Attrs::new(attrs, op),
+        outputs,
+    };
+    let produced = kernel(inputs, &ctx).map_err(Failure::Raised)?;
+    if produced.len() != op.outputs {
+        return Err(Failure::Raised(Error::internal(format!(
+            "the kernel returned {} outputs, the op has {}",
+            produced.len(),
+            op.outputs
+        ))));
+    }
+    if op.shape_kind == ShapeKind::Static {
+        for (got, want) in produced.iter().zip(outputs.iter()) {
+            if got.metadata() != want {
+                return Err(Failure::Raised(Error::internal(format!(
+                    "the kernel produced {} where the metadata function promised {want}",
+                    got.metadata()
+                ))));
+            }
+        }
+    }
+    Ok(produced)
+}
+
+fn failure_error(failure: Failure, op: &OpDef, location: Location) -> Error {
+    match failure {
+        Failure::Propagated(e) => e,
+        Failure::Raised(e) => {
+            let e = e.with_op(op.name).at(location);
+            report_error(&e);
+            e
+        }
+    }
+}
+
+impl OpHandler for CpuOpHandler {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kernel_cache_stats(&self) -> Option<KernelCacheStats> {
+        Some(self.cache.stats())
+    }
+
+    fn execute(&self, inv: OpInvocation<'_>) -> Results {
+        match execution_mode() {
+            ExecutionMode::Sync => execute_now(&self.cache, inv),
+            ExecutionMode::Async => enqueue(self.cache.clone(), inv),
+        }
+    }
+}
+
+fn execute_now(cache: &KernelCache, inv: OpInvocation<'_>) -> Results {
+    let OpInvocation { op, device, location, args, attrs, outputs, chain } = inv;
+    if let Some((after, _)) = &chain {
+        let _ = after.wait();
+    }
+    let result = run_kernel(cache, op, &attrs, args, &outputs);
+    if let Some((_, done)) = chain {
+        done.set(Ok(()));
+    }
+    match result {
+        Ok(produced) => produced
+            .into_iter()
+            .map(|t| TensorHandle::available(device, t.into()))
+            .collect(),
+        Err(failure) => {
+            let e = failure_error(failure, op, location);
+            outputs.into_iter().map(|m| TensorHandle::error(device, m, e.clone())).collect()
+        }
+    }
+}
+
+fn enqueue(cache: Arc<KernelCache>, inv: OpInvocation<'_>) -> Results {
+    let OpInvocation { op, device, location, args, attrs, outputs, chain } = inv;
+    let meta_state = match op.shape_kind {
+        ShapeKind::Static => MetadataState::Known,
+        ShapeKind::DataDependent => MetadataState::Deferred,
+    };
+    let results: Results = outputs
+        .iter()
+        .map(|m| TensorHandle::pending(device, m.clone(), meta_state))
+        .collect();
+    let task = Task {
+        cache,
+        op,
+        location,
+        attrs: attrs.freeze(),
+        args,
+        outputs,
+        results: results.clone(),
+        done: chain.as_ref().map(|(_, done)| done.clone()),
+    };
+    let waits: SmallVec<[TensorHandle; 4]> = task.args.iter().filter(|a| !a.is_resolved()).cloned().collect();
+    let after = chain.map(|(after, _)| after).filter(|c| !c.is_resolved());
+    let remaining = waits.len() + after.is_some() as usize;
+    if remaining == 0 {
+        rayon::spawn(move || task.run());
+        return results;
+    }
+    // The last input to resolve launches the kernel; nothing blocks.
+    let countdown = Arc::new(AtomicUsize::new(remaining));
+    let task = Arc::new(std::sync::Mutex::new(Some(task)));
+    let arm = move || {
+        let countdown = countdown.clone();
+        let task = task.clone();
+        move || {
+            if countdown.fetch_sub(1, Ordering::AcqRel) == 1 {
+                if let Some(task) = task.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    rayon::spawn(move || task.run());
+                }
+            }
+        }
+    };
+    for handle in waits {
+        handle.and_then(arm());
+    }
+    if let Some(after) = after {
+        after.and_then(arm());
+    }
+    results
+}
+
+struct Task {
+    cache: Arc<KernelCache>,
+    op: &'static OpDef,
+    location: Location,
+    attrs: FrozenOpAttrs,
+    args: Args,
+    outputs: OutputMetas,
+    results: Results,
+    done: Option<crate::async_value::Chain>,
+}
+
+impl Task {
+    fn run(self) {
+        let Task { cache, op, location, attrs, args, outputs, results, done } = self;
+        match run_kernel(&cache, op, &attrs, args, &outputs) {
+            Ok(produced) => {
+                for (handle, value) in results.iter().zip(produced) {
+                    handle.resolve(Ok(value.into()));
+                }
+            }
+            Err(failure) => {
+                let e = failure_error(failure, op, location);
+                for handle in &results {
+                    handle.resolve(Err(e.clone()));
+                }
+            }
+        }
+        if let Some(done) = done {
+            done.set(Ok(()));
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! Tensor handles: the device a tensor lives on, its metadata (known at
+//! once for almost every op) and its value (an [`AsyncValue`] that may still
+//! be computing, or hold an error).
+
+use crate::async_value::AsyncValue;
+use crate::device::Device;
+use stagecraft_tensor::{DType, Error, HostTensor, Result, TensorMetadata};
+use std::fmt;
+use std::sync::Arc;
+
+/// Whether a handle's metadata was known when it was created.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetadataState {
+    /// Computed synchronously by the op's metadata function.
+    Known,
+    /// Known only with the value (data-dependent ops such as `Nonzero`).
+    Deferred,
+}
+
+struct HandleInner {
+    device: Device,
+    meta: TensorMetadata,
+    meta_state: MetadataState,
+    value: AsyncValue<HostTensor>,
+}
+
+/// A reference to a tensor that may not be computed yet. Cloning is one
+/// atomic increment and the handle is one pointer wide.
+#[derive(Clone)]
+pub struct TensorHandle(Arc<HandleInner>);
+
+impl TensorHandle {
+    /// A handle to an available host value.
+    pub fn available(device: Device, value: HostTensor) -> TensorHandle {
+        TensorHandle(Arc::new(HandleInner {
+            device,
+            meta: value.metadata().clone(),
+            meta_state: MetadataState::Known,
+            value: AsyncValue::available(value),
+        }))
+    }
+
+    /// A handle whose value is an error (`meta` is what the op would have
+    /// produced, or a best guess when even that failed).
+    pub fn error(device: Device, meta: TensorMetadata, error: Error) -> TensorHandle {
+        TensorHandle(Arc::new(HandleInner {
+            device,
+            meta,
+            meta_state: MetadataState::Known,
+            value: AsyncValue::error(error),
+        }))
+    }
+
+    /// A handle whose value a producer will set with [`TensorHandle::resolve`].
+    pub fn pending(device: Device, meta: TensorMetadata, meta_state: MetadataState) -> TensorHandle {
+        TensorHandle(Arc::new(HandleInner {
+            device,
+            meta,
+            meta_state,
+            value: AsyncValue::unavailable(),
+        }))
+    }
+
+    /// Sets the value of a pending handle (once), waking its dependents.
+    ///
+    /// A value that contradicts the metadata promised at creation becomes an
+    /// internal error rather than a silently wrong tensor.
+    pub fn resolve(&self, result: Result<HostTensor>) {
+        let result = match result {
+            Ok(v) if self.0.meta_state == MetadataState::Known && v.metadata() != &self.0.meta => {
+                Err(Error::internal(format!(
+                    "a kernel produced {} where its metadata function promised {}",
+                    v.metadata(),
+                    self.0.meta
+                )))
+            }
+            other => other,
+        };
+        self.0.value.set(result)
+    }
+
+    /// The device the tensor lives on.
+    #[inline]
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+
+    /// Dtype and shape. Known at once unless the producing op is
+    /// data-dependent, in which case this waits for the value.
+    pub fn metadata(&self) -> &TensorMetadata {
+        if self.0.meta_state == MetadataState::Deferred {
+            if let Ok(value) = self.0.value.wait() {
+                return value.metadata();
+            }
+        }
+        &self.0.meta
+    }
+
+    /// Whether the metadata was known at creation.
+    pub fn metadata_state(&self) -> MetadataState {
+        self.0.meta_state
+    }
+
+    /// The element type (always known synchronously).
+    #[inline]
+    pub fn dtype(&self) -> DType {
+        self.0.meta.dtype
+    }
+
+    /// True once the value or an error is set.
+    #[inline]
+    pub fn is_resolved(&self) -> bool {
+        self.0.value.is_resolved()
+    }
+
+    /// The error, if the handle already resolved to one.
+    #[inline]
+    pub fn resolved_error(&self) -> Option<&Error> {
+        match self.0.value.try_get() {
+            Some(Err(e)) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The value, waiting for it if needed.
+    pub fn wait(&self) -> Result<&HostTensor> {
+        self.0.value.wait().as_ref().map_err(Clone::clone)
+    }
+
+    /// Runs `f` once the handle is resolved.
+    pub fn and_then(&self, f: impl FnOnce() + Send + 'static) {
+        self.0.value.and_then(f)
+    }
+
+    /// The value, moved out if this is the last reference to the handle (so
+    /// its buffer may be reused in place), else shared.
+    pub fn into_value(self) -> Result<HostTensor> {
+        self.wait()?;
+        match Arc::try_unwrap(self.0) {
+            Ok(inner) => inner
+                .value
+                .into_inner()
+                .unwrap_or_else(|| Err(Error::internal("a waited-for value is missing"))),
+            Err(shared) => shared.value.wait().clone(),
+        }
+    }
+
+    /// True when both handles are the same tensor.
+    pub fn ptr_eq(&self, other: &TensorHandle) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// The number of handles sharing this tensor.
+    pub fn ref_count(&self) -> usize {
+        Arc::strong_count(&self.0)
+    }
+}
+
+impl fmt::Debug for TensorHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.0.value.try_get() {
+            None => "pending",
+            Some(Ok(_)) => "available",
+            Some(Err(_)) => "error",
+        };
+        write!(f, "TensorHandle({} on {}, {state})", self.0.meta, self.0.device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stagecraft_tensor::DenseHostTensor;
+
+    #[test]
+    fn handles_are_one_pointer() {
+        assert_eq!(std::mem::size_of::<TensorHandle>(), std::mem::size_of::<usize>());
+    }
+
+    #[test]
+    fn mismatched_kernel_output_becomes_internal_error() {
+        let h = TensorHandle::pending(
+            Device::cpu(),
+            TensorMetadata::new(DType::F32, [2]),
+            MetadataState::Known,
+        );
+        h.resolve(Ok(DenseHostTensor::from_slice(&[1.0f32], [1]).unwrap().into()));
+        assert!(h.wait().unwrap_err().to_string().contains("promised f32[2]"));
+    }
+
+    #[test]
+    fn into_value_moves_when_unique() {
+        let t = DenseHostTensor::from_slice(&[1.0f32, 2.0], [2]).unwrap();
+        let h = TensorHandle::available(Device::cpu(), t.into());
+        let HostTensor::Dense(d) = h.into_value().unwrap() else { panic!("dense") };
+        assert!(d.is_unique());
+    }
+}

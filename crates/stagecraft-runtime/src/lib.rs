@@ -1,0 +1,33 @@
+//! The core runtime of stagecraft.
+//!
+//! [`execute`]`(op, device, location, args, attrs)` is the one entry point
+//! for running an op: it validates through the op's metadata function,
+//! propagates argument errors without running anything, honours
+//! cancellation, and hands the op to the device's [`OpHandler`]. Results are
+//! [`TensorHandle`]s whose metadata is known at once and whose values may
+//! still be computing.
+
+pub mod async_value;
+pub mod context;
+pub mod cpu_handler;
+mod device;
+pub mod format;
+mod handle;
+pub mod logging;
+mod op_handler;
+mod runtime;
+
+pub use async_value::{AsyncValue, Chain};
+pub use context::{
+    default_device, execution_mode, place, scoped_device, set_default_device, set_execution_mode,
+    sync_effects, with_device, with_execution_mode, ExecutionMode,
+};
+pub use cpu_handler::{CpuOpHandler, KernelCache, KernelCacheStats};
+pub use device::{Device, DeviceKind};
+pub use handle::{MetadataState, TensorHandle};
+pub use logging::{LogSink, LoggingOpHandler};
+pub use op_handler::{Args, OpHandler, OpInvocation, Results};
+pub use runtime::{
+    cancel_execution, copy_to_device, count_host_read, execute, is_cancelled, report_error, restart,
+    set_diagnostic_handler, stats, DiagnosticHandler, RuntimeStats,
+};

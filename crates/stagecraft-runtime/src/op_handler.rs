@@ -1,0 +1,56 @@
+//! The op handler contract: how the core runtime hands a validated op
+//! invocation to whatever executes it (a device, a logger, later a lazy
+//! tracer).
+
+use crate::async_value::Chain;
+use crate::device::Device;
+use crate::handle::TensorHandle;
+use smallvec::SmallVec;
+use stagecraft_ops::{OpAttrsRef, OpDef, OutputMetas};
+use stagecraft_tensor::Location;
+
+/// Op arguments, owned: the runtime takes them so a kernel can reuse the
+/// buffer of an argument it holds the last reference to.
+pub type Args = SmallVec<[TensorHandle; 4]>;
+
+/// Op results, one handle per output.
+pub type Results = SmallVec<[TensorHandle; 1]>;
+
+/// Everything an op handler needs to run one op. The core runtime has
+/// already checked cancellation, devices and argument errors, and run the
+/// op's metadata function.
+pub struct OpInvocation<'a> {
+    /// The op.
+    pub op: &'static OpDef,
+    /// The device the op was placed on (whose handler this is, or which it
+    /// wraps).
+    pub device: Device,
+    /// The user's source location of the call.
+    pub location: Location,
+    /// The arguments, possibly still pending.
+    pub args: Args,
+    /// The attributes; freeze them to keep them past `execute`.
+    pub attrs: OpAttrsRef<'a>,
+    /// The output metadata from the metadata function.
+    pub outputs: OutputMetas,
+    /// For side-effecting ops: the chain to wait for before running, and
+    /// the chain to resolve after running.
+    pub chain: Option<(Chain, Chain)>,
+}
+
+/// Executes op invocations. Implementations must be thread-safe: several
+/// threads call `execute` at once.
+pub trait OpHandler: Send + Sync {
+    /// A short name for logs.
+    fn name(&self) -> &str;
+
+    /// Runs (or schedules) the op and returns one handle per output at once;
+    /// the handles may still be pending. Failures become error handles, never
+    /// panics.
+    fn execute(&self, invocation: OpInvocation<'_>) -> Results;
+
+    /// Hits and misses of the handler's kernel cache, if it has one.
+    fn kernel_cache_stats(&self) -> Option<crate::cpu_handler::KernelCacheStats> {
+        None
+    }
+}

@@ -1,0 +1,195 @@
+//! The core runtime: `execute`, fine-grained error propagation,
+//! cancellation, the diagnostic handler and runtime statistics.
+
+use crate::async_value::AsyncValue;
+use crate::context;
+use crate::device::Device;
+use crate::handle::TensorHandle;
+use crate::op_handler::{Args, OpInvocation, Results};
+use stagecraft_ops::{Effect, OpAttrsRef, OpDef};
+use stagecraft_tensor::{DType, Error, ErrorKind, Location, Shape, TensorMetadata};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// A callback told about every error an op raises (not about errors that
+/// merely propagate through later ops).
+pub type DiagnosticHandler = Arc<dyn Fn(&Error) + Send + Sync>;
+
+static CANCELLED: AtomicBool = AtomicBool::new(false);
+static DIAGNOSTIC_HANDLER: RwLock<Option<DiagnosticHandler>> = RwLock::new(None);
+
+static OPS_EXECUTED: AtomicU64 = AtomicU64::new(0);
+static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+static ERRORS_RAISED: AtomicU64 = AtomicU64::new(0);
+static DEVICE_COPIES: AtomicU64 = AtomicU64::new(0);
+static DEVICE_COPY_BYTES: AtomicU64 = AtomicU64::new(0);
+static HOST_READS: AtomicU64 = AtomicU64::new(0);
+
+/// Counters since process start; compare two snapshots to measure a span.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuntimeStats {
+    /// Calls to [`execute`].
+    pub ops_executed: u64,
+    /// Kernels actually run (ops skipped by error propagation or
+    /// cancellation run none).
+    pub kernel_launches: u64,
+    /// Errors raised by metadata functions or kernels.
+    pub errors_raised: u64,
+    /// Explicit copies between devices.
+    pub device_copies: u64,
+    /// Bytes moved by those copies.
+    pub device_copy_bytes: u64,
+    /// Values read back by the user (`to_vec`, `item`, `Display`).
+    pub host_reads: u64,
+}
+
+/// The current counters.
+pub fn stats() -> RuntimeStats {
+    RuntimeStats {
+        ops_executed: OPS_EXECUTED.load(Ordering::Relaxed),
+        kernel_launches: KERNEL_LAUNCHES.load(Ordering::Relaxed),
+        errors_raised: ERRORS_RAISED.load(Ordering::Relaxed),
+        device_copies: DEVICE_COPIES.load(Ordering::Relaxed),
+        device_copy_bytes: DEVICE_COPY_BYTES.load(Ordering::Relaxed),
+        host_reads: HOST_READS.load(Ordering::Relaxed),
+    }
+}
+
+pub(crate) fn count_kernel_launch() {
+    KERNEL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(crate) fn count_device_copy(bytes: usize) {
+    DEVICE_COPIES.fetch_add(1, Ordering::Relaxed);
+    DEVICE_COPY_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+}
+
+/// Counts a read of a value by the user.
+pub fn count_host_read() {
+    HOST_READS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Installs (or with `None`, removes) the diagnostic handler.
+pub fn set_diagnostic_handler(handler: Option<DiagnosticHandler>) {
+    *DIAGNOSTIC_HANDLER.write().unwrap_or_else(|p| p.into_inner()) = handler;
+}
+
+/// Records an error raised by an op and tells the diagnostic handler.
+pub fn report_error(error: &Error) {
+    ERRORS_RAISED.fetch_add(1, Ordering::Relaxed);
+    let handler = DIAGNOSTIC_HANDLER.read().unwrap_or_else(|p| p.into_inner()).clone();
+    if let Some(handler) = handler {
+        handler(error);
+    }
+}
+
+/// Cancels execution: every pending op, and every op issued until
+/// [`restart`], produces a cancellation error instead of running.
+pub fn cancel_execution() {
+    CANCELLED.store(true, Ordering::SeqCst);
+}
+
+/// Ends a cancellation: ops run normally again.
+pub fn restart() {
+    CANCELLED.store(false, Ordering::SeqCst);
+}
+
+/// True between [`cancel_execution`] and [`restart`].
+#[inline]
+pub fn is_cancelled() -> bool {
+    CANCELLED.load(Ordering::Relaxed)
+}
+
+fn error_results(op: &OpDef, device: Device, metas: Option<&[TensorMetadata]>, error: &Error) -> Results {
+    (0..op.outputs)
+        .map(|i| {
+            let meta = metas
+                .and_then(|m| m.get(i).cloned())
+                .unwrap_or_else(|| TensorMetadata::new(DType::F32, Shape::scalar()));
+            TensorHandle::error(device, meta, error.clone())
+        })
+        .collect()
+}
+
+/// Executes `op` on `device` (through the device's op handler) and returns
+/// one handle per output at once. Thread-safe.
+///
+/// In order: a cancelled runtime gives cancellation errors; an argument on
+/// another device is an error (copies are explicit); an argument that is
+/// already an error is propagated to every output without running anything;
+/// the op's metadata function validates inputs and attributes and computes
+/// the output metadata (its error is tagged with the op and `location`,
+/// reported to the diagnostic handler, and returned as error handles); then
+/// the handler runs or schedules the kernel.
+pub fn execute(op: &'static OpDef, device: Device, location: Location, args: Args, attrs: OpAttrsRef<'_>) -> Results {
+    OPS_EXECUTED.fetch_add(1, Ordering::Relaxed);
+    if is_cancelled() {
+        let err = Error::cancelled().with_op(op.name).at(location);
+        return error_results(op, device, None, &err);
+    }
+    for arg in &args {
+        if arg.device() != device {
+            let err = Error::new(
+                ErrorKind::Device,
+                format!(
+                    "an argument lives on {} but the op runs on {device}; copy it explicitly with to_device",
+                    arg.device()
+                ),
+            )
+            .with_op(op.name)
+            .at(location);
+            report_error(&err);
+            return error_results(op, device, None, &err);
+        }
+        if let Some(err) = arg.resolved_error() {
+            let err = err.clone();
+            let metas = infer(op, &args, &attrs).ok();
+            return error_results(op, device, metas.as_deref(), &err);
+        }
+    }
+    let outputs = match infer(op, &args, &attrs) {
+        Ok(metas) => metas,
+        Err(err) => {
+            let err = err.with_op(op.name).at(location);
+            report_error(&err);
+            return error_results(op, device, None, &err);
+        }
+    };
+    let chain = match op.effect {
+        Effect::SideEffecting => {
+            let next = Arc::new(AsyncValue::unavailable());
+            Some((context::swap_chain(next.clone()), next))
+        }
+        Effect::Pure => None,
+    };
+    device.handler().execute(OpInvocation {
+        op,
+        device,
+        location,
+        args,
+        attrs,
+        outputs,
+        chain,
+    })
+}
+
+fn infer(op: &'static OpDef, args: &Args, attrs: &OpAttrsRef<'_>) -> stagecraft_tensor::Result<stagecraft_ops::OutputMetas> {
+    let metas: smallvec::SmallVec<[TensorMetadata; 4]> = args.iter().map(|a| a.metadata().clone()).collect();
+    op.infer(&metas, attrs)
+}
+
+/// Copies a tensor to another device (a new buffer on the target), counting
+/// the copy. The only way values move between devices.
+pub fn copy_to_device(handle: &TensorHandle, target: Device, location: Location) -> TensorHandle {
+    if handle.device() == target {
+        return handle.clone();
+    }
+    let meta = handle.metadata().clone();
+    match handle.wait().and_then(|v| v.to_dense()) {
+        Ok(dense) => {
+            count_device_copy(dense.buffer().len());
+            TensorHandle::available(target, dense.deep_copy().into())
+        }
+        Err(e) => TensorHandle::error(target, meta, e.with_op("CopyToDevice").at(location)),
+    }
+}

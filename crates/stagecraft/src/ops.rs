@@ -1,0 +1,563 @@
+//! The op methods of `Tensor<T>`. Each is `#[track_caller]`: the caller's
+//! source line travels with the op, so an error names it.
+
+use crate::Tensor;
+use smallvec::{smallvec, SmallVec};
+use stagecraft_ops as ops;
+use stagecraft_ops::OpAttrs;
+use stagecraft_runtime::TensorHandle;
+use stagecraft_tensor::{
+    normalize_axis, Element, Error, FloatElement, IndexElement, Location, NumElement,
+};
+
+macro_rules! unary_methods {
+    ($bound:ident: $($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {
+        impl<T: $bound> Tensor<T> {
+            $(
+                $(#[$doc])*
+                #[track_caller]
+                pub fn $name(&self) -> Tensor<T> {
+                    self.unary(&ops::$op, &OpAttrs::new(), Location::caller())
+                }
+            )*
+        }
+    };
+}
+
+unary_methods!(FloatElement:
+    /// `e^x`, elementwise.
+    exp => EXP,
+    /// Natural logarithm, elementwise.
+    log => LOG,
+    /// Square root, elementwise.
+    sqrt => SQRT,
+    /// `1/sqrt(x)`, elementwise.
+    rsqrt => RSQRT,
+    /// Hyperbolic tangent, elementwise.
+    tanh => TANH,
+    /// Logistic sigmoid, elementwise.
+    sigmoid => SIGMOID,
+    /// Gaussian error linear unit (exact erf form), elementwise.
+    gelu => GELU,
+    /// Sine, elementwise.
+    sin => SIN,
+    /// Cosine, elementwise.
+    cos => COS,
+);
+
+unary_methods!(NumElement:
+    /// `max(x, 0)`, elementwise.
+    relu => RELU,
+    /// `|x|`, elementwise.
+    abs => ABS,
+    /// `-x`, elementwise.
+    neg => NEG,
+    /// -1, 0 or 1, elementwise.
+    sign => SIGN,
+);
+
+macro_rules! binary_methods {
+    ($bound:ident -> $out:ty: $($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {
+        impl<T: $bound> Tensor<T> {
+            $(
+                $(#[$doc])*
+                #[track_caller]
+                pub fn $name(&self, other: &Tensor<T>) -> Tensor<$out> {
+                    self.binary(&ops::$op, other, Location::caller())
+                }
+            )*
+        }
+    };
+}
+
+binary_methods!(NumElement -> T:
+    /// Elementwise sum with broadcasting.
+    add => ADD,
+    /// Elementwise difference with broadcasting.
+    sub => SUB,
+    /// Elementwise product with broadcasting.
+    mul => MUL,
+    /// Elementwise quotient with broadcasting (integer division truncates;
+    /// dividing an integer by zero is an error).
+    div => DIV,
+    /// Elementwise maximum with broadcasting (NaN propagates).
+    maximum => MAXIMUM,
+    /// Elementwise minimum with broadcasting (NaN propagates).
+    minimum => MINIMUM,
+);
+
+binary_methods!(FloatElement -> T:
+    /// Elementwise power with broadcasting.
+    pow => POW,
+);
+
+binary_methods!(Element -> bool:
+    /// `self == other`, elementwise with broadcasting.
+    eq => EQUAL,
+    /// `self != other`, elementwise with broadcasting.
+    ne => NOT_EQUAL,
+    /// `self < other`, elementwise with broadcasting.
+    lt => LESS,
+    /// `self <= other`, elementwise with broadcasting.
+    le => LESS_EQUAL,
+    /// `self > other`, elementwise with broadcasting.
+    gt => GREATER,
+    /// `self >= other`, elementwise with broadcasting.
+    ge => GREATER_EQUAL,
+);
+
+impl Tensor<bool> {
+    /// `self ? a : b`, elementwise with broadcasting of all three.
+    #[track_caller]
+    pub fn select<T: Element>(&self, a: &Tensor<T>, b: &Tensor<T>) -> Tensor<T> {
+        let args = smallvec![self.handle.clone(), a.handle.clone(), b.handle.clone()];
+        crate::tensor::run(&ops::SELECT, args, &OpAttrs::new(), Location::caller())
+    }
+
+    /// Logical and, elementwise with broadcasting.
+    #[track_caller]
+    pub fn and(&self, other: &Tensor<bool>) -> Tensor<bool> {
+        self.binary(&ops::LOGICAL_AND, other, Location::caller())
+    }
+
+    /// Logical or, elementwise with broadcasting.
+    #[track_caller]
+    pub fn or(&self, other: &Tensor<bool>) -> Tensor<bool> {
+        self.binary(&ops::LOGICAL_OR, other, Location::caller())
+    }
+
+    /// Logical not, elementwise.
+    #[track_caller]
+    pub fn not(&self) -> Tensor<bool> {
+        self.unary(&ops::LOGICAL_NOT, &OpAttrs::new(), Location::caller())
+    }
+}
+
+/// `cond ? a : b`, elementwise with broadcasting (same as
+/// [`Tensor::select`]).
+#[track_caller]
+pub fn where_<T: Element>(cond: &Tensor<bool>, a: &Tensor<T>, b: &Tensor<T>) -> Tensor<T> {
+    let args = smallvec![cond.handle.clone(), a.handle.clone(), b.handle.clone()];
+    crate::tensor::run(&ops::SELECT, args, &OpAttrs::new(), Location::caller())
+}
+
+fn axes_attr(axes: &[isize]) -> SmallVec<[i64; 4]> {
+    axes.iter().map(|&a| a as i64).collect()
+}
+
+impl<T: Element> Tensor<T> {
+    /// Converts every element to `U` (floats to integers truncate toward
+    /// zero and saturate, NaN becomes 0, nonzero becomes `true`).
+    #[track_caller]
+    pub fn cast<U: Element>(&self) -> Tensor<U> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_dtype("dtype", U::DTYPE);
+        self.unary(&ops::CAST, &attrs, Location::caller())
+    }
+
+    /// The same values with new dimensions (same number of elements).
+    #[track_caller]
+    pub fn reshape(&self, dims: &[usize]) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_dims("shape", dims);
+        self.unary(&ops::RESHAPE, &attrs, Location::caller())
+    }
+
+    /// Swaps two axes (negative axes count from the end).
+    #[track_caller]
+    pub fn transpose(&self, a: isize, b: isize) -> Tensor<T> {
+        let location = Location::caller();
+        let rank = self.rank();
+        match (normalize_axis(a, rank), normalize_axis(b, rank)) {
+            (Ok(a), Ok(b)) => {
+                let mut perm: SmallVec<[i64; 4]> = (0..rank as i64).collect();
+                perm.swap(a, b);
+                let mut attrs = OpAttrs::new();
+                attrs.set_ints("perm", &perm);
+                self.unary(&ops::TRANSPOSE, &attrs, location)
+            }
+            (Err(e), _) | (_, Err(e)) => self.fail("Transpose", location, e),
+        }
+    }
+
+    /// Reorders the axes: output axis `i` is input axis `perm[i]`.
+    #[track_caller]
+    pub fn permute(&self, perm: &[isize]) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_ints("perm", &axes_attr(perm));
+        self.unary(&ops::TRANSPOSE, &attrs, Location::caller())
+    }
+
+    /// Broadcasts to `dims` by NumPy rules.
+    #[track_caller]
+    pub fn broadcast_to(&self, dims: &[usize]) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_dims("shape", dims);
+        self.unary(&ops::BROADCAST_TO, &attrs, Location::caller())
+    }
+
+    /// Removes the given axes, which must have size 1 (all size-1 axes when
+    /// `axes` is empty).
+    #[track_caller]
+    pub fn squeeze(&self, axes: &[isize]) -> Tensor<T> {
+        let location = Location::caller();
+        let dims = self.dims().to_vec();
+        let rank = dims.len();
+        let mut drop = vec![false; rank];
+        if axes.is_empty() {
+            for (i, &d) in dims.iter().enumerate() {
+                drop[i] = d == 1;
+            }
+        }
+        for &axis in axes {
+            match normalize_axis(axis, rank) {
+                Ok(a) if dims[a] == 1 => drop[a] = true,
+                Ok(a) => {
+                    let e = Error::shape(format!("cannot squeeze axis {axis} of size {} in {:?}", dims[a], dims));
+                    return self.fail("Squeeze", location, e);
+                }
+                Err(e) => return self.fail("Squeeze", location, e),
+            }
+        }
+        let kept: Vec<usize> = dims.iter().zip(&drop).filter(|(_, &d)| !d).map(|(&x, _)| x).collect();
+        let mut attrs = OpAttrs::new();
+        attrs.set_dims("shape", &kept);
+        self.unary(&ops::RESHAPE, &attrs, location)
+    }
+
+    /// Inserts a size-1 axis at `axis` (`-1` appends).
+    #[track_caller]
+    pub fn unsqueeze(&self, axis: isize) -> Tensor<T> {
+        let location = Location::caller();
+        let mut dims = self.dims().to_vec();
+        match normalize_axis(axis, dims.len() + 1) {
+            Ok(a) => {
+                dims.insert(a, 1);
+                let mut attrs = OpAttrs::new();
+                attrs.set_dims("shape", &dims);
+                self.unary(&ops::RESHAPE, &attrs, location)
+            }
+            Err(e) => self.fail("Unsqueeze", location, e),
+        }
+    }
+
+    /// Joins tensors along `axis`.
+    #[track_caller]
+    pub fn concat(tensors: &[&Tensor<T>], axis: isize) -> Tensor<T> {
+        let args = tensors.iter().map(|t| t.handle.clone()).collect();
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", axis as i64);
+        crate::tensor::run(&ops::CONCAT, args, &attrs, Location::caller())
+    }
+
+    /// A strided slice: per axis, elements `start, start+step, ...` before
+    /// `end`; negative bounds count from the end and are clamped like
+    /// Python slices. `steps` may be empty (all 1).
+    #[track_caller]
+    pub fn slice(&self, starts: &[i64], ends: &[i64], steps: &[i64]) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_ints("starts", starts).set_ints("ends", ends).set_ints("steps", steps);
+        self.unary(&ops::SLICE, &attrs, Location::caller())
+    }
+
+    /// `len` elements of `axis` from `start` (a slice of one axis).
+    #[track_caller]
+    pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Tensor<T> {
+        let location = Location::caller();
+        let rank = self.rank();
+        match normalize_axis(axis, rank) {
+            Ok(a) => {
+                let mut starts: SmallVec<[i64; 4]> = smallvec![0; rank];
+                let mut ends: SmallVec<[i64; 4]> = self.dims().iter().map(|&d| d as i64).collect();
+                let dim = self.dims()[a];
+                if start.checked_add(len).is_none_or(|end| end > dim) {
+                    let e = Error::shape(format!("narrow({axis}, {start}, {len}) is out of range for an axis of size {dim}"));
+                    return self.fail("Slice", location, e);
+                }
+                starts[a] = start as i64;
+                ends[a] = (start + len) as i64;
+                let mut attrs = OpAttrs::new();
+                attrs.set_ints("starts", &starts).set_ints("ends", &ends);
+                self.unary(&ops::SLICE, &attrs, location)
+            }
+            Err(e) => self.fail("Slice", location, e),
+        }
+    }
+
+    /// Entries along `axis` picked by `indices` (negative indices count from
+    /// the end); out-of-range indices are an error.
+    #[track_caller]
+    pub fn index_select<I: IndexElement>(&self, axis: isize, indices: &Tensor<I>) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", axis as i64);
+        let args = smallvec![self.handle.clone(), indices.handle.clone()];
+        crate::tensor::run(&ops::GATHER, args, &attrs, Location::caller())
+    }
+
+    /// Same as [`Tensor::index_select`].
+    #[track_caller]
+    pub fn gather<I: IndexElement>(&self, axis: isize, indices: &Tensor<I>) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", axis as i64);
+        let args = smallvec![self.handle.clone(), indices.handle.clone()];
+        crate::tensor::run(&ops::GATHER, args, &attrs, Location::caller())
+    }
+
+    /// Pads each axis with `(before, after)` copies of `value`.
+    #[track_caller]
+    pub fn pad(&self, pads: &[(usize, usize)], value: f64) -> Tensor<T> {
+        let flat: SmallVec<[usize; 8]> = pads.iter().flat_map(|&(a, b)| [a, b]).collect();
+        let mut attrs = OpAttrs::new();
+        attrs.set_dims("pads", &flat).set_float("value", value);
+        self.unary(&ops::PAD, &attrs, Location::caller())
+    }
+
+    /// Coordinates of the nonzero elements, shape `[count, rank]`. The
+    /// shape depends on the values, so `dims()` waits for them.
+    #[track_caller]
+    pub fn nonzero(&self) -> Tensor<i64> {
+        self.unary(&ops::NONZERO, &OpAttrs::new(), Location::caller())
+    }
+
+    /// Prints `label: value` when the op runs, in program order with other
+    /// side effects, and passes the tensor through.
+    #[track_caller]
+    pub fn print(&self, label: &str) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_str("label", label);
+        self.unary(&ops::PRINT, &attrs, Location::caller())
+    }
+
+    fn fail<U: Element>(&self, op: &str, location: Location, err: Error) -> Tensor<U> {
+        Tensor::error_at(op, location, self.device(), &[], err)
+    }
+}
+
+macro_rules! reduce_methods {
+    ($bound:ident: $($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {
+        impl<T: $bound> Tensor<T> {
+            $(
+                $(#[$doc])*
+                #[track_caller]
+                pub fn $name(&self, axes: &[isize], keepdim: bool) -> Tensor<T> {
+                    let mut attrs = OpAttrs::new();
+                    attrs.set_ints("axes", &axes_attr(axes)).set_bool("keepdim", keepdim);
+                    self.unary(&ops::$op, &attrs, Location::caller())
+                }
+            )*
+        }
+    };
+}
+
+reduce_methods!(NumElement:
+    /// Sum over `axes` (every axis when empty); negative axes count from
+    /// the end.
+    sum => SUM,
+    /// Maximum over `axes` (every axis when empty); NaN propagates.
+    max => MAX,
+    /// Minimum over `axes` (every axis when empty); NaN propagates.
+    min => MIN,
+    /// Product over `axes` (every axis when empty).
+    prod => PROD,
+);
+
+reduce_methods!(FloatElement:
+    /// Mean over `axes` (every axis when empty).
+    mean => MEAN,
+);
+
+impl<T: NumElement> Tensor<T> {
+    /// Index of the largest value along `axis` (first on ties).
+    #[track_caller]
+    pub fn argmax(&self, axis: isize, keepdim: bool) -> Tensor<i64> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", axis as i64).set_bool("keepdim", keepdim);
+        self.unary(&ops::ARGMAX, &attrs, Location::caller())
+    }
+
+    /// Index of the smallest value along `axis` (first on ties).
+    #[track_caller]
+    pub fn argmin(&self, axis: isize, keepdim: bool) -> Tensor<i64> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", axis as i64).set_bool("keepdim", keepdim);
+        self.unary(&ops::ARGMIN, &attrs, Location::caller())
+    }
+
+    /// Matrix product with NumPy `matmul` semantics (batched, broadcast
+    /// batch dimensions, vectors promoted).
+    #[track_caller]
+    pub fn matmul(&self, other: &Tensor<T>) -> Tensor<T> {
+        self.binary(&ops::MATMUL, other, Location::caller())
+    }
+
+    /// A tensor of `0, 1, ..., n-1`-style values: `start, start+step, ...`
+    /// below `stop`.
+    #[track_caller]
+    pub fn arange(start: f64, stop: f64, step: f64, device: &crate::Device) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_float("start", start)
+            .set_float("stop", stop)
+            .set_float("step", step)
+            .set_dtype("dtype", T::DTYPE);
+        crate::with_device(device, || {
+            crate::tensor::run(&ops::ARANGE, SmallVec::new(), &attrs, Location::caller())
+        })
+    }
+}
+
+impl<T: FloatElement> Tensor<T> {
+    /// Softmax along `axis`.
+    #[track_caller]
+    pub fn softmax(&self, axis: isize) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", axis as i64);
+        self.unary(&ops::SOFTMAX, &attrs, Location::caller())
+    }
+
+    /// Log-softmax along `axis`.
+    #[track_caller]
+    pub fn log_softmax(&self, axis: isize) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", axis as i64);
+        self.unary(&ops::LOG_SOFTMAX, &attrs, Location::caller())
+    }
+
+    /// 2-D convolution of `self: [N, C, H, W]` with `weight: [O, C/groups,
+    /// KH, KW]`.
+    #[track_caller]
+    pub fn conv2d(&self, weight: &Tensor<T>, options: Conv2dOptions) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_dims("stride", &options.stride)
+            .set_dims("padding", &options.padding)
+            .set_dims("dilation", &options.dilation)
+            .set_int("groups", options.groups as i64);
+        let args = smallvec![self.handle.clone(), weight.handle.clone()];
+        crate::tensor::run(&ops::CONV2D, args, &attrs, Location::caller())
+    }
+
+    /// Max pooling of `self: [N, C, H, W]` (stride defaults to the kernel).
+    #[track_caller]
+    pub fn max_pool2d(&self, options: Pool2dOptions) -> Tensor<T> {
+        self.unary(&ops::MAX_POOL2D, &options.attrs(None), Location::caller())
+    }
+
+    /// Average pooling of `self: [N, C, H, W]` (stride defaults to the
+    /// kernel; padded zeros count unless `count_include_pad` is false).
+    #[track_caller]
+    pub fn avg_pool2d(&self, options: Pool2dOptions, count_include_pad: bool) -> Tensor<T> {
+        self.unary(&ops::AVG_POOL2D, &options.attrs(Some(count_include_pad)), Location::caller())
+    }
+
+    /// Uniform random values in `[low, high)`, drawn from `rng`.
+    #[track_caller]
+    pub fn rand_uniform(dims: &[usize], low: f64, high: f64, rng: &mut crate::Rng, device: &crate::Device) -> Tensor<T> {
+        let (seed, offset) = rng.advance(dims);
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_dims("shape", dims)
+            .set_dtype("dtype", T::DTYPE)
+            .set_int("seed", seed as i64)
+            .set_int("offset", offset as i64)
+            .set_float("low", low)
+            .set_float("high", high);
+        crate::with_device(device, || {
+            crate::tensor::run(&ops::RANDOM_UNIFORM, SmallVec::new(), &attrs, Location::caller())
+        })
+    }
+
+    /// Normal random values with `mean` and `std`, drawn from `rng`.
+    #[track_caller]
+    pub fn rand_normal(dims: &[usize], mean: f64, std: f64, rng: &mut crate::Rng, device: &crate::Device) -> Tensor<T> {
+        let (seed, offset) = rng.advance(dims);
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_dims("shape", dims)
+            .set_dtype("dtype", T::DTYPE)
+            .set_int("seed", seed as i64)
+            .set_int("offset", offset as i64)
+            .set_float("mean", mean)
+            .set_float("std", std);
+        crate::with_device(device, || {
+            crate::tensor::run(&ops::RANDOM_NORMAL, SmallVec::new(), &attrs, Location::caller())
+        })
+    }
+}
+
+impl<I: IndexElement> Tensor<I> {
+    /// One-hot encoding into `depth` classes: shape `self ++ [depth]`.
+    #[track_caller]
+    pub fn one_hot<U: Element>(&self, depth: usize) -> Tensor<U> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("depth", depth as i64).set_dtype("dtype", U::DTYPE);
+        self.unary(&ops::ONE_HOT, &attrs, Location::caller())
+    }
+}
+
+/// Options of [`Tensor::conv2d`]: `(height, width)` pairs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dOptions {
+    /// Step between windows.
+    pub stride: [usize; 2],
+    /// Zero padding on each side.
+    pub padding: [usize; 2],
+    /// Spacing between kernel taps.
+    pub dilation: [usize; 2],
+    /// Channel groups.
+    pub groups: usize,
+}
+
+impl Default for Conv2dOptions {
+    fn default() -> Self {
+        Conv2dOptions {
+            stride: [1, 1],
+            padding: [0, 0],
+            dilation: [1, 1],
+            groups: 1,
+        }
+    }
+}
+
+/// Options of the pooling ops: `(height, width)` pairs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pool2dOptions {
+    /// Window size.
+    pub kernel: [usize; 2],
+    /// Step between windows (`None`: the kernel size).
+    pub stride: Option<[usize; 2]>,
+    /// Padding on each side.
+    pub padding: [usize; 2],
+}
+
+impl Pool2dOptions {
+    /// A `kernel`-sized window with stride = kernel and no padding.
+    pub fn new(kernel: [usize; 2]) -> Pool2dOptions {
+        Pool2dOptions {
+            kernel,
+            stride: None,
+            padding: [0, 0],
+        }
+    }
+
+    fn attrs(&self, count_include_pad: Option<bool>) -> OpAttrs {
+        let mut attrs = OpAttrs::new();
+        attrs.set_dims("kernel", &self.kernel).set_dims("padding", &self.padding);
+        if let Some(stride) = self.stride {
+            attrs.set_dims("stride", &stride);
+        }
+        if let Some(c) = count_include_pad {
+            attrs.set_bool("count_include_pad", c);
+        }
+        attrs
+    }
+}
+
+/// A scalar tensor of `value` on the same device as `like`, for mixing
+/// tensors with Rust numbers.
+pub(crate) fn scalar_like<T: Element>(value: T, like: &Tensor<T>) -> Tensor<T> {
+    Tensor::from_handle(TensorHandle::available(
+        like.device(),
+        stagecraft_tensor::ScalarHostTensor::new(value.to_scalar(), stagecraft_tensor::Shape::scalar()).into(),
+    ))
+}

@@ -1,0 +1,239 @@
+//! `Tensor<T>`: the typed, user-facing tensor. Its element type is part of
+//! its Rust type, so mixing dtypes is a compile error; the untyped
+//! [`TensorHandle`] underneath stays internal.
+
+use crate::{Device, Error};
+use smallvec::smallvec;
+use stagecraft_ops::{OpAttrs, OpDef};
+use stagecraft_runtime::{self as runtime, Args, TensorHandle};
+use stagecraft_tensor::{
+    DType, DenseHostTensor, Element, HostTensor, Location, Result, Scalar, ScalarHostTensor, Shape,
+};
+use std::fmt;
+use std::marker::PhantomData;
+
+/// A tensor of `T` values on some device, possibly still being computed.
+///
+/// Cloning is cheap (one reference count). Ops never fail at the call: an
+/// invalid op returns a tensor holding the error, which later ops pass on
+/// without running, and which reading the value (`to_vec`, `item`,
+/// `Display`) or [`Tensor::check`] returns, naming the op, the shapes and
+/// your source line.
+pub struct Tensor<T: Element> {
+    pub(crate) handle: TensorHandle,
+    _element: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> Clone for Tensor<T> {
+    fn clone(&self) -> Self {
+        Tensor::from_handle(self.handle.clone())
+    }
+}
+
+impl<T: Element> Tensor<T> {
+    pub(crate) fn from_handle(handle: TensorHandle) -> Tensor<T> {
+        debug_assert_eq!(handle.dtype(), T::DTYPE);
+        Tensor {
+            handle,
+            _element: PhantomData,
+        }
+    }
+
+    /// Wraps an untyped handle, checking its dtype.
+    pub fn try_from_handle(handle: TensorHandle) -> Result<Tensor<T>> {
+        if handle.dtype() != T::DTYPE {
+            return Err(Error::dtype(format!(
+                "the handle holds {} values, not {}",
+                handle.dtype(),
+                T::DTYPE
+            )));
+        }
+        Ok(Tensor::from_handle(handle))
+    }
+
+    /// The untyped handle (for runtime-level code).
+    pub fn handle(&self) -> &TensorHandle {
+        &self.handle
+    }
+
+    pub(crate) fn error_at(op: &str, location: Location, device: Device, dims: &[usize], err: Error) -> Tensor<T> {
+        let err = err.with_op(op.to_string()).at(location);
+        runtime::report_error(&err);
+        Tensor::from_handle(TensorHandle::error(
+            device,
+            stagecraft_tensor::TensorMetadata::new(T::DTYPE, dims),
+            err,
+        ))
+    }
+
+    /// A tensor holding `values` with the given shape, on `device`.
+    #[track_caller]
+    pub fn from_vec(values: Vec<T>, dims: &[usize], device: &Device) -> Result<Tensor<T>> {
+        Tensor::from_slice(&values, dims, device)
+    }
+
+    /// A tensor holding a copy of `values` with the given shape, on `device`.
+    #[track_caller]
+    pub fn from_slice(values: &[T], dims: &[usize], device: &Device) -> Result<Tensor<T>> {
+        let location = Location::caller();
+        let dense = DenseHostTensor::from_slice(values, dims).map_err(|e| e.with_op("from_slice").at(location))?;
+        Ok(Tensor::from_handle(TensorHandle::available(*device, dense.into())))
+    }
+
+    /// A rank-0 tensor.
+    pub fn scalar(value: T, device: &Device) -> Tensor<T> {
+        Tensor::from_handle(TensorHandle::available(
+            *device,
+            ScalarHostTensor::new(value.to_scalar(), Shape::scalar()).into(),
+        ))
+    }
+
+    /// A tensor of `dims` whose elements all equal `value`.
+    ///
+    /// On a CPU device this is a scalar host tensor: no buffer is filled
+    /// until a kernel needs dense values.
+    #[track_caller]
+    pub fn full(dims: &[usize], value: T, device: &Device) -> Tensor<T> {
+        let location = Location::caller();
+        let shape = Shape::new(dims);
+        match shape.checked_numel() {
+            Ok(_) => Tensor::from_handle(TensorHandle::available(
+                *device,
+                ScalarHostTensor::new(value.to_scalar(), shape).into(),
+            )),
+            Err(e) => Tensor::error_at("Fill", location, *device, dims, e),
+        }
+    }
+
+    /// A tensor of zeros.
+    #[track_caller]
+    pub fn zeros(dims: &[usize], device: &Device) -> Tensor<T> {
+        Tensor::full(dims, T::from_scalar(Scalar::I32(0)), device)
+    }
+
+    /// A tensor of ones.
+    #[track_caller]
+    pub fn ones(dims: &[usize], device: &Device) -> Tensor<T> {
+        Tensor::full(dims, T::from_scalar(Scalar::I32(1)), device)
+    }
+
+    /// The dimensions. Known at once, without running anything (for a
+    /// data-dependent op such as `nonzero`, this waits for the value).
+    pub fn dims(&self) -> &[usize] {
+        self.handle.metadata().shape.dims()
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        &self.handle.metadata().shape
+    }
+
+    /// The number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.dims().len()
+    }
+
+    /// The number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape().numel()
+    }
+
+    /// The element type (always `T::DTYPE`).
+    pub fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+
+    /// The device the tensor lives on.
+    pub fn device(&self) -> Device {
+        self.handle.device()
+    }
+
+    /// Returns the error this tensor holds, if its op (or an op it depends
+    /// on) failed validation; does not wait for or read values.
+    pub fn check(&self) -> Result<()> {
+        match self.handle.resolved_error() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until the value is computed; returns its error if any.
+    pub fn wait(&self) -> Result<()> {
+        self.handle.wait().map(|_| ())
+    }
+
+    fn host_value(&self) -> Result<&HostTensor> {
+        runtime::count_host_read();
+        self.handle.wait()
+    }
+
+    /// The values in row-major order.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        match self.host_value()? {
+            HostTensor::Dense(d) => d.to_vec(),
+            HostTensor::Scalar(s) => Ok(vec![T::from_scalar(s.value()); s.metadata().shape.numel()]),
+        }
+    }
+
+    /// The single value of a one-element tensor.
+    #[track_caller]
+    pub fn item(&self) -> Result<T> {
+        let location = Location::caller();
+        let value = self.host_value()?;
+        let numel = value.metadata().shape.numel();
+        if numel != 1 {
+            return Err(Error::shape(format!(
+                "item() needs exactly one element, the tensor has shape {} ({numel} elements)",
+                value.metadata().shape
+            ))
+            .with_op("item")
+            .at(location));
+        }
+        match value {
+            HostTensor::Dense(d) => Ok(d.as_slice::<T>()?[0]),
+            HostTensor::Scalar(s) => Ok(T::from_scalar(s.value())),
+        }
+    }
+
+    /// A copy on `device` (the only way tensors move between devices; each
+    /// copy is counted in the runtime stats).
+    #[track_caller]
+    pub fn to_device(&self, device: &Device) -> Tensor<T> {
+        Tensor::from_handle(runtime::copy_to_device(&self.handle, *device, Location::caller()))
+    }
+
+    pub(crate) fn unary<U: Element>(&self, op: &'static OpDef, attrs: &OpAttrs, location: Location) -> Tensor<U> {
+        run(op, smallvec![self.handle.clone()], attrs, location)
+    }
+
+    pub(crate) fn binary<U: Element>(&self, op: &'static OpDef, other: &Tensor<T>, location: Location) -> Tensor<U> {
+        run(op, smallvec![self.handle.clone(), other.handle.clone()], &OpAttrs::new(), location)
+    }
+}
+
+/// Runs `op` on `args`, placed by the eager rules, returning its first
+/// output.
+pub(crate) fn run<U: Element>(op: &'static OpDef, args: Args, attrs: &OpAttrs, location: Location) -> Tensor<U> {
+    let device = runtime::place(&args);
+    let mut results = runtime::execute(op, device, location, args, attrs.into());
+    Tensor::from_handle(results.swap_remove(0))
+}
+
+impl<T: Element> fmt::Display for Tensor<T> {
+    /// The values (eliding long axes), or the error the tensor holds.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.host_value() {
+            Ok(value) => match stagecraft_runtime::format::format_values(value, 3) {
+                Ok(text) => write!(f, "{text}"),
+                Err(e) => write!(f, "<error: {e}>"),
+            },
+            Err(e) => write!(f, "<error: {e}>"),
+        }
+    }
+}
+
+impl<T: Element> fmt::Debug for Tensor<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor<{}>{} on {}", T::DTYPE, self.shape(), self.device())
+    }
+}
