@@ -12,6 +12,7 @@ mod kernels;
 pub mod numeric;
 pub mod reference;
 
+pub use kernels::effects::{set_print_sink, PrintSink};
 pub use kernel::{registry, Inputs, Kernel, KernelContext, KernelFactory, KernelRegistry, Outputs};
 
 /// Below this many elements a kernel runs on the calling thread: forking

@@ -1,3 +1,80 @@
-//! (being written)
-use crate::KernelRegistry;
-pub(crate) fn register(_registry: &mut KernelRegistry) {}
+//! Side-effecting kernels: `Print`, which writes one line describing its
+//! input to the process-wide print sink and passes the input through.
+
+use super::elementwise::take;
+use crate::{Inputs, Kernel, KernelContext, KernelRegistry};
+use smallvec::smallvec;
+use stagecraft_ops::Attrs;
+use stagecraft_tensor::{DenseHostTensor, Result, TensorMetadata};
+use std::fmt::Write;
+use std::sync::{Arc, PoisonError, RwLock};
+
+/// Where `Print` sends its lines.
+pub type PrintSink = Arc<dyn Fn(&str) + Send + Sync>;
+
+static SINK: RwLock<Option<PrintSink>> = RwLock::new(None);
+
+/// Values shown at each end of a long tensor; the middle is elided.
+const EDGE_ITEMS: usize = 10;
+
+/// Routes the lines of `Print` to `sink`, or back to standard output with
+/// `None`. Affects every thread and every later `Print`.
+pub fn set_print_sink(sink: Option<PrintSink>) {
+    *SINK.write().unwrap_or_else(PoisonError::into_inner) = sink;
+}
+
+/// Sends one line to the current sink. The sink is cloned out of the lock
+/// first, so a sink may itself call [`set_print_sink`].
+fn emit(line: &str) {
+    let sink = SINK.read().unwrap_or_else(PoisonError::into_inner).clone();
+    match sink {
+        Some(sink) => sink(line),
+        None => println!("{line}"),
+    }
+}
+
+/// `label: f32[2,2] [1.0, 2.0, 3.0, 4.0]`: the metadata, then the values as
+/// one flat list, with `...` in place of all but the first and last
+/// [`EDGE_ITEMS`] when there are more than twice that many. An empty label
+/// drops the `label: ` prefix.
+pub fn format_line(label: &str, x: &DenseHostTensor) -> String {
+    let mut line = String::new();
+    if !label.is_empty() {
+        line.push_str(label);
+        line.push_str(": ");
+    }
+    let _ = write!(line, "{} [", x.metadata());
+    let n = x.numel();
+    let elide = n > 2 * EDGE_ITEMS;
+    let mut first = true;
+    for i in 0..n {
+        if elide && i >= EDGE_ITEMS && i < n - EDGE_ITEMS {
+            if i == EDGE_ITEMS {
+                line.push_str(", ...");
+            }
+            continue;
+        }
+        if !first {
+            line.push_str(", ");
+        }
+        first = false;
+        if let Some(v) = x.get_scalar(i) {
+            let _ = write!(line, "{v}");
+        }
+    }
+    line.push(']');
+    line
+}
+
+pub(crate) fn register(registry: &mut KernelRegistry) {
+    registry.add(&stagecraft_ops::PRINT, print_factory);
+}
+
+fn print_factory(attrs: &Attrs<'_>, _: &[TensorMetadata]) -> Result<Kernel> {
+    let label = attrs.str("label")?.to_string();
+    Ok(Arc::new(move |inputs: Inputs, _: &KernelContext<'_>| {
+        let [x] = take(inputs)?;
+        emit(&format_line(&label, &x));
+        Ok(smallvec![x])
+    }))
+}

@@ -1,3 +1,1964 @@
-//! (being written)
-use crate::KernelRegistry;
-pub(crate) fn register(_registry: &mut KernelRegistry) {}
+//! Elementwise kernels: unary math, broadcasting binary arithmetic and
+//! logic, comparisons, select and cast.
+//!
+//! Broadcasting is planned once per call as a walk over rows (see [`Walk`]):
+//! the innermost run of output elements along which every input is either
+//! contiguous or constant becomes a plain slice loop that LLVM vectorises,
+//! so same-shape and scalar operands are simply the one-row case.
+//!
+//! Unary and binary kernels write into an input's buffer when they hold its
+//! last reference and it already has the output's dtype and shape: a chain
+//! like `-((x * 2) + 1)` then runs in a single buffer.
+
+use crate::numeric::broadcast_strides;
+use crate::{Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use smallvec::{smallvec, SmallVec};
+use stagecraft_ops::{Attrs, BinaryOp, CompareOp, OpKind, UnaryOp};
+use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, Shape, TensorMetadata};
+use std::sync::Arc;
+
+/// Elements per parallel task: enough work to amortise a rayon fork.
+pub(crate) const CHUNK: usize = 1 << 14;
+
+pub(crate) fn register(registry: &mut KernelRegistry) {
+    use stagecraft_ops as ops;
+    let unary = [
+        &ops::NEG,
+        &ops::ABS,
+        &ops::EXP,
+        &ops::LOG,
+        &ops::SQRT,
+        &ops::RSQRT,
+        &ops::TANH,
+        &ops::SIGMOID,
+        &ops::RELU,
+        &ops::GELU,
+        &ops::SIN,
+        &ops::COS,
+        &ops::SIGN,
+        &ops::LOGICAL_NOT,
+    ];
+    for op in unary {
+        registry.add(op, unary_factory);
+    }
+    let binary = [
+        &ops::ADD,
+        &ops::SUB,
+        &ops::MUL,
+        &ops::DIV,
+        &ops::POW,
+        &ops::MAXIMUM,
+        &ops::MINIMUM,
+        &ops::LOGICAL_AND,
+        &ops::LOGICAL_OR,
+    ];
+    for op in binary {
+        registry.add(op, binary_factory);
+    }
+    let compare = [
+        &ops::EQUAL,
+        &ops::NOT_EQUAL,
+        &ops::LESS,
+        &ops::LESS_EQUAL,
+        &ops::GREATER,
+        &ops::GREATER_EQUAL,
+    ];
+    for op in compare {
+        registry.add(op, compare_factory);
+    }
+    registry.add(&ops::SELECT, select_factory);
+    registry.add(&ops::CAST, cast_factory);
+}
+
+// ---------------------------------------------------------------------------
+// Shared helpers (also used by the reduction kernels).
+
+/// Moves exactly `N` inputs out of `inputs`.
+pub(crate) fn take<const N: usize>(inputs: Inputs) -> Result<[DenseHostTensor; N]> {
+    if inputs.len() != N {
+        return Err(Error::internal(format!(
+            "kernel expects {N} inputs, got {}",
+            inputs.len()
+        )));
+    }
+    let mut it = inputs.into_iter();
+    Ok(std::array::from_fn(|_| {
+        it.next().expect("the input count was checked just above")
+    }))
+}
+
+/// The first output's metadata.
+pub(crate) fn out_meta<'a>(ctx: &KernelContext<'a>) -> Result<&'a TensorMetadata> {
+    ctx.outputs
+        .first()
+        .ok_or_else(|| Error::internal("kernel called without output metadata"))
+}
+
+/// True when `x` may be overwritten to become an output of `meta`: no one
+/// else holds its buffer and it already has the right dtype and shape.
+pub(crate) fn reusable(x: &DenseHostTensor, meta: &TensorMetadata) -> bool {
+    x.is_unique() && x.metadata() == meta
+}
+
+/// `out[i] = f(src[i])`, in parallel above the threshold.
+pub(crate) fn map_into<S, D, F>(out: &mut [D], src: &[S], f: F)
+where
+    S: Copy + Sync,
+    D: Send,
+    F: Fn(S) -> D + Sync,
+{
+    fn serial<S: Copy, D>(out: &mut [D], src: &[S], f: &impl Fn(S) -> D) {
+        for (o, &s) in out.iter_mut().zip(src) {
+            *o = f(s);
+        }
+    }
+    if out.len() > PARALLEL_THRESHOLD {
+        out.par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .for_each(|(o, s)| serial(o, s, &f));
+    } else {
+        serial(out, src, &f);
+    }
+}
+
+/// `xs[i] = f(xs[i])`, in parallel above the threshold.
+fn update<T, F>(xs: &mut [T], f: F)
+where
+    T: Copy + Send,
+    F: Fn(T) -> T + Sync,
+{
+    fn serial<T: Copy>(xs: &mut [T], f: &impl Fn(T) -> T) {
+        for x in xs {
+            *x = f(*x);
+        }
+    }
+    if xs.len() > PARALLEL_THRESHOLD {
+        xs.par_chunks_mut(CHUNK).for_each(|c| serial(c, &f));
+    } else {
+        serial(xs, &f);
+    }
+}
+
+/// True for a NaN (false for every non-float type).
+#[inline(always)]
+pub(crate) fn is_nan<T: PartialOrd>(v: T) -> bool {
+    v.partial_cmp(&v).is_none()
+}
+
+/// The larger of two values; a NaN on either side wins.
+#[inline(always)]
+pub(crate) fn nan_max(a: f64, b: f64) -> f64 {
+    if a > b || a.is_nan() {
+        a
+    } else {
+        b
+    }
+}
+
+/// The smaller of two values; a NaN on either side wins.
+#[inline(always)]
+pub(crate) fn nan_min(a: f64, b: f64) -> f64 {
+    if a < b || a.is_nan() {
+        a
+    } else {
+        b
+    }
+}
+
+fn no_kernel(attrs: &Attrs<'_>, dtype: DType) -> Error {
+    Error::dtype(format!("{} has no CPU kernel for {dtype}", attrs.op().name))
+}
+
+// ---------------------------------------------------------------------------
+// Element traits.
+
+/// Floating-point element types, computed through f64: evaluating a
+/// function in f64 (glibc's functions are within 1 ULP there) and rounding
+/// once keeps f32, f16 and bf16 results within 1 ULP of correctly rounded.
+pub(crate) trait Real: Element {
+    /// The value as f64 (exact).
+    fn wide(self) -> f64;
+    /// `v` rounded to this type (to nearest, ties to even).
+    fn narrow(v: f64) -> Self;
+}
+
+impl Real for f64 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn narrow(v: f64) -> f64 {
+        v
+    }
+}
+
+impl Real for f32 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn narrow(v: f64) -> f32 {
+        v as f32
+    }
+}
+
+impl Real for f16 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self.to_f64()
+    }
+    #[inline(always)]
+    fn narrow(v: f64) -> f16 {
+        f16::from_f64(v)
+    }
+}
+
+impl Real for bf16 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self.to_f64()
+    }
+    #[inline(always)]
+    fn narrow(v: f64) -> bf16 {
+        bf16::from_f64(v)
+    }
+}
+
+/// Arithmetic of a numeric element type, in its own precision: integers
+/// wrap, floats round once (f16 and bf16 go through f32, whose extra
+/// precision makes the double rounding of `+ - * /` harmless).
+trait Arith: Element {
+    /// True for the integer types, whose division needs a zero check.
+    const INT: bool;
+    fn add(self, other: Self) -> Self;
+    fn sub(self, other: Self) -> Self;
+    fn mul(self, other: Self) -> Self;
+    /// For integers the caller has checked that `other` is not 0.
+    fn div(self, other: Self) -> Self;
+    fn maximum(self, other: Self) -> Self;
+    fn minimum(self, other: Self) -> Self;
+    fn is_zero(self) -> bool;
+}
+
+macro_rules! int_arith {
+    ($t:ty) => {
+        impl Arith for $t {
+            const INT: bool = true;
+            #[inline(always)]
+            fn add(self, o: $t) -> $t {
+                self.wrapping_add(o)
+            }
+            #[inline(always)]
+            fn sub(self, o: $t) -> $t {
+                self.wrapping_sub(o)
+            }
+            #[inline(always)]
+            fn mul(self, o: $t) -> $t {
+                self.wrapping_mul(o)
+            }
+            #[inline(always)]
+            fn div(self, o: $t) -> $t {
+                // MIN / -1 wraps to MIN instead of trapping; a zero divisor
+                // was rejected before the loop, and mapping it to 1 here
+                // keeps the loop free of a panic path.
+                self.wrapping_div(if o == 0 { 1 } else { o })
+            }
+            #[inline(always)]
+            fn maximum(self, o: $t) -> $t {
+                Ord::max(self, o)
+            }
+            #[inline(always)]
+            fn minimum(self, o: $t) -> $t {
+                Ord::min(self, o)
+            }
+            #[inline(always)]
+            fn is_zero(self) -> bool {
+                self == 0
+            }
+        }
+    };
+}
+int_arith!(i32);
+int_arith!(i64);
+
+macro_rules! float_arith {
+    ($t:ty) => {
+        impl Arith for $t {
+            const INT: bool = false;
+            #[inline(always)]
+            fn add(self, o: $t) -> $t {
+                self + o
+            }
+            #[inline(always)]
+            fn sub(self, o: $t) -> $t {
+                self - o
+            }
+            #[inline(always)]
+            fn mul(self, o: $t) -> $t {
+                self * o
+            }
+            #[inline(always)]
+            fn div(self, o: $t) -> $t {
+                self / o
+            }
+            #[inline(always)]
+            fn maximum(self, o: $t) -> $t {
+                if self > o || self.is_nan() {
+                    self
+                } else {
+                    o
+                }
+            }
+            #[inline(always)]
+            fn minimum(self, o: $t) -> $t {
+                if self < o || self.is_nan() {
+                    self
+                } else {
+                    o
+                }
+            }
+            #[inline(always)]
+            fn is_zero(self) -> bool {
+                self == 0.0
+            }
+        }
+    };
+}
+float_arith!(f32);
+float_arith!(f64);
+
+macro_rules! half_arith {
+    ($t:ty) => {
+        impl Arith for $t {
+            const INT: bool = false;
+            #[inline(always)]
+            fn add(self, o: $t) -> $t {
+                <$t>::from_f32(self.to_f32() + o.to_f32())
+            }
+            #[inline(always)]
+            fn sub(self, o: $t) -> $t {
+                <$t>::from_f32(self.to_f32() - o.to_f32())
+            }
+            #[inline(always)]
+            fn mul(self, o: $t) -> $t {
+                <$t>::from_f32(self.to_f32() * o.to_f32())
+            }
+            #[inline(always)]
+            fn div(self, o: $t) -> $t {
+                <$t>::from_f32(self.to_f32() / o.to_f32())
+            }
+            #[inline(always)]
+            fn maximum(self, o: $t) -> $t {
+                <$t>::from_f32(Arith::maximum(self.to_f32(), o.to_f32()))
+            }
+            #[inline(always)]
+            fn minimum(self, o: $t) -> $t {
+                <$t>::from_f32(Arith::minimum(self.to_f32(), o.to_f32()))
+            }
+            #[inline(always)]
+            fn is_zero(self) -> bool {
+                self.to_f32() == 0.0
+            }
+        }
+    };
+}
+half_arith!(f16);
+half_arith!(bf16);
+
+/// The integer-only unary functions (all wrap on overflow).
+trait IntUnary: Arith + Ord {
+    fn wrapping_neg_(self) -> Self;
+    fn wrapping_abs_(self) -> Self;
+    fn signum_(self) -> Self;
+    fn relu_(self) -> Self;
+}
+
+macro_rules! int_unary_impl {
+    ($t:ty) => {
+        impl IntUnary for $t {
+            #[inline(always)]
+            fn wrapping_neg_(self) -> $t {
+                self.wrapping_neg()
+            }
+            #[inline(always)]
+            fn wrapping_abs_(self) -> $t {
+                self.wrapping_abs()
+            }
+            #[inline(always)]
+            fn signum_(self) -> $t {
+                self.signum()
+            }
+            #[inline(always)]
+            fn relu_(self) -> $t {
+                self.max(0)
+            }
+        }
+    };
+}
+int_unary_impl!(i32);
+int_unary_impl!(i64);
+
+// ---------------------------------------------------------------------------
+// Unary.
+
+/// Logistic sigmoid without overflow: `e^x` is only formed for `x < 0`,
+/// where it is below 1.
+#[inline(always)]
+fn sigmoid(x: f64) -> f64 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+/// Exact GELU, `x·Φ(x)`. `Φ(x) = erfc(-x/√2)/2` is the same function as
+/// `(1 + erf(x/√2))/2` but keeps its relative accuracy for large negative
+/// `x`, where `1 + erf` cancels to 0.
+#[inline(always)]
+fn gelu(x: f64) -> f64 {
+    if x == f64::NEG_INFINITY {
+        // The limit; the formula would give -inf · 0 = NaN.
+        return -0.0;
+    }
+    0.5 * x * libm::erfc(-x * std::f64::consts::FRAC_1_SQRT_2)
+}
+
+#[inline(always)]
+fn relu(x: f64) -> f64 {
+    if x > 0.0 || x.is_nan() {
+        x
+    } else {
+        0.0
+    }
+}
+
+#[inline(always)]
+fn sign(x: f64) -> f64 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        x
+    }
+}
+
+fn unary_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let OpKind::Unary(op) = attrs.op().kind else {
+        return Err(Error::internal(format!(
+            "{} is not a unary op",
+            attrs.op().name
+        )));
+    };
+    let dtype = inputs
+        .first()
+        .ok_or_else(|| Error::internal("unary op without input"))?
+        .dtype;
+    let kernel = match dtype {
+        DType::Bool if op == UnaryOp::Not => Some(unary_kernel(|x: bool| !x)),
+        DType::Bool => None,
+        DType::I32 => int_unary::<i32>(op),
+        DType::I64 => int_unary::<i64>(op),
+        DType::F16 => float_unary::<f16>(op),
+        DType::BF16 => float_unary::<bf16>(op),
+        DType::F32 => float_unary::<f32>(op),
+        DType::F64 => float_unary::<f64>(op),
+    };
+    kernel.ok_or_else(|| no_kernel(attrs, dtype))
+}
+
+fn int_unary<T: IntUnary>(op: UnaryOp) -> Option<Kernel> {
+    Some(match op {
+        UnaryOp::Neg => unary_kernel(T::wrapping_neg_),
+        UnaryOp::Abs => unary_kernel(T::wrapping_abs_),
+        UnaryOp::Sign => unary_kernel(T::signum_),
+        UnaryOp::Relu => unary_kernel(T::relu_),
+        _ => return None,
+    })
+}
+
+/// `f` evaluated in f64 and rounded once to `T`.
+fn via_f64<T: Real>(f: impl Fn(f64) -> f64 + Copy + Send + Sync + 'static) -> Kernel {
+    unary_kernel(move |x: T| T::narrow(f(x.wide())))
+}
+
+fn float_unary<T: Real>(op: UnaryOp) -> Option<Kernel> {
+    Some(match op {
+        UnaryOp::Neg => via_f64::<T>(|x| -x),
+        UnaryOp::Abs => via_f64::<T>(f64::abs),
+        UnaryOp::Exp => via_f64::<T>(f64::exp),
+        UnaryOp::Log => via_f64::<T>(f64::ln),
+        UnaryOp::Sqrt => via_f64::<T>(f64::sqrt),
+        UnaryOp::Rsqrt => via_f64::<T>(|x| 1.0 / x.sqrt()),
+        UnaryOp::Tanh => via_f64::<T>(f64::tanh),
+        UnaryOp::Sigmoid => via_f64::<T>(sigmoid),
+        UnaryOp::Relu => via_f64::<T>(relu),
+        UnaryOp::Gelu => via_f64::<T>(gelu),
+        UnaryOp::Sin => via_f64::<T>(f64::sin),
+        UnaryOp::Cos => via_f64::<T>(f64::cos),
+        UnaryOp::Sign => via_f64::<T>(sign),
+        UnaryOp::Not => return None,
+    })
+}
+
+fn unary_kernel<T, F>(f: F) -> Kernel
+where
+    T: Element,
+    F: Fn(T) -> T + Copy + Send + Sync + 'static,
+{
+    Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
+        let [x] = take(inputs)?;
+        let meta = out_meta(ctx)?;
+        if reusable(&x, meta) {
+            let mut out = x;
+            update(out.as_mut_slice::<T>()?, f);
+            return Ok(smallvec![out]);
+        }
+        let mut out = DenseHostTensor::zeros(meta.clone())?;
+        map_into(out.as_mut_slice::<T>()?, x.as_slice::<T>()?, f);
+        Ok(smallvec![out])
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Broadcast walk.
+
+/// How to visit the output of a broadcasting op with `N` inputs row by row.
+///
+/// The output's size-1 dims are dropped and neighbouring dims merged
+/// wherever every input is either contiguous across both or broadcast
+/// across both. The innermost merged dim is the row: along it each input
+/// has stride 1 (it advances) or 0 (one value repeats). The remaining dims
+/// are walked with per-input strides to find each row's start.
+pub(crate) struct Walk<const N: usize> {
+    outer: SmallVec<[usize; 4]>,
+    outer_strides: [SmallVec<[usize; 4]>; N],
+    inner: usize,
+    /// Each input's stride along a row: 0 or 1.
+    pub(crate) inner_strides: [usize; N],
+}
+
+impl<const N: usize> Walk<N> {
+    /// Plans the walk over `out` for inputs that broadcast to it.
+    pub(crate) fn new(out: &Shape, inputs: [&Shape; N]) -> Walk<N> {
+        let full: [SmallVec<[usize; 4]>; N] = inputs.map(|s| broadcast_strides(s, out));
+        let mut dims: SmallVec<[usize; 4]> = SmallVec::new();
+        let mut strides: [SmallVec<[usize; 4]>; N] = std::array::from_fn(|_| SmallVec::new());
+        for (axis, &d) in out.dims().iter().enumerate() {
+            if d == 1 {
+                continue;
+            }
+            let merge = !dims.is_empty()
+                && strides
+                    .iter()
+                    .zip(&full)
+                    .all(|(s, f)| s.last() == Some(&(f[axis] * d)));
+            if merge {
+                if let Some(last) = dims.last_mut() {
+                    *last *= d;
+                }
+                for (s, f) in strides.iter_mut().zip(&full) {
+                    if let Some(last) = s.last_mut() {
+                        *last = f[axis];
+                    }
+                }
+            } else {
+                dims.push(d);
+                for (s, f) in strides.iter_mut().zip(&full) {
+                    s.push(f[axis]);
+                }
+            }
+        }
+        match dims.pop() {
+            Some(inner) => {
+                let inner_strides = std::array::from_fn(|k| strides[k].pop().unwrap_or(0));
+                Walk {
+                    outer: dims,
+                    outer_strides: strides,
+                    inner,
+                    inner_strides,
+                }
+            }
+            // Every dim is 1: one element, read at offset 0 of each input.
+            None => Walk {
+                outer: dims,
+                outer_strides: strides,
+                inner: 1,
+                inner_strides: [0; N],
+            },
+        }
+    }
+
+    /// Calls `row(out_part, offsets)` for consecutive runs of `out` that lie
+    /// in one row, where `offsets[k]` is where input `k` starts for that run
+    /// (it then advances by `inner_strides[k]` per element). Parallel above
+    /// the threshold.
+    pub(crate) fn run<U: Send>(&self, out: &mut [U], row: impl Fn(&mut [U], [usize; N]) + Sync) {
+        if out.len() > PARALLEL_THRESHOLD {
+            out.par_chunks_mut(CHUNK)
+                .enumerate()
+                .for_each(|(i, part)| self.run_from(part, i * CHUNK, &row));
+        } else if !out.is_empty() {
+            self.run_from(out, 0, &row);
+        }
+    }
+
+    fn run_from<U>(&self, out: &mut [U], start: usize, row: &impl Fn(&mut [U], [usize; N])) {
+        let rank = self.outer.len();
+        let mut index: SmallVec<[usize; 4]> = SmallVec::from_elem(0, rank);
+        let mut rest = start / self.inner;
+        for axis in (0..rank).rev() {
+            index[axis] = rest % self.outer[axis];
+            rest /= self.outer[axis];
+        }
+        let mut base: [usize; N] = std::array::from_fn(|k| {
+            index
+                .iter()
+                .zip(&self.outer_strides[k])
+                .map(|(i, s)| i * s)
+                .sum()
+        });
+        let mut col = start % self.inner;
+        let mut done = 0;
+        while done < out.len() {
+            let len = (self.inner - col).min(out.len() - done);
+            let offsets = std::array::from_fn(|k| base[k] + col * self.inner_strides[k]);
+            row(&mut out[done..done + len], offsets);
+            done += len;
+            col = 0;
+            for axis in (0..rank).rev() {
+                index[axis] += 1;
+                for (b, s) in base.iter_mut().zip(&self.outer_strides) {
+                    *b += s[axis];
+                }
+                if index[axis] < self.outer[axis] {
+                    break;
+                }
+                for (b, s) in base.iter_mut().zip(&self.outer_strides) {
+                    *b -= s[axis] * self.outer[axis];
+                }
+                index[axis] = 0;
+            }
+        }
+    }
+}
+
+/// One input of a row loop: its values and its stride along rows (0 or 1).
+#[derive(Clone, Copy)]
+struct Operand<'a, T> {
+    data: &'a [T],
+    step: usize,
+}
+
+/// `out[j] = f(a[oa + j·sa], b[ob + j·sb])` over one row, with a plain
+/// slice loop for each stride combination.
+#[inline(always)]
+fn zip_row<T: Copy, U>(
+    out: &mut [U],
+    a: Operand<'_, T>,
+    oa: usize,
+    b: Operand<'_, T>,
+    ob: usize,
+    f: impl Fn(T, T) -> U,
+) {
+    let n = out.len();
+    match (a.step, b.step) {
+        (0, 0) => {
+            let (x, y) = (a.data[oa], b.data[ob]);
+            for o in out.iter_mut() {
+                *o = f(x, y);
+            }
+        }
+        (0, _) => {
+            let x = a.data[oa];
+            for (o, &y) in out.iter_mut().zip(&b.data[ob..ob + n]) {
+                *o = f(x, y);
+            }
+        }
+        (_, 0) => {
+            let y = b.data[ob];
+            for (o, &x) in out.iter_mut().zip(&a.data[oa..oa + n]) {
+                *o = f(x, y);
+            }
+        }
+        _ => {
+            for ((o, &x), &y) in out
+                .iter_mut()
+                .zip(&a.data[oa..oa + n])
+                .zip(&b.data[ob..ob + n])
+            {
+                *o = f(x, y);
+            }
+        }
+    }
+}
+
+/// `out[j] = f(out[j], other[o + j·step])` over one row: the in-place form
+/// of [`zip_row`] when `out` holds the other operand.
+#[inline(always)]
+fn update_row<T: Copy>(out: &mut [T], other: Operand<'_, T>, o: usize, f: impl Fn(T, T) -> T) {
+    if other.step == 0 {
+        let y = other.data[o];
+        for v in out.iter_mut() {
+            *v = f(*v, y);
+        }
+    } else {
+        let n = out.len();
+        for (v, &y) in out.iter_mut().zip(&other.data[o..o + n]) {
+            *v = f(*v, y);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Binary.
+
+fn binary_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let OpKind::Binary(op) = attrs.op().kind else {
+        return Err(Error::internal(format!(
+            "{} is not a binary op",
+            attrs.op().name
+        )));
+    };
+    let dtype = inputs
+        .first()
+        .ok_or_else(|| Error::internal("binary op without inputs"))?
+        .dtype;
+    let kernel = match (dtype, op) {
+        (DType::Bool, BinaryOp::And) => Some(binary_kernel(|a: bool, b: bool| a & b)),
+        (DType::Bool, BinaryOp::Or) => Some(binary_kernel(|a: bool, b: bool| a | b)),
+        (DType::Bool, _) => None,
+        (DType::I32, _) => arith_binary::<i32>(op),
+        (DType::I64, _) => arith_binary::<i64>(op),
+        (DType::F16, _) => float_binary::<f16>(op),
+        (DType::BF16, _) => float_binary::<bf16>(op),
+        (DType::F32, _) => float_binary::<f32>(op),
+        (DType::F64, _) => float_binary::<f64>(op),
+    };
+    kernel.ok_or_else(|| no_kernel(attrs, dtype))
+}
+
+fn float_binary<T: Arith + Real>(op: BinaryOp) -> Option<Kernel> {
+    match op {
+        // powf in f64 then one rounding: within 1 ULP for the narrow types.
+        BinaryOp::Pow => Some(binary_kernel(|a: T, b: T| {
+            T::narrow(a.wide().powf(b.wide()))
+        })),
+        _ => arith_binary::<T>(op),
+    }
+}
+
+fn arith_binary<T: Arith>(op: BinaryOp) -> Option<Kernel> {
+    Some(match op {
+        BinaryOp::Add => binary_kernel(T::add),
+        BinaryOp::Sub => binary_kernel(T::sub),
+        BinaryOp::Mul => binary_kernel(T::mul),
+        BinaryOp::Div if T::INT => int_div_kernel::<T>(),
+        BinaryOp::Div => binary_kernel(T::div),
+        BinaryOp::Maximum => binary_kernel(T::maximum),
+        BinaryOp::Minimum => binary_kernel(T::minimum),
+        BinaryOp::Pow | BinaryOp::And | BinaryOp::Or => return None,
+    })
+}
+
+fn binary_kernel<T, F>(f: F) -> Kernel
+where
+    T: Element,
+    F: Fn(T, T) -> T + Copy + Send + Sync + 'static,
+{
+    Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
+        let [a, b] = take(inputs)?;
+        Ok(smallvec![binary_apply(a, b, out_meta(ctx)?, f)?])
+    })
+}
+
+/// Integer division: every divisor element is checked first, so a zero
+/// divisor is an error rather than a trap.
+fn int_div_kernel<T: Arith>() -> Kernel {
+    Arc::new(|inputs: Inputs, ctx: &KernelContext<'_>| {
+        let [a, b] = take(inputs)?;
+        if let Some(i) = b.as_slice::<T>()?.iter().position(|v| v.is_zero()) {
+            return Err(Error::invalid(format!(
+                "integer division by zero: the divisor {} is 0 at flat index {i} \
+                 (every divisor element must be nonzero)",
+                b.metadata()
+            )));
+        }
+        Ok(smallvec![binary_apply(a, b, out_meta(ctx)?, T::div)?])
+    })
+}
+
+/// `f` over broadcast `a` and `b`, writing into `a`'s or `b`'s buffer when
+/// that input is reusable for the output.
+fn binary_apply<T, F>(
+    a: DenseHostTensor,
+    b: DenseHostTensor,
+    meta: &TensorMetadata,
+    f: F,
+) -> Result<DenseHostTensor>
+where
+    T: Element,
+    F: Fn(T, T) -> T + Copy + Send + Sync,
+{
+    let walk = Walk::new(&meta.shape, [a.shape(), b.shape()]);
+    let [sa, sb] = walk.inner_strides;
+    if reusable(&a, meta) {
+        let mut out = a;
+        let other = Operand {
+            data: b.as_slice::<T>()?,
+            step: sb,
+        };
+        walk.run(out.as_mut_slice::<T>()?, |o, [_, ob]| {
+            update_row(o, other, ob, f)
+        });
+        return Ok(out);
+    }
+    if reusable(&b, meta) {
+        let mut out = b;
+        let other = Operand {
+            data: a.as_slice::<T>()?,
+            step: sa,
+        };
+        walk.run(out.as_mut_slice::<T>()?, |o, [oa, _]| {
+            update_row(o, other, oa, |y, x| f(x, y))
+        });
+        return Ok(out);
+    }
+    let mut out = DenseHostTensor::zeros(meta.clone())?;
+    let x = Operand {
+        data: a.as_slice::<T>()?,
+        step: sa,
+    };
+    let y = Operand {
+        data: b.as_slice::<T>()?,
+        step: sb,
+    };
+    walk.run(out.as_mut_slice::<T>()?, |o, [oa, ob]| {
+        zip_row(o, x, oa, y, ob, f)
+    });
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------
+// Compare.
+
+fn compare_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let OpKind::Compare(op) = attrs.op().kind else {
+        return Err(Error::internal(format!(
+            "{} is not a comparison",
+            attrs.op().name
+        )));
+    };
+    let dtype = inputs
+        .first()
+        .ok_or_else(|| Error::internal("comparison without inputs"))?
+        .dtype;
+    Ok(crate::with_any_type!(dtype, T => compare_kernel::<T>(op)))
+}
+
+fn compare_kernel<T: Element>(op: CompareOp) -> Kernel {
+    match op {
+        CompareOp::Eq => compare_with(|a: T, b: T| a == b),
+        CompareOp::Ne => compare_with(|a: T, b: T| a != b),
+        CompareOp::Lt => compare_with(|a: T, b: T| a < b),
+        CompareOp::Le => compare_with(|a: T, b: T| a <= b),
+        CompareOp::Gt => compare_with(|a: T, b: T| a > b),
+        CompareOp::Ge => compare_with(|a: T, b: T| a >= b),
+    }
+}
+
+fn compare_with<T, F>(f: F) -> Kernel
+where
+    T: Element,
+    F: Fn(T, T) -> bool + Copy + Send + Sync + 'static,
+{
+    Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
+        let [a, b] = take(inputs)?;
+        let meta = out_meta(ctx)?;
+        let walk = Walk::new(&meta.shape, [a.shape(), b.shape()]);
+        let [sa, sb] = walk.inner_strides;
+        let x = Operand {
+            data: a.as_slice::<T>()?,
+            step: sa,
+        };
+        let y = Operand {
+            data: b.as_slice::<T>()?,
+            step: sb,
+        };
+        let mut out = DenseHostTensor::zeros(meta.clone())?;
+        walk.run(out.as_mut_slice::<bool>()?, |o, [oa, ob]| {
+            zip_row(o, x, oa, y, ob, f)
+        });
+        Ok(smallvec![out])
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Select.
+
+fn select_factory(_: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let dtype = inputs
+        .get(1)
+        .ok_or_else(|| Error::internal("Select without value inputs"))?
+        .dtype;
+    Ok(crate::with_any_type!(dtype, T => select_kernel::<T>()))
+}
+
+fn select_kernel<T: Element>() -> Kernel {
+    Arc::new(|inputs: Inputs, ctx: &KernelContext<'_>| {
+        let [cond, a, b] = take(inputs)?;
+        let meta = out_meta(ctx)?;
+        let walk = Walk::new(&meta.shape, [cond.shape(), a.shape(), b.shape()]);
+        let [sc, sa, sb] = walk.inner_strides;
+        let c = cond.as_slice::<bool>()?;
+        let (x, y) = (a.as_slice::<T>()?, b.as_slice::<T>()?);
+        let mut out = DenseHostTensor::zeros(meta.clone())?;
+        walk.run(out.as_mut_slice::<T>()?, |o, [oc, oa, ob]| {
+            let n = o.len();
+            if (sc, sa, sb) == (1, 1, 1) {
+                let rows = c[oc..oc + n].iter().zip(&x[oa..oa + n]).zip(&y[ob..ob + n]);
+                for (v, ((&k, &p), &q)) in o.iter_mut().zip(rows) {
+                    *v = if k { p } else { q };
+                }
+            } else {
+                for (j, v) in o.iter_mut().enumerate() {
+                    *v = if c[oc + j * sc] {
+                        x[oa + j * sa]
+                    } else {
+                        y[ob + j * sb]
+                    };
+                }
+            }
+        });
+        Ok(smallvec![out])
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Cast.
+
+/// Conversions from one element type with the rules of `Scalar::cast`
+/// (Rust `as`: floats to integers truncate toward zero and saturate, NaN
+/// becomes 0, i64 to i32 wraps; nonzero becomes `true`; to f16/bf16 rounds
+/// once from the exact value, except i64 which goes through f64 like
+/// `Scalar::cast`).
+trait CastElem: Element {
+    fn cast_bool(self) -> bool;
+    fn cast_i32(self) -> i32;
+    fn cast_i64(self) -> i64;
+    fn cast_f16(self) -> f16;
+    fn cast_bf16(self) -> bf16;
+    fn cast_f32(self) -> f32;
+    fn cast_f64(self) -> f64;
+}
+
+impl CastElem for bool {
+    fn cast_bool(self) -> bool {
+        self
+    }
+    fn cast_i32(self) -> i32 {
+        self as i32
+    }
+    fn cast_i64(self) -> i64 {
+        self as i64
+    }
+    fn cast_f16(self) -> f16 {
+        if self {
+            f16::ONE
+        } else {
+            f16::ZERO
+        }
+    }
+    fn cast_bf16(self) -> bf16 {
+        if self {
+            bf16::ONE
+        } else {
+            bf16::ZERO
+        }
+    }
+    fn cast_f32(self) -> f32 {
+        self as u8 as f32
+    }
+    fn cast_f64(self) -> f64 {
+        self as u8 as f64
+    }
+}
+
+macro_rules! cast_int {
+    ($t:ty) => {
+        impl CastElem for $t {
+            #[inline(always)]
+            fn cast_bool(self) -> bool {
+                self != 0
+            }
+            #[inline(always)]
+            fn cast_i32(self) -> i32 {
+                self as i32
+            }
+            #[inline(always)]
+            fn cast_i64(self) -> i64 {
+                self as i64
+            }
+            #[inline(always)]
+            fn cast_f16(self) -> f16 {
+                f16::from_f64(self as f64)
+            }
+            #[inline(always)]
+            fn cast_bf16(self) -> bf16 {
+                bf16::from_f64(self as f64)
+            }
+            #[inline(always)]
+            fn cast_f32(self) -> f32 {
+                self as f32
+            }
+            #[inline(always)]
+            fn cast_f64(self) -> f64 {
+                self as f64
+            }
+        }
+    };
+}
+cast_int!(i32);
+cast_int!(i64);
+
+macro_rules! cast_float {
+    ($t:ty, $to_half:ident) => {
+        impl CastElem for $t {
+            #[inline(always)]
+            fn cast_bool(self) -> bool {
+                self != 0.0
+            }
+            #[inline(always)]
+            fn cast_i32(self) -> i32 {
+                self as i32
+            }
+            #[inline(always)]
+            fn cast_i64(self) -> i64 {
+                self as i64
+            }
+            #[inline(always)]
+            fn cast_f16(self) -> f16 {
+                f16::$to_half(self)
+            }
+            #[inline(always)]
+            fn cast_bf16(self) -> bf16 {
+                bf16::$to_half(self)
+            }
+            #[inline(always)]
+            fn cast_f32(self) -> f32 {
+                self as f32
+            }
+            #[inline(always)]
+            fn cast_f64(self) -> f64 {
+                self as f64
+            }
+        }
+    };
+}
+cast_float!(f32, from_f32);
+cast_float!(f64, from_f64);
+
+macro_rules! cast_half {
+    ($t:ty) => {
+        impl CastElem for $t {
+            #[inline(always)]
+            fn cast_bool(self) -> bool {
+                self.to_f32() != 0.0
+            }
+            #[inline(always)]
+            fn cast_i32(self) -> i32 {
+                self.to_f32() as i32
+            }
+            #[inline(always)]
+            fn cast_i64(self) -> i64 {
+                self.to_f32() as i64
+            }
+            #[inline(always)]
+            fn cast_f16(self) -> f16 {
+                f16::from_f32(self.to_f32())
+            }
+            #[inline(always)]
+            fn cast_bf16(self) -> bf16 {
+                bf16::from_f32(self.to_f32())
+            }
+            #[inline(always)]
+            fn cast_f32(self) -> f32 {
+                self.to_f32()
+            }
+            #[inline(always)]
+            fn cast_f64(self) -> f64 {
+                self.to_f64()
+            }
+        }
+    };
+}
+cast_half!(f16);
+cast_half!(bf16);
+
+/// A cast destination: picks the matching [`CastElem`] conversion.
+trait CastTarget: Element {
+    fn cast_from<S: CastElem>(s: S) -> Self;
+}
+
+macro_rules! cast_target {
+    ($t:ty, $method:ident) => {
+        impl CastTarget for $t {
+            #[inline(always)]
+            fn cast_from<S: CastElem>(s: S) -> $t {
+                s.$method()
+            }
+        }
+    };
+}
+cast_target!(bool, cast_bool);
+cast_target!(i32, cast_i32);
+cast_target!(i64, cast_i64);
+cast_target!(f16, cast_f16);
+cast_target!(bf16, cast_bf16);
+cast_target!(f32, cast_f32);
+cast_target!(f64, cast_f64);
+
+fn cast_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let to = attrs.dtype("dtype")?;
+    let from = inputs
+        .first()
+        .ok_or_else(|| Error::internal("Cast without input"))?
+        .dtype;
+    if from == to {
+        // Values are immutable, so the output may share the input's buffer.
+        return Ok(Arc::new(|inputs: Inputs, _: &KernelContext<'_>| {
+            let [x] = take(inputs)?;
+            Ok(smallvec![x])
+        }));
+    }
+    Ok(crate::with_any_type!(from, S => crate::with_any_type!(to, D => cast_kernel::<S, D>())))
+}
+
+fn cast_kernel<S: CastElem, D: CastTarget>() -> Kernel {
+    Arc::new(|inputs: Inputs, ctx: &KernelContext<'_>| {
+        let [x] = take(inputs)?;
+        let mut out = DenseHostTensor::zeros(out_meta(ctx)?.clone())?;
+        map_into(
+            out.as_mut_slice::<D>()?,
+            x.as_slice::<S>()?,
+            D::cast_from::<S>,
+        );
+        Ok(smallvec![out])
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::reference::elementwise as reference;
+    use proptest::prelude::*;
+    use stagecraft_ops::{OpAttrs, OpDef};
+    use stagecraft_tensor::{Buffer, Scalar};
+
+    /// Runs `def`'s CPU kernel on `inputs` as the runtime would.
+    pub(crate) fn run(
+        def: &'static OpDef,
+        inputs: Vec<DenseHostTensor>,
+        attrs: &OpAttrs,
+    ) -> Result<DenseHostTensor> {
+        let metas: Vec<TensorMetadata> = inputs.iter().map(|t| t.metadata().clone()).collect();
+        let outputs = def.infer(&metas, attrs)?;
+        let factory = crate::registry()
+            .get(def)
+            .ok_or_else(|| Error::internal(format!("no kernel for {}", def.name)))?;
+        let kernel = factory(&Attrs::new(attrs, def), &metas)?;
+        let ctx = KernelContext {
+            attrs: Attrs::new(attrs, def),
+            outputs: &outputs,
+        };
+        let mut out = kernel(inputs.into_iter().collect(), &ctx)?;
+        assert_eq!(out.len(), 1);
+        let out = out.remove(0);
+        assert_eq!(out.metadata(), &outputs[0], "{} output metadata", def.name);
+        Ok(out)
+    }
+
+    /// A tensor of `dtype` holding `values` converted with the `Cast` rules.
+    pub(crate) fn tensor(dtype: DType, values: &[f64], dims: &[usize]) -> DenseHostTensor {
+        crate::with_any_type!(dtype, T => {
+            let v: Vec<T> = values.iter().map(|&x| T::from_scalar(Scalar::F64(x))).collect();
+            DenseHostTensor::from_slice(&v, dims).unwrap()
+        })
+    }
+
+    /// The values of `t` as f64.
+    pub(crate) fn values(t: &DenseHostTensor) -> Vec<f64> {
+        (0..t.numel())
+            .map(|i| t.get_scalar(i).unwrap().to_f64())
+            .collect()
+    }
+
+    /// Asserts `got` matches `want` to about 2 ULP of `dtype` relative to
+    /// `scale[i]` (or to `|want[i]|` when `scale` is empty); NaN must match
+    /// NaN and infinities exactly.
+    pub(crate) fn assert_close_scaled(
+        dtype: DType,
+        got: &[f64],
+        want: &[f64],
+        scale: &[f64],
+        what: &str,
+    ) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let (rel, abs) = match dtype {
+            DType::F64 => (1e-13, 1e-300),
+            DType::F32 => (2f64.powi(-22), 2f64.powi(-148)),
+            DType::F16 => (2f64.powi(-9), 2f64.powi(-23)),
+            DType::BF16 => (2f64.powi(-6), 2f64.powi(-132)),
+            _ => (0.0, 0.0),
+        };
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            if g == w || (g.is_nan() && w.is_nan()) {
+                continue;
+            }
+            let s = scale.get(i).copied().unwrap_or(w.abs()).max(w.abs());
+            assert!(
+                w.is_finite() && g.is_finite() && (g - w).abs() <= rel * s + abs,
+                "{what} [{dtype}]: element {i}: got {g}, want {w}"
+            );
+        }
+    }
+
+    pub(crate) fn assert_close(dtype: DType, got: &[f64], want: &[f64], what: &str) {
+        assert_close_scaled(dtype, got, want, &[], what)
+    }
+
+    /// A small deterministic generator (xorshift64*).
+    pub(crate) struct Rng(pub(crate) u64);
+
+    impl Rng {
+        pub(crate) fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+        /// Uniform in `[lo, hi)`.
+        pub(crate) fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+            lo + (hi - lo) * ((self.next() >> 11) as f64 / (1u64 << 53) as f64)
+        }
+        /// `n` values suited to `dtype`: floats in [-5, 5) with some
+        /// specials mixed in when `specials`, integers in [-100, 100),
+        /// bools at random.
+        pub(crate) fn values(&mut self, dtype: DType, n: usize, specials: bool) -> Vec<f64> {
+            const SPECIAL: [f64; 6] = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, 1.0];
+            (0..n)
+                .map(|_| match dtype {
+                    DType::Bool => (self.next() % 2) as f64,
+                    DType::I32 | DType::I64 => (self.next() % 200) as f64 - 100.0,
+                    _ if specials && self.next() % 8 == 0 => SPECIAL[(self.next() % 6) as usize],
+                    _ => self.uniform(-5.0, 5.0),
+                })
+                .collect()
+        }
+    }
+
+    const FLOATS: [DType; 4] = [DType::F16, DType::BF16, DType::F32, DType::F64];
+    const NUMERIC: [DType; 6] = [
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+    ];
+
+    const SHAPES: &[&[usize]] = &[
+        &[],
+        &[0],
+        &[1],
+        &[7],
+        &[3, 4],
+        &[2, 0, 3],
+        &[2, 3, 4],
+        &[5, 1, 7],
+        &[40_000],
+    ];
+
+    const UNARY: [(&OpDef, UnaryOp); 14] = [
+        (&stagecraft_ops::NEG, UnaryOp::Neg),
+        (&stagecraft_ops::ABS, UnaryOp::Abs),
+        (&stagecraft_ops::EXP, UnaryOp::Exp),
+        (&stagecraft_ops::LOG, UnaryOp::Log),
+        (&stagecraft_ops::SQRT, UnaryOp::Sqrt),
+        (&stagecraft_ops::RSQRT, UnaryOp::Rsqrt),
+        (&stagecraft_ops::TANH, UnaryOp::Tanh),
+        (&stagecraft_ops::SIGMOID, UnaryOp::Sigmoid),
+        (&stagecraft_ops::RELU, UnaryOp::Relu),
+        (&stagecraft_ops::GELU, UnaryOp::Gelu),
+        (&stagecraft_ops::SIN, UnaryOp::Sin),
+        (&stagecraft_ops::COS, UnaryOp::Cos),
+        (&stagecraft_ops::SIGN, UnaryOp::Sign),
+        (&stagecraft_ops::LOGICAL_NOT, UnaryOp::Not),
+    ];
+
+    #[test]
+    fn unary_ops_match_the_reference() {
+        let none = OpAttrs::new();
+        let mut rng = Rng(1);
+        for (def, op) in UNARY {
+            for dtype in DType::ALL {
+                let meta = TensorMetadata::new(dtype, [2]);
+                if def.infer(&[meta], &none).is_err() {
+                    continue;
+                }
+                for dims in SHAPES {
+                    let n: usize = dims.iter().product();
+                    let x = tensor(dtype, &rng.values(dtype, n, true), dims);
+                    let xs = values(&x);
+                    let got = run(def, vec![x], &none).unwrap();
+                    let want = reference::unary(op, dtype, &xs);
+                    assert_close(
+                        dtype,
+                        &values(&got),
+                        &want,
+                        &format!("{} {dims:?}", def.name),
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn unary_specials() {
+        let none = OpAttrs::new();
+        let f = |def: &'static OpDef, xs: &[f64]| {
+            values(&run(def, vec![tensor(DType::F64, xs, &[xs.len()])], &none).unwrap())
+        };
+        let s = f(
+            &stagecraft_ops::SIGMOID,
+            &[-800.0, -40.0, 0.0, 800.0, f64::NEG_INFINITY, f64::INFINITY],
+        );
+        assert_eq!(s[0], 0.0);
+        assert!((s[1] - 4.248354255291589e-18).abs() < 1e-30, "{}", s[1]);
+        assert_eq!(&s[2..], &[0.5, 1.0, 0.0, 1.0]);
+        let g = f(
+            &stagecraft_ops::GELU,
+            &[-10.0, f64::NEG_INFINITY, f64::INFINITY, 0.0],
+        );
+        assert!(g[0] < 0.0 && g[0] > -1e-21, "gelu(-10) = {}", g[0]);
+        assert_eq!(&g[1..], &[0.0, f64::INFINITY, 0.0]);
+        let r = f(&stagecraft_ops::RSQRT, &[4.0, 0.0, -1.0]);
+        assert_eq!(r[0], 0.5);
+        assert_eq!(r[1], f64::INFINITY);
+        assert!(r[2].is_nan());
+        let sign = f(
+            &stagecraft_ops::SIGN,
+            &[f64::NAN, -0.0, 3.0, f64::NEG_INFINITY],
+        );
+        assert!(sign[0].is_nan());
+        assert_eq!(&sign[1..], &[0.0, 1.0, -1.0]);
+        assert!(f(&stagecraft_ops::RELU, &[f64::NAN])[0].is_nan());
+        // Integers wrap instead of overflowing.
+        let m = DenseHostTensor::from_slice(&[i32::MIN, -5, 7], [3]).unwrap();
+        let neg = run(&stagecraft_ops::NEG, vec![m.clone()], &none).unwrap();
+        assert_eq!(neg.to_vec::<i32>().unwrap(), vec![i32::MIN, 5, -7]);
+        let abs = run(&stagecraft_ops::ABS, vec![m.clone()], &none).unwrap();
+        assert_eq!(abs.to_vec::<i32>().unwrap(), vec![i32::MIN, 5, 7]);
+        let sign = run(&stagecraft_ops::SIGN, vec![m], &none).unwrap();
+        assert_eq!(sign.to_vec::<i32>().unwrap(), vec![-1, -1, 1]);
+    }
+
+    /// Distance from `got` to the exact `truth` in units of the f32 ULP at
+    /// `truth`.
+    fn ulps_f32(got: f32, truth: f64) -> f64 {
+        if got as f64 == truth || (got.is_nan() && truth.is_nan()) {
+            return 0.0;
+        }
+        let t = truth.abs();
+        let ulp = if t < f32::MIN_POSITIVE as f64 {
+            2f64.powi(-149)
+        } else {
+            let exponent = ((t.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+            2f64.powi(exponent - 23)
+        };
+        (got as f64 - truth).abs() / ulp
+    }
+
+    #[test]
+    fn f32_transcendentals_are_within_2_ulp() {
+        const N: usize = 100_000;
+        let linear = |lo: f64, hi: f64| -> Vec<f32> {
+            (0..N)
+                .map(|i| (lo + (hi - lo) * i as f64 / N as f64) as f32)
+                .collect()
+        };
+        let logarithmic = |lo: f64, hi: f64| -> Vec<f32> {
+            (0..N)
+                .map(|i| 10f64.powf(lo + (hi - lo) * i as f64 / N as f64) as f32)
+                .collect()
+        };
+        type Truth = fn(f64) -> f64;
+        let cases: [(&OpDef, Vec<f32>, Truth); 9] = [
+            (&stagecraft_ops::EXP, linear(-87.0, 88.0), f64::exp),
+            (&stagecraft_ops::LOG, logarithmic(-37.0, 38.0), f64::ln),
+            (&stagecraft_ops::TANH, linear(-10.0, 10.0), f64::tanh),
+            (&stagecraft_ops::SIGMOID, linear(-80.0, 80.0), |x| {
+                1.0 / (1.0 + (-x).exp())
+            }),
+            (&stagecraft_ops::SIN, linear(-100.0, 100.0), f64::sin),
+            (&stagecraft_ops::COS, linear(-100.0, 100.0), f64::cos),
+            (&stagecraft_ops::GELU, linear(-10.0, 10.0), |x| {
+                0.5 * x * libm::erfc(-x / std::f64::consts::SQRT_2)
+            }),
+            (&stagecraft_ops::SQRT, logarithmic(-37.0, 38.0), f64::sqrt),
+            (&stagecraft_ops::RSQRT, logarithmic(-37.0, 37.0), |x| {
+                1.0 / x.sqrt()
+            }),
+        ];
+        for (def, xs, truth) in cases {
+            let x = DenseHostTensor::from_slice(&xs, [N]).unwrap();
+            let y = run(def, vec![x], &OpAttrs::new()).unwrap();
+            let worst = y
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .zip(&xs)
+                .map(|(&g, &x)| (ulps_f32(g, truth(x as f64)), x))
+                .fold((0.0, 0.0f32), |a, b| if b.0 > a.0 { b } else { a });
+            assert!(
+                worst.0 <= 2.0,
+                "{}: {} ULP at x = {}",
+                def.name,
+                worst.0,
+                worst.1
+            );
+        }
+    }
+
+    fn binary_ops(dtype: DType) -> Vec<(&'static OpDef, BinaryOp)> {
+        use stagecraft_ops as o;
+        match dtype {
+            DType::Bool => vec![
+                (&o::LOGICAL_AND, BinaryOp::And),
+                (&o::LOGICAL_OR, BinaryOp::Or),
+            ],
+            _ => {
+                let mut ops = vec![
+                    (&o::ADD, BinaryOp::Add),
+                    (&o::SUB, BinaryOp::Sub),
+                    (&o::MUL, BinaryOp::Mul),
+                    (&o::DIV, BinaryOp::Div),
+                    (&o::MAXIMUM, BinaryOp::Maximum),
+                    (&o::MINIMUM, BinaryOp::Minimum),
+                ];
+                if dtype.is_float() {
+                    ops.push((&o::POW, BinaryOp::Pow));
+                }
+                ops
+            }
+        }
+    }
+
+    const PAIRS: &[(&[usize], &[usize])] = &[
+        (&[], &[]),
+        (&[3, 4], &[3, 4]),
+        (&[3, 4], &[]),
+        (&[], &[3, 4]),
+        (&[1], &[5]),
+        (&[3, 1], &[1, 4]),
+        (&[2, 3, 4], &[4]),
+        (&[2, 1, 4], &[3, 1]),
+        (&[5, 1, 7], &[5, 6, 1]),
+        (&[4, 1, 1, 3], &[2, 1, 3]),
+        (&[0, 3], &[1, 3]),
+        (&[2, 0], &[2, 1]),
+        (&[300, 200], &[200]),
+        (&[2, 40_000], &[2, 1]),
+        (&[50_000], &[]),
+        (&[], &[50_000]),
+        (&[40, 1, 30], &[1, 50, 30]),
+    ];
+
+    /// Integer divisors drawn without zeros.
+    fn nonzero(mut v: Vec<f64>) -> Vec<f64> {
+        for x in &mut v {
+            if *x == 0.0 {
+                *x = 3.0;
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn binary_ops_match_the_reference() {
+        let none = OpAttrs::new();
+        let mut rng = Rng(2);
+        for dtype in DType::ALL {
+            for (def, op) in binary_ops(dtype) {
+                for (da, db) in PAIRS {
+                    let na: usize = da.iter().product();
+                    let nb: usize = db.iter().product();
+                    let a = tensor(dtype, &rng.values(dtype, na, true), da);
+                    let mut bv = rng.values(dtype, nb, true);
+                    if dtype.is_int() {
+                        bv = nonzero(bv);
+                    }
+                    let b = tensor(dtype, &bv, db);
+                    let (av, bv) = (values(&a), values(&b));
+                    let got = run(def, vec![a, b], &none).unwrap();
+                    let (want, dims) = reference::binary(op, dtype, &av, da, &bv, db).unwrap();
+                    assert_eq!(got.shape().dims(), dims.as_slice());
+                    assert_close(
+                        dtype,
+                        &values(&got),
+                        &want,
+                        &format!("{} {da:?} {db:?}", def.name),
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn integer_arithmetic_wraps_and_division_checks_zero() {
+        let none = OpAttrs::new();
+        let a = DenseHostTensor::from_slice(&[i64::MIN, i64::MAX, -7, 7], [4]).unwrap();
+        let b = DenseHostTensor::from_slice(&[-1i64, 1, 2, -2], [4]).unwrap();
+        let q = run(&stagecraft_ops::DIV, vec![a.clone(), b.clone()], &none).unwrap();
+        assert_eq!(q.to_vec::<i64>().unwrap(), vec![i64::MIN, i64::MAX, -3, -3]);
+        let s = run(&stagecraft_ops::ADD, vec![a.clone(), b.clone()], &none).unwrap();
+        assert_eq!(s.to_vec::<i64>().unwrap(), vec![i64::MAX, i64::MIN, -5, 5]);
+        let p = run(&stagecraft_ops::MUL, vec![a.clone(), b], &none).unwrap();
+        assert_eq!(p.to_vec::<i64>().unwrap()[0], i64::MIN);
+        let zero = DenseHostTensor::from_slice(&[1i32, 0, 2], [3]).unwrap();
+        let x = DenseHostTensor::from_slice(&[5i32, 5, 5], [3]).unwrap();
+        let err = run(&stagecraft_ops::DIV, vec![x.clone(), zero], &none).unwrap_err();
+        assert!(
+            err.message().contains("division by zero"),
+            "{}",
+            err.message()
+        );
+        assert!(err.message().contains("index 1"), "{}", err.message());
+        let scalar_zero = DenseHostTensor::from_slice(&[0i32], []).unwrap();
+        assert!(run(&stagecraft_ops::DIV, vec![x, scalar_zero], &none).is_err());
+        // Float division by zero is IEEE, not an error.
+        let f = run(
+            &stagecraft_ops::DIV,
+            vec![
+                tensor(DType::F32, &[1.0, 0.0], &[2]),
+                tensor(DType::F32, &[0.0], &[]),
+            ],
+            &none,
+        )
+        .unwrap();
+        let fv = values(&f);
+        assert_eq!(fv[0], f64::INFINITY);
+        assert!(fv[1].is_nan());
+    }
+
+    #[test]
+    fn maximum_and_minimum_propagate_nan() {
+        let none = OpAttrs::new();
+        for dtype in FLOATS {
+            let a = tensor(dtype, &[f64::NAN, 1.0, 2.0, f64::NAN], &[4]);
+            let b = tensor(dtype, &[1.0, f64::NAN, 3.0, f64::NAN], &[4]);
+            for def in [&stagecraft_ops::MAXIMUM, &stagecraft_ops::MINIMUM] {
+                let v = values(&run(def, vec![a.clone(), b.clone()], &none).unwrap());
+                assert!(
+                    v[0].is_nan() && v[1].is_nan() && v[3].is_nan(),
+                    "{} {dtype}: {v:?}",
+                    def.name
+                );
+                assert_eq!(
+                    v[2],
+                    if def == &stagecraft_ops::MAXIMUM {
+                        3.0
+                    } else {
+                        2.0
+                    }
+                );
+            }
+        }
+    }
+
+    const COMPARE: [(&OpDef, CompareOp); 6] = [
+        (&stagecraft_ops::EQUAL, CompareOp::Eq),
+        (&stagecraft_ops::NOT_EQUAL, CompareOp::Ne),
+        (&stagecraft_ops::LESS, CompareOp::Lt),
+        (&stagecraft_ops::LESS_EQUAL, CompareOp::Le),
+        (&stagecraft_ops::GREATER, CompareOp::Gt),
+        (&stagecraft_ops::GREATER_EQUAL, CompareOp::Ge),
+    ];
+
+    #[test]
+    fn comparisons_match_the_reference() {
+        let none = OpAttrs::new();
+        let mut rng = Rng(3);
+        for dtype in DType::ALL {
+            for (def, op) in COMPARE {
+                for (da, db) in PAIRS {
+                    let na: usize = da.iter().product();
+                    let nb: usize = db.iter().product();
+                    // Few distinct values, so that equality happens.
+                    let round = |v: Vec<f64>| -> Vec<f64> {
+                        v.into_iter()
+                            .map(|x| if x.is_finite() { x.round() } else { x })
+                            .collect()
+                    };
+                    let a = tensor(dtype, &round(rng.values(dtype, na, true)), da);
+                    let b = tensor(dtype, &round(rng.values(dtype, nb, true)), db);
+                    let (av, bv) = (values(&a), values(&b));
+                    let got = run(def, vec![a, b], &none).unwrap();
+                    assert_eq!(got.dtype(), DType::Bool);
+                    let (want, dims) = reference::compare(op, &av, da, &bv, db).unwrap();
+                    assert_eq!(got.shape().dims(), dims.as_slice());
+                    assert_eq!(values(&got), want, "{} {dtype} {da:?} {db:?}", def.name);
+                }
+            }
+        }
+        let nan = tensor(DType::F32, &[f64::NAN], &[1]);
+        let eq = run(
+            &stagecraft_ops::EQUAL,
+            vec![nan.clone(), nan.clone()],
+            &none,
+        )
+        .unwrap();
+        let ne = run(&stagecraft_ops::NOT_EQUAL, vec![nan.clone(), nan], &none).unwrap();
+        assert_eq!(
+            (
+                eq.to_vec::<bool>().unwrap()[0],
+                ne.to_vec::<bool>().unwrap()[0]
+            ),
+            (false, true)
+        );
+    }
+
+    #[test]
+    fn select_matches_the_reference() {
+        let none = OpAttrs::new();
+        let mut rng = Rng(4);
+        let triples: &[(&[usize], &[usize], &[usize])] = &[
+            (&[], &[], &[]),
+            (&[4], &[4], &[4]),
+            (&[3, 1], &[4], &[]),
+            (&[], &[2, 3], &[3]),
+            (&[2, 1, 3], &[1, 4, 1], &[2, 4, 3]),
+            (&[0, 2], &[1, 2], &[2]),
+            (&[300, 200], &[300, 200], &[300, 200]),
+            (&[200], &[300, 1], &[]),
+        ];
+        for dtype in DType::ALL {
+            for (dc, da, db) in triples {
+                let n = |d: &[usize]| d.iter().product::<usize>();
+                let c = tensor(DType::Bool, &rng.values(DType::Bool, n(dc), false), dc);
+                let a = tensor(dtype, &rng.values(dtype, n(da), true), da);
+                let b = tensor(dtype, &rng.values(dtype, n(db), true), db);
+                let (cv, av, bv) = (values(&c), values(&a), values(&b));
+                let got = run(&stagecraft_ops::SELECT, vec![c, a, b], &none).unwrap();
+                let (want, dims) = reference::select(&cv, dc, &av, da, &bv, db).unwrap();
+                assert_eq!(got.shape().dims(), dims.as_slice());
+                assert_close(
+                    dtype,
+                    &values(&got),
+                    &want,
+                    &format!("Select {dtype} {dc:?} {da:?} {db:?}"),
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn cast_follows_scalar_cast_for_every_pair() {
+        let specials = [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            1.5,
+            -2.7,
+            0.1,
+            1e-8,
+            255.9,
+            65504.0,
+            70000.0,
+            3e9,
+            -3e9,
+            1e20,
+            -1e20,
+            3e38,
+            1e300,
+            2147483647.0,
+            -2147483648.0,
+            9.007199254740993e15,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+        ];
+        let mut rng = Rng(5);
+        for from in DType::ALL {
+            let mut xs = specials.to_vec();
+            xs.extend(rng.values(from, 40_000, true));
+            let x = tensor(from, &xs, &[xs.len()]);
+            let mut extra = vec![x.clone()];
+            if from == DType::I64 {
+                extra.push(
+                    DenseHostTensor::from_slice(
+                        &[i64::MIN, i64::MAX, (1 << 40) + 1, -(1 << 33) - 5],
+                        [4],
+                    )
+                    .unwrap(),
+                );
+            }
+            if from == DType::I32 {
+                extra.push(
+                    DenseHostTensor::from_slice(&[i32::MIN, i32::MAX, 16_777_217], [3]).unwrap(),
+                );
+            }
+            for to in DType::ALL {
+                let mut attrs = OpAttrs::new();
+                attrs.set_dtype("dtype", to);
+                for x in &extra {
+                    let y = run(&stagecraft_ops::CAST, vec![x.clone()], &attrs).unwrap();
+                    assert_eq!(y.dtype(), to);
+                    for i in 0..x.numel() {
+                        let want = x.get_scalar(i).unwrap().cast(to);
+                        let got = y.get_scalar(i).unwrap();
+                        let both_nan = got.to_f64().is_nan() && want.to_f64().is_nan();
+                        assert!(
+                            got == want || both_nan,
+                            "{from}->{to}: {} gave {got}, want {want}",
+                            x.get_scalar(i).unwrap()
+                        );
+                    }
+                    let want = reference::cast(&values(x), from, to);
+                    if from != DType::I64 {
+                        assert_close(to, &values(&y), &want, &format!("cast {from}->{to}"));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cast_to_the_same_dtype_shares_the_buffer() {
+        let x = tensor(DType::F32, &[1.0, 2.0], &[2]);
+        let keep = x.clone();
+        let mut attrs = OpAttrs::new();
+        attrs.set_dtype("dtype", DType::F32);
+        let y = run(&stagecraft_ops::CAST, vec![x], &attrs).unwrap();
+        assert!(y.buffer().ptr_eq(keep.buffer()));
+    }
+
+    fn address(t: &DenseHostTensor) -> usize {
+        t.buffer().bytes().as_ptr() as usize
+    }
+
+    /// Runs `op` and reports whether the output landed in the buffer at
+    /// `input_at` and whether any buffer was allocated meanwhile. The
+    /// allocation counter is process-wide and other tests allocate on other
+    /// threads, so a growth may be someone else's: a no-growth reading in
+    /// any of several tries is what proves the kernel allocated nothing.
+    fn reuses(
+        make: impl Fn() -> Vec<DenseHostTensor>,
+        def: &'static OpDef,
+        which: usize,
+    ) -> (bool, bool) {
+        let mut same_buffer = true;
+        for _ in 0..200 {
+            let inputs = make();
+            let at = address(&inputs[which]);
+            let before = Buffer::allocation_count();
+            let out = run(def, inputs, &OpAttrs::new()).unwrap();
+            let after = Buffer::allocation_count();
+            same_buffer &= address(&out) == at;
+            if after == before {
+                return (same_buffer, false);
+            }
+        }
+        (same_buffer, true)
+    }
+
+    #[test]
+    fn unique_inputs_are_overwritten_in_place() {
+        let n = 50_000;
+        let big = || tensor(DType::F32, &vec![1.5; n], &[n]);
+        let row = || tensor(DType::F32, &[2.0; 100], &[100]);
+        let matrix = || tensor(DType::F32, &vec![1.0; 500 * 100], &[500, 100]);
+        let cases: Vec<(Box<dyn Fn() -> Vec<DenseHostTensor>>, &'static OpDef, usize)> = vec![
+            (Box::new(move || vec![big()]), &stagecraft_ops::EXP, 0),
+            (Box::new(move || vec![big()]), &stagecraft_ops::NEG, 0),
+            (
+                Box::new(move || vec![big(), big()]),
+                &stagecraft_ops::ADD,
+                0,
+            ),
+            (
+                Box::new(move || vec![tensor(DType::F32, &[2.0], &[]), big()]),
+                &stagecraft_ops::MUL,
+                1,
+            ),
+            (
+                Box::new(move || vec![big(), tensor(DType::F32, &[2.0], &[])]),
+                &stagecraft_ops::SUB,
+                0,
+            ),
+            (
+                Box::new(move || vec![row(), matrix()]),
+                &stagecraft_ops::SUB,
+                1,
+            ),
+            (
+                Box::new(move || vec![matrix(), row()]),
+                &stagecraft_ops::DIV,
+                0,
+            ),
+        ];
+        for (make, def, which) in cases {
+            let (same, allocated) = reuses(&make, def, which);
+            assert!(same, "{}: output not in input {which}'s buffer", def.name);
+            assert!(!allocated, "{}: allocated a buffer", def.name);
+        }
+        // And the values are right.
+        let out = run(&stagecraft_ops::SUB, vec![row(), matrix()], &OpAttrs::new()).unwrap();
+        assert!(out.as_slice::<f32>().unwrap().iter().all(|&v| v == 1.0));
+        let out = run(&stagecraft_ops::DIV, vec![matrix(), row()], &OpAttrs::new()).unwrap();
+        assert!(out.as_slice::<f32>().unwrap().iter().all(|&v| v == 0.5));
+    }
+
+    #[test]
+    fn shared_inputs_are_not_overwritten() {
+        let none = OpAttrs::new();
+        let a = tensor(DType::F32, &[1.0, 2.0, 3.0], &[3]);
+        let b = tensor(DType::F32, &[10.0, 20.0, 30.0], &[3]);
+        let (keep_a, keep_b) = (a.clone(), b.clone());
+        let c = run(&stagecraft_ops::ADD, vec![a, b], &none).unwrap();
+        assert!(!c.buffer().ptr_eq(keep_a.buffer()) && !c.buffer().ptr_eq(keep_b.buffer()));
+        assert_eq!(keep_a.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+        assert_eq!(keep_b.to_vec::<f32>().unwrap(), vec![10.0, 20.0, 30.0]);
+        assert_eq!(c.to_vec::<f32>().unwrap(), vec![11.0, 22.0, 33.0]);
+        let e = run(&stagecraft_ops::EXP, vec![keep_a.clone()], &none).unwrap();
+        assert!(!e.buffer().ptr_eq(keep_a.buffer()));
+        assert_eq!(keep_a.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+        // A unique input of the wrong shape (broadcast) or dtype is not reused.
+        let small = tensor(DType::F32, &[1.0], &[1]);
+        let at = address(&small);
+        let out = run(
+            &stagecraft_ops::ADD,
+            vec![small, tensor(DType::F32, &[1.0, 2.0], &[2])],
+            &none,
+        )
+        .unwrap();
+        assert_ne!(address(&out), at);
+        assert_eq!(out.to_vec::<f32>().unwrap(), vec![2.0, 3.0]);
+        let bools = tensor(DType::F32, &[1.0, 2.0], &[2]);
+        let at = address(&bools);
+        let out = run(
+            &stagecraft_ops::LESS,
+            vec![bools, tensor(DType::F32, &[1.5], &[])],
+            &none,
+        )
+        .unwrap();
+        assert_ne!(address(&out), at);
+        assert_eq!(out.to_vec::<bool>().unwrap(), vec![true, false]);
+    }
+
+    #[test]
+    fn walk_merges_dims_and_splits_rows() {
+        let out = Shape::new(&[2, 3, 4]);
+        let w = Walk::new(&out, [&Shape::new(&[2, 3, 4]), &Shape::new(&[4])]);
+        assert_eq!(
+            (w.outer.as_slice(), w.inner, w.inner_strides),
+            (&[6][..], 4, [1, 1])
+        );
+        let w = Walk::new(&out, [&Shape::new(&[2, 3, 4]), &Shape::new(&[2, 3, 4])]);
+        assert_eq!((w.outer.len(), w.inner), (0, 24));
+        let w = Walk::new(&out, [&Shape::new(&[2, 3, 1]), &Shape::new(&[])]);
+        assert_eq!(
+            (w.outer.as_slice(), w.inner, w.inner_strides),
+            (&[6][..], 4, [0, 0])
+        );
+        // Runs that start mid-row (as parallel chunks do) see the right offsets.
+        let w = Walk::new(&out, [&Shape::new(&[2, 1, 4]), &Shape::new(&[3, 1])]);
+        for start in [0, 5, 11, 23] {
+            let mut cells: Vec<[usize; 2]> = vec![[usize::MAX; 2]; 24 - start];
+            w.run_from(&mut cells, start, &|part: &mut [[usize; 2]], offs| {
+                for (j, cell) in part.iter_mut().enumerate() {
+                    *cell = [
+                        offs[0] + j * w.inner_strides[0],
+                        offs[1] + j * w.inner_strides[1],
+                    ];
+                }
+            });
+            for (i, offs) in cells.iter().enumerate() {
+                let flat = start + i;
+                let (a, b, c) = (flat / 12, flat / 4 % 3, flat % 4);
+                assert_eq!(*offs, [a * 4 + c, b], "element {flat} from {start}");
+            }
+        }
+    }
+
+    /// Two shapes that broadcast together: an output shape and, per input,
+    /// each dim kept or set to 1 and some leading dims dropped.
+    fn broadcast_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
+        prop::collection::vec(0usize..5, 0..5).prop_flat_map(|out| {
+            let rank = out.len();
+            (
+                Just(out),
+                prop::collection::vec(any::<bool>(), rank),
+                prop::collection::vec(any::<bool>(), rank),
+                0..=rank,
+                0..=rank,
+            )
+                .prop_map(|(out, ka, kb, drop_a, drop_b)| {
+                    let pick = |keep: &[bool], drop: usize| -> Vec<usize> {
+                        out.iter()
+                            .zip(keep)
+                            .skip(drop)
+                            .map(|(&d, &k)| if k { d } else { 1 })
+                            .collect()
+                    };
+                    (pick(&ka, drop_a), pick(&kb, drop_b))
+                })
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn broadcasting_binary_ops_match_the_reference((da, db) in broadcast_pair(), seed in any::<u64>(), dtype_pick in 0usize..6) {
+            let dtype = NUMERIC[dtype_pick];
+            let mut rng = Rng(seed | 1);
+            let na: usize = da.iter().product();
+            let nb: usize = db.iter().product();
+            let a = tensor(dtype, &rng.values(dtype, na, true), &da);
+            let b = tensor(dtype, &nonzero(rng.values(dtype, nb, true)), &db);
+            let (av, bv) = (values(&a), values(&b));
+            for (def, op) in binary_ops(dtype) {
+                let got = run(def, vec![a.clone(), b.clone()], &OpAttrs::new()).unwrap();
+                let (want, dims) = reference::binary(op, dtype, &av, &da, &bv, &db).unwrap();
+                prop_assert_eq!(got.shape().dims(), dims.as_slice());
+                assert_close(dtype, &values(&got), &want, def.name);
+            }
+            let got = run(&stagecraft_ops::LESS_EQUAL, vec![a, b], &OpAttrs::new()).unwrap();
+            let (want, _) = reference::compare(CompareOp::Le, &av, &da, &bv, &db).unwrap();
+            prop_assert_eq!(values(&got), want);
+        }
+
+        #[test]
+        fn select_broadcasts_three_ways((dc, da) in broadcast_pair(), (_, db) in broadcast_pair(), seed in any::<u64>()) {
+            let mut rng = Rng(seed | 1);
+            let n = |d: &[usize]| d.iter().product::<usize>();
+            prop_assume!(reference::broadcast_dims(&[&dc, &da, &db]).is_ok());
+            let c = tensor(DType::Bool, &rng.values(DType::Bool, n(&dc), false), &dc);
+            let a = tensor(DType::F32, &rng.values(DType::F32, n(&da), false), &da);
+            let b = tensor(DType::F32, &rng.values(DType::F32, n(&db), false), &db);
+            let (cv, av, bv) = (values(&c), values(&a), values(&b));
+            let got = run(&stagecraft_ops::SELECT, vec![c, a, b], &OpAttrs::new()).unwrap();
+            let (want, dims) = reference::select(&cv, &dc, &av, &da, &bv, &db).unwrap();
+            prop_assert_eq!(got.shape().dims(), dims.as_slice());
+            prop_assert_eq!(values(&got), want);
+        }
+    }
+}

@@ -3,7 +3,7 @@
 use crate::KernelRegistry;
 
 mod creation;
-mod effects;
+pub(crate) mod effects;
 mod elementwise;
 mod linalg;
 mod nn;

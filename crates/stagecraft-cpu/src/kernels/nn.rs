@@ -1,3 +1,351 @@
-//! (being written)
-use crate::KernelRegistry;
-pub(crate) fn register(_registry: &mut KernelRegistry) {}
+//! Convolution (im2col + GEMM) and pooling on NCHW images.
+
+use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
+use crate::kernels::linalg::{gemm_into, GemmElement};
+use crate::Inputs;
+use half::{bf16, f16};
+use rayon::prelude::*;
+use smallvec::smallvec;
+use stagecraft_ops::{conv2d_window, pool_window, Attrs, Window2d};
+use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, TensorMetadata};
+use std::sync::Arc;
+
+pub(crate) fn register(registry: &mut KernelRegistry) {
+    registry.add(&stagecraft_ops::CONV2D, conv2d_factory);
+    registry.add(&stagecraft_ops::MAX_POOL2D, max_pool_factory);
+    registry.add(&stagecraft_ops::AVG_POOL2D, avg_pool_factory);
+}
+
+/// Runs `f` on f32 copies of half-precision inputs and rounds the result
+/// back, so f16/bf16 share the f32 kernels (and accumulate in f32).
+fn via_f32(inputs: &[&DenseHostTensor], out: &TensorMetadata, f: impl Fn(&[&DenseHostTensor], &TensorMetadata) -> Result<DenseHostTensor>) -> Result<DenseHostTensor> {
+    fn widen(t: &DenseHostTensor) -> Result<DenseHostTensor> {
+        let v: Vec<f32> = match t.dtype() {
+            DType::F16 => t.as_slice::<f16>()?.iter().map(|x| x.to_f32()).collect(),
+            DType::BF16 => t.as_slice::<bf16>()?.iter().map(|x| x.to_f32()).collect(),
+            other => return Err(Error::internal(format!("via_f32 called on {other}"))),
+        };
+        DenseHostTensor::from_slice(&v, t.shape().clone())
+    }
+    let wide: Vec<DenseHostTensor> = inputs.iter().map(|t| widen(t)).collect::<Result<_>>()?;
+    let refs: Vec<&DenseHostTensor> = wide.iter().collect();
+    let r = f(&refs, &TensorMetadata::new(DType::F32, out.shape.clone()))?;
+    let r = r.as_slice::<f32>()?;
+    match out.dtype {
+        DType::F16 => DenseHostTensor::from_slice(&r.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(), out.shape.clone()),
+        _ => DenseHostTensor::from_slice(&r.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), out.shape.clone()),
+    }
+}
+
+struct ConvGeometry {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    o: usize,
+    oh: usize,
+    ow: usize,
+    groups: usize,
+    win: Window2d,
+}
+
+/// Writes the im2col matrix of one image and one channel group:
+/// rows = (channel, kh, kw), columns = output pixels.
+fn im2col<T: Element>(x: &[T], g: &ConvGeometry, group: usize, cols: &mut [T]) {
+    let cg = g.c / g.groups;
+    let (kh, kw) = (g.win.kernel[0], g.win.kernel[1]);
+    let pixels = g.oh * g.ow;
+    for ci in 0..cg {
+        let plane = &x[(group * cg + ci) * g.h * g.w..][..g.h * g.w];
+        for ki in 0..kh {
+            for kj in 0..kw {
+                let row = &mut cols[((ci * kh + ki) * kw + kj) * pixels..][..pixels];
+                for oy in 0..g.oh {
+                    let iy = (oy * g.win.stride[0] + ki * g.win.dilation[0]) as isize - g.win.padding[0] as isize;
+                    let out_row = &mut row[oy * g.ow..(oy + 1) * g.ow];
+                    if iy < 0 || iy >= g.h as isize {
+                        out_row.fill(T::default());
+                        continue;
+                    }
+                    let src = &plane[iy as usize * g.w..][..g.w];
+                    for (ox, v) in out_row.iter_mut().enumerate() {
+                        let ix = (ox * g.win.stride[1] + kj * g.win.dilation[1]) as isize - g.win.padding[1] as isize;
+                        *v = if ix < 0 || ix >= g.w as isize { T::default() } else { src[ix as usize] };
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn conv2d_typed<T: GemmElement + Send + Sync>(x: &DenseHostTensor, w: &DenseHostTensor, meta: &TensorMetadata, win: Window2d, groups: usize) -> Result<DenseHostTensor> {
+    let xs = x.shape();
+    let g = ConvGeometry {
+        n: xs[0],
+        c: xs[1],
+        h: xs[2],
+        w: xs[3],
+        o: w.shape()[0],
+        oh: meta.shape[2],
+        ow: meta.shape[3],
+        groups,
+        win,
+    };
+    let mut out = DenseHostTensor::zeros(meta.clone())?;
+    let (xv, wv) = (x.as_slice::<T>()?, w.as_slice::<T>()?);
+    let pixels = g.oh * g.ow;
+    let (cg, og) = (g.c / groups, g.o / groups);
+    let patch = cg * win.kernel[0] * win.kernel[1];
+    let image_out = g.o * pixels;
+    if image_out == 0 || g.n == 0 {
+        return Ok(out);
+    }
+    let per_image = |(image, y): (usize, &mut [T]), parallel_gemm: bool| {
+        let x_img = &xv[image * g.c * g.h * g.w..][..g.c * g.h * g.w];
+        let mut cols = vec![T::default(); patch * pixels];
+        for group in 0..groups {
+            im2col(x_img, &g, group, &mut cols);
+            let w_g = &wv[group * og * patch..][..og * patch];
+            let y_g = &mut y[group * og * pixels..][..og * pixels];
+            gemm_into(og, pixels, patch, w_g, &cols, y_g, parallel_gemm);
+        }
+    };
+    let y = out.as_mut_slice::<T>()?;
+    if g.n > 1 && g.n * image_out * patch >= crate::PARALLEL_THRESHOLD {
+        y.par_chunks_mut(image_out).enumerate().for_each(|item| per_image(item, false));
+    } else {
+        y.chunks_mut(image_out).enumerate().for_each(|item| per_image(item, true));
+    }
+    Ok(out)
+}
+
+fn conv2d_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let w = &inputs[1].shape;
+    let win = conv2d_window(attrs, [w[2], w[3]])?;
+    let groups = attrs.int("groups")? as usize;
+    let dtype = inputs[0].dtype;
+    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+        let (x, w, meta) = (&inputs[0], &inputs[1], &ctx.outputs[0]);
+        let out = match dtype {
+            DType::F32 => conv2d_typed::<f32>(x, w, meta, win, groups)?,
+            DType::F64 => conv2d_typed::<f64>(x, w, meta, win, groups)?,
+            _ => via_f32(&[x, w], meta, |t, m| conv2d_typed::<f32>(t[0], t[1], m, win, groups))?,
+        };
+        Ok(smallvec![out])
+    }))
+}
+
+/// Applies `reduce` to every pooling window of every (image, channel)
+/// plane; `reduce(window values, count of in-bounds taps)`.
+fn pool<T: Element + Send + Sync>(x: &DenseHostTensor, meta: &TensorMetadata, win: Window2d, reduce: impl Fn(&mut dyn Iterator<Item = T>, usize) -> T + Sync) -> Result<DenseHostTensor> {
+    let xs = x.shape();
+    let (h, w) = (xs[2], xs[3]);
+    let (oh, ow) = (meta.shape[2], meta.shape[3]);
+    let mut out = DenseHostTensor::zeros(meta.clone())?;
+    let xv = x.as_slice::<T>()?;
+    if oh * ow == 0 {
+        return Ok(out);
+    }
+    let plane_job = |(p, y): (usize, &mut [T])| {
+        let plane = &xv[p * h * w..][..h * w];
+        for oy in 0..oh {
+            let y0 = (oy * win.stride[0]) as isize - win.padding[0] as isize;
+            let (ys, ye) = (y0.max(0) as usize, ((y0 + win.kernel[0] as isize).min(h as isize)).max(0) as usize);
+            for ox in 0..ow {
+                let x0 = (ox * win.stride[1]) as isize - win.padding[1] as isize;
+                let (xs_, xe) = (x0.max(0) as usize, ((x0 + win.kernel[1] as isize).min(w as isize)).max(0) as usize);
+                let count = ye.saturating_sub(ys) * xe.saturating_sub(xs_);
+                let mut taps = (ys..ye).flat_map(|iy| plane[iy * w + xs_..iy * w + xe].iter().copied());
+                y[oy * ow + ox] = reduce(&mut taps, count);
+            }
+        }
+    };
+    let y = out.as_mut_slice::<T>()?;
+    if y.len() >= crate::PARALLEL_THRESHOLD {
+        y.par_chunks_mut(oh * ow).enumerate().for_each(plane_job);
+    } else {
+        y.chunks_mut(oh * ow).enumerate().for_each(plane_job);
+    }
+    Ok(out)
+}
+
+fn max_pool_typed<T: Element + Send + Sync + num_like::Float>(x: &DenseHostTensor, meta: &TensorMetadata, win: Window2d) -> Result<DenseHostTensor> {
+    pool::<T>(x, meta, win, |taps, _| {
+        // NaN wins, as in the Max reduction.
+        taps.fold(T::NEG_INF, |m, v| if v.is_nan() || m.is_nan() { T::NAN } else if v > m { v } else { m })
+    })
+}
+
+fn avg_pool_typed<T: Element + Send + Sync + num_like::Float>(x: &DenseHostTensor, meta: &TensorMetadata, win: Window2d, include_pad: bool) -> Result<DenseHostTensor> {
+    let full = win.kernel[0] * win.kernel[1];
+    pool::<T>(x, meta, win, |taps, count| {
+        let sum: f64 = taps.map(Element::to_f64).sum();
+        // Windows never pass the padded edge (no ceil mode), so counting
+        // padding means dividing by the whole window.
+        let divisor = if include_pad { full } else { count.max(1) };
+        <T as num_like::Float>::from_f64(sum / divisor as f64)
+    })
+}
+
+/// The few float operations pooling needs, for f32 and f64.
+mod num_like {
+    pub trait Float: Copy + PartialOrd {
+        const NEG_INF: Self;
+        const NAN: Self;
+        fn is_nan(self) -> bool;
+        fn from_f64(v: f64) -> Self;
+    }
+    impl Float for f32 {
+        const NEG_INF: f32 = f32::NEG_INFINITY;
+        const NAN: f32 = f32::NAN;
+        fn is_nan(self) -> bool {
+            f32::is_nan(self)
+        }
+        fn from_f64(v: f64) -> f32 {
+            v as f32
+        }
+    }
+    impl Float for f64 {
+        const NEG_INF: f64 = f64::NEG_INFINITY;
+        const NAN: f64 = f64::NAN;
+        fn is_nan(self) -> bool {
+            f64::is_nan(self)
+        }
+        fn from_f64(v: f64) -> f64 {
+            v
+        }
+    }
+}
+
+fn max_pool_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let win = pool_window(attrs)?;
+    let dtype = inputs[0].dtype;
+    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+        let (x, meta) = (&inputs[0], &ctx.outputs[0]);
+        Ok(smallvec![match dtype {
+            DType::F32 => max_pool_typed::<f32>(x, meta, win)?,
+            DType::F64 => max_pool_typed::<f64>(x, meta, win)?,
+            _ => via_f32(&[x], meta, |t, m| max_pool_typed::<f32>(t[0], m, win))?,
+        }])
+    }))
+}
+
+fn avg_pool_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let win = pool_window(attrs)?;
+    let include_pad = attrs.bool("count_include_pad")?;
+    let dtype = inputs[0].dtype;
+    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+        let (x, meta) = (&inputs[0], &ctx.outputs[0]);
+        Ok(smallvec![match dtype {
+            DType::F32 => avg_pool_typed::<f32>(x, meta, win, include_pad)?,
+            DType::F64 => avg_pool_typed::<f64>(x, meta, win, include_pad)?,
+            _ => via_f32(&[x], meta, |t, m| avg_pool_typed::<f32>(t[0], m, win, include_pad))?,
+        }])
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::nn as reference;
+    use proptest::prelude::*;
+    use stagecraft_ops::{OpAttrs, OpDef};
+
+    fn run(def: &'static OpDef, inputs: &[DenseHostTensor], attrs: &OpAttrs) -> Result<DenseHostTensor> {
+        let metas: Vec<TensorMetadata> = inputs.iter().map(|t| t.metadata().clone()).collect();
+        let out = def.infer(&metas, attrs)?;
+        let k = (crate::registry().get(def).unwrap())(&Attrs::new(attrs, def), &metas)?;
+        let mut res = k(inputs.iter().cloned().collect(), &KernelContext { attrs: Attrs::new(attrs, def), outputs: &out })?;
+        Ok(res.remove(0))
+    }
+
+    fn values(n: usize, seed: usize) -> Vec<f64> {
+        (0..n).map(|i| (((i * 7919 + seed * 104729) % 997) as f64 - 498.0) / 200.0).collect()
+    }
+
+    fn close(got: &[f64], want: &[f64], tol: f64) {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= tol * (1.0 + w.abs()) || (g.is_nan() && w.is_nan()), "{g} vs {w}");
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check_conv(n: usize, c: usize, h: usize, w: usize, o: usize, k: [usize; 2], stride: [usize; 2], pad: [usize; 2], dil: [usize; 2], groups: usize) {
+        let xd = [n, c, h, w];
+        let wd = [o, c / groups, k[0], k[1]];
+        let (xv, wv) = (values(xd.iter().product(), 1), values(wd.iter().product(), 2));
+        let mut attrs = OpAttrs::new();
+        attrs.set_dims("stride", &stride).set_dims("padding", &pad).set_dims("dilation", &dil).set_int("groups", groups as i64);
+        let want = reference::conv2d(&xv, xd, &wv, wd, stride, pad, dil, groups);
+        let got = run(&stagecraft_ops::CONV2D, &[DenseHostTensor::from_slice(&xv, xd).unwrap(), DenseHostTensor::from_slice(&wv, wd).unwrap()], &attrs).unwrap();
+        close(got.as_slice::<f64>().unwrap(), &want, 1e-12);
+        let x32: Vec<f32> = xv.iter().map(|&v| v as f32).collect();
+        let w32: Vec<f32> = wv.iter().map(|&v| v as f32).collect();
+        let got = run(&stagecraft_ops::CONV2D, &[DenseHostTensor::from_slice(&x32, xd).unwrap(), DenseHostTensor::from_slice(&w32, wd).unwrap()], &attrs).unwrap();
+        let got: Vec<f64> = got.as_slice::<f32>().unwrap().iter().map(|&v| v as f64).collect();
+        close(&got, &want, 1e-4);
+    }
+
+    #[test]
+    fn conv2d_matches_reference() {
+        check_conv(1, 1, 5, 5, 1, [3, 3], [1, 1], [0, 0], [1, 1], 1);
+        check_conv(2, 3, 8, 7, 4, [3, 3], [2, 1], [1, 2], [1, 1], 1);
+        check_conv(2, 4, 9, 9, 6, [3, 2], [1, 2], [2, 0], [2, 1], 2);
+        check_conv(1, 3, 4, 4, 3, [1, 1], [1, 1], [0, 0], [1, 1], 3);
+        check_conv(3, 8, 28, 28, 16, [5, 5], [1, 1], [2, 2], [1, 1], 1);
+        check_conv(0, 2, 4, 4, 2, [3, 3], [1, 1], [0, 0], [1, 1], 1);
+    }
+
+    #[test]
+    fn conv2d_half_precision() {
+        let x: Vec<f16> = vec![f16::ONE; 16];
+        let w: Vec<f16> = vec![f16::from_f32(0.5); 9];
+        let got = run(&stagecraft_ops::CONV2D, &[DenseHostTensor::from_slice(&x, [1, 1, 4, 4]).unwrap(), DenseHostTensor::from_slice(&w, [1, 1, 3, 3]).unwrap()], &OpAttrs::new()).unwrap();
+        assert_eq!(got.as_slice::<f16>().unwrap(), &[f16::from_f32(4.5); 4]);
+    }
+
+    fn check_pool(dims: [usize; 4], kernel: [usize; 2], stride: [usize; 2], pad: [usize; 2]) {
+        let xv = values(dims.iter().product(), 3);
+        let mut attrs = OpAttrs::new();
+        attrs.set_dims("kernel", &kernel).set_dims("stride", &stride).set_dims("padding", &pad);
+        let x = DenseHostTensor::from_slice(&xv, dims).unwrap();
+        let got = run(&stagecraft_ops::MAX_POOL2D, &[x.clone()], &attrs).unwrap();
+        close(got.as_slice::<f64>().unwrap(), &reference::max_pool2d(&xv, dims, kernel, stride, pad), 0.0);
+        for include in [true, false] {
+            attrs.set_bool("count_include_pad", include);
+            let got = run(&stagecraft_ops::AVG_POOL2D, &[x.clone()], &attrs).unwrap();
+            close(got.as_slice::<f64>().unwrap(), &reference::avg_pool2d(&xv, dims, kernel, stride, pad, include), 1e-12);
+        }
+    }
+
+    #[test]
+    fn pooling_matches_reference() {
+        check_pool([1, 1, 4, 4], [2, 2], [2, 2], [0, 0]);
+        check_pool([2, 3, 7, 5], [3, 2], [2, 1], [1, 1]);
+        check_pool([1, 2, 5, 5], [3, 3], [1, 1], [1, 0]);
+        check_pool([1, 1, 1, 1], [1, 1], [1, 1], [0, 0]);
+    }
+
+    #[test]
+    fn max_pool_propagates_nan() {
+        let x = DenseHostTensor::from_slice(&[1.0f32, f32::NAN, 3.0, 4.0], [1, 1, 2, 2]).unwrap();
+        let mut attrs = OpAttrs::new();
+        attrs.set_ints("kernel", &[2, 2]);
+        assert!(run(&stagecraft_ops::MAX_POOL2D, &[x], &attrs).unwrap().as_slice::<f32>().unwrap()[0].is_nan());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn conv2d_random_geometry(
+            n in 1usize..3, cpg in 1usize..3, groups in 1usize..3, opg in 1usize..3,
+            h in 1usize..7, w in 1usize..7, kh in 1usize..4, kw in 1usize..4,
+            sh in 1usize..3, sw in 1usize..3, ph in 0usize..2, pw in 0usize..2, dh in 1usize..3,
+        ) {
+            let span = dh * (kh - 1) + 1;
+            prop_assume!(h + 2 * ph >= span && w + 2 * pw >= kw);
+            check_conv(n, cpg * groups, h, w, opg * groups, [kh, kw], [sh, sw], [ph, pw], [dh, 1], groups);
+        }
+    }
+}
