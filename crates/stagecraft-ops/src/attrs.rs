@@ -254,7 +254,8 @@ impl OpAttrs {
 
     fn value_of(&self, e: &Entry) -> AttrValue<'_> {
         let start = e.offset as usize;
-        let word = self.words[start];
+        // Empty lists and strings own no words.
+        let word = self.words.get(start).copied().unwrap_or(0);
         match e.kind {
             AttrKind::Bool => AttrValue::Bool(word != 0),
             AttrKind::Int => AttrValue::Int(word as i64),
@@ -469,6 +470,16 @@ mod tests {
         assert_eq!(a.get("dtype"), Some(AttrValue::DType(DType::F16)));
         assert_eq!(a.get("value"), Some(AttrValue::Scalar(Scalar::I32(-3))));
         assert_eq!(a.get("missing"), None);
+    }
+
+    #[test]
+    fn empty_lists_and_strings() {
+        let mut a = OpAttrs::new();
+        a.set_ints("axes", &[]).set_str("label", "").set_floats("f", &[]);
+        assert_eq!(a.get("axes"), Some(AttrValue::Ints(&[])));
+        assert_eq!(a.get("label"), Some(AttrValue::Str("")));
+        assert_eq!(a.get("f"), Some(AttrValue::Floats(&[])));
+        assert_eq!(a.iter().count(), 3);
     }
 
     #[test]

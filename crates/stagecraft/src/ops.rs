@@ -400,9 +400,8 @@ impl<T: NumElement> Tensor<T> {
             .set_float("stop", stop)
             .set_float("step", step)
             .set_dtype("dtype", T::DTYPE);
-        crate::with_device(device, || {
-            crate::tensor::run(&ops::ARANGE, SmallVec::new(), &attrs, Location::caller())
-        })
+        let location = Location::caller();
+        crate::with_device(device, || crate::tensor::run(&ops::ARANGE, SmallVec::new(), &attrs, location))
     }
 }
 
@@ -462,9 +461,8 @@ impl<T: FloatElement> Tensor<T> {
             .set_int("offset", offset as i64)
             .set_float("low", low)
             .set_float("high", high);
-        crate::with_device(device, || {
-            crate::tensor::run(&ops::RANDOM_UNIFORM, SmallVec::new(), &attrs, Location::caller())
-        })
+        let location = Location::caller();
+        crate::with_device(device, || crate::tensor::run(&ops::RANDOM_UNIFORM, SmallVec::new(), &attrs, location))
     }
 
     /// Normal random values with `mean` and `std`, drawn from `rng`.
@@ -479,9 +477,8 @@ impl<T: FloatElement> Tensor<T> {
             .set_int("offset", offset as i64)
             .set_float("mean", mean)
             .set_float("std", std);
-        crate::with_device(device, || {
-            crate::tensor::run(&ops::RANDOM_NORMAL, SmallVec::new(), &attrs, Location::caller())
-        })
+        let location = Location::caller();
+        crate::with_device(device, || crate::tensor::run(&ops::RANDOM_NORMAL, SmallVec::new(), &attrs, location))
     }
 }
 

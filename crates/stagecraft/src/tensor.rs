@@ -216,7 +216,17 @@ impl<T: Element> Tensor<T> {
 pub(crate) fn run<U: Element>(op: &'static OpDef, args: Args, attrs: &OpAttrs, location: Location) -> Tensor<U> {
     let device = runtime::place(&args);
     let mut results = runtime::execute(op, device, location, args, attrs.into());
-    Tensor::from_handle(results.swap_remove(0))
+    let handle = results.swap_remove(0);
+    if handle.dtype() != U::DTYPE {
+        // Only an error handle whose op failed before its output dtype was
+        // known can disagree with the typed signature: keep the error, fix
+        // the dtype.
+        let err = handle.wait().err().unwrap_or_else(|| {
+            Error::internal(format!("{} produced {} where {} was expected", op.name, handle.dtype(), U::DTYPE))
+        });
+        return Tensor::from_handle(TensorHandle::error(device, stagecraft_tensor::TensorMetadata::new(U::DTYPE, handle.metadata().shape.clone()), err));
+    }
+    Tensor::from_handle(handle)
 }
 
 impl<T: Element> fmt::Display for Tensor<T> {

@@ -206,6 +206,43 @@ impl Real for f32 {
     }
 }
 
+/// `v` rounded to f32 toward the neighbour with an odd last bit when
+/// inexact ("round to odd"). Rounding that result to nearest in a format at
+/// least two bits narrower (f16, bf16) gives the correctly rounded value of
+/// `v`, which `half`'s own `from_f64` does not: it drops the low 32 bits of
+/// the f64 first, so a value just above a tie can round down.
+#[inline(always)]
+fn f64_to_f32_odd(v: f64) -> f32 {
+    let r = v as f32;
+    if !r.is_finite() || r as f64 == v {
+        return r;
+    }
+    // The neighbour of `v` toward zero, then its odd neighbour pair member.
+    let toward_zero = if (r as f64).abs() > v.abs() {
+        f32::from_bits(r.to_bits() - 1)
+    } else {
+        r
+    };
+    f32::from_bits(toward_zero.to_bits() | 1)
+}
+
+/// [`f64_to_f32_odd`] for an i64, exact beyond 2^53 too.
+#[inline(always)]
+fn i64_to_f32_odd(v: i64) -> f32 {
+    let r = v as f32;
+    let back = r as f64 as i128;
+    let exact = v as i128;
+    if back == exact {
+        return r;
+    }
+    let toward_zero = if back.abs() > exact.abs() {
+        f32::from_bits(r.to_bits() - 1)
+    } else {
+        r
+    };
+    f32::from_bits(toward_zero.to_bits() | 1)
+}
+
 impl Real for f16 {
     #[inline(always)]
     fn wide(self) -> f64 {
@@ -213,7 +250,7 @@ impl Real for f16 {
     }
     #[inline(always)]
     fn narrow(v: f64) -> f16 {
-        f16::from_f64(v)
+        f16::from_f32(f64_to_f32_odd(v))
     }
 }
 
@@ -224,7 +261,7 @@ impl Real for bf16 {
     }
     #[inline(always)]
     fn narrow(v: f64) -> bf16 {
-        bf16::from_f64(v)
+        bf16::from_f32(f64_to_f32_odd(v))
     }
 }
 
@@ -945,9 +982,9 @@ fn select_kernel<T: Element>() -> Kernel {
 
 /// Conversions from one element type with the rules of `Scalar::cast`
 /// (Rust `as`: floats to integers truncate toward zero and saturate, NaN
-/// becomes 0, i64 to i32 wraps; nonzero becomes `true`; to f16/bf16 rounds
-/// once from the exact value, except i64 which goes through f64 like
-/// `Scalar::cast`).
+/// becomes 0, i64 to i32 wraps; nonzero becomes `true`), except that
+/// conversions to f16 and bf16 round the exact value correctly, where
+/// `Scalar::cast` (through `half`'s `from_f64`) may be 1 ULP off near ties.
 trait CastElem: Element {
     fn cast_bool(self) -> bool;
     fn cast_i32(self) -> i32;
@@ -1007,11 +1044,11 @@ macro_rules! cast_int {
             }
             #[inline(always)]
             fn cast_f16(self) -> f16 {
-                f16::from_f64(self as f64)
+                f16::from_f32(i64_to_f32_odd(self as i64))
             }
             #[inline(always)]
             fn cast_bf16(self) -> bf16 {
-                bf16::from_f64(self as f64)
+                bf16::from_f32(i64_to_f32_odd(self as i64))
             }
             #[inline(always)]
             fn cast_f32(self) -> f32 {
@@ -1028,7 +1065,7 @@ cast_int!(i32);
 cast_int!(i64);
 
 macro_rules! cast_float {
-    ($t:ty, $to_half:ident) => {
+    ($t:ty, $to_f32_odd:expr) => {
         impl CastElem for $t {
             #[inline(always)]
             fn cast_bool(self) -> bool {
@@ -1044,11 +1081,11 @@ macro_rules! cast_float {
             }
             #[inline(always)]
             fn cast_f16(self) -> f16 {
-                f16::$to_half(self)
+                f16::from_f32($to_f32_odd(self))
             }
             #[inline(always)]
             fn cast_bf16(self) -> bf16 {
-                bf16::$to_half(self)
+                bf16::from_f32($to_f32_odd(self))
             }
             #[inline(always)]
             fn cast_f32(self) -> f32 {
@@ -1061,8 +1098,8 @@ macro_rules! cast_float {
         }
     };
 }
-cast_float!(f32, from_f32);
-cast_float!(f64, from_f64);
+cast_float!(f32, std::convert::identity);
+cast_float!(f64, f64_to_f32_odd);
 
 macro_rules! cast_half {
     ($t:ty) => {

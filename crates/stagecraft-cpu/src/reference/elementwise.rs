@@ -79,6 +79,8 @@ fn unary_value(op: UnaryOp, x: f64) -> f64 {
         }
         // x·Φ(x) with Φ(x) = erfc(-x/√2)/2, the same function as
         // (1 + erf(x/√2))/2 but without cancelling to 0 for large negative x.
+        // At -inf the formula is -inf · 0; the limit is 0.
+        UnaryOp::Gelu if x == f64::NEG_INFINITY => 0.0,
         UnaryOp::Gelu => 0.5 * x * libm::erfc(-x / std::f64::consts::SQRT_2),
         UnaryOp::Sin => x.sin(),
         UnaryOp::Cos => x.cos(),
