@@ -19,7 +19,10 @@ pub fn matmul(a: &[f64], a_dims: &[usize], b: &[f64], b_dims: &[usize]) -> (Vec<
         let off = rank - d.len();
         if i < off { 1 } else { d[i - off] }
     };
-    let batch: Vec<usize> = (0..rank).map(|i| dim(ab, i).max(dim(bb, i))).collect();
+    // Broadcasting: a 1 takes the other side's size (which may be 0).
+    let batch: Vec<usize> = (0..rank)
+        .map(|i| if dim(ab, i) == 1 { dim(bb, i) } else { dim(ab, i) })
+        .collect();
     let items: usize = batch.iter().product();
     let mut out = vec![0.0; items * m * n];
     for item in 0..items {

@@ -210,7 +210,9 @@ pub fn resolve_slice(attrs: &Attrs<'_>, shape: &Shape) -> Result<SmallVec<[AxisS
             }
             let clamp = |v: i64| if v < 0 { (v + dim).max(0) } else { v.min(dim) };
             let (s, e) = (clamp(starts[i]), clamp(ends[i]));
-            let len = if e > s { (e - s + step - 1) / step } else { 0 };
+            // (e - s - 1) / step + 1 cannot overflow, unlike rounding up with
+            // `+ step - 1` when the step is huge.
+            let len = if e > s { (e - s - 1) / step + 1 } else { 0 };
             Ok(AxisSlice { start: s as usize, step: step as usize, len: len as usize })
         })
         .collect()
