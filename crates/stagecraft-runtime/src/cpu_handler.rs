@@ -4,7 +4,7 @@
 
 use crate::context::{execution_mode, ExecutionMode};
 use crate::handle::{MetadataState, TensorHandle};
-use crate::op_handler::{Args, OpHandler, OpInvocation, Results};
+use crate::op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
 use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
 use smallvec::SmallVec;
 use stagecraft_cpu::{Inputs, Kernel, KernelContext};
@@ -160,6 +160,7 @@ fn run_kernel(
     op: &'static OpDef,
     attrs: &OpAttrs,
     args: Args,
+    inputs: &InputMetas,
     outputs: &OutputMetas,
 ) -> std::result::Result<SmallVec<[DenseHostTensor; 1]>, Failure> {
     if is_cancelled() {
@@ -170,13 +171,18 @@ fn run_kernel(
             return Err(Failure::Propagated(e));
         }
     }
-    let metas: SmallVec<[TensorMetadata; 4]> = args.iter().map(|a| a.metadata().clone()).collect();
-    let kernel = cache.get(op, attrs, &metas).map_err(Failure::Raised)?;
-    let inputs = args
-        .into_iter()
-        .map(|a| a.into_value().and_then(HostTensor::into_dense))
-        .collect::<Result<Inputs>>()
-        .map_err(Failure::Propagated)?;
+    let kernel = cache.get(op, attrs, inputs).map_err(Failure::Raised)?;
+    // A plain loop: collecting through `Result` costs several hundred
+    // instructions per op, which matters for tiny tensors.
+    let mut dense = Inputs::new();
+    for arg in args {
+        match arg.into_value() {
+            Ok(HostTensor::Dense(t)) => dense.push(t),
+            Ok(HostTensor::Scalar(t)) => dense.push(t.to_dense().map_err(Failure::Raised)?),
+            Err(e) => return Err(Failure::Propagated(e)),
+        }
+    }
+    let inputs = dense;
     count_kernel_launch();
     let ctx = KernelContext {
         attrs: Attrs::new(attrs, op),
@@ -232,11 +238,11 @@ impl OpHandler for CpuOpHandler {
 }
 
 fn execute_now(cache: &KernelCache, inv: OpInvocation<'_>) -> Results {
-    let OpInvocation { op, device, location, args, attrs, outputs, chain } = inv;
+    let OpInvocation { op, device, location, args, inputs, attrs, outputs, chain } = inv;
     if let Some((after, _)) = &chain {
         let _ = after.wait();
     }
-    let result = run_kernel(cache, op, &attrs, args, &outputs);
+    let result = run_kernel(cache, op, &attrs, args, &inputs, &outputs);
     if let Some((_, done)) = chain {
         done.set(Ok(()));
     }
@@ -253,7 +259,7 @@ fn execute_now(cache: &KernelCache, inv: OpInvocation<'_>) -> Results {
 }
 
 fn enqueue(cache: Arc<KernelCache>, inv: OpInvocation<'_>) -> Results {
-    let OpInvocation { op, device, location, args, attrs, outputs, chain } = inv;
+    let OpInvocation { op, device, location, args, inputs, attrs, outputs, chain } = inv;
     let meta_state = match op.shape_kind {
         ShapeKind::Static => MetadataState::Known,
         ShapeKind::DataDependent => MetadataState::Deferred,
@@ -268,6 +274,7 @@ fn enqueue(cache: Arc<KernelCache>, inv: OpInvocation<'_>) -> Results {
         location,
         attrs: attrs.freeze(),
         args,
+        inputs,
         outputs,
         results: results.clone(),
         done: chain.as_ref().map(|(_, done)| done.clone()),
@@ -308,6 +315,7 @@ struct Task {
     location: Location,
     attrs: FrozenOpAttrs,
     args: Args,
+    inputs: InputMetas,
     outputs: OutputMetas,
     results: Results,
     done: Option<crate::async_value::Chain>,
@@ -315,8 +323,8 @@ struct Task {
 
 impl Task {
     fn run(self) {
-        let Task { cache, op, location, attrs, args, outputs, results, done } = self;
-        match run_kernel(&cache, op, &attrs, args, &outputs) {
+        let Task { cache, op, location, attrs, args, inputs, outputs, results, done } = self;
+        match run_kernel(&cache, op, &attrs, args, &inputs, &outputs) {
             Ok(produced) => {
                 for (handle, value) in results.iter().zip(produced) {
                     handle.resolve(Ok(value.into()));

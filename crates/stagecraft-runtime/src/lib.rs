@@ -26,7 +26,7 @@ pub use cpu_handler::{CpuOpHandler, KernelCache, KernelCacheStats};
 pub use device::{Device, DeviceKind};
 pub use handle::{MetadataState, TensorHandle};
 pub use logging::{LogSink, LoggingOpHandler};
-pub use op_handler::{Args, OpHandler, OpInvocation, Results};
+pub use op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
 pub use runtime::{
     cancel_execution, copy_to_device, count_host_read, execute, is_cancelled, report_error, restart,
     set_diagnostic_handler, stats, DiagnosticHandler, RuntimeStats,

@@ -7,11 +7,14 @@ use crate::device::Device;
 use crate::handle::TensorHandle;
 use smallvec::SmallVec;
 use stagecraft_ops::{OpAttrsRef, OpDef, OutputMetas};
-use stagecraft_tensor::Location;
+use stagecraft_tensor::{Location, TensorMetadata};
 
 /// Op arguments, owned: the runtime takes them so a kernel can reuse the
 /// buffer of an argument it holds the last reference to.
 pub type Args = SmallVec<[TensorHandle; 4]>;
+
+/// The metadata of an op's arguments.
+pub type InputMetas = SmallVec<[TensorMetadata; 4]>;
 
 /// Op results, one handle per output.
 pub type Results = SmallVec<[TensorHandle; 1]>;
@@ -29,6 +32,8 @@ pub struct OpInvocation<'a> {
     pub location: Location,
     /// The arguments, possibly still pending.
     pub args: Args,
+    /// The arguments' metadata, as the metadata function saw it.
+    pub inputs: InputMetas,
     /// The attributes; freeze them to keep them past `execute`.
     pub attrs: OpAttrsRef<'a>,
     /// The output metadata from the metadata function.

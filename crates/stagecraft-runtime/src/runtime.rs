@@ -5,7 +5,7 @@ use crate::async_value::AsyncValue;
 use crate::context;
 use crate::device::Device;
 use crate::handle::TensorHandle;
-use crate::op_handler::{Args, OpInvocation, Results};
+use crate::op_handler::{Args, InputMetas, OpInvocation, Results};
 use stagecraft_ops::{Effect, OpAttrsRef, OpDef};
 use stagecraft_tensor::{DType, Error, ErrorKind, Location, Shape, TensorMetadata};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -143,11 +143,12 @@ pub fn execute(op: &'static OpDef, device: Device, location: Location, args: Arg
         }
         if let Some(err) = arg.resolved_error() {
             let err = err.clone();
-            let metas = infer(op, &args, &attrs).ok();
+            let metas = op.infer(&input_metas(&args), &attrs).ok();
             return error_results(op, device, metas.as_deref(), &err);
         }
     }
-    let outputs = match infer(op, &args, &attrs) {
+    let inputs = input_metas(&args);
+    let outputs = match op.infer(&inputs, &attrs) {
         Ok(metas) => metas,
         Err(err) => {
             let err = err.with_op(op.name).at(location);
@@ -167,15 +168,15 @@ pub fn execute(op: &'static OpDef, device: Device, location: Location, args: Arg
         device,
         location,
         args,
+        inputs,
         attrs,
         outputs,
         chain,
     })
 }
 
-fn infer(op: &'static OpDef, args: &Args, attrs: &OpAttrsRef<'_>) -> stagecraft_tensor::Result<stagecraft_ops::OutputMetas> {
-    let metas: smallvec::SmallVec<[TensorMetadata; 4]> = args.iter().map(|a| a.metadata().clone()).collect();
-    op.infer(&metas, attrs)
+fn input_metas(args: &Args) -> InputMetas {
+    args.iter().map(|a| a.metadata().clone()).collect()
 }
 
 /// Copies a tensor to another device (a new buffer on the target), counting

@@ -6,9 +6,17 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// Every buffer starts on a 64-byte boundary: a cache line, and the widest
-/// SIMD load (AVX-512).
+/// Buffers of at least [`LARGE_BUFFER`] bytes start on a 64-byte boundary: a
+/// cache line, and the widest SIMD load (AVX-512).
 pub const BUFFER_ALIGN: usize = 64;
+
+/// Smaller buffers are aligned to 16 bytes (enough for every element type):
+/// over-aligned allocation costs glibc several hundred instructions, which
+/// dominated the dispatch of tiny ops, while SIMD loops over a few elements
+/// gain nothing from it.
+pub const LARGE_BUFFER: usize = 4096;
+
+const SMALL_ALIGN: usize = 16;
 
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 static ALLOCATED_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -36,11 +44,13 @@ impl Drop for RawBuffer {
 }
 
 fn layout(len: usize) -> Layout {
-    Layout::from_size_align(len, BUFFER_ALIGN).expect("buffer size overflows isize")
+    let align = if len >= LARGE_BUFFER { BUFFER_ALIGN } else { SMALL_ALIGN };
+    Layout::from_size_align(len, align).expect("buffer size overflows isize")
 }
 
-/// A zero-initialised, 64-byte aligned byte buffer shared by reference
-/// counting. Cloning is cheap; writing needs the only reference.
+/// A zero-initialised, aligned byte buffer (64 bytes for large buffers, 16
+/// for small ones) shared by reference counting. Cloning is cheap; writing
+/// needs the only reference.
 #[derive(Clone)]
 pub struct Buffer(Arc<RawBuffer>);
 
@@ -52,7 +62,7 @@ impl Buffer {
     pub fn zeroed(len: usize) -> Buffer {
         let ptr = if len == 0 {
             // A dangling but aligned pointer: zero-length slices need no memory.
-            NonNull::new(BUFFER_ALIGN as *mut u8).expect("non-null constant")
+            NonNull::new(SMALL_ALIGN as *mut u8).expect("non-null constant")
         } else {
             ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
             ALLOCATED_BYTES.fetch_add(len as u64, Ordering::Relaxed);
@@ -121,7 +131,7 @@ impl Buffer {
     pub fn typed<T: Element>(&self) -> &[T] {
         let size = std::mem::size_of::<T>();
         assert_eq!(self.0.len % size, 0, "buffer length is not a multiple of the element size");
-        // SAFETY: the pointer is 64-byte aligned (enough for every Element),
+        // SAFETY: the pointer is at least 16-byte aligned (enough for every Element),
         // valid for `len` initialised bytes, and `Element` types are plain
         // data valid for any bytes that an `Element` write or zeroing put
         // there.
@@ -166,8 +176,10 @@ mod tests {
 
     #[test]
     fn buffers_are_aligned_zeroed_and_shared() {
+        let big = Buffer::zeroed(LARGE_BUFFER);
+        assert_eq!(big.bytes().as_ptr() as usize % BUFFER_ALIGN, 0);
         let b = Buffer::zeroed(100);
-        assert_eq!(b.bytes().as_ptr() as usize % BUFFER_ALIGN, 0);
+        assert_eq!(b.bytes().as_ptr() as usize % SMALL_ALIGN, 0);
         assert!(b.bytes().iter().all(|&x| x == 0));
         let mut c = b.clone();
         assert!(!c.is_unique());

@@ -590,3 +590,475 @@ fn softmax_cols<T: Real>(slab: &mut [T], inner: usize, log: bool) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::elementwise::tests::{
+        assert_close, assert_close_scaled, run, tensor, values, Rng,
+    };
+    use crate::reference::reduce as reference;
+    use proptest::prelude::*;
+    use stagecraft_ops::{OpAttrs, OpDef};
+
+    const REDUCE: [(&OpDef, ReduceOp); 5] = [
+        (&stagecraft_ops::SUM, ReduceOp::Sum),
+        (&stagecraft_ops::MEAN, ReduceOp::Mean),
+        (&stagecraft_ops::MAX, ReduceOp::Max),
+        (&stagecraft_ops::MIN, ReduceOp::Min),
+        (&stagecraft_ops::PROD, ReduceOp::Prod),
+    ];
+
+    const NUMERIC: [DType; 6] = [
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+    ];
+
+    /// Shapes and axis lists, including non-contiguous axes, size-1 and
+    /// zero-size dims, and sizes above the parallel threshold.
+    const CASES: &[(&[usize], &[i64])] = &[
+        (&[], &[]),
+        (&[7], &[]),
+        (&[7], &[0]),
+        (&[3, 4], &[1]),
+        (&[3, 4], &[0]),
+        (&[3, 4], &[-1, 0]),
+        (&[3, 4, 5], &[0, 2]),
+        (&[2, 3, 4, 5], &[0, 2, 3]),
+        (&[2, 3, 4, 5], &[1, 3]),
+        (&[2, 1, 4], &[1]),
+        (&[2, 1, 4], &[0, 1]),
+        (&[0, 3], &[0]),
+        (&[3, 0], &[1]),
+        (&[0, 3], &[1]),
+        (&[2, 0, 3], &[]),
+        (&[70_000], &[]),
+        (&[3, 40_000], &[1]),
+        (&[40_000, 3], &[0]),
+        (&[300, 200], &[0]),
+        (&[300, 200], &[1]),
+        (&[4, 3000, 5], &[1]),
+        (&[5, 2500, 3], &[0, 2]),
+    ];
+
+    fn reduce_attrs(axes: &[i64], keepdim: bool) -> OpAttrs {
+        let mut attrs = OpAttrs::new();
+        attrs.set_ints("axes", axes).set_bool("keepdim", keepdim);
+        attrs
+    }
+
+    #[test]
+    fn reductions_match_the_reference() {
+        let mut rng = Rng(11);
+        for (def, op) in REDUCE {
+            for dtype in NUMERIC {
+                for &(dims, axes) in CASES {
+                    for keepdim in [false, true] {
+                        let attrs = reduce_attrs(axes, keepdim);
+                        let meta = TensorMetadata::new(dtype, dims);
+                        if def.infer(&[meta], &attrs).is_err() {
+                            continue;
+                        }
+                        let n: usize = dims.iter().product();
+                        let mut xs = rng.values(dtype, n, n < 100);
+                        if op == ReduceOp::Prod {
+                            // Keep products finite and integer ones exact.
+                            for x in &mut xs {
+                                *x = if dtype.is_int() {
+                                    (*x % 3.0).abs().max(1.0)
+                                } else {
+                                    1.0 + *x / 1000.0
+                                };
+                            }
+                        }
+                        let x = tensor(dtype, &xs, dims);
+                        let xv = values(&x);
+                        let got = run(def, vec![x], &attrs).unwrap();
+                        let resolved = reduction_axes(axes, dims.len()).unwrap();
+                        let (want, out_dims) = reference::reduce(op, &xv, dims, &resolved, keepdim);
+                        assert_eq!(got.shape().dims(), out_dims.as_slice());
+                        let what = format!("{} {dims:?} {axes:?} keepdim={keepdim}", def.name);
+                        if dtype.is_int() {
+                            assert_eq!(values(&got), want, "{what} [{dtype}]");
+                            continue;
+                        }
+                        // Sums may cancel: compare relative to the sum of magnitudes.
+                        let abs: Vec<f64> = xv.iter().map(|v| v.abs()).collect();
+                        let (mut scale, _) = reference::reduce(op, &abs, dims, &resolved, keepdim);
+                        if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+                            scale.clear();
+                        }
+                        let want: Vec<f64> = want
+                            .iter()
+                            .map(|&w| crate::reference::elementwise::round_to(dtype, w))
+                            .collect();
+                        assert_close_scaled(dtype, &values(&got), &want, &scale, &what);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn empty_and_nan_reductions() {
+        let x = tensor(DType::F32, &[], &[0, 3]);
+        let axes0 = reduce_attrs(&[0], false);
+        assert_eq!(
+            values(&run(&stagecraft_ops::SUM, vec![x.clone()], &axes0).unwrap()),
+            vec![0.0; 3]
+        );
+        assert_eq!(
+            values(&run(&stagecraft_ops::PROD, vec![x.clone()], &axes0).unwrap()),
+            vec![1.0; 3]
+        );
+        let mean = values(&run(&stagecraft_ops::MEAN, vec![x.clone()], &axes0).unwrap());
+        assert!(mean.len() == 3 && mean.iter().all(|v| v.is_nan()));
+        let all = OpAttrs::new();
+        let mean_all = run(&stagecraft_ops::MEAN, vec![x], &all).unwrap();
+        assert!(values(&mean_all)[0].is_nan());
+        let nan = tensor(DType::F64, &[1.0, f64::NAN, 3.0, f64::NEG_INFINITY], &[4]);
+        for def in [
+            &stagecraft_ops::MAX,
+            &stagecraft_ops::MIN,
+            &stagecraft_ops::SUM,
+        ] {
+            assert!(
+                values(&run(def, vec![nan.clone()], &all).unwrap())[0].is_nan(),
+                "{}",
+                def.name
+            );
+        }
+        let inf = tensor(DType::F32, &[f64::NEG_INFINITY, f64::NEG_INFINITY], &[2]);
+        assert_eq!(
+            values(&run(&stagecraft_ops::MAX, vec![inf], &all).unwrap()),
+            vec![f64::NEG_INFINITY]
+        );
+        // Integer sums wrap.
+        let big = DenseHostTensor::from_slice(&[i32::MAX, 1, 1], [3]).unwrap();
+        let s = run(&stagecraft_ops::SUM, vec![big], &all).unwrap();
+        assert_eq!(s.to_vec::<i32>().unwrap(), vec![i32::MIN.wrapping_add(1)]);
+    }
+
+    #[test]
+    fn kernels_resolve_axes_per_call() {
+        // One kernel instance (cached per dtype) serves inputs of any rank.
+        let attrs = reduce_attrs(&[-1], false);
+        let def = &stagecraft_ops::SUM;
+        let m2 = TensorMetadata::new(DType::F32, [2, 3]);
+        let kernel = crate::registry().get(def).unwrap()(
+            &Attrs::new(&attrs, def),
+            std::slice::from_ref(&m2),
+        )
+        .unwrap();
+        for dims in [&[2, 3][..], &[2, 2, 3][..], &[3][..]] {
+            let meta = TensorMetadata::new(DType::F32, dims);
+            let outputs = def.infer(&[meta], &attrs).unwrap();
+            let n: usize = dims.iter().product();
+            let x = tensor(DType::F32, &vec![1.0; n], dims);
+            let ctx = KernelContext {
+                attrs: Attrs::new(&attrs, def),
+                outputs: &outputs,
+            };
+            let y = kernel(smallvec![x], &ctx).unwrap();
+            assert_eq!(values(&y[0]), vec![3.0; n / 3]);
+        }
+    }
+
+    #[test]
+    fn sixteen_million_f32_values_sum_accurately() {
+        let n = 1 << 24;
+        let mut rng = Rng(12);
+        let xs: Vec<f32> = (0..n).map(|_| rng.uniform(0.0, 1.0) as f32).collect();
+        let exact: f64 = {
+            // Kahan-compensated f64: far below f32 resolution.
+            let (mut s, mut c) = (0.0f64, 0.0f64);
+            for &x in &xs {
+                let y = x as f64 - c;
+                let t = s + y;
+                c = (t - s) - y;
+                s = t;
+            }
+            s
+        };
+        let x = DenseHostTensor::from_slice(&xs, [n]).unwrap();
+        for (def, want) in [
+            (&stagecraft_ops::SUM, exact),
+            (&stagecraft_ops::MEAN, exact / n as f64),
+        ] {
+            let got = run(def, vec![x.clone()], &OpAttrs::new())
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()[0];
+            assert_eq!(got, want as f32, "{}: got {got}, exact {want}", def.name);
+        }
+        // Along a long inner axis and along a long outer axis too.
+        let x2 = x.reshaped([2, n / 2]).unwrap();
+        let rows = run(
+            &stagecraft_ops::SUM,
+            vec![x2.clone()],
+            &reduce_attrs(&[1], false),
+        )
+        .unwrap();
+        let r = rows.to_vec::<f32>().unwrap();
+        let half: f64 = xs[..n / 2].iter().map(|&v| v as f64).sum();
+        assert!(
+            ((r[0] as f64) - half).abs() <= half * 1e-7,
+            "{} vs {half}",
+            r[0]
+        );
+        let xt = x.reshaped([n / 4, 4]).unwrap();
+        let cols = run(&stagecraft_ops::SUM, vec![xt], &reduce_attrs(&[0], false)).unwrap();
+        let c0: f64 = xs.iter().step_by(4).map(|&v| v as f64).sum();
+        assert!(((cols.to_vec::<f32>().unwrap()[0] as f64) - c0).abs() <= c0 * 1e-7);
+    }
+
+    #[test]
+    fn arg_reductions_match_the_reference() {
+        let mut rng = Rng(13);
+        let cases: &[(&[usize], i64)] = &[
+            (&[7], 0),
+            (&[1], 0),
+            (&[3, 4], 1),
+            (&[3, 4], 0),
+            (&[2, 3, 4], -2),
+            (&[2, 0, 3], 2),
+            (&[40_000, 2], 1),
+            (&[2, 40_000], 0),
+            (&[3, 30_000], 1),
+        ];
+        for (def, max) in [
+            (&stagecraft_ops::ARGMAX, true),
+            (&stagecraft_ops::ARGMIN, false),
+        ] {
+            for dtype in NUMERIC {
+                for &(dims, axis) in cases {
+                    for keepdim in [false, true] {
+                        let mut attrs = OpAttrs::new();
+                        attrs.set_int("axis", axis).set_bool("keepdim", keepdim);
+                        let n: usize = dims.iter().product();
+                        // Rounded values make ties common.
+                        let xs: Vec<f64> = rng
+                            .values(dtype, n, true)
+                            .into_iter()
+                            .map(|v| if v.is_finite() { v.round() } else { v })
+                            .collect();
+                        let x = tensor(dtype, &xs, dims);
+                        let xv = values(&x);
+                        let got = run(def, vec![x], &attrs).unwrap();
+                        assert_eq!(got.dtype(), DType::I64);
+                        let a = normalize_axis(axis as isize, dims.len()).unwrap();
+                        let (want, out_dims) = reference::arg_reduce(max, &xv, dims, a, keepdim);
+                        assert_eq!(got.shape().dims(), out_dims.as_slice());
+                        assert_eq!(
+                            values(&got),
+                            want,
+                            "{} {dtype} {dims:?} axis {axis}",
+                            def.name
+                        );
+                    }
+                }
+            }
+        }
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", 0);
+        let x = tensor(DType::F32, &[1.0, f64::NAN, 5.0, f64::NAN], &[4]);
+        for def in [&stagecraft_ops::ARGMAX, &stagecraft_ops::ARGMIN] {
+            assert_eq!(
+                run(def, vec![x.clone()], &attrs)
+                    .unwrap()
+                    .to_vec::<i64>()
+                    .unwrap(),
+                vec![1]
+            );
+        }
+        let ties = tensor(DType::I32, &[2.0, 7.0, 7.0, 2.0], &[4]);
+        assert_eq!(
+            run(&stagecraft_ops::ARGMAX, vec![ties.clone()], &attrs)
+                .unwrap()
+                .to_vec::<i64>()
+                .unwrap(),
+            vec![1]
+        );
+        assert_eq!(
+            run(&stagecraft_ops::ARGMIN, vec![ties], &attrs)
+                .unwrap()
+                .to_vec::<i64>()
+                .unwrap(),
+            vec![0]
+        );
+    }
+
+    #[test]
+    fn softmax_matches_the_reference() {
+        let mut rng = Rng(14);
+        let cases: &[(&[usize], i64)] = &[
+            (&[5], -1),
+            (&[1], 0),
+            (&[3, 4], -1),
+            (&[3, 4], 0),
+            (&[2, 3, 4], 1),
+            (&[0, 3], -1),
+            (&[3, 0], 0),
+            (&[500, 100], -1),
+            (&[100, 500], 0),
+            (&[4, 3000, 5], 1),
+        ];
+        for (def, log) in [
+            (&stagecraft_ops::SOFTMAX, false),
+            (&stagecraft_ops::LOG_SOFTMAX, true),
+        ] {
+            for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64] {
+                for &(dims, axis) in cases {
+                    let mut attrs = OpAttrs::new();
+                    attrs.set_int("axis", axis);
+                    let n: usize = dims.iter().product();
+                    let xs: Vec<f64> = rng
+                        .values(dtype, n, false)
+                        .into_iter()
+                        .map(|v| v * 4.0)
+                        .collect();
+                    let x = tensor(dtype, &xs, dims);
+                    let xv = values(&x);
+                    let got = run(def, vec![x], &attrs).unwrap();
+                    let a = normalize_axis(axis as isize, dims.len()).unwrap();
+                    let want: Vec<f64> = reference::softmax(&xv, dims, a, log)
+                        .into_iter()
+                        .map(|w| crate::reference::elementwise::round_to(dtype, w))
+                        .collect();
+                    // Log-softmax values near 0 come from cancellation of
+                    // terms as large as the inputs.
+                    let scale: Vec<f64> = if log {
+                        xv.iter().map(|v| v.abs() + 20.0).collect()
+                    } else {
+                        vec![]
+                    };
+                    assert_close_scaled(
+                        dtype,
+                        &values(&got),
+                        &want,
+                        &scale,
+                        &format!("{} {dims:?} axis {axis}", def.name),
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_handles_infinities_and_nan_like_pytorch() {
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", -1);
+        let rows = [
+            vec![1.0, f64::INFINITY, 2.0],
+            vec![1.0, f64::NAN, 2.0],
+            vec![f64::NEG_INFINITY; 3],
+            vec![0.0, f64::NEG_INFINITY, 0.0],
+            vec![1000.0, 0.0, -1000.0],
+        ];
+        let flat: Vec<f64> = rows.concat();
+        for dtype in [DType::F32, DType::F64, DType::BF16] {
+            for (def, log) in [
+                (&stagecraft_ops::SOFTMAX, false),
+                (&stagecraft_ops::LOG_SOFTMAX, true),
+            ] {
+                let got = values(&run(def, vec![tensor(dtype, &flat, &[5, 3])], &attrs).unwrap());
+                assert!(
+                    got[..9].iter().all(|v| v.is_nan()),
+                    "{} {dtype}: {got:?}",
+                    def.name
+                );
+                if log {
+                    assert_close(
+                        dtype,
+                        &got[9..],
+                        &[
+                            -std::f64::consts::LN_2,
+                            f64::NEG_INFINITY,
+                            -std::f64::consts::LN_2,
+                            0.0,
+                            -1000.0,
+                            -2000.0,
+                        ],
+                        def.name,
+                    );
+                } else {
+                    assert_eq!(
+                        &got[9..],
+                        &[0.5, 0.0, 0.5, 1.0, 0.0, 0.0],
+                        "{} {dtype}",
+                        def.name
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_reuses_a_unique_input_and_spares_a_shared_one() {
+        let attrs = OpAttrs::new();
+        let x = tensor(DType::F32, &[1.0, 2.0, 3.0, 4.0], &[2, 2]);
+        let at = x.buffer().bytes().as_ptr() as usize;
+        let y = run(&stagecraft_ops::SOFTMAX, vec![x], &attrs).unwrap();
+        assert_eq!(y.buffer().bytes().as_ptr() as usize, at);
+        let shared = tensor(DType::F32, &[1.0, 2.0], &[2]);
+        let y = run(&stagecraft_ops::SOFTMAX, vec![shared.clone()], &attrs).unwrap();
+        assert_eq!(shared.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
+        let s = y.to_vec::<f32>().unwrap();
+        assert!((s[0] + s[1] - 1.0).abs() < 1e-6 && s[1] > s[0]);
+    }
+
+    fn reduce_case() -> impl Strategy<Value = (Vec<usize>, Vec<i64>, bool)> {
+        prop::collection::vec(0usize..5, 0..5).prop_flat_map(|dims| {
+            let rank = dims.len();
+            (
+                Just(dims),
+                prop::collection::vec(any::<bool>(), rank),
+                any::<bool>(),
+            )
+                .prop_map(|(dims, pick, keepdim)| {
+                    let axes: Vec<i64> = pick
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &p)| p)
+                        .map(|(i, _)| i as i64)
+                        .collect();
+                    (dims, axes, keepdim)
+                })
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn random_reductions_match_the_reference((dims, axes, keepdim) in reduce_case(), seed in any::<u64>()) {
+            let mut rng = Rng(seed | 1);
+            let n: usize = dims.iter().product();
+            let attrs = reduce_attrs(&axes, keepdim);
+            let x = tensor(DType::F64, &rng.values(DType::F64, n, false), &dims);
+            // -1, 0 and 1 only, so that integer products cannot overflow.
+            let ints: Vec<f64> = rng.values(DType::I64, n, false).into_iter().map(|v| v % 2.0).collect();
+            let i = tensor(DType::I64, &ints, &dims);
+            let resolved = reduction_axes(&axes, dims.len()).unwrap();
+            for (def, op) in REDUCE {
+                for t in [&x, &i] {
+                    let meta = t.metadata().clone();
+                    if def.infer(&[meta], &attrs).is_err() {
+                        continue;
+                    }
+                    let xv = values(t);
+                    let got = run(def, vec![t.clone()], &attrs).unwrap();
+                    let (want, out_dims) = reference::reduce(op, &xv, &dims, &resolved, keepdim);
+                    prop_assert_eq!(got.shape().dims(), out_dims.as_slice());
+                    let abs: Vec<f64> = xv.iter().map(|v| v.abs()).collect();
+                    let (scale, _) = reference::reduce(ReduceOp::Sum, &abs, &dims, &resolved, keepdim);
+                    assert_close_scaled(t.dtype(), &values(&got), &want, &scale, def.name);
+                }
+            }
+        }
+    }
+}
