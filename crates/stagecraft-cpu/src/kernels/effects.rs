@@ -78,3 +78,50 @@ fn print_factory(attrs: &Attrs<'_>, _: &[TensorMetadata]) -> Result<Kernel> {
         Ok(smallvec![x])
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::elementwise::tests::run;
+    use stagecraft_ops::OpAttrs;
+    use std::sync::Mutex;
+
+    #[test]
+    fn formats_metadata_and_flat_values() {
+        let x = DenseHostTensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], [2, 2]).unwrap();
+        assert_eq!(format_line("x", &x), "x: f32[2,2] [1.0, 2.0, 3.0, 4.0]");
+        let s = DenseHostTensor::from_slice(&[true], []).unwrap();
+        assert_eq!(format_line("", &s), "bool[] [true]");
+        let e = DenseHostTensor::from_slice::<i32>(&[], [0, 3]).unwrap();
+        assert_eq!(format_line("e", &e), "e: i32[0,3] []");
+        let long: Vec<i64> = (0..25).collect();
+        let l = DenseHostTensor::from_slice(&long, [25]).unwrap();
+        assert_eq!(
+            format_line("l", &l),
+            "l: i64[25] [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ..., 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]"
+        );
+        let twenty: Vec<i32> = (0..20).collect();
+        let t = DenseHostTensor::from_slice(&twenty, [4, 5]).unwrap();
+        assert!(!format_line("t", &t).contains("..."));
+    }
+
+    #[test]
+    fn print_sends_one_line_and_passes_the_input_through() {
+        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        let sink = lines.clone();
+        set_print_sink(Some(Arc::new(move |l: &str| {
+            sink.lock().unwrap().push(l.to_string())
+        })));
+        let x = DenseHostTensor::from_slice(&[1.5f64, -2.0], [2]).unwrap();
+        let keep = x.clone();
+        let mut attrs = OpAttrs::new();
+        attrs.set_str("label", "weights");
+        let y = run(&stagecraft_ops::PRINT, vec![x], &attrs).unwrap();
+        set_print_sink(None);
+        assert!(y.buffer().ptr_eq(keep.buffer()), "Print must not copy");
+        assert_eq!(
+            lines.lock().unwrap().as_slice(),
+            &["weights: f64[2] [1.5, -2.0]".to_string()]
+        );
+    }
+}
