@@ -105,7 +105,7 @@ impl KernelCache {
         let kernel = factory(&Attrs::new(attrs, op), inputs)?;
         let mut buckets = self.buckets.write().unwrap_or_else(|p| p.into_inner());
         let bucket = buckets.entry(key).or_default();
-        if !bucket.iter().any(|e| matches(e)) {
+        if !bucket.iter().any(matches) {
             bucket.push(CacheEntry {
                 op: op_id,
                 attrs: attrs.freeze(),

@@ -310,11 +310,11 @@ mod tests {
         let mut attrs = OpAttrs::new();
         attrs.set_dims("kernel", &kernel).set_dims("stride", &stride).set_dims("padding", &pad);
         let x = DenseHostTensor::from_slice(&xv, dims).unwrap();
-        let got = run(&stagecraft_ops::MAX_POOL2D, &[x.clone()], &attrs).unwrap();
+        let got = run(&stagecraft_ops::MAX_POOL2D, std::slice::from_ref(&x), &attrs).unwrap();
         close(got.as_slice::<f64>().unwrap(), &reference::max_pool2d(&xv, dims, kernel, stride, pad), 0.0);
         for include in [true, false] {
             attrs.set_bool("count_include_pad", include);
-            let got = run(&stagecraft_ops::AVG_POOL2D, &[x.clone()], &attrs).unwrap();
+            let got = run(&stagecraft_ops::AVG_POOL2D, std::slice::from_ref(&x), &attrs).unwrap();
             close(got.as_slice::<f64>().unwrap(), &reference::avg_pool2d(&xv, dims, kernel, stride, pad, include), 1e-12);
         }
     }

@@ -131,12 +131,12 @@ fn random_meta(_: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     }
     if attrs.op().name == "RandomUniform" {
         let (low, high) = (attrs.float("low")?, attrs.float("high")?);
-        if !(low < high) || !low.is_finite() || !high.is_finite() {
+        if !low.is_finite() || !high.is_finite() || low >= high {
             return Err(Error::attribute(format!("need finite low < high, got [{low}, {high})")));
         }
     } else {
         let std = attrs.float("std")?;
-        if !(std >= 0.0) || !std.is_finite() || !attrs.float("mean")?.is_finite() {
+        if !std.is_finite() || std < 0.0 || !attrs.float("mean")?.is_finite() {
             return Err(Error::attribute(format!("need a finite mean and std >= 0, got std {std}")));
         }
     }

@@ -42,7 +42,7 @@ pub fn resolve_reshape(target: &[i64], from: &Shape) -> Result<Shape> {
     }
     let mut dims: SmallVec<[usize; 4]> = target.iter().map(|&d| d.max(0) as usize).collect();
     if let Some(i) = inferred {
-        if known == 0 || numel % known != 0 {
+        if known == 0 || !numel.is_multiple_of(known) {
             return Err(Error::shape(format!(
                 "cannot reshape {from} ({numel} elements) to {target:?}"
             )));
