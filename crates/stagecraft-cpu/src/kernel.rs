@@ -40,7 +40,11 @@ impl KernelRegistry {
     /// Registers the kernel factory of `op`; one per op.
     pub fn add(&mut self, op: &'static OpDef, factory: KernelFactory) {
         let previous = self.factories.insert(op as *const OpDef as usize, factory);
-        assert!(previous.is_none(), "two CPU kernels registered for {}", op.name);
+        assert!(
+            previous.is_none(),
+            "two CPU kernels registered for {}",
+            op.name
+        );
     }
 
     /// The factory for `op`, if the CPU has a kernel for it.

@@ -12,8 +12,8 @@ mod kernels;
 pub mod numeric;
 pub mod reference;
 
-pub use kernels::effects::{set_print_sink, PrintSink};
 pub use kernel::{registry, Inputs, Kernel, KernelContext, KernelFactory, KernelRegistry, Outputs};
+pub use kernels::effects::{set_print_sink, PrintSink};
 
 /// Below this many elements a kernel runs on the calling thread: forking
 /// onto the rayon pool costs more than it saves.

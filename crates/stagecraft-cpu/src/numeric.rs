@@ -9,10 +9,22 @@ use stagecraft_tensor::Shape;
 macro_rules! with_float_type {
     ($dtype:expr, $T:ident => $body:expr, _ => $otherwise:expr) => {
         match $dtype {
-            stagecraft_tensor::DType::F32 => { type $T = f32; $body }
-            stagecraft_tensor::DType::F64 => { type $T = f64; $body }
-            stagecraft_tensor::DType::F16 => { type $T = half::f16; $body }
-            stagecraft_tensor::DType::BF16 => { type $T = half::bf16; $body }
+            stagecraft_tensor::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            stagecraft_tensor::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            stagecraft_tensor::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            stagecraft_tensor::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
             _ => $otherwise,
         }
     };
@@ -23,13 +35,34 @@ macro_rules! with_float_type {
 macro_rules! with_any_type {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
-            stagecraft_tensor::DType::Bool => { type $T = bool; $body }
-            stagecraft_tensor::DType::I32 => { type $T = i32; $body }
-            stagecraft_tensor::DType::I64 => { type $T = i64; $body }
-            stagecraft_tensor::DType::F16 => { type $T = half::f16; $body }
-            stagecraft_tensor::DType::BF16 => { type $T = half::bf16; $body }
-            stagecraft_tensor::DType::F32 => { type $T = f32; $body }
-            stagecraft_tensor::DType::F64 => { type $T = f64; $body }
+            stagecraft_tensor::DType::Bool => {
+                type $T = bool;
+                $body
+            }
+            stagecraft_tensor::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            stagecraft_tensor::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            stagecraft_tensor::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            stagecraft_tensor::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            stagecraft_tensor::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            stagecraft_tensor::DType::F64 => {
+                type $T = f64;
+                $body
+            }
         }
     };
 }

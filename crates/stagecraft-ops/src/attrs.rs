@@ -158,7 +158,12 @@ impl OpAttrs {
         let offset = u16::try_from(self.words.len()).expect("attribute storage exceeds 64K words");
         let len = u16::try_from(len).expect("attribute list longer than 64K");
         self.words.extend_from_slice(words);
-        self.entries.push(Entry { name, kind, offset, len });
+        self.entries.push(Entry {
+            name,
+            kind,
+            offset,
+            len,
+        });
     }
 
     fn remove(&mut self, name: &str) {
@@ -334,7 +339,10 @@ fn attr_bits_eq(a: &AttrValue<'_>, b: &AttrValue<'_>) -> bool {
     match (a, b) {
         (AttrValue::Float(x), AttrValue::Float(y)) => x.to_bits() == y.to_bits(),
         (AttrValue::Floats(x), AttrValue::Floats(y)) => {
-            x.len() == y.len() && x.iter().zip(y.iter()).all(|(p, q)| p.to_bits() == q.to_bits())
+            x.len() == y.len()
+                && x.iter()
+                    .zip(y.iter())
+                    .all(|(p, q)| p.to_bits() == q.to_bits())
         }
         (AttrValue::Scalar(x), AttrValue::Scalar(y)) => {
             x.dtype() == y.dtype() && x.to_bits() == y.to_bits()
@@ -475,7 +483,9 @@ mod tests {
     #[test]
     fn empty_lists_and_strings() {
         let mut a = OpAttrs::new();
-        a.set_ints("axes", &[]).set_str("label", "").set_floats("f", &[]);
+        a.set_ints("axes", &[])
+            .set_str("label", "")
+            .set_floats("f", &[]);
         assert_eq!(a.get("axes"), Some(AttrValue::Ints(&[])));
         assert_eq!(a.get("label"), Some(AttrValue::Str("")));
         assert_eq!(a.get("f"), Some(AttrValue::Floats(&[])));
@@ -486,10 +496,14 @@ mod tests {
     fn large_sets_spill_and_still_work() {
         let mut a = OpAttrs::new();
         let long: Vec<i64> = (0..40).collect();
-        a.set_ints("long", &long).set_str("s", "a string longer than eight bytes");
+        a.set_ints("long", &long)
+            .set_str("s", "a string longer than eight bytes");
         assert!(a.spilled());
         assert_eq!(a.get("long"), Some(AttrValue::Ints(&long)));
-        assert_eq!(a.get("s"), Some(AttrValue::Str("a string longer than eight bytes")));
+        assert_eq!(
+            a.get("s"),
+            Some(AttrValue::Str("a string longer than eight bytes"))
+        );
     }
 
     #[test]
@@ -497,7 +511,9 @@ mod tests {
         let mut a = OpAttrs::new();
         a.set_int("axis", 1).set_bool("keepdim", false);
         let mut b = OpAttrs::new();
-        b.set_bool("keepdim", true).set_int("axis", 1).set_bool("keepdim", false);
+        b.set_bool("keepdim", true)
+            .set_int("axis", 1)
+            .set_bool("keepdim", false);
         assert_eq!(a, b);
         assert_eq!(hash_of(&a), hash_of(&b));
         b.set_int("axis", 2);

@@ -182,7 +182,10 @@ impl OpKind {
     /// True for ops that compute each output element from the same element
     /// of their (broadcast) inputs.
     pub fn is_elementwise(self) -> bool {
-        matches!(self, OpKind::Unary(_) | OpKind::Binary(_) | OpKind::Compare(_))
+        matches!(
+            self,
+            OpKind::Unary(_) | OpKind::Binary(_) | OpKind::Compare(_)
+        )
     }
 }
 
@@ -352,7 +355,9 @@ impl<'a> Attrs<'a> {
         let spec = self.def.attrs.iter().find(|s| s.name == name);
         match spec.and_then(|s| s.default) {
             Some(default) => Ok(default.value()),
-            None => Err(Error::attribute(format!("missing required attribute `{name}`"))),
+            None => Err(Error::attribute(format!(
+                "missing required attribute `{name}`"
+            ))),
         }
     }
 

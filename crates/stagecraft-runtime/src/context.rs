@@ -98,7 +98,9 @@ pub fn with_execution_mode<R>(mode: ExecutionMode, f: impl FnOnce() -> R) -> R {
 /// Replaces this thread's chain with `next`, returning the previous one
 /// (which a side-effecting op waits for).
 pub(crate) fn swap_chain(next: Chain) -> Chain {
-    CONTEXT.with(|c| c.borrow_mut().chain.replace(next)).unwrap_or_else(ready_chain)
+    CONTEXT
+        .with(|c| c.borrow_mut().chain.replace(next))
+        .unwrap_or_else(ready_chain)
 }
 
 /// Waits until every side-effecting op this thread issued has run.

@@ -9,7 +9,9 @@ use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
 use smallvec::SmallVec;
 use stagecraft_cpu::{Inputs, Kernel, KernelContext};
 use stagecraft_ops::{Attrs, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
-use stagecraft_tensor::{DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata};
+use stagecraft_tensor::{
+    DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,
+};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -86,21 +88,32 @@ impl KernelCache {
 
     /// The kernel for `op` with these attributes and inputs, instantiating
     /// it on first use.
-    pub fn get(&self, op: &'static OpDef, attrs: &OpAttrs, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    pub fn get(
+        &self,
+        op: &'static OpDef,
+        attrs: &OpAttrs,
+        inputs: &[TensorMetadata],
+    ) -> Result<Kernel> {
         let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|m| m.dtype).collect();
         let key = Self::fingerprint(op, attrs, &dtypes);
         let op_id = op as *const OpDef as usize;
         let matches = |e: &CacheEntry| e.op == op_id && e.dtypes == dtypes && *e.attrs == *attrs;
         {
             let buckets = self.buckets.read().unwrap_or_else(|p| p.into_inner());
-            if let Some(entry) = buckets.get(&key).and_then(|b| b.iter().find(|e| matches(e))) {
+            if let Some(entry) = buckets
+                .get(&key)
+                .and_then(|b| b.iter().find(|e| matches(e)))
+            {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(entry.kernel.clone());
             }
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         let factory = stagecraft_cpu::registry().get(op).ok_or_else(|| {
-            Error::new(ErrorKind::Device, format!("the CPU has no kernel for {}", op.name))
+            Error::new(
+                ErrorKind::Device,
+                format!("the CPU has no kernel for {}", op.name),
+            )
         })?;
         let kernel = factory(&Attrs::new(attrs, op), inputs)?;
         let mut buckets = self.buckets.write().unwrap_or_else(|p| p.into_inner());
@@ -121,7 +134,13 @@ impl KernelCache {
         KernelCacheStats {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
-            entries: self.buckets.read().unwrap_or_else(|p| p.into_inner()).values().map(|b| b.len()).sum(),
+            entries: self
+                .buckets
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .map(|b| b.len())
+                .sum(),
         }
     }
 }
@@ -238,7 +257,16 @@ impl OpHandler for CpuOpHandler {
 }
 
 fn execute_now(cache: &KernelCache, inv: OpInvocation<'_>) -> Results {
-    let OpInvocation { op, device, location, args, inputs, attrs, outputs, chain } = inv;
+    let OpInvocation {
+        op,
+        device,
+        location,
+        args,
+        inputs,
+        attrs,
+        outputs,
+        chain,
+    } = inv;
     if let Some((after, _)) = &chain {
         let _ = after.wait();
     }
@@ -253,13 +281,25 @@ fn execute_now(cache: &KernelCache, inv: OpInvocation<'_>) -> Results {
             .collect(),
         Err(failure) => {
             let e = failure_error(failure, op, location);
-            outputs.into_iter().map(|m| TensorHandle::error(device, m, e.clone())).collect()
+            outputs
+                .into_iter()
+                .map(|m| TensorHandle::error(device, m, e.clone()))
+                .collect()
         }
     }
 }
 
 fn enqueue(cache: Arc<KernelCache>, inv: OpInvocation<'_>) -> Results {
-    let OpInvocation { op, device, location, args, inputs, attrs, outputs, chain } = inv;
+    let OpInvocation {
+        op,
+        device,
+        location,
+        args,
+        inputs,
+        attrs,
+        outputs,
+        chain,
+    } = inv;
     let meta_state = match op.shape_kind {
         ShapeKind::Static => MetadataState::Known,
         ShapeKind::DataDependent => MetadataState::Deferred,
@@ -279,7 +319,12 @@ fn enqueue(cache: Arc<KernelCache>, inv: OpInvocation<'_>) -> Results {
         results: results.clone(),
         done: chain.as_ref().map(|(_, done)| done.clone()),
     };
-    let waits: SmallVec<[TensorHandle; 4]> = task.args.iter().filter(|a| !a.is_resolved()).cloned().collect();
+    let waits: SmallVec<[TensorHandle; 4]> = task
+        .args
+        .iter()
+        .filter(|a| !a.is_resolved())
+        .cloned()
+        .collect();
     let after = chain.map(|(after, _)| after).filter(|c| !c.is_resolved());
     let remaining = waits.len() + after.is_some() as usize;
     if remaining == 0 {
@@ -323,7 +368,17 @@ struct Task {
 
 impl Task {
     fn run(self) {
-        let Task { cache, op, location, attrs, args, inputs, outputs, results, done } = self;
+        let Task {
+            cache,
+            op,
+            location,
+            attrs,
+            args,
+            inputs,
+            outputs,
+            results,
+            done,
+        } = self;
         match run_kernel(&cache, op, &attrs, args, &inputs, &outputs) {
             Ok(produced) => {
                 for (handle, value) in results.iter().zip(produced) {

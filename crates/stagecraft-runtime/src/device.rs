@@ -95,11 +95,17 @@ impl Device {
             let index = match index {
                 None => 0,
                 Some(text) => text.parse::<usize>().map_err(|_| {
-                    Error::new(ErrorKind::Device, format!("bad device index in `{name}`: expected cpu:N with N = 0, 1, ..."))
+                    Error::new(
+                        ErrorKind::Device,
+                        format!("bad device index in `{name}`: expected cpu:N with N = 0, 1, ..."),
+                    )
                 })?,
             };
             if index > 1024 {
-                return Err(Error::new(ErrorKind::Device, format!("device index {index} in `{name}` is too large")));
+                return Err(Error::new(
+                    ErrorKind::Device,
+                    format!("device index {index} in `{name}` is too large"),
+                ));
             }
             return Ok(Device::cpu_n(index));
         }
@@ -109,15 +115,23 @@ impl Device {
         }
         Err(Error::new(
             ErrorKind::Device,
-            format!("unknown device `{name}`: known kinds are `cpu:N` and registered devices ({})",
-                all.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", ")),
+            format!(
+                "unknown device `{name}`: known kinds are `cpu:N` and registered devices ({})",
+                all.iter()
+                    .map(|d| d.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         ))
     }
 
     /// Registers a device with its own op handler under a new name.
     pub fn register(name: &str, handler: Arc<dyn OpHandler>) -> Result<Device> {
         if name.starts_with("cpu") {
-            return Err(Error::new(ErrorKind::Device, "device names starting with `cpu` are reserved"));
+            return Err(Error::new(
+                ErrorKind::Device,
+                "device names starting with `cpu` are reserved",
+            ));
         }
         intern(name.to_string(), DeviceKind::Custom, 0, || handler, true)
     }

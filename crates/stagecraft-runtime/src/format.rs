@@ -57,7 +57,10 @@ mod tests {
     #[test]
     fn nested_and_elided() {
         let t = DenseHostTensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], [2, 2]).unwrap();
-        assert_eq!(format_values(&t.into(), 3).unwrap(), "[[1.0, 2.0],\n[3.0, 4.0]]");
+        assert_eq!(
+            format_values(&t.into(), 3).unwrap(),
+            "[[1.0, 2.0],\n[3.0, 4.0]]"
+        );
         let long: Vec<i64> = (0..10).collect();
         let t = DenseHostTensor::from_slice(&long, [10]).unwrap();
         assert_eq!(format_values(&t.into(), 2).unwrap(), "[0, 1, ..., 8, 9]");

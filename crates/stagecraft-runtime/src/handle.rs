@@ -52,7 +52,11 @@ impl TensorHandle {
     }
 
     /// A handle whose value a producer will set with [`TensorHandle::resolve`].
-    pub fn pending(device: Device, meta: TensorMetadata, meta_state: MetadataState) -> TensorHandle {
+    pub fn pending(
+        device: Device,
+        meta: TensorMetadata,
+        meta_state: MetadataState,
+    ) -> TensorHandle {
         TensorHandle(Arc::new(HandleInner {
             device,
             meta,
@@ -163,7 +167,11 @@ impl fmt::Debug for TensorHandle {
             Some(Ok(_)) => "available",
             Some(Err(_)) => "error",
         };
-        write!(f, "TensorHandle({} on {}, {state})", self.0.meta, self.0.device)
+        write!(
+            f,
+            "TensorHandle({} on {}, {state})",
+            self.0.meta, self.0.device
+        )
     }
 }
 
@@ -174,7 +182,10 @@ mod tests {
 
     #[test]
     fn handles_are_one_pointer() {
-        assert_eq!(std::mem::size_of::<TensorHandle>(), std::mem::size_of::<usize>());
+        assert_eq!(
+            std::mem::size_of::<TensorHandle>(),
+            std::mem::size_of::<usize>()
+        );
     }
 
     #[test]
@@ -184,15 +195,23 @@ mod tests {
             TensorMetadata::new(DType::F32, [2]),
             MetadataState::Known,
         );
-        h.resolve(Ok(DenseHostTensor::from_slice(&[1.0f32], [1]).unwrap().into()));
-        assert!(h.wait().unwrap_err().to_string().contains("promised f32[2]"));
+        h.resolve(Ok(DenseHostTensor::from_slice(&[1.0f32], [1])
+            .unwrap()
+            .into()));
+        assert!(h
+            .wait()
+            .unwrap_err()
+            .to_string()
+            .contains("promised f32[2]"));
     }
 
     #[test]
     fn into_value_moves_when_unique() {
         let t = DenseHostTensor::from_slice(&[1.0f32, 2.0], [2]).unwrap();
         let h = TensorHandle::available(Device::cpu(), t.into());
-        let HostTensor::Dense(d) = h.into_value().unwrap() else { panic!("dense") };
+        let HostTensor::Dense(d) = h.into_value().unwrap() else {
+            panic!("dense")
+        };
         assert!(d.is_unique());
     }
 }

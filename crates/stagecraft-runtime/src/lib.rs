@@ -28,6 +28,6 @@ pub use handle::{MetadataState, TensorHandle};
 pub use logging::{LogSink, LoggingOpHandler};
 pub use op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
 pub use runtime::{
-    cancel_execution, copy_to_device, count_host_read, execute, is_cancelled, report_error, restart,
-    set_diagnostic_handler, stats, DiagnosticHandler, RuntimeStats,
+    cancel_execution, copy_to_device, count_host_read, execute, is_cancelled, report_error,
+    restart, set_diagnostic_handler, stats, DiagnosticHandler, RuntimeStats,
 };

@@ -37,7 +37,11 @@ fn describe(out: &mut String, role: &str, i: usize, h: &TensorHandle) {
     let _ = write!(out, "\n  {role} {i}: {} = ", h.metadata());
     match h.wait() {
         Ok(v) => {
-            let _ = write!(out, "{}", format_values(v, 3).unwrap_or_else(|e| e.to_string()));
+            let _ = write!(
+                out,
+                "{}",
+                format_values(v, 3).unwrap_or_else(|e| e.to_string())
+            );
         }
         Err(e) => {
             let _ = write!(out, "<error: {e}>");

@@ -71,13 +71,18 @@ pub fn count_host_read() {
 
 /// Installs (or with `None`, removes) the diagnostic handler.
 pub fn set_diagnostic_handler(handler: Option<DiagnosticHandler>) {
-    *DIAGNOSTIC_HANDLER.write().unwrap_or_else(|p| p.into_inner()) = handler;
+    *DIAGNOSTIC_HANDLER
+        .write()
+        .unwrap_or_else(|p| p.into_inner()) = handler;
 }
 
 /// Records an error raised by an op and tells the diagnostic handler.
 pub fn report_error(error: &Error) {
     ERRORS_RAISED.fetch_add(1, Ordering::Relaxed);
-    let handler = DIAGNOSTIC_HANDLER.read().unwrap_or_else(|p| p.into_inner()).clone();
+    let handler = DIAGNOSTIC_HANDLER
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
     if let Some(handler) = handler {
         handler(error);
     }
@@ -100,7 +105,12 @@ pub fn is_cancelled() -> bool {
     CANCELLED.load(Ordering::Relaxed)
 }
 
-fn error_results(op: &OpDef, device: Device, metas: Option<&[TensorMetadata]>, error: &Error) -> Results {
+fn error_results(
+    op: &OpDef,
+    device: Device,
+    metas: Option<&[TensorMetadata]>,
+    error: &Error,
+) -> Results {
     (0..op.outputs)
         .map(|i| {
             let meta = metas
@@ -121,7 +131,13 @@ fn error_results(op: &OpDef, device: Device, metas: Option<&[TensorMetadata]>, e
 /// the output metadata (its error is tagged with the op and `location`,
 /// reported to the diagnostic handler, and returned as error handles); then
 /// the handler runs or schedules the kernel.
-pub fn execute(op: &'static OpDef, device: Device, location: Location, args: Args, attrs: OpAttrsRef<'_>) -> Results {
+pub fn execute(
+    op: &'static OpDef,
+    device: Device,
+    location: Location,
+    args: Args,
+    attrs: OpAttrsRef<'_>,
+) -> Results {
     OPS_EXECUTED.fetch_add(1, Ordering::Relaxed);
     if is_cancelled() {
         let err = Error::cancelled().with_op(op.name).at(location);

@@ -44,7 +44,11 @@ impl Drop for RawBuffer {
 }
 
 fn layout(len: usize) -> Layout {
-    let align = if len >= LARGE_BUFFER { BUFFER_ALIGN } else { SMALL_ALIGN };
+    let align = if len >= LARGE_BUFFER {
+        BUFFER_ALIGN
+    } else {
+        SMALL_ALIGN
+    };
     Layout::from_size_align(len, align).expect("buffer size overflows isize")
 }
 
@@ -130,7 +134,11 @@ impl Buffer {
     /// caller: tensors check their dtype first).
     pub fn typed<T: Element>(&self) -> &[T] {
         let size = std::mem::size_of::<T>();
-        assert_eq!(self.0.len % size, 0, "buffer length is not a multiple of the element size");
+        assert_eq!(
+            self.0.len % size,
+            0,
+            "buffer length is not a multiple of the element size"
+        );
         // SAFETY: the pointer is at least 16-byte aligned (enough for every Element),
         // valid for `len` initialised bytes, and `Element` types are plain
         // data valid for any bytes that an `Element` write or zeroing put
@@ -141,7 +149,11 @@ impl Buffer {
     /// The values as a mutable slice of `T`, if this is the only reference.
     pub fn typed_mut<T: Element>(&mut self) -> Option<&mut [T]> {
         let size = std::mem::size_of::<T>();
-        assert_eq!(self.0.len % size, 0, "buffer length is not a multiple of the element size");
+        assert_eq!(
+            self.0.len % size,
+            0,
+            "buffer length is not a multiple of the element size"
+        );
         let raw = Arc::get_mut(&mut self.0)?;
         // SAFETY: unique access (`Arc::get_mut` succeeded and we hold
         // `&mut self`), alignment and validity as in `typed`.

@@ -305,13 +305,21 @@ mod tests {
         assert_eq!(Scalar::F32(f32::NAN).cast(DType::I64), Scalar::I64(0));
         assert_eq!(Scalar::I32(3).cast(DType::Bool), Scalar::Bool(true));
         assert_eq!(Scalar::F64(0.1).cast(DType::F32), Scalar::F32(0.1f32));
-        assert_eq!(Scalar::I64(i64::MAX).cast(DType::I64), Scalar::I64(i64::MAX));
+        assert_eq!(
+            Scalar::I64(i64::MAX).cast(DType::I64),
+            Scalar::I64(i64::MAX)
+        );
         assert_eq!(f16::from_scalar(Scalar::F32(1.5)), f16::from_f32(1.5));
     }
 
     #[test]
     fn bits_round_trip() {
-        for v in [Scalar::F32(-0.0), Scalar::I32(-7), Scalar::BF16(bf16::from_f32(3.0)), Scalar::Bool(true)] {
+        for v in [
+            Scalar::F32(-0.0),
+            Scalar::I32(-7),
+            Scalar::BF16(bf16::from_f32(3.0)),
+            Scalar::Bool(true),
+        ] {
             assert_eq!(Scalar::from_bits(v.dtype(), v.to_bits()), v);
         }
     }

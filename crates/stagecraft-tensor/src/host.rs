@@ -30,7 +30,10 @@ impl DenseHostTensor {
 
     /// A tensor taking its values from `values`, which must hold exactly
     /// `shape.numel()` elements.
-    pub fn from_slice<T: Element>(values: &[T], shape: impl Into<Shape>) -> Result<DenseHostTensor> {
+    pub fn from_slice<T: Element>(
+        values: &[T],
+        shape: impl Into<Shape>,
+    ) -> Result<DenseHostTensor> {
         let shape = shape.into();
         let numel = shape.checked_numel()?;
         if numel != values.len() {

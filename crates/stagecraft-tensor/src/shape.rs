@@ -218,9 +218,15 @@ mod tests {
     fn broadcasting_follows_numpy() {
         let s = |d: &[usize]| Shape::new(d);
         assert_eq!(broadcast_shapes(&s(&[2, 3]), &s(&[3])).unwrap(), s(&[2, 3]));
-        assert_eq!(broadcast_shapes(&s(&[4, 1, 5]), &s(&[3, 1])).unwrap(), s(&[4, 3, 5]));
+        assert_eq!(
+            broadcast_shapes(&s(&[4, 1, 5]), &s(&[3, 1])).unwrap(),
+            s(&[4, 3, 5])
+        );
         assert_eq!(broadcast_shapes(&s(&[]), &s(&[2, 2])).unwrap(), s(&[2, 2]));
-        assert_eq!(broadcast_shapes(&s(&[0, 3]), &s(&[1, 3])).unwrap(), s(&[0, 3]));
+        assert_eq!(
+            broadcast_shapes(&s(&[0, 3]), &s(&[1, 3])).unwrap(),
+            s(&[0, 3])
+        );
         assert!(broadcast_shapes(&s(&[2, 3]), &s(&[4])).is_err());
         assert!(broadcast_shapes(&s(&[0]), &s(&[2])).is_err());
     }

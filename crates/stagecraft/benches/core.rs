@@ -14,11 +14,17 @@ fn tiny_add(c: &mut Criterion) {
     let a = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[4], &cpu).unwrap();
     let b = Tensor::<f32>::from_vec(vec![5.0, 6.0, 7.0, 8.0], &[4], &cpu).unwrap();
     let mut group = c.benchmark_group("B1_tiny_add");
-    group.bench_function("stagecraft_eager", |bench| bench.iter(|| black_box(&a + &b)));
+    group.bench_function("stagecraft_eager", |bench| {
+        bench.iter(|| black_box(&a + &b))
+    });
     let (x, y) = ([1.0f32, 2.0, 3.0, 4.0], [5.0f32, 6.0, 7.0, 8.0]);
     group.bench_function("baseline_vec_alloc_add", |bench| {
         bench.iter(|| {
-            let out: Vec<f32> = black_box(&x).iter().zip(black_box(&y)).map(|(p, q)| p + q).collect();
+            let out: Vec<f32> = black_box(&x)
+                .iter()
+                .zip(black_box(&y))
+                .map(|(p, q)| p + q)
+                .collect();
             black_box(out)
         })
     });
@@ -53,7 +59,9 @@ fn big_add(c: &mut Criterion) {
     let mut group = c.benchmark_group("B3_16M");
     group.sample_size(20);
     group.throughput(Throughput::Bytes((N * 4) as u64));
-    group.bench_function("stagecraft_add", |bench| bench.iter(|| (&a + &b).wait().unwrap()));
+    group.bench_function("stagecraft_add", |bench| {
+        bench.iter(|| (&a + &b).wait().unwrap())
+    });
     group.bench_function("baseline_copy_same_bytes", |bench| {
         bench.iter(|| {
             dst.copy_from_slice(black_box(&src));

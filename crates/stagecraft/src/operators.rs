@@ -9,7 +9,12 @@ use stagecraft_runtime::Args;
 use stagecraft_tensor::{Location, NumElement};
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
-fn binary_owned<T: NumElement>(op: &'static stagecraft_ops::OpDef, a: Tensor<T>, b: Tensor<T>, location: Location) -> Tensor<T> {
+fn binary_owned<T: NumElement>(
+    op: &'static stagecraft_ops::OpDef,
+    a: Tensor<T>,
+    b: Tensor<T>,
+    location: Location,
+) -> Tensor<T> {
     // Moving the handles in lets the kernel reuse a buffer nobody else holds.
     let args: Args = smallvec::smallvec![a.handle, b.handle];
     crate::tensor::run(op, args, &stagecraft_ops::OpAttrs::new(), location)
@@ -57,7 +62,12 @@ macro_rules! tensor_operator {
             type Output = Tensor<T>;
             #[track_caller]
             fn $method(self, rhs: T) -> Tensor<T> {
-                binary_owned(&ops::$op, self.clone(), scalar_like(rhs, self), Location::caller())
+                binary_owned(
+                    &ops::$op,
+                    self.clone(),
+                    scalar_like(rhs, self),
+                    Location::caller(),
+                )
             }
         }
     };
@@ -140,7 +150,12 @@ impl<T: NumElement> Neg for Tensor<T> {
     #[track_caller]
     fn neg(self) -> Tensor<T> {
         let args: Args = smallvec::smallvec![self.handle];
-        crate::tensor::run(&ops::NEG, args, &stagecraft_ops::OpAttrs::new(), Location::caller())
+        crate::tensor::run(
+            &ops::NEG,
+            args,
+            &stagecraft_ops::OpAttrs::new(),
+            Location::caller(),
+        )
     }
 }
 
@@ -148,6 +163,10 @@ impl<T: NumElement> Neg for &Tensor<T> {
     type Output = Tensor<T>;
     #[track_caller]
     fn neg(self) -> Tensor<T> {
-        self.unary(&ops::NEG, &stagecraft_ops::OpAttrs::new(), Location::caller())
+        self.unary(
+            &ops::NEG,
+            &stagecraft_ops::OpAttrs::new(),
+            Location::caller(),
+        )
     }
 }

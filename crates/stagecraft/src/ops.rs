@@ -213,13 +213,21 @@ impl<T: Element> Tensor<T> {
             match normalize_axis(axis, rank) {
                 Ok(a) if dims[a] == 1 => drop[a] = true,
                 Ok(a) => {
-                    let e = Error::shape(format!("cannot squeeze axis {axis} of size {} in {:?}", dims[a], dims));
+                    let e = Error::shape(format!(
+                        "cannot squeeze axis {axis} of size {} in {:?}",
+                        dims[a], dims
+                    ));
                     return self.fail("Squeeze", location, e);
                 }
                 Err(e) => return self.fail("Squeeze", location, e),
             }
         }
-        let kept: Vec<usize> = dims.iter().zip(&drop).filter(|(_, &d)| !d).map(|(&x, _)| x).collect();
+        let kept: Vec<usize> = dims
+            .iter()
+            .zip(&drop)
+            .filter(|(_, &d)| !d)
+            .map(|(&x, _)| x)
+            .collect();
         let mut attrs = OpAttrs::new();
         attrs.set_dims("shape", &kept);
         self.unary(&ops::RESHAPE, &attrs, location)
@@ -256,7 +264,10 @@ impl<T: Element> Tensor<T> {
     #[track_caller]
     pub fn slice(&self, starts: &[i64], ends: &[i64], steps: &[i64]) -> Tensor<T> {
         let mut attrs = OpAttrs::new();
-        attrs.set_ints("starts", starts).set_ints("ends", ends).set_ints("steps", steps);
+        attrs
+            .set_ints("starts", starts)
+            .set_ints("ends", ends)
+            .set_ints("steps", steps);
         self.unary(&ops::SLICE, &attrs, Location::caller())
     }
 
@@ -271,7 +282,9 @@ impl<T: Element> Tensor<T> {
                 let mut ends: SmallVec<[i64; 4]> = self.dims().iter().map(|&d| d as i64).collect();
                 let dim = self.dims()[a];
                 if start.checked_add(len).is_none_or(|end| end > dim) {
-                    let e = Error::shape(format!("narrow({axis}, {start}, {len}) is out of range for an axis of size {dim}"));
+                    let e = Error::shape(format!(
+                        "narrow({axis}, {start}, {len}) is out of range for an axis of size {dim}"
+                    ));
                     return self.fail("Slice", location, e);
                 }
                 starts[a] = start as i64;
@@ -371,7 +384,9 @@ impl<T: NumElement> Tensor<T> {
     #[track_caller]
     pub fn argmax(&self, axis: isize, keepdim: bool) -> Tensor<i64> {
         let mut attrs = OpAttrs::new();
-        attrs.set_int("axis", axis as i64).set_bool("keepdim", keepdim);
+        attrs
+            .set_int("axis", axis as i64)
+            .set_bool("keepdim", keepdim);
         self.unary(&ops::ARGMAX, &attrs, Location::caller())
     }
 
@@ -379,7 +394,9 @@ impl<T: NumElement> Tensor<T> {
     #[track_caller]
     pub fn argmin(&self, axis: isize, keepdim: bool) -> Tensor<i64> {
         let mut attrs = OpAttrs::new();
-        attrs.set_int("axis", axis as i64).set_bool("keepdim", keepdim);
+        attrs
+            .set_int("axis", axis as i64)
+            .set_bool("keepdim", keepdim);
         self.unary(&ops::ARGMIN, &attrs, Location::caller())
     }
 
@@ -401,7 +418,9 @@ impl<T: NumElement> Tensor<T> {
             .set_float("step", step)
             .set_dtype("dtype", T::DTYPE);
         let location = Location::caller();
-        crate::with_device(device, || crate::tensor::run(&ops::ARANGE, SmallVec::new(), &attrs, location))
+        crate::with_device(device, || {
+            crate::tensor::run(&ops::ARANGE, SmallVec::new(), &attrs, location)
+        })
     }
 }
 
@@ -446,12 +465,22 @@ impl<T: FloatElement> Tensor<T> {
     /// kernel; padded zeros count unless `count_include_pad` is false).
     #[track_caller]
     pub fn avg_pool2d(&self, options: Pool2dOptions, count_include_pad: bool) -> Tensor<T> {
-        self.unary(&ops::AVG_POOL2D, &options.attrs(Some(count_include_pad)), Location::caller())
+        self.unary(
+            &ops::AVG_POOL2D,
+            &options.attrs(Some(count_include_pad)),
+            Location::caller(),
+        )
     }
 
     /// Uniform random values in `[low, high)`, drawn from `rng`.
     #[track_caller]
-    pub fn rand_uniform(dims: &[usize], low: f64, high: f64, rng: &mut crate::Rng, device: &crate::Device) -> Tensor<T> {
+    pub fn rand_uniform(
+        dims: &[usize],
+        low: f64,
+        high: f64,
+        rng: &mut crate::Rng,
+        device: &crate::Device,
+    ) -> Tensor<T> {
         let (seed, offset) = rng.advance(dims);
         let mut attrs = OpAttrs::new();
         attrs
@@ -462,12 +491,20 @@ impl<T: FloatElement> Tensor<T> {
             .set_float("low", low)
             .set_float("high", high);
         let location = Location::caller();
-        crate::with_device(device, || crate::tensor::run(&ops::RANDOM_UNIFORM, SmallVec::new(), &attrs, location))
+        crate::with_device(device, || {
+            crate::tensor::run(&ops::RANDOM_UNIFORM, SmallVec::new(), &attrs, location)
+        })
     }
 
     /// Normal random values with `mean` and `std`, drawn from `rng`.
     #[track_caller]
-    pub fn rand_normal(dims: &[usize], mean: f64, std: f64, rng: &mut crate::Rng, device: &crate::Device) -> Tensor<T> {
+    pub fn rand_normal(
+        dims: &[usize],
+        mean: f64,
+        std: f64,
+        rng: &mut crate::Rng,
+        device: &crate::Device,
+    ) -> Tensor<T> {
         let (seed, offset) = rng.advance(dims);
         let mut attrs = OpAttrs::new();
         attrs
@@ -478,7 +515,9 @@ impl<T: FloatElement> Tensor<T> {
             .set_float("mean", mean)
             .set_float("std", std);
         let location = Location::caller();
-        crate::with_device(device, || crate::tensor::run(&ops::RANDOM_NORMAL, SmallVec::new(), &attrs, location))
+        crate::with_device(device, || {
+            crate::tensor::run(&ops::RANDOM_NORMAL, SmallVec::new(), &attrs, location)
+        })
     }
 }
 
@@ -487,7 +526,9 @@ impl<I: IndexElement> Tensor<I> {
     #[track_caller]
     pub fn one_hot<U: Element>(&self, depth: usize) -> Tensor<U> {
         let mut attrs = OpAttrs::new();
-        attrs.set_int("depth", depth as i64).set_dtype("dtype", U::DTYPE);
+        attrs
+            .set_int("depth", depth as i64)
+            .set_dtype("dtype", U::DTYPE);
         self.unary(&ops::ONE_HOT, &attrs, Location::caller())
     }
 }
@@ -539,7 +580,9 @@ impl Pool2dOptions {
 
     fn attrs(&self, count_include_pad: Option<bool>) -> OpAttrs {
         let mut attrs = OpAttrs::new();
-        attrs.set_dims("kernel", &self.kernel).set_dims("padding", &self.padding);
+        attrs
+            .set_dims("kernel", &self.kernel)
+            .set_dims("padding", &self.padding);
         if let Some(stride) = self.stride {
             attrs.set_dims("stride", &stride);
         }
@@ -555,6 +598,10 @@ impl Pool2dOptions {
 pub(crate) fn scalar_like<T: Element>(value: T, like: &Tensor<T>) -> Tensor<T> {
     Tensor::from_handle(TensorHandle::available(
         like.device(),
-        stagecraft_tensor::ScalarHostTensor::new(value.to_scalar(), stagecraft_tensor::Shape::scalar()).into(),
+        stagecraft_tensor::ScalarHostTensor::new(
+            value.to_scalar(),
+            stagecraft_tensor::Shape::scalar(),
+        )
+        .into(),
     ))
 }

@@ -33,7 +33,10 @@ impl Rng {
     /// offset)` for the op. Each element consumes at most one counter
     /// block, so advancing by the element count never overlaps draws.
     pub(crate) fn advance(&mut self, dims: &[usize]) -> (u64, u64) {
-        let numel: u64 = dims.iter().map(|&d| d as u64).fold(1u64, |a, d| a.saturating_mul(d));
+        let numel: u64 = dims
+            .iter()
+            .map(|&d| d as u64)
+            .fold(1u64, |a, d| a.saturating_mul(d));
         let start = self.offset;
         // Offsets are carried as i64 attributes; wrap within that range.
         self.offset = start.saturating_add(numel.max(1)) & (i64::MAX as u64);

@@ -56,7 +56,13 @@ impl<T: Element> Tensor<T> {
         &self.handle
     }
 
-    pub(crate) fn error_at(op: &str, location: Location, device: Device, dims: &[usize], err: Error) -> Tensor<T> {
+    pub(crate) fn error_at(
+        op: &str,
+        location: Location,
+        device: Device,
+        dims: &[usize],
+        err: Error,
+    ) -> Tensor<T> {
         let err = err.with_op(op.to_string()).at(location);
         runtime::report_error(&err);
         Tensor::from_handle(TensorHandle::error(
@@ -76,8 +82,12 @@ impl<T: Element> Tensor<T> {
     #[track_caller]
     pub fn from_slice(values: &[T], dims: &[usize], device: &Device) -> Result<Tensor<T>> {
         let location = Location::caller();
-        let dense = DenseHostTensor::from_slice(values, dims).map_err(|e| e.with_op("from_slice").at(location))?;
-        Ok(Tensor::from_handle(TensorHandle::available(*device, dense.into())))
+        let dense = DenseHostTensor::from_slice(values, dims)
+            .map_err(|e| e.with_op("from_slice").at(location))?;
+        Ok(Tensor::from_handle(TensorHandle::available(
+            *device,
+            dense.into(),
+        )))
     }
 
     /// A rank-0 tensor.
@@ -171,7 +181,9 @@ impl<T: Element> Tensor<T> {
     pub fn to_vec(&self) -> Result<Vec<T>> {
         match self.host_value()? {
             HostTensor::Dense(d) => d.to_vec(),
-            HostTensor::Scalar(s) => Ok(vec![T::from_scalar(s.value()); s.metadata().shape.numel()]),
+            HostTensor::Scalar(s) => {
+                Ok(vec![T::from_scalar(s.value()); s.metadata().shape.numel()])
+            }
         }
     }
 
@@ -199,21 +211,45 @@ impl<T: Element> Tensor<T> {
     /// copy is counted in the runtime stats).
     #[track_caller]
     pub fn to_device(&self, device: &Device) -> Tensor<T> {
-        Tensor::from_handle(runtime::copy_to_device(&self.handle, *device, Location::caller()))
+        Tensor::from_handle(runtime::copy_to_device(
+            &self.handle,
+            *device,
+            Location::caller(),
+        ))
     }
 
-    pub(crate) fn unary<U: Element>(&self, op: &'static OpDef, attrs: &OpAttrs, location: Location) -> Tensor<U> {
+    pub(crate) fn unary<U: Element>(
+        &self,
+        op: &'static OpDef,
+        attrs: &OpAttrs,
+        location: Location,
+    ) -> Tensor<U> {
         run(op, smallvec![self.handle.clone()], attrs, location)
     }
 
-    pub(crate) fn binary<U: Element>(&self, op: &'static OpDef, other: &Tensor<T>, location: Location) -> Tensor<U> {
-        run(op, smallvec![self.handle.clone(), other.handle.clone()], &OpAttrs::new(), location)
+    pub(crate) fn binary<U: Element>(
+        &self,
+        op: &'static OpDef,
+        other: &Tensor<T>,
+        location: Location,
+    ) -> Tensor<U> {
+        run(
+            op,
+            smallvec![self.handle.clone(), other.handle.clone()],
+            &OpAttrs::new(),
+            location,
+        )
     }
 }
 
 /// Runs `op` on `args`, placed by the eager rules, returning its first
 /// output.
-pub(crate) fn run<U: Element>(op: &'static OpDef, args: Args, attrs: &OpAttrs, location: Location) -> Tensor<U> {
+pub(crate) fn run<U: Element>(
+    op: &'static OpDef,
+    args: Args,
+    attrs: &OpAttrs,
+    location: Location,
+) -> Tensor<U> {
     let device = runtime::place(&args);
     let mut results = runtime::execute(op, device, location, args, attrs.into());
     let handle = results.swap_remove(0);
@@ -222,9 +258,18 @@ pub(crate) fn run<U: Element>(op: &'static OpDef, args: Args, attrs: &OpAttrs, l
         // known can disagree with the typed signature: keep the error, fix
         // the dtype.
         let err = handle.wait().err().unwrap_or_else(|| {
-            Error::internal(format!("{} produced {} where {} was expected", op.name, handle.dtype(), U::DTYPE))
+            Error::internal(format!(
+                "{} produced {} where {} was expected",
+                op.name,
+                handle.dtype(),
+                U::DTYPE
+            ))
         });
-        return Tensor::from_handle(TensorHandle::error(device, stagecraft_tensor::TensorMetadata::new(U::DTYPE, handle.metadata().shape.clone()), err));
+        return Tensor::from_handle(TensorHandle::error(
+            device,
+            stagecraft_tensor::TensorMetadata::new(U::DTYPE, handle.metadata().shape.clone()),
+            err,
+        ));
     }
     Tensor::from_handle(handle)
 }
@@ -244,6 +289,12 @@ impl<T: Element> fmt::Display for Tensor<T> {
 
 impl<T: Element> fmt::Debug for Tensor<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Tensor<{}>{} on {}", T::DTYPE, self.shape(), self.device())
+        write!(
+            f,
+            "Tensor<{}>{} on {}",
+            T::DTYPE,
+            self.shape(),
+            self.device()
+        )
     }
 }

@@ -18,7 +18,10 @@ fn assert_fails<T: stagecraft::Element>(t: Tensor<T>, op: &str, line: u32) {
     let err = t.check().expect_err("expected an error");
     assert_eq!(err.op(), Some(op), "{err}");
     let loc = err.location().expect("location");
-    assert!(loc.file().ends_with("bad_input.rs") && loc.line() == line, "{err}");
+    assert!(
+        loc.file().ends_with("bad_input.rs") && loc.line() == line,
+        "{err}"
+    );
     assert!(t.to_vec().is_err());
 }
 
@@ -42,24 +45,91 @@ fn shape_axis_and_attribute_errors() {
         (x.slice(&[0], &[1], &[]), "Slice", line!()),
         (x.slice(&[0, 0], &[1, 1], &[1, 0]), "Slice", line!()),
         (x.index_select(2, &i), "Gather", line!()),
-        (Tensor::concat(&[&x, &f32s(&[1.0], &[1, 1])], 0), "Concat", line!()),
+        (
+            Tensor::concat(&[&x, &f32s(&[1.0], &[1, 1])], 0),
+            "Concat",
+            line!(),
+        ),
         (Tensor::concat(&[&x, &x], 3), "Concat", line!()),
         (Tensor::<f32>::concat(&[], 0), "Concat", line!()),
         (x.pad(&[(1, 1)], 0.0), "Pad", line!()),
         (x.matmul(&f32s(&[1.0; 4], &[2, 2])), "MatMul", line!()),
         (x.conv2d(&x, Conv2dOptions::default()), "Conv2d", line!()),
-        (x.reshape(&[1, 1, 2, 3]).conv2d(&Tensor::ones(&[1, 1, 3, 3], &Device::cpu()), Conv2dOptions::default()), "Conv2d", line!()),
-        (x.reshape(&[1, 1, 2, 3]).conv2d(&Tensor::ones(&[1, 1, 1, 1], &Device::cpu()), Conv2dOptions { stride: [0, 1], ..Default::default() }), "Conv2d", line!()),
-        (x.max_pool2d(Pool2dOptions::new([2, 2])), "MaxPool2d", line!()),
-        (x.reshape(&[1, 1, 2, 3]).avg_pool2d(Pool2dOptions::new([3, 3]), true), "AvgPool2d", line!()),
-        (x.reshape(&[1, 1, 2, 3]).max_pool2d(Pool2dOptions::new([0, 1])), "MaxPool2d", line!()),
+        (
+            x.reshape(&[1, 1, 2, 3]).conv2d(
+                &Tensor::ones(&[1, 1, 3, 3], &Device::cpu()),
+                Conv2dOptions::default(),
+            ),
+            "Conv2d",
+            line!(),
+        ),
+        (
+            x.reshape(&[1, 1, 2, 3]).conv2d(
+                &Tensor::ones(&[1, 1, 1, 1], &Device::cpu()),
+                Conv2dOptions {
+                    stride: [0, 1],
+                    ..Default::default()
+                },
+            ),
+            "Conv2d",
+            line!(),
+        ),
+        (
+            x.max_pool2d(Pool2dOptions::new([2, 2])),
+            "MaxPool2d",
+            line!(),
+        ),
+        (
+            x.reshape(&[1, 1, 2, 3])
+                .avg_pool2d(Pool2dOptions::new([3, 3]), true),
+            "AvgPool2d",
+            line!(),
+        ),
+        (
+            x.reshape(&[1, 1, 2, 3])
+                .max_pool2d(Pool2dOptions::new([0, 1])),
+            "MaxPool2d",
+            line!(),
+        ),
         (x.max(&[], false).max(&[0], false), "Max", line!()),
         (f32s(&[], &[0, 3]).max(&[0], false), "Max", line!()),
-        (Tensor::<f32>::arange(0.0, 1.0, 0.0, &Device::cpu()), "Arange", line!()),
-        (Tensor::<f32>::arange(0.0, f64::NAN, 1.0, &Device::cpu()), "Arange", line!()),
-        (Tensor::<f32>::rand_uniform(&[2], 1.0, 0.0, &mut stagecraft::Rng::new(0), &Device::cpu()), "RandomUniform", line!()),
-        (Tensor::<f32>::rand_normal(&[2], 0.0, -1.0, &mut stagecraft::Rng::new(0), &Device::cpu()), "RandomNormal", line!()),
-        (Tensor::<f32>::zeros(&[usize::MAX, 2], &Device::cpu()), "Fill", line!()),
+        (
+            Tensor::<f32>::arange(0.0, 1.0, 0.0, &Device::cpu()),
+            "Arange",
+            line!(),
+        ),
+        (
+            Tensor::<f32>::arange(0.0, f64::NAN, 1.0, &Device::cpu()),
+            "Arange",
+            line!(),
+        ),
+        (
+            Tensor::<f32>::rand_uniform(
+                &[2],
+                1.0,
+                0.0,
+                &mut stagecraft::Rng::new(0),
+                &Device::cpu(),
+            ),
+            "RandomUniform",
+            line!(),
+        ),
+        (
+            Tensor::<f32>::rand_normal(
+                &[2],
+                0.0,
+                -1.0,
+                &mut stagecraft::Rng::new(0),
+                &Device::cpu(),
+            ),
+            "RandomNormal",
+            line!(),
+        ),
+        (
+            Tensor::<f32>::zeros(&[usize::MAX, 2], &Device::cpu()),
+            "Fill",
+            line!(),
+        ),
         (x.argmax(5, false).cast::<f32>(), "ArgMax", line!()),
     ];
     for (t, op, line) in cases {
@@ -75,16 +145,31 @@ fn dtype_errors_through_the_untyped_runtime() {
     // The typed API makes dtype mismatches compile errors; code below it gets
     // run-time errors from the metadata functions instead.
     let cpu = Device::cpu();
-    let f = TensorHandle::available(cpu, DenseHostTensor::from_slice(&[1.0f32], [1]).unwrap().into());
-    let d = TensorHandle::available(cpu, DenseHostTensor::from_slice(&[1.0f64], [1]).unwrap().into());
-    let i = TensorHandle::available(cpu, DenseHostTensor::from_slice(&[1i32], [1]).unwrap().into());
+    let f = TensorHandle::available(
+        cpu,
+        DenseHostTensor::from_slice(&[1.0f32], [1]).unwrap().into(),
+    );
+    let d = TensorHandle::available(
+        cpu,
+        DenseHostTensor::from_slice(&[1.0f64], [1]).unwrap().into(),
+    );
+    let i = TensorHandle::available(
+        cpu,
+        DenseHostTensor::from_slice(&[1i32], [1]).unwrap().into(),
+    );
     let loc = stagecraft::Location::caller();
     let none = OpAttrs::new();
     let check = |op: &'static ops::OpDef, args: Vec<TensorHandle>, attrs: &OpAttrs| {
         let out = rt::execute(op, cpu, loc, args.into_iter().collect(), attrs.into());
         let err = out[0].wait().unwrap_err();
         assert_eq!(err.op(), Some(op.name));
-        assert!(matches!(err.kind(), ErrorKind::DType | ErrorKind::Attribute | ErrorKind::InvalidArgument), "{err}");
+        assert!(
+            matches!(
+                err.kind(),
+                ErrorKind::DType | ErrorKind::Attribute | ErrorKind::InvalidArgument
+            ),
+            "{err}"
+        );
     };
     check(&ops::ADD, vec![f.clone(), d.clone()], &none);
     check(&ops::EXP, vec![i.clone()], &none);
@@ -99,7 +184,10 @@ fn dtype_errors_through_the_untyped_runtime() {
     unknown.set_int("axiz", 0);
     check(&ops::SOFTMAX, vec![f.clone()], &unknown);
     check(&ops::CAST, vec![f.clone()], &none);
-    let s = TensorHandle::available(cpu, ScalarHostTensor::new(stagecraft::layers::tensor::Scalar::Bool(true), [2]).into());
+    let s = TensorHandle::available(
+        cpu,
+        ScalarHostTensor::new(stagecraft::layers::tensor::Scalar::Bool(true), [2]).into(),
+    );
     check(&ops::SUM, vec![s], &none);
     assert_eq!(DType::parse("f32"), Some(DType::F32));
 }
@@ -112,12 +200,31 @@ fn empty_zero_size_and_nan_inputs() {
     assert_eq!((&empty + 1.0).to_vec().unwrap(), Vec::<f32>::new());
     assert_eq!(empty.sum(&[0], false).to_vec().unwrap(), vec![0.0; 3]);
     assert_eq!(empty.prod(&[0], false).to_vec().unwrap(), vec![1.0; 3]);
-    assert!(empty.mean(&[0], false).to_vec().unwrap().iter().all(|v| v.is_nan()));
+    assert!(empty
+        .mean(&[0], false)
+        .to_vec()
+        .unwrap()
+        .iter()
+        .all(|v| v.is_nan()));
     assert_eq!(empty.sum(&[1], true).dims(), &[0, 1]);
-    assert_eq!(empty.matmul(&Tensor::ones(&[3, 2], &cpu)).to_vec().unwrap(), Vec::<f32>::new());
-    assert_eq!(Tensor::<f32>::zeros(&[2, 0], &cpu).matmul(&Tensor::zeros(&[0, 3], &cpu)).to_vec().unwrap(), vec![0.0; 6]);
+    assert_eq!(
+        empty.matmul(&Tensor::ones(&[3, 2], &cpu)).to_vec().unwrap(),
+        Vec::<f32>::new()
+    );
+    assert_eq!(
+        Tensor::<f32>::zeros(&[2, 0], &cpu)
+            .matmul(&Tensor::zeros(&[0, 3], &cpu))
+            .to_vec()
+            .unwrap(),
+        vec![0.0; 6]
+    );
     assert_eq!(empty.transpose(0, 1).dims(), &[3, 0]);
-    assert_eq!(Tensor::concat(&[&empty, &f32s(&[1.0, 2.0, 3.0], &[1, 3])], 0).to_vec().unwrap(), vec![1.0, 2.0, 3.0]);
+    assert_eq!(
+        Tensor::concat(&[&empty, &f32s(&[1.0, 2.0, 3.0], &[1, 3])], 0)
+            .to_vec()
+            .unwrap(),
+        vec![1.0, 2.0, 3.0]
+    );
     assert_eq!(empty.softmax(-1).dims(), &[0, 3]);
     assert_eq!(empty.nonzero().dims(), &[0, 2]);
 
@@ -126,7 +233,10 @@ fn empty_zero_size_and_nan_inputs() {
     assert!(nan.sum(&[], false).item().unwrap().is_nan());
     assert_eq!(nan.argmax(0, false).item().unwrap(), 1);
     assert!(nan.softmax(0).to_vec().unwrap().iter().all(|v| v.is_nan()));
-    assert_eq!(nan.gt(&f32s(&[0.0], &[1])).to_vec().unwrap(), vec![true, false, true]);
+    assert_eq!(
+        nan.gt(&f32s(&[0.0], &[1])).to_vec().unwrap(),
+        vec![true, false, true]
+    );
     assert_eq!(nan.cast::<i32>().to_vec().unwrap(), vec![1, 0, 3]);
     assert!(f32s(&[-1.0], &[1]).sqrt().item().unwrap().is_nan());
     assert_eq!(f32s(&[0.0], &[1]).log().item().unwrap(), f32::NEG_INFINITY);

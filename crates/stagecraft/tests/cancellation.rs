@@ -50,6 +50,8 @@ fn cancellation_from_another_thread() {
     let err = result.to_vec().unwrap_err();
     assert!(err.is_cancelled(), "{err}");
     restart();
-    let ok = with_execution_mode(ExecutionMode::Async, || Tensor::<f32>::ones(&[3], &cpu) * 3.0);
+    let ok = with_execution_mode(ExecutionMode::Async, || {
+        Tensor::<f32>::ones(&[3], &cpu) * 3.0
+    });
     assert_eq!(ok.to_vec().unwrap(), vec![3.0; 3]);
 }

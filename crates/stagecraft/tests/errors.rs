@@ -65,7 +65,8 @@ fn diagnostic_handler_sees_raised_errors_with_location() {
     stagecraft::set_diagnostic_handler(None);
     let seen = seen.lock().unwrap();
     assert!(
-        seen.iter().any(|m| m.starts_with("Softmax") && m.contains(&format!("errors.rs:{line}"))),
+        seen.iter()
+            .any(|m| m.starts_with("Softmax") && m.contains(&format!("errors.rs:{line}"))),
         "{seen:?}"
     );
 }
@@ -85,7 +86,11 @@ fn data_dependent_errors_are_reported_at_the_caller() {
 
     let zero = Tensor::<i32>::from_vec(vec![1, 0], &[2], &cpu).unwrap();
     let q = Tensor::<i32>::from_vec(vec![4, 4], &[2], &cpu).unwrap() / zero;
-    assert!(q.to_vec().unwrap_err().to_string().contains("division by zero"));
+    assert!(q
+        .to_vec()
+        .unwrap_err()
+        .to_string()
+        .contains("division by zero"));
 }
 
 #[test]
@@ -96,6 +101,10 @@ fn from_vec_and_item_errors() {
     assert_eq!(err.location().unwrap().line(), line);
     assert!(err.to_string().contains("5 values"), "{err}");
     let t = Tensor::<i64>::zeros(&[2], &cpu);
-    assert!(t.item().unwrap_err().to_string().contains("exactly one element"));
+    assert!(t
+        .item()
+        .unwrap_err()
+        .to_string()
+        .contains("exactly one element"));
     assert_eq!(Tensor::<i64>::scalar(3, &cpu).item().unwrap(), 3);
 }

@@ -59,8 +59,14 @@ fn eight_threads_execute_concurrently() {
         .map(|i| {
             std::thread::spawn(move || {
                 let cpu = Device::cpu();
-                let mode = if i % 2 == 0 { ExecutionMode::Sync } else { ExecutionMode::Async };
-                with_execution_mode(mode, || (0..5).map(|_| program(3, &cpu)).collect::<Vec<_>>())
+                let mode = if i % 2 == 0 {
+                    ExecutionMode::Sync
+                } else {
+                    ExecutionMode::Async
+                };
+                with_execution_mode(mode, || {
+                    (0..5).map(|_| program(3, &cpu)).collect::<Vec<_>>()
+                })
             })
         })
         .collect();
@@ -145,7 +151,9 @@ fn elementwise_ops_reuse_the_last_reference() {
 fn side_effects_run_in_program_order_in_async_mode() {
     let lines: Arc<Mutex<Vec<String>>> = Arc::default();
     let sink = lines.clone();
-    stagecraft::layers::cpu::set_print_sink(Some(Arc::new(move |l: &str| sink.lock().unwrap().push(l.to_string()))));
+    stagecraft::layers::cpu::set_print_sink(Some(Arc::new(move |l: &str| {
+        sink.lock().unwrap().push(l.to_string())
+    })));
     let cpu = Device::cpu();
     with_execution_mode(ExecutionMode::Async, || {
         let slow = Tensor::<f32>::ones(&[256, 256], &cpu);
@@ -183,8 +191,16 @@ fn logging_handler_logs_inputs_and_outputs() {
     let log = log.lock().unwrap();
     assert_eq!(log.len(), 1);
     assert!(log[0].starts_with("Relu at "), "{}", log[0]);
-    assert!(log[0].contains("input 0: f32[2] = [1.0, -2.0]"), "{}", log[0]);
-    assert!(log[0].contains("output 0: f32[2] = [1.0, 0.0]"), "{}", log[0]);
+    assert!(
+        log[0].contains("input 0: f32[2] = [1.0, -2.0]"),
+        "{}",
+        log[0]
+    );
+    assert!(
+        log[0].contains("output 0: f32[2] = [1.0, 0.0]"),
+        "{}",
+        log[0]
+    );
 }
 
 #[test]
@@ -209,5 +225,9 @@ fn kernel_cache_hits_after_first_use() {
     assert!(stats.hits >= 4, "{stats:?}");
     x.sum(&[0], true).wait().unwrap();
     let after = cpu.handler().kernel_cache_stats().unwrap();
-    assert_eq!(after.misses, stats.misses + 1, "new attributes instantiate a new kernel");
+    assert_eq!(
+        after.misses,
+        stats.misses + 1,
+        "new attributes instantiate a new kernel"
+    );
 }

@@ -24,8 +24,15 @@ fn errors_skip_kernels_downstream() {
     }
     assert!(t.to_vec().is_err());
     let after = stats();
-    assert_eq!(after.kernel_launches, before.kernel_launches, "no kernel ran for failed ops");
+    assert_eq!(
+        after.kernel_launches, before.kernel_launches,
+        "no kernel ran for failed ops"
+    );
     assert_eq!(after.ops_executed - before.ops_executed, 31);
-    assert_eq!(after.errors_raised - before.errors_raised, 1, "raised once, propagated 30 times");
+    assert_eq!(
+        after.errors_raised - before.errors_raised,
+        1,
+        "raised once, propagated 30 times"
+    );
     assert!(t.check().unwrap_err().op() == Some("MatMul"));
 }

@@ -30,10 +30,21 @@ pub(crate) trait GemmElement: Element {
 macro_rules! gemm_element {
     ($t:ty) => {
         impl GemmElement for $t {
-            fn gemm(m: usize, n: usize, k: usize, a: &[Self], b: &[Self], c: &mut [Self], parallel: bool) {
+            fn gemm(
+                m: usize,
+                n: usize,
+                k: usize,
+                a: &[Self],
+                b: &[Self],
+                c: &mut [Self],
+                parallel: bool,
+            ) {
                 // Forking onto the pool only pays off for large products, and a
                 // product already running inside a parallel task stays serial.
-                let par = if parallel && rayon::current_num_threads() > 1 && m * n * k >= GEMM_PARALLEL_FLOPS {
+                let par = if parallel
+                    && rayon::current_num_threads() > 1
+                    && m * n * k >= GEMM_PARALLEL_FLOPS
+                {
                     faer::Par::rayon(0)
                 } else {
                     faer::Par::Seq
@@ -134,66 +145,116 @@ fn batched<T: Element + Send + Sync>(
     let work = m * n * plan.k;
     let run = |(index, c): (usize, &mut [T]), parallel: bool| {
         let (oa, ob) = plan.offsets(index);
-        single(&a[oa..oa + m * plan.k], &b[ob..ob + plan.k * n], c, parallel);
+        single(
+            &a[oa..oa + m * plan.k],
+            &b[ob..ob + plan.k * n],
+            c,
+            parallel,
+        );
     };
     if items > 1 && work * items >= GEMM_PARALLEL_FLOPS && work < GEMM_PARALLEL_FLOPS * 8 {
         // Many modest products: one per task.
-        out.par_chunks_mut(m * n).enumerate().for_each(|item| run(item, false));
+        out.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|item| run(item, false));
     } else {
-        out.chunks_mut(m * n).enumerate().for_each(|item| run(item, true));
+        out.chunks_mut(m * n)
+            .enumerate()
+            .for_each(|item| run(item, true));
     }
 }
 
-fn matmul_typed<T: GemmElement + Send + Sync>(x: &DenseHostTensor, y: &DenseHostTensor, meta: &TensorMetadata) -> Result<DenseHostTensor> {
+fn matmul_typed<T: GemmElement + Send + Sync>(
+    x: &DenseHostTensor,
+    y: &DenseHostTensor,
+    meta: &TensorMetadata,
+) -> Result<DenseHostTensor> {
     let plan = Plan::new(x.shape(), y.shape())?;
     let mut out = DenseHostTensor::zeros(meta.clone())?;
     let (k, n) = (plan.k, plan.n);
     let m = plan.m;
-    batched(x.as_slice::<T>()?, y.as_slice::<T>()?, out.as_mut_slice::<T>()?, &plan, |a, b, c, par| {
-        T::gemm(m, n, k, a, b, c, par)
-    });
+    batched(
+        x.as_slice::<T>()?,
+        y.as_slice::<T>()?,
+        out.as_mut_slice::<T>()?,
+        &plan,
+        |a, b, c, par| T::gemm(m, n, k, a, b, c, par),
+    );
     Ok(out)
 }
 
 /// f16 and bf16 products accumulate in f32, then round once.
-fn matmul_half<T: Element>(x: &DenseHostTensor, y: &DenseHostTensor, meta: &TensorMetadata, widen: fn(T) -> f32, narrow: fn(f32) -> T) -> Result<DenseHostTensor> {
+fn matmul_half<T: Element>(
+    x: &DenseHostTensor,
+    y: &DenseHostTensor,
+    meta: &TensorMetadata,
+    widen: fn(T) -> f32,
+    narrow: fn(f32) -> T,
+) -> Result<DenseHostTensor> {
     let wide = |t: &DenseHostTensor| -> Result<DenseHostTensor> {
         let values: Vec<f32> = t.as_slice::<T>()?.iter().map(|&v| widen(v)).collect();
         DenseHostTensor::from_slice(&values, t.shape().clone())
     };
-    let product = matmul_typed::<f32>(&wide(x)?, &wide(y)?, &TensorMetadata::new(DType::F32, meta.shape.clone()))?;
-    let values: Vec<T> = product.as_slice::<f32>()?.iter().map(|&v| narrow(v)).collect();
+    let product = matmul_typed::<f32>(
+        &wide(x)?,
+        &wide(y)?,
+        &TensorMetadata::new(DType::F32, meta.shape.clone()),
+    )?;
+    let values: Vec<T> = product
+        .as_slice::<f32>()?
+        .iter()
+        .map(|&v| narrow(v))
+        .collect();
     DenseHostTensor::from_slice(&values, meta.shape.clone())
 }
 
-fn matmul_int<T: Element + IntMulAdd>(x: &DenseHostTensor, y: &DenseHostTensor, meta: &TensorMetadata) -> Result<DenseHostTensor> {
+fn matmul_int<T: Element + IntMulAdd>(
+    x: &DenseHostTensor,
+    y: &DenseHostTensor,
+    meta: &TensorMetadata,
+) -> Result<DenseHostTensor> {
     let plan = Plan::new(x.shape(), y.shape())?;
     let mut out = DenseHostTensor::zeros(meta.clone())?;
     let (m, k, n) = (plan.m, plan.k, plan.n);
-    batched(x.as_slice::<T>()?, y.as_slice::<T>()?, out.as_mut_slice::<T>()?, &plan, |a, b, c, _| {
-        int_gemm(m, n, k, a, b, c)
-    });
+    batched(
+        x.as_slice::<T>()?,
+        y.as_slice::<T>()?,
+        out.as_mut_slice::<T>()?,
+        &plan,
+        |a, b, c, _| int_gemm(m, n, k, a, b, c),
+    );
     Ok(out)
 }
 
 fn matmul_factory(_: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let run: fn(&DenseHostTensor, &DenseHostTensor, &TensorMetadata) -> Result<DenseHostTensor> = match inputs[0].dtype {
-        DType::F32 => matmul_typed::<f32>,
-        DType::F64 => matmul_typed::<f64>,
-        DType::F16 => |x, y, m| matmul_half::<f16>(x, y, m, f16::to_f32, f16::from_f32),
-        DType::BF16 => |x, y, m| matmul_half::<bf16>(x, y, m, bf16::to_f32, bf16::from_f32),
-        DType::I32 => matmul_int::<i32>,
-        DType::I64 => matmul_int::<i64>,
-        DType::Bool => return Err(Error::dtype("matmul is not defined for bool")),
-    };
-    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
-        Ok(smallvec![run(&inputs[0], &inputs[1], &ctx.outputs[0])?])
-    }))
+    let run: fn(&DenseHostTensor, &DenseHostTensor, &TensorMetadata) -> Result<DenseHostTensor> =
+        match inputs[0].dtype {
+            DType::F32 => matmul_typed::<f32>,
+            DType::F64 => matmul_typed::<f64>,
+            DType::F16 => |x, y, m| matmul_half::<f16>(x, y, m, f16::to_f32, f16::from_f32),
+            DType::BF16 => |x, y, m| matmul_half::<bf16>(x, y, m, bf16::to_f32, bf16::from_f32),
+            DType::I32 => matmul_int::<i32>,
+            DType::I64 => matmul_int::<i64>,
+            DType::Bool => return Err(Error::dtype("matmul is not defined for bool")),
+        };
+    Ok(Arc::new(
+        move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+            Ok(smallvec![run(&inputs[0], &inputs[1], &ctx.outputs[0])?])
+        },
+    ))
 }
 
 /// `c = a · b` for contiguous row-major f32/f64 matrices, used by other
 /// kernel families (convolution).
-pub(crate) fn gemm_into<T: GemmElement>(m: usize, n: usize, k: usize, a: &[T], b: &[T], c: &mut [T], parallel: bool) {
+pub(crate) fn gemm_into<T: GemmElement>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+    parallel: bool,
+) {
     T::gemm(m, n, k, a, b, c, parallel)
 }
 
@@ -210,13 +271,22 @@ mod tests {
         let metas = [a.metadata().clone(), b.metadata().clone()];
         let out = def.infer(&metas, &attrs).unwrap();
         let k = (crate::registry().get(def).unwrap())(&Attrs::new(&attrs, def), &metas).unwrap();
-        let mut res = k(smallvec![a.clone(), b.clone()], &KernelContext { attrs: Attrs::new(&attrs, def), outputs: &out }).unwrap();
+        let mut res = k(
+            smallvec![a.clone(), b.clone()],
+            &KernelContext {
+                attrs: Attrs::new(&attrs, def),
+                outputs: &out,
+            },
+        )
+        .unwrap();
         res.remove(0)
     }
 
     fn values(dims: &[usize], seed: usize) -> Vec<f64> {
         let n: usize = dims.iter().product();
-        (0..n).map(|i| (((i * 7919 + seed * 104729) % 1000) as f64 - 500.0) / 250.0).collect()
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104729) % 1000) as f64 - 500.0) / 250.0)
+            .collect()
     }
 
     fn check(a_dims: &[usize], b_dims: &[usize]) {
@@ -224,21 +294,45 @@ mod tests {
         let (want, want_dims) = reference(&av, a_dims, &bv, b_dims);
         let a32: Vec<f32> = av.iter().map(|&v| v as f32).collect();
         let b32: Vec<f32> = bv.iter().map(|&v| v as f32).collect();
-        let got = run(&DenseHostTensor::from_slice(&a32, a_dims).unwrap(), &DenseHostTensor::from_slice(&b32, b_dims).unwrap());
+        let got = run(
+            &DenseHostTensor::from_slice(&a32, a_dims).unwrap(),
+            &DenseHostTensor::from_slice(&b32, b_dims).unwrap(),
+        );
         assert_eq!(got.shape().dims(), want_dims.as_slice());
-        let k = if a_dims.is_empty() { 1 } else { a_dims[a_dims.len() - 1] };
+        let k = if a_dims.is_empty() {
+            1
+        } else {
+            a_dims[a_dims.len() - 1]
+        };
         for (g, w) in got.as_slice::<f32>().unwrap().iter().zip(&want) {
-            assert!((*g as f64 - w).abs() <= 1e-5 * (k as f64) * (1.0 + w.abs()), "{a_dims:?}@{b_dims:?}: {g} vs {w}");
+            assert!(
+                (*g as f64 - w).abs() <= 1e-5 * (k as f64) * (1.0 + w.abs()),
+                "{a_dims:?}@{b_dims:?}: {g} vs {w}"
+            );
         }
-        let got64 = run(&DenseHostTensor::from_slice(&av, a_dims).unwrap(), &DenseHostTensor::from_slice(&bv, b_dims).unwrap());
+        let got64 = run(
+            &DenseHostTensor::from_slice(&av, a_dims).unwrap(),
+            &DenseHostTensor::from_slice(&bv, b_dims).unwrap(),
+        );
         for (g, w) in got64.as_slice::<f64>().unwrap().iter().zip(&want) {
             assert!((g - w).abs() <= 1e-12 * (k as f64) * (1.0 + w.abs()));
         }
         let ai: Vec<i64> = av.iter().map(|&v| (v * 4.0) as i64).collect();
         let bi: Vec<i64> = bv.iter().map(|&v| (v * 4.0) as i64).collect();
-        let (wi, _) = reference(&ai.iter().map(|&v| v as f64).collect::<Vec<_>>(), a_dims, &bi.iter().map(|&v| v as f64).collect::<Vec<_>>(), b_dims);
-        let gi = run(&DenseHostTensor::from_slice(&ai, a_dims).unwrap(), &DenseHostTensor::from_slice(&bi, b_dims).unwrap());
-        assert_eq!(gi.as_slice::<i64>().unwrap(), wi.iter().map(|&v| v as i64).collect::<Vec<_>>().as_slice());
+        let (wi, _) = reference(
+            &ai.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+            a_dims,
+            &bi.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+            b_dims,
+        );
+        let gi = run(
+            &DenseHostTensor::from_slice(&ai, a_dims).unwrap(),
+            &DenseHostTensor::from_slice(&bi, b_dims).unwrap(),
+        );
+        assert_eq!(
+            gi.as_slice::<i64>().unwrap(),
+            wi.iter().map(|&v| v as i64).collect::<Vec<_>>().as_slice()
+        );
     }
 
     #[test]
@@ -270,10 +364,16 @@ mod tests {
     fn half_precision_accumulates_in_f32() {
         let a: Vec<f16> = (0..64).map(|i| f16::from_f32(i as f32 / 64.0)).collect();
         let b: Vec<f16> = vec![f16::ONE; 64];
-        let got = run(&DenseHostTensor::from_slice(&a, [1, 64]).unwrap(), &DenseHostTensor::from_slice(&b, [64, 1]).unwrap());
+        let got = run(
+            &DenseHostTensor::from_slice(&a, [1, 64]).unwrap(),
+            &DenseHostTensor::from_slice(&b, [64, 1]).unwrap(),
+        );
         assert_eq!(got.as_slice::<f16>().unwrap()[0], f16::from_f32(31.5));
         let a: Vec<bf16> = vec![bf16::from_f32(0.5); 6];
-        let got = run(&DenseHostTensor::from_slice(&a, [2, 3]).unwrap(), &DenseHostTensor::from_slice(&a, [3, 2]).unwrap());
+        let got = run(
+            &DenseHostTensor::from_slice(&a, [2, 3]).unwrap(),
+            &DenseHostTensor::from_slice(&a, [3, 2]).unwrap(),
+        );
         assert_eq!(got.as_slice::<bf16>().unwrap(), &[bf16::from_f32(0.75); 4]);
     }
 

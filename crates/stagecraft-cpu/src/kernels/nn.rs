@@ -18,7 +18,11 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
 
 /// Runs `f` on f32 copies of half-precision inputs and rounds the result
 /// back, so f16/bf16 share the f32 kernels (and accumulate in f32).
-fn via_f32(inputs: &[&DenseHostTensor], out: &TensorMetadata, f: impl Fn(&[&DenseHostTensor], &TensorMetadata) -> Result<DenseHostTensor>) -> Result<DenseHostTensor> {
+fn via_f32(
+    inputs: &[&DenseHostTensor],
+    out: &TensorMetadata,
+    f: impl Fn(&[&DenseHostTensor], &TensorMetadata) -> Result<DenseHostTensor>,
+) -> Result<DenseHostTensor> {
     fn widen(t: &DenseHostTensor) -> Result<DenseHostTensor> {
         let v: Vec<f32> = match t.dtype() {
             DType::F16 => t.as_slice::<f16>()?.iter().map(|x| x.to_f32()).collect(),
@@ -32,8 +36,14 @@ fn via_f32(inputs: &[&DenseHostTensor], out: &TensorMetadata, f: impl Fn(&[&Dens
     let r = f(&refs, &TensorMetadata::new(DType::F32, out.shape.clone()))?;
     let r = r.as_slice::<f32>()?;
     match out.dtype {
-        DType::F16 => DenseHostTensor::from_slice(&r.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(), out.shape.clone()),
-        _ => DenseHostTensor::from_slice(&r.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), out.shape.clone()),
+        DType::F16 => DenseHostTensor::from_slice(
+            &r.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
+            out.shape.clone(),
+        ),
+        _ => DenseHostTensor::from_slice(
+            &r.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
+            out.shape.clone(),
+        ),
     }
 }
 
@@ -61,7 +71,8 @@ fn im2col<T: Element>(x: &[T], g: &ConvGeometry, group: usize, cols: &mut [T]) {
             for kj in 0..kw {
                 let row = &mut cols[((ci * kh + ki) * kw + kj) * pixels..][..pixels];
                 for oy in 0..g.oh {
-                    let iy = (oy * g.win.stride[0] + ki * g.win.dilation[0]) as isize - g.win.padding[0] as isize;
+                    let iy = (oy * g.win.stride[0] + ki * g.win.dilation[0]) as isize
+                        - g.win.padding[0] as isize;
                     let out_row = &mut row[oy * g.ow..(oy + 1) * g.ow];
                     if iy < 0 || iy >= g.h as isize {
                         out_row.fill(T::default());
@@ -69,8 +80,13 @@ fn im2col<T: Element>(x: &[T], g: &ConvGeometry, group: usize, cols: &mut [T]) {
                     }
                     let src = &plane[iy as usize * g.w..][..g.w];
                     for (ox, v) in out_row.iter_mut().enumerate() {
-                        let ix = (ox * g.win.stride[1] + kj * g.win.dilation[1]) as isize - g.win.padding[1] as isize;
-                        *v = if ix < 0 || ix >= g.w as isize { T::default() } else { src[ix as usize] };
+                        let ix = (ox * g.win.stride[1] + kj * g.win.dilation[1]) as isize
+                            - g.win.padding[1] as isize;
+                        *v = if ix < 0 || ix >= g.w as isize {
+                            T::default()
+                        } else {
+                            src[ix as usize]
+                        };
                     }
                 }
             }
@@ -78,7 +94,13 @@ fn im2col<T: Element>(x: &[T], g: &ConvGeometry, group: usize, cols: &mut [T]) {
     }
 }
 
-fn conv2d_typed<T: GemmElement + Send + Sync>(x: &DenseHostTensor, w: &DenseHostTensor, meta: &TensorMetadata, win: Window2d, groups: usize) -> Result<DenseHostTensor> {
+fn conv2d_typed<T: GemmElement + Send + Sync>(
+    x: &DenseHostTensor,
+    w: &DenseHostTensor,
+    meta: &TensorMetadata,
+    win: Window2d,
+    groups: usize,
+) -> Result<DenseHostTensor> {
     let xs = x.shape();
     let g = ConvGeometry {
         n: xs[0],
@@ -112,9 +134,13 @@ fn conv2d_typed<T: GemmElement + Send + Sync>(x: &DenseHostTensor, w: &DenseHost
     };
     let y = out.as_mut_slice::<T>()?;
     if g.n > 1 && g.n * image_out * patch >= crate::PARALLEL_THRESHOLD {
-        y.par_chunks_mut(image_out).enumerate().for_each(|item| per_image(item, false));
+        y.par_chunks_mut(image_out)
+            .enumerate()
+            .for_each(|item| per_image(item, false));
     } else {
-        y.chunks_mut(image_out).enumerate().for_each(|item| per_image(item, true));
+        y.chunks_mut(image_out)
+            .enumerate()
+            .for_each(|item| per_image(item, true));
     }
     Ok(out)
 }
@@ -124,20 +150,29 @@ fn conv2d_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
     let win = conv2d_window(attrs, [w[2], w[3]])?;
     let groups = attrs.int("groups")? as usize;
     let dtype = inputs[0].dtype;
-    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
-        let (x, w, meta) = (&inputs[0], &inputs[1], &ctx.outputs[0]);
-        let out = match dtype {
-            DType::F32 => conv2d_typed::<f32>(x, w, meta, win, groups)?,
-            DType::F64 => conv2d_typed::<f64>(x, w, meta, win, groups)?,
-            _ => via_f32(&[x, w], meta, |t, m| conv2d_typed::<f32>(t[0], t[1], m, win, groups))?,
-        };
-        Ok(smallvec![out])
-    }))
+    Ok(Arc::new(
+        move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+            let (x, w, meta) = (&inputs[0], &inputs[1], &ctx.outputs[0]);
+            let out = match dtype {
+                DType::F32 => conv2d_typed::<f32>(x, w, meta, win, groups)?,
+                DType::F64 => conv2d_typed::<f64>(x, w, meta, win, groups)?,
+                _ => via_f32(&[x, w], meta, |t, m| {
+                    conv2d_typed::<f32>(t[0], t[1], m, win, groups)
+                })?,
+            };
+            Ok(smallvec![out])
+        },
+    ))
 }
 
 /// Applies `reduce` to every pooling window of every (image, channel)
 /// plane; `reduce(window values, count of in-bounds taps)`.
-fn pool<T: Element + Send + Sync>(x: &DenseHostTensor, meta: &TensorMetadata, win: Window2d, reduce: impl Fn(&mut dyn Iterator<Item = T>, usize) -> T + Sync) -> Result<DenseHostTensor> {
+fn pool<T: Element + Send + Sync>(
+    x: &DenseHostTensor,
+    meta: &TensorMetadata,
+    win: Window2d,
+    reduce: impl Fn(&mut dyn Iterator<Item = T>, usize) -> T + Sync,
+) -> Result<DenseHostTensor> {
     let xs = x.shape();
     let (h, w) = (xs[2], xs[3]);
     let (oh, ow) = (meta.shape[2], meta.shape[3]);
@@ -150,12 +185,19 @@ fn pool<T: Element + Send + Sync>(x: &DenseHostTensor, meta: &TensorMetadata, wi
         let plane = &xv[p * h * w..][..h * w];
         for oy in 0..oh {
             let y0 = (oy * win.stride[0]) as isize - win.padding[0] as isize;
-            let (ys, ye) = (y0.max(0) as usize, ((y0 + win.kernel[0] as isize).min(h as isize)).max(0) as usize);
+            let (ys, ye) = (
+                y0.max(0) as usize,
+                ((y0 + win.kernel[0] as isize).min(h as isize)).max(0) as usize,
+            );
             for ox in 0..ow {
                 let x0 = (ox * win.stride[1]) as isize - win.padding[1] as isize;
-                let (xs_, xe) = (x0.max(0) as usize, ((x0 + win.kernel[1] as isize).min(w as isize)).max(0) as usize);
+                let (xs_, xe) = (
+                    x0.max(0) as usize,
+                    ((x0 + win.kernel[1] as isize).min(w as isize)).max(0) as usize,
+                );
                 let count = ye.saturating_sub(ys) * xe.saturating_sub(xs_);
-                let mut taps = (ys..ye).flat_map(|iy| plane[iy * w + xs_..iy * w + xe].iter().copied());
+                let mut taps =
+                    (ys..ye).flat_map(|iy| plane[iy * w + xs_..iy * w + xe].iter().copied());
                 y[oy * ow + ox] = reduce(&mut taps, count);
             }
         }
@@ -169,14 +211,31 @@ fn pool<T: Element + Send + Sync>(x: &DenseHostTensor, meta: &TensorMetadata, wi
     Ok(out)
 }
 
-fn max_pool_typed<T: Element + Send + Sync + num_like::Float>(x: &DenseHostTensor, meta: &TensorMetadata, win: Window2d) -> Result<DenseHostTensor> {
+fn max_pool_typed<T: Element + Send + Sync + num_like::Float>(
+    x: &DenseHostTensor,
+    meta: &TensorMetadata,
+    win: Window2d,
+) -> Result<DenseHostTensor> {
     pool::<T>(x, meta, win, |taps, _| {
         // NaN wins, as in the Max reduction.
-        taps.fold(T::NEG_INF, |m, v| if v.is_nan() || m.is_nan() { T::NAN } else if v > m { v } else { m })
+        taps.fold(T::NEG_INF, |m, v| {
+            if v.is_nan() || m.is_nan() {
+                T::NAN
+            } else if v > m {
+                v
+            } else {
+                m
+            }
+        })
     })
 }
 
-fn avg_pool_typed<T: Element + Send + Sync + num_like::Float>(x: &DenseHostTensor, meta: &TensorMetadata, win: Window2d, include_pad: bool) -> Result<DenseHostTensor> {
+fn avg_pool_typed<T: Element + Send + Sync + num_like::Float>(
+    x: &DenseHostTensor,
+    meta: &TensorMetadata,
+    win: Window2d,
+    include_pad: bool,
+) -> Result<DenseHostTensor> {
     let full = win.kernel[0] * win.kernel[1];
     pool::<T>(x, meta, win, |taps, count| {
         let sum: f64 = taps.map(Element::to_f64).sum();
@@ -220,28 +279,37 @@ mod num_like {
 fn max_pool_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
     let win = pool_window(attrs)?;
     let dtype = inputs[0].dtype;
-    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
-        let (x, meta) = (&inputs[0], &ctx.outputs[0]);
-        Ok(smallvec![match dtype {
-            DType::F32 => max_pool_typed::<f32>(x, meta, win)?,
-            DType::F64 => max_pool_typed::<f64>(x, meta, win)?,
-            _ => via_f32(&[x], meta, |t, m| max_pool_typed::<f32>(t[0], m, win))?,
-        }])
-    }))
+    Ok(Arc::new(
+        move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+            let (x, meta) = (&inputs[0], &ctx.outputs[0]);
+            Ok(smallvec![match dtype {
+                DType::F32 => max_pool_typed::<f32>(x, meta, win)?,
+                DType::F64 => max_pool_typed::<f64>(x, meta, win)?,
+                _ => via_f32(&[x], meta, |t, m| max_pool_typed::<f32>(t[0], m, win))?,
+            }])
+        },
+    ))
 }
 
 fn avg_pool_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
     let win = pool_window(attrs)?;
     let include_pad = attrs.bool("count_include_pad")?;
     let dtype = inputs[0].dtype;
-    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
-        let (x, meta) = (&inputs[0], &ctx.outputs[0]);
-        Ok(smallvec![match dtype {
-            DType::F32 => avg_pool_typed::<f32>(x, meta, win, include_pad)?,
-            DType::F64 => avg_pool_typed::<f64>(x, meta, win, include_pad)?,
-            _ => via_f32(&[x], meta, |t, m| avg_pool_typed::<f32>(t[0], m, win, include_pad))?,
-        }])
-    }))
+    Ok(Arc::new(
+        move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+            let (x, meta) = (&inputs[0], &ctx.outputs[0]);
+            Ok(smallvec![match dtype {
+                DType::F32 => avg_pool_typed::<f32>(x, meta, win, include_pad)?,
+                DType::F64 => avg_pool_typed::<f64>(x, meta, win, include_pad)?,
+                _ => via_f32(&[x], meta, |t, m| avg_pool_typed::<f32>(
+                    t[0],
+                    m,
+                    win,
+                    include_pad
+                ))?,
+            }])
+        },
+    ))
 }
 
 #[cfg(test)]
@@ -251,39 +319,93 @@ mod tests {
     use proptest::prelude::*;
     use stagecraft_ops::{OpAttrs, OpDef};
 
-    fn run(def: &'static OpDef, inputs: &[DenseHostTensor], attrs: &OpAttrs) -> Result<DenseHostTensor> {
+    fn run(
+        def: &'static OpDef,
+        inputs: &[DenseHostTensor],
+        attrs: &OpAttrs,
+    ) -> Result<DenseHostTensor> {
         let metas: Vec<TensorMetadata> = inputs.iter().map(|t| t.metadata().clone()).collect();
         let out = def.infer(&metas, attrs)?;
         let k = (crate::registry().get(def).unwrap())(&Attrs::new(attrs, def), &metas)?;
-        let mut res = k(inputs.iter().cloned().collect(), &KernelContext { attrs: Attrs::new(attrs, def), outputs: &out })?;
+        let mut res = k(
+            inputs.iter().cloned().collect(),
+            &KernelContext {
+                attrs: Attrs::new(attrs, def),
+                outputs: &out,
+            },
+        )?;
         Ok(res.remove(0))
     }
 
     fn values(n: usize, seed: usize) -> Vec<f64> {
-        (0..n).map(|i| (((i * 7919 + seed * 104729) % 997) as f64 - 498.0) / 200.0).collect()
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104729) % 997) as f64 - 498.0) / 200.0)
+            .collect()
     }
 
     fn close(got: &[f64], want: &[f64], tol: f64) {
         assert_eq!(got.len(), want.len());
         for (g, w) in got.iter().zip(want) {
-            assert!((g - w).abs() <= tol * (1.0 + w.abs()) || (g.is_nan() && w.is_nan()), "{g} vs {w}");
+            assert!(
+                (g - w).abs() <= tol * (1.0 + w.abs()) || (g.is_nan() && w.is_nan()),
+                "{g} vs {w}"
+            );
         }
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn check_conv(n: usize, c: usize, h: usize, w: usize, o: usize, k: [usize; 2], stride: [usize; 2], pad: [usize; 2], dil: [usize; 2], groups: usize) {
+    fn check_conv(
+        n: usize,
+        c: usize,
+        h: usize,
+        w: usize,
+        o: usize,
+        k: [usize; 2],
+        stride: [usize; 2],
+        pad: [usize; 2],
+        dil: [usize; 2],
+        groups: usize,
+    ) {
         let xd = [n, c, h, w];
         let wd = [o, c / groups, k[0], k[1]];
-        let (xv, wv) = (values(xd.iter().product(), 1), values(wd.iter().product(), 2));
+        let (xv, wv) = (
+            values(xd.iter().product(), 1),
+            values(wd.iter().product(), 2),
+        );
         let mut attrs = OpAttrs::new();
-        attrs.set_dims("stride", &stride).set_dims("padding", &pad).set_dims("dilation", &dil).set_int("groups", groups as i64);
+        attrs
+            .set_dims("stride", &stride)
+            .set_dims("padding", &pad)
+            .set_dims("dilation", &dil)
+            .set_int("groups", groups as i64);
         let want = reference::conv2d(&xv, xd, &wv, wd, stride, pad, dil, groups);
-        let got = run(&stagecraft_ops::CONV2D, &[DenseHostTensor::from_slice(&xv, xd).unwrap(), DenseHostTensor::from_slice(&wv, wd).unwrap()], &attrs).unwrap();
+        let got = run(
+            &stagecraft_ops::CONV2D,
+            &[
+                DenseHostTensor::from_slice(&xv, xd).unwrap(),
+                DenseHostTensor::from_slice(&wv, wd).unwrap(),
+            ],
+            &attrs,
+        )
+        .unwrap();
         close(got.as_slice::<f64>().unwrap(), &want, 1e-12);
         let x32: Vec<f32> = xv.iter().map(|&v| v as f32).collect();
         let w32: Vec<f32> = wv.iter().map(|&v| v as f32).collect();
-        let got = run(&stagecraft_ops::CONV2D, &[DenseHostTensor::from_slice(&x32, xd).unwrap(), DenseHostTensor::from_slice(&w32, wd).unwrap()], &attrs).unwrap();
-        let got: Vec<f64> = got.as_slice::<f32>().unwrap().iter().map(|&v| v as f64).collect();
+        let got = run(
+            &stagecraft_ops::CONV2D,
+            &[
+                DenseHostTensor::from_slice(&x32, xd).unwrap(),
+                DenseHostTensor::from_slice(&w32, wd).unwrap(),
+            ],
+            &attrs,
+        )
+        .unwrap();
+        let got: Vec<f64> = got
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
         close(&got, &want, 1e-4);
     }
 
@@ -301,21 +423,50 @@ mod tests {
     fn conv2d_half_precision() {
         let x: Vec<f16> = vec![f16::ONE; 16];
         let w: Vec<f16> = vec![f16::from_f32(0.5); 9];
-        let got = run(&stagecraft_ops::CONV2D, &[DenseHostTensor::from_slice(&x, [1, 1, 4, 4]).unwrap(), DenseHostTensor::from_slice(&w, [1, 1, 3, 3]).unwrap()], &OpAttrs::new()).unwrap();
+        let got = run(
+            &stagecraft_ops::CONV2D,
+            &[
+                DenseHostTensor::from_slice(&x, [1, 1, 4, 4]).unwrap(),
+                DenseHostTensor::from_slice(&w, [1, 1, 3, 3]).unwrap(),
+            ],
+            &OpAttrs::new(),
+        )
+        .unwrap();
         assert_eq!(got.as_slice::<f16>().unwrap(), &[f16::from_f32(4.5); 4]);
     }
 
     fn check_pool(dims: [usize; 4], kernel: [usize; 2], stride: [usize; 2], pad: [usize; 2]) {
         let xv = values(dims.iter().product(), 3);
         let mut attrs = OpAttrs::new();
-        attrs.set_dims("kernel", &kernel).set_dims("stride", &stride).set_dims("padding", &pad);
+        attrs
+            .set_dims("kernel", &kernel)
+            .set_dims("stride", &stride)
+            .set_dims("padding", &pad);
         let x = DenseHostTensor::from_slice(&xv, dims).unwrap();
-        let got = run(&stagecraft_ops::MAX_POOL2D, std::slice::from_ref(&x), &attrs).unwrap();
-        close(got.as_slice::<f64>().unwrap(), &reference::max_pool2d(&xv, dims, kernel, stride, pad), 0.0);
+        let got = run(
+            &stagecraft_ops::MAX_POOL2D,
+            std::slice::from_ref(&x),
+            &attrs,
+        )
+        .unwrap();
+        close(
+            got.as_slice::<f64>().unwrap(),
+            &reference::max_pool2d(&xv, dims, kernel, stride, pad),
+            0.0,
+        );
         for include in [true, false] {
             attrs.set_bool("count_include_pad", include);
-            let got = run(&stagecraft_ops::AVG_POOL2D, std::slice::from_ref(&x), &attrs).unwrap();
-            close(got.as_slice::<f64>().unwrap(), &reference::avg_pool2d(&xv, dims, kernel, stride, pad, include), 1e-12);
+            let got = run(
+                &stagecraft_ops::AVG_POOL2D,
+                std::slice::from_ref(&x),
+                &attrs,
+            )
+            .unwrap();
+            close(
+                got.as_slice::<f64>().unwrap(),
+                &reference::avg_pool2d(&xv, dims, kernel, stride, pad, include),
+                1e-12,
+            );
         }
     }
 
@@ -332,7 +483,11 @@ mod tests {
         let x = DenseHostTensor::from_slice(&[1.0f32, f32::NAN, 3.0, 4.0], [1, 1, 2, 2]).unwrap();
         let mut attrs = OpAttrs::new();
         attrs.set_ints("kernel", &[2, 2]);
-        assert!(run(&stagecraft_ops::MAX_POOL2D, &[x], &attrs).unwrap().as_slice::<f32>().unwrap()[0].is_nan());
+        assert!(run(&stagecraft_ops::MAX_POOL2D, &[x], &attrs)
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap()[0]
+            .is_nan());
     }
 
     proptest! {

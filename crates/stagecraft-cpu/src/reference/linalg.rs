@@ -7,8 +7,16 @@
 pub fn matmul(a: &[f64], a_dims: &[usize], b: &[f64], b_dims: &[usize]) -> (Vec<f64>, Vec<usize>) {
     let a_vec = a_dims.len() == 1;
     let b_vec = b_dims.len() == 1;
-    let a_full: Vec<usize> = if a_vec { vec![1, a_dims[0]] } else { a_dims.to_vec() };
-    let b_full: Vec<usize> = if b_vec { vec![b_dims[0], 1] } else { b_dims.to_vec() };
+    let a_full: Vec<usize> = if a_vec {
+        vec![1, a_dims[0]]
+    } else {
+        a_dims.to_vec()
+    };
+    let b_full: Vec<usize> = if b_vec {
+        vec![b_dims[0], 1]
+    } else {
+        b_dims.to_vec()
+    };
     let (m, k) = (a_full[a_full.len() - 2], a_full[a_full.len() - 1]);
     let (k2, n) = (b_full[b_full.len() - 2], b_full[b_full.len() - 1]);
     assert_eq!(k, k2, "contraction mismatch");
@@ -17,11 +25,21 @@ pub fn matmul(a: &[f64], a_dims: &[usize], b: &[f64], b_dims: &[usize]) -> (Vec<
     let rank = ab.len().max(bb.len());
     let dim = |d: &[usize], i: usize| -> usize {
         let off = rank - d.len();
-        if i < off { 1 } else { d[i - off] }
+        if i < off {
+            1
+        } else {
+            d[i - off]
+        }
     };
     // Broadcasting: a 1 takes the other side's size (which may be 0).
     let batch: Vec<usize> = (0..rank)
-        .map(|i| if dim(ab, i) == 1 { dim(bb, i) } else { dim(ab, i) })
+        .map(|i| {
+            if dim(ab, i) == 1 {
+                dim(bb, i)
+            } else {
+                dim(ab, i)
+            }
+        })
         .collect();
     let items: usize = batch.iter().product();
     let mut out = vec![0.0; items * m * n];

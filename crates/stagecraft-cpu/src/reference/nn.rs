@@ -3,7 +3,16 @@
 
 /// Direct 2-D cross-correlation (NCHW input, OIHW weights).
 #[allow(clippy::too_many_arguments)]
-pub fn conv2d(x: &[f64], xd: [usize; 4], w: &[f64], wd: [usize; 4], stride: [usize; 2], pad: [usize; 2], dil: [usize; 2], groups: usize) -> Vec<f64> {
+pub fn conv2d(
+    x: &[f64],
+    xd: [usize; 4],
+    w: &[f64],
+    wd: [usize; 4],
+    stride: [usize; 2],
+    pad: [usize; 2],
+    dil: [usize; 2],
+    groups: usize,
+) -> Vec<f64> {
     let [n, c, h, wi] = xd;
     let [o, cg, kh, kw] = wd;
     let oh = (h + 2 * pad[0] - dil[0] * (kh - 1) - 1) / stride[0] + 1;
@@ -37,7 +46,14 @@ pub fn conv2d(x: &[f64], xd: [usize; 4], w: &[f64], wd: [usize; 4], stride: [usi
     out
 }
 
-fn pool(x: &[f64], xd: [usize; 4], k: [usize; 2], stride: [usize; 2], pad: [usize; 2], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
+fn pool(
+    x: &[f64],
+    xd: [usize; 4],
+    k: [usize; 2],
+    stride: [usize; 2],
+    pad: [usize; 2],
+    f: impl Fn(&[f64]) -> f64,
+) -> Vec<f64> {
     let [n, c, h, w] = xd;
     let oh = (h + 2 * pad[0] - k[0]) / stride[0] + 1;
     let ow = (w + 2 * pad[1] - k[1]) / stride[1] + 1;
@@ -63,14 +79,33 @@ fn pool(x: &[f64], xd: [usize; 4], k: [usize; 2], stride: [usize; 2], pad: [usiz
 }
 
 /// Max pooling; padding never wins.
-pub fn max_pool2d(x: &[f64], xd: [usize; 4], k: [usize; 2], stride: [usize; 2], pad: [usize; 2]) -> Vec<f64> {
-    pool(x, xd, k, stride, pad, |t| t.iter().copied().fold(f64::NEG_INFINITY, f64::max))
+pub fn max_pool2d(
+    x: &[f64],
+    xd: [usize; 4],
+    k: [usize; 2],
+    stride: [usize; 2],
+    pad: [usize; 2],
+) -> Vec<f64> {
+    pool(x, xd, k, stride, pad, |t| {
+        t.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+    })
 }
 
 /// Average pooling; with `include_pad` the divisor is the full window.
-pub fn avg_pool2d(x: &[f64], xd: [usize; 4], k: [usize; 2], stride: [usize; 2], pad: [usize; 2], include_pad: bool) -> Vec<f64> {
+pub fn avg_pool2d(
+    x: &[f64],
+    xd: [usize; 4],
+    k: [usize; 2],
+    stride: [usize; 2],
+    pad: [usize; 2],
+    include_pad: bool,
+) -> Vec<f64> {
     pool(x, xd, k, stride, pad, |t| {
-        let d = if include_pad { k[0] * k[1] } else { t.len().max(1) };
+        let d = if include_pad {
+            k[0] * k[1]
+        } else {
+            t.len().max(1)
+        };
         t.iter().sum::<f64>() / d as f64
     })
 }

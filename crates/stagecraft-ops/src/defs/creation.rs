@@ -68,7 +68,11 @@ fn arange_meta(_: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     if !dtype.is_numeric() {
         return Err(Error::dtype("arange needs a numeric dtype, not bool"));
     }
-    let len = arange_len(attrs.float("start")?, attrs.float("stop")?, attrs.float("step")?)?;
+    let len = arange_len(
+        attrs.float("start")?,
+        attrs.float("stop")?,
+        attrs.float("step")?,
+    )?;
     one(TensorMetadata::new(dtype, [len]))
 }
 
@@ -122,7 +126,9 @@ pub static RANDOM_NORMAL: OpDef = OpDef {
 fn random_meta(_: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let dtype = attrs.dtype("dtype")?;
     if !dtype.is_float() {
-        return Err(Error::dtype(format!("random values need a float dtype, got {dtype}")));
+        return Err(Error::dtype(format!(
+            "random values need a float dtype, got {dtype}"
+        )));
     }
     let shape = Shape::new(&attrs.dims("shape")?);
     shape.checked_numel()?;
@@ -132,12 +138,16 @@ fn random_meta(_: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     if attrs.op().name == "RandomUniform" {
         let (low, high) = (attrs.float("low")?, attrs.float("high")?);
         if !low.is_finite() || !high.is_finite() || low >= high {
-            return Err(Error::attribute(format!("need finite low < high, got [{low}, {high})")));
+            return Err(Error::attribute(format!(
+                "need finite low < high, got [{low}, {high})"
+            )));
         }
     } else {
         let std = attrs.float("std")?;
         if !std.is_finite() || std < 0.0 || !attrs.float("mean")?.is_finite() {
-            return Err(Error::attribute(format!("need a finite mean and std >= 0, got std {std}")));
+            return Err(Error::attribute(format!(
+                "need a finite mean and std >= 0, got std {std}"
+            )));
         }
     }
     one(TensorMetadata::new(dtype, shape))

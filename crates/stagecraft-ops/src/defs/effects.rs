@@ -11,7 +11,11 @@ pub static PRINT: OpDef = OpDef {
     inputs: &["x"],
     variadic: false,
     outputs: 1,
-    attrs: &[AttrSpec::optional("label", AttrKind::Str, AttrDefault::Str(""))],
+    attrs: &[AttrSpec::optional(
+        "label",
+        AttrKind::Str,
+        AttrDefault::Str(""),
+    )],
     kind: OpKind::Other,
     effect: Effect::SideEffecting,
     shape_kind: ShapeKind::Static,

@@ -85,13 +85,18 @@ fn binary_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMet
     match attrs.op().kind {
         OpKind::Binary(BinaryOp::And | BinaryOp::Or) => {
             if dtype != DType::Bool {
-                return Err(Error::dtype(format!("operands must be bool, got {a} and {b}")));
+                return Err(Error::dtype(format!(
+                    "operands must be bool, got {a} and {b}"
+                )));
             }
         }
         OpKind::Binary(BinaryOp::Pow) => require_float("a", a)?,
         _ => require_numeric("a", a)?,
     }
-    one(TensorMetadata::new(dtype, broadcast_shapes(&a.shape, &b.shape)?))
+    one(TensorMetadata::new(
+        dtype,
+        broadcast_shapes(&a.shape, &b.shape)?,
+    ))
 }
 
 /// `a + b`
@@ -130,7 +135,10 @@ const fn compare(name: &'static str, op: CompareOp) -> OpDef {
 fn compare_meta(inputs: &[TensorMetadata], _: &Attrs<'_>) -> Result<OutputMetas> {
     let (a, b) = (&inputs[0], &inputs[1]);
     require_same_dtype(a, b)?;
-    one(TensorMetadata::new(DType::Bool, broadcast_shapes(&a.shape, &b.shape)?))
+    one(TensorMetadata::new(
+        DType::Bool,
+        broadcast_shapes(&a.shape, &b.shape)?,
+    ))
 }
 
 /// `a == b`
@@ -184,7 +192,10 @@ pub static CAST: OpDef = OpDef {
 };
 
 fn cast_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
-    one(TensorMetadata::new(attrs.dtype("dtype")?, inputs[0].shape.clone()))
+    one(TensorMetadata::new(
+        attrs.dtype("dtype")?,
+        inputs[0].shape.clone(),
+    ))
 }
 
 #[cfg(test)]
@@ -199,13 +210,25 @@ mod tests {
     #[test]
     fn binary_broadcasts_and_checks_dtypes() {
         let none = OpAttrs::new();
-        let out = ADD.infer(&[m(DType::F32, &[2, 1, 3]), m(DType::F32, &[4, 1])], &none).unwrap();
+        let out = ADD
+            .infer(&[m(DType::F32, &[2, 1, 3]), m(DType::F32, &[4, 1])], &none)
+            .unwrap();
         assert_eq!(out[0], m(DType::F32, &[2, 4, 3]));
-        assert!(ADD.infer(&[m(DType::F32, &[2]), m(DType::F64, &[2])], &none).is_err());
-        assert!(ADD.infer(&[m(DType::F32, &[2]), m(DType::F32, &[3])], &none).is_err());
-        assert!(ADD.infer(&[m(DType::Bool, &[2]), m(DType::Bool, &[2])], &none).is_err());
-        assert!(POW.infer(&[m(DType::I32, &[2]), m(DType::I32, &[2])], &none).is_err());
-        assert!(LOGICAL_AND.infer(&[m(DType::I32, &[2]), m(DType::I32, &[2])], &none).is_err());
+        assert!(ADD
+            .infer(&[m(DType::F32, &[2]), m(DType::F64, &[2])], &none)
+            .is_err());
+        assert!(ADD
+            .infer(&[m(DType::F32, &[2]), m(DType::F32, &[3])], &none)
+            .is_err());
+        assert!(ADD
+            .infer(&[m(DType::Bool, &[2]), m(DType::Bool, &[2])], &none)
+            .is_err());
+        assert!(POW
+            .infer(&[m(DType::I32, &[2]), m(DType::I32, &[2])], &none)
+            .is_err());
+        assert!(LOGICAL_AND
+            .infer(&[m(DType::I32, &[2]), m(DType::I32, &[2])], &none)
+            .is_err());
         assert!(ADD.infer(&[m(DType::F32, &[2])], &none).is_err());
     }
 
@@ -216,23 +239,47 @@ mod tests {
         assert!(NEG.infer(&[m(DType::I64, &[2])], &none).is_ok());
         assert!(NEG.infer(&[m(DType::Bool, &[2])], &none).is_err());
         assert!(LOGICAL_NOT.infer(&[m(DType::Bool, &[0])], &none).is_ok());
-        assert_eq!(EXP.infer(&[m(DType::BF16, &[0, 3])], &none).unwrap()[0], m(DType::BF16, &[0, 3]));
+        assert_eq!(
+            EXP.infer(&[m(DType::BF16, &[0, 3])], &none).unwrap()[0],
+            m(DType::BF16, &[0, 3])
+        );
     }
 
     #[test]
     fn compare_select_cast() {
         let none = OpAttrs::new();
-        let out = LESS.infer(&[m(DType::I32, &[3, 1]), m(DType::I32, &[2])], &none).unwrap();
+        let out = LESS
+            .infer(&[m(DType::I32, &[3, 1]), m(DType::I32, &[2])], &none)
+            .unwrap();
         assert_eq!(out[0], m(DType::Bool, &[3, 2]));
         let out = SELECT
-            .infer(&[m(DType::Bool, &[3, 1]), m(DType::F32, &[2]), m(DType::F32, &[])], &none)
+            .infer(
+                &[
+                    m(DType::Bool, &[3, 1]),
+                    m(DType::F32, &[2]),
+                    m(DType::F32, &[]),
+                ],
+                &none,
+            )
             .unwrap();
         assert_eq!(out[0], m(DType::F32, &[3, 2]));
-        assert!(SELECT.infer(&[m(DType::F32, &[1]), m(DType::F32, &[1]), m(DType::F32, &[1])], &none).is_err());
+        assert!(SELECT
+            .infer(
+                &[
+                    m(DType::F32, &[1]),
+                    m(DType::F32, &[1]),
+                    m(DType::F32, &[1])
+                ],
+                &none
+            )
+            .is_err());
         assert!(CAST.infer(&[m(DType::F32, &[1])], &none).is_err());
         let mut a = OpAttrs::new();
         a.set_dtype("dtype", DType::I64);
-        assert_eq!(CAST.infer(&[m(DType::F32, &[4])], &a).unwrap()[0], m(DType::I64, &[4]));
+        assert_eq!(
+            CAST.infer(&[m(DType::F32, &[4])], &a).unwrap()[0],
+            m(DType::I64, &[4])
+        );
         let mut bad = OpAttrs::new();
         bad.set_int("dtype", 3);
         assert!(CAST.infer(&[m(DType::F32, &[4])], &bad).is_err());

@@ -27,8 +27,16 @@ pub fn matmul_shapes(a: &Shape, b: &Shape) -> Result<(Shape, usize, usize, usize
             "matmul needs operands of rank >= 1, got {a} and {b}"
         )));
     }
-    let (m, ka) = if a.rank() == 1 { (1, a[0]) } else { (a[a.rank() - 2], a[a.rank() - 1]) };
-    let (kb, n) = if b.rank() == 1 { (b[0], 1) } else { (b[b.rank() - 2], b[b.rank() - 1]) };
+    let (m, ka) = if a.rank() == 1 {
+        (1, a[0])
+    } else {
+        (a[a.rank() - 2], a[a.rank() - 1])
+    };
+    let (kb, n) = if b.rank() == 1 {
+        (b[0], 1)
+    } else {
+        (b[b.rank() - 2], b[b.rank() - 1])
+    };
     if ka != kb {
         return Err(Error::shape(format!(
             "contraction dimensions differ: {a} @ {b} ({ka} vs {kb})"
@@ -36,8 +44,11 @@ pub fn matmul_shapes(a: &Shape, b: &Shape) -> Result<(Shape, usize, usize, usize
     }
     let batch_a = Shape::new(&a.dims()[..a.rank().saturating_sub(2)]);
     let batch_b = Shape::new(&b.dims()[..b.rank().saturating_sub(2)]);
-    let batch = broadcast_shapes(&batch_a, &batch_b)
-        .map_err(|_| Error::shape(format!("batch dimensions of {a} and {b} cannot be broadcast")))?;
+    let batch = broadcast_shapes(&batch_a, &batch_b).map_err(|_| {
+        Error::shape(format!(
+            "batch dimensions of {a} and {b} cannot be broadcast"
+        ))
+    })?;
     let mut out = batch.clone();
     if a.rank() > 1 {
         out.push(m);
@@ -69,7 +80,11 @@ mod tests {
     #[test]
     fn matmul_shapes_follow_numpy() {
         let a = OpAttrs::new();
-        let out = |x: &[usize], y: &[usize]| MATMUL.infer(&[m(x), m(y)], &a).map(|o| o[0].shape.dims().to_vec());
+        let out = |x: &[usize], y: &[usize]| {
+            MATMUL
+                .infer(&[m(x), m(y)], &a)
+                .map(|o| o[0].shape.dims().to_vec())
+        };
         assert_eq!(out(&[2, 3], &[3, 4]).unwrap(), vec![2, 4]);
         assert_eq!(out(&[5, 2, 3], &[3, 4]).unwrap(), vec![5, 2, 4]);
         assert_eq!(out(&[5, 1, 2, 3], &[7, 3, 4]).unwrap(), vec![5, 7, 2, 4]);
@@ -81,6 +96,8 @@ mod tests {
         assert!(err.to_string().contains("[2,3] @ [4,5]"), "{err}");
         assert!(out(&[], &[3]).is_err());
         assert!(out(&[2, 2, 3], &[3, 3, 4]).is_err());
-        assert!(MATMUL.infer(&[m(&[2, 3]), TensorMetadata::new(DType::F64, [3, 4])], &a).is_err());
+        assert!(MATMUL
+            .infer(&[m(&[2, 3]), TensorMetadata::new(DType::F64, [3, 4])], &a)
+            .is_err());
     }
 }

@@ -84,7 +84,9 @@ fn conv2d_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMet
     }
     let groups = attrs.int("groups")?;
     if groups < 1 {
-        return Err(Error::attribute(format!("groups must be at least 1, got {groups}")));
+        return Err(Error::attribute(format!(
+            "groups must be at least 1, got {groups}"
+        )));
     }
     let groups = groups as usize;
     let (c, o) = (x.shape[1], w.shape[0]);
@@ -98,7 +100,10 @@ fn conv2d_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMet
         return Err(Error::shape(format!("empty kernel {}", w.shape)));
     }
     let win = conv2d_window(attrs, [w.shape[2], w.shape[3]])?;
-    let (oh, ow) = (win.output_dim(0, x.shape[2])?, win.output_dim(1, x.shape[3])?);
+    let (oh, ow) = (
+        win.output_dim(0, x.shape[2])?,
+        win.output_dim(1, x.shape[3])?,
+    );
     one(TensorMetadata::new(x.dtype, [x.shape[0], o, oh, ow]))
 }
 
@@ -146,25 +151,43 @@ pub static AVG_POOL2D: OpDef = OpDef {
 /// Reads and checks the window attributes of a pooling op.
 pub fn pool_window(attrs: &Attrs<'_>) -> Result<Window2d> {
     let kernel = pair(attrs, "kernel", 1)?;
-    let stride = if attrs.ints("stride")?.is_empty() { kernel } else { pair(attrs, "stride", 1)? };
+    let stride = if attrs.ints("stride")?.is_empty() {
+        kernel
+    } else {
+        pair(attrs, "stride", 1)?
+    };
     let padding = pair(attrs, "padding", 0)?;
     if padding[0] * 2 > kernel[0] || padding[1] * 2 > kernel[1] {
         return Err(Error::attribute(format!(
             "padding {padding:?} must be at most half the kernel {kernel:?}"
         )));
     }
-    Ok(Window2d { kernel, stride, padding, dilation: [1, 1] })
+    Ok(Window2d {
+        kernel,
+        stride,
+        padding,
+        dilation: [1, 1],
+    })
 }
 
 fn pool_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let x = &inputs[0];
     require_float("x", x)?;
     if x.shape.rank() != 4 {
-        return Err(Error::shape(format!("pooling needs x: [N, C, H, W], got {}", x.shape)));
+        return Err(Error::shape(format!(
+            "pooling needs x: [N, C, H, W], got {}",
+            x.shape
+        )));
     }
     let win = pool_window(attrs)?;
-    let (oh, ow) = (win.output_dim(0, x.shape[2])?, win.output_dim(1, x.shape[3])?);
-    one(TensorMetadata::new(x.dtype, [x.shape[0], x.shape[1], oh, ow]))
+    let (oh, ow) = (
+        win.output_dim(0, x.shape[2])?,
+        win.output_dim(1, x.shape[3])?,
+    );
+    one(TensorMetadata::new(
+        x.dtype,
+        [x.shape[0], x.shape[1], oh, ow],
+    ))
 }
 
 #[cfg(test)]
@@ -181,24 +204,47 @@ mod tests {
     fn conv_shapes() {
         let mut a = OpAttrs::new();
         a.set_ints("padding", &[1, 1]).set_ints("stride", &[2, 2]);
-        assert_eq!(CONV2D.infer(&[f(&[2, 3, 8, 8]), f(&[4, 3, 3, 3])], &a).unwrap()[0], f(&[2, 4, 4, 4]));
-        assert!(CONV2D.infer(&[f(&[2, 3, 8, 8]), f(&[4, 2, 3, 3])], &a).is_err());
-        assert!(CONV2D.infer(&[f(&[2, 3, 2, 2]), f(&[4, 3, 7, 7])], &OpAttrs::new()).is_err());
+        assert_eq!(
+            CONV2D
+                .infer(&[f(&[2, 3, 8, 8]), f(&[4, 3, 3, 3])], &a)
+                .unwrap()[0],
+            f(&[2, 4, 4, 4])
+        );
+        assert!(CONV2D
+            .infer(&[f(&[2, 3, 8, 8]), f(&[4, 2, 3, 3])], &a)
+            .is_err());
+        assert!(CONV2D
+            .infer(&[f(&[2, 3, 2, 2]), f(&[4, 3, 7, 7])], &OpAttrs::new())
+            .is_err());
         a.set_int("groups", 3);
-        assert_eq!(CONV2D.infer(&[f(&[1, 3, 5, 5]), f(&[6, 1, 3, 3])], &a).unwrap()[0], f(&[1, 6, 3, 3]));
+        assert_eq!(
+            CONV2D
+                .infer(&[f(&[1, 3, 5, 5]), f(&[6, 1, 3, 3])], &a)
+                .unwrap()[0],
+            f(&[1, 6, 3, 3])
+        );
         a.set_int("groups", 0);
-        assert!(CONV2D.infer(&[f(&[1, 3, 5, 5]), f(&[6, 1, 3, 3])], &a).is_err());
+        assert!(CONV2D
+            .infer(&[f(&[1, 3, 5, 5]), f(&[6, 1, 3, 3])], &a)
+            .is_err());
         a.set_int("groups", 1).set_ints("stride", &[0, 1]);
-        assert!(CONV2D.infer(&[f(&[1, 3, 5, 5]), f(&[6, 3, 3, 3])], &a).is_err());
+        assert!(CONV2D
+            .infer(&[f(&[1, 3, 5, 5]), f(&[6, 3, 3, 3])], &a)
+            .is_err());
     }
 
     #[test]
     fn pool_shapes() {
         let mut a = OpAttrs::new();
         a.set_ints("kernel", &[2, 2]);
-        assert_eq!(MAX_POOL2D.infer(&[f(&[1, 3, 28, 28])], &a).unwrap()[0], f(&[1, 3, 14, 14]));
+        assert_eq!(
+            MAX_POOL2D.infer(&[f(&[1, 3, 28, 28])], &a).unwrap()[0],
+            f(&[1, 3, 14, 14])
+        );
         a.set_ints("padding", &[2, 0]);
         assert!(AVG_POOL2D.infer(&[f(&[1, 3, 28, 28])], &a).is_err());
-        assert!(MAX_POOL2D.infer(&[f(&[3, 28, 28])], &OpAttrs::new()).is_err());
+        assert!(MAX_POOL2D
+            .infer(&[f(&[3, 28, 28])], &OpAttrs::new())
+            .is_err());
     }
 }

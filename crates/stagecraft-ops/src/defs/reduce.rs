@@ -143,7 +143,11 @@ fn arg_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas>
     ))
 }
 
-const SOFTMAX_ATTRS: &[AttrSpec] = &[AttrSpec::optional("axis", AttrKind::Int, AttrDefault::Int(-1))];
+const SOFTMAX_ATTRS: &[AttrSpec] = &[AttrSpec::optional(
+    "axis",
+    AttrKind::Int,
+    AttrDefault::Int(-1),
+)];
 
 /// `exp(x - max) / sum(exp(x - max))` along `axis`.
 pub static SOFTMAX: OpDef = OpDef {
@@ -191,11 +195,20 @@ mod tests {
     fn reductions_resolve_axes() {
         let mut a = OpAttrs::new();
         a.set_ints("axes", &[-1, 0]).set_bool("keepdim", true);
-        assert_eq!(SUM.infer(&[m(DType::F32, &[2, 3, 4])], &a).unwrap()[0], m(DType::F32, &[1, 3, 1]));
+        assert_eq!(
+            SUM.infer(&[m(DType::F32, &[2, 3, 4])], &a).unwrap()[0],
+            m(DType::F32, &[1, 3, 1])
+        );
         a.set_bool("keepdim", false);
-        assert_eq!(SUM.infer(&[m(DType::I32, &[2, 3, 4])], &a).unwrap()[0], m(DType::I32, &[3]));
+        assert_eq!(
+            SUM.infer(&[m(DType::I32, &[2, 3, 4])], &a).unwrap()[0],
+            m(DType::I32, &[3])
+        );
         let all = OpAttrs::new();
-        assert_eq!(PROD.infer(&[m(DType::F64, &[2, 3])], &all).unwrap()[0], m(DType::F64, &[]));
+        assert_eq!(
+            PROD.infer(&[m(DType::F64, &[2, 3])], &all).unwrap()[0],
+            m(DType::F64, &[])
+        );
         a.set_ints("axes", &[0, -3]);
         assert!(SUM.infer(&[m(DType::F32, &[2, 3, 4])], &a).is_err());
         a.set_ints("axes", &[3]);
@@ -210,12 +223,21 @@ mod tests {
     fn arg_and_softmax() {
         let mut a = OpAttrs::new();
         a.set_int("axis", -1);
-        assert_eq!(ARGMAX.infer(&[m(DType::F32, &[2, 3])], &a).unwrap()[0], m(DType::I64, &[2]));
+        assert_eq!(
+            ARGMAX.infer(&[m(DType::F32, &[2, 3])], &a).unwrap()[0],
+            m(DType::I64, &[2])
+        );
         assert!(ARGMAX.infer(&[m(DType::F32, &[2, 0])], &a).is_err());
-        assert!(ARGMAX.infer(&[m(DType::F32, &[2, 3])], &OpAttrs::new()).is_err());
-        assert!(SOFTMAX.infer(&[m(DType::F32, &[2, 3])], &OpAttrs::new()).is_ok());
+        assert!(ARGMAX
+            .infer(&[m(DType::F32, &[2, 3])], &OpAttrs::new())
+            .is_err());
+        assert!(SOFTMAX
+            .infer(&[m(DType::F32, &[2, 3])], &OpAttrs::new())
+            .is_ok());
         a.set_int("axis", 2);
         assert!(SOFTMAX.infer(&[m(DType::F32, &[2, 3])], &a).is_err());
-        assert!(SOFTMAX.infer(&[m(DType::I32, &[2, 3])], &OpAttrs::new()).is_err());
+        assert!(SOFTMAX
+            .infer(&[m(DType::I32, &[2, 3])], &OpAttrs::new())
+            .is_err());
     }
 }

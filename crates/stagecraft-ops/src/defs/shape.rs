@@ -31,8 +31,16 @@ pub fn resolve_reshape(target: &[i64], from: &Shape) -> Result<Shape> {
     for (i, &d) in target.iter().enumerate() {
         match d {
             -1 if inferred.is_none() => inferred = Some(i),
-            -1 => return Err(Error::shape(format!("reshape target {target:?} has more than one -1"))),
-            d if d < 0 => return Err(Error::shape(format!("reshape target {target:?} has a negative dimension"))),
+            -1 => {
+                return Err(Error::shape(format!(
+                    "reshape target {target:?} has more than one -1"
+                )))
+            }
+            d if d < 0 => {
+                return Err(Error::shape(format!(
+                    "reshape target {target:?} has a negative dimension"
+                )))
+            }
             d => {
                 known = known
                     .checked_mul(d as usize)
@@ -58,7 +66,10 @@ pub fn resolve_reshape(target: &[i64], from: &Shape) -> Result<Shape> {
 
 fn reshape_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let x = &inputs[0];
-    one(TensorMetadata::new(x.dtype, resolve_reshape(attrs.ints("shape")?, &x.shape)?))
+    one(TensorMetadata::new(
+        x.dtype,
+        resolve_reshape(attrs.ints("shape")?, &x.shape)?,
+    ))
 }
 
 /// Permutes the axes: output axis `i` is input axis `perm[i]`.
@@ -80,7 +91,10 @@ pub fn resolve_perm(perm: &[i64], rank: usize) -> Result<SmallVec<[usize; 4]>> {
     if perm.len() != rank {
         return Err(Error::new(
             ErrorKind::Axis,
-            format!("permutation {perm:?} has {} entries for a tensor of rank {rank}", perm.len()),
+            format!(
+                "permutation {perm:?} has {} entries for a tensor of rank {rank}",
+                perm.len()
+            ),
         ));
     }
     let mut seen: SmallVec<[bool; 4]> = SmallVec::from_elem(false, rank);
@@ -88,7 +102,10 @@ pub fn resolve_perm(perm: &[i64], rank: usize) -> Result<SmallVec<[usize; 4]>> {
     for &p in perm {
         let a = normalize_axis(p as isize, rank)?;
         if seen[a] {
-            return Err(Error::new(ErrorKind::Axis, format!("{perm:?} is not a permutation")));
+            return Err(Error::new(
+                ErrorKind::Axis,
+                format!("{perm:?} is not a permutation"),
+            ));
         }
         seen[a] = true;
         out.push(a);
@@ -99,7 +116,10 @@ pub fn resolve_perm(perm: &[i64], rank: usize) -> Result<SmallVec<[usize; 4]>> {
 fn transpose_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let x = &inputs[0];
     let perm = resolve_perm(attrs.ints("perm")?, x.shape.rank())?;
-    one(TensorMetadata::new(x.dtype, perm.iter().map(|&p| x.shape[p]).collect::<Shape>()))
+    one(TensorMetadata::new(
+        x.dtype,
+        perm.iter().map(|&p| x.shape[p]).collect::<Shape>(),
+    ))
 }
 
 /// Broadcasts `x` to `shape` (NumPy rules; `x` must broadcast to exactly
@@ -120,7 +140,10 @@ fn broadcast_to_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<Out
     let x = &inputs[0];
     let target = Shape::new(&attrs.dims("shape")?);
     if broadcast_shapes(&x.shape, &target).ok().as_ref() != Some(&target) {
-        return Err(Error::shape(format!("cannot broadcast {} to {target}", x.shape)));
+        return Err(Error::shape(format!(
+            "cannot broadcast {} to {target}",
+            x.shape
+        )));
     }
     one(TensorMetadata::new(x.dtype, target))
 }
@@ -131,7 +154,11 @@ pub static CONCAT: OpDef = OpDef {
     inputs: &["xs"],
     variadic: true,
     outputs: 1,
-    attrs: &[AttrSpec::optional("axis", AttrKind::Int, AttrDefault::Int(0))],
+    attrs: &[AttrSpec::optional(
+        "axis",
+        AttrKind::Int,
+        AttrDefault::Int(0),
+    )],
     kind: OpKind::Other,
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
@@ -144,7 +171,9 @@ fn concat_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMet
     let mut out = first.shape.clone();
     for (i, t) in inputs.iter().enumerate().skip(1) {
         if t.dtype != first.dtype {
-            return Err(Error::dtype(format!("input {i} is {t} but input 0 is {first}")));
+            return Err(Error::dtype(format!(
+                "input {i} is {t} but input 0 is {first}"
+            )));
         }
         let same_rest = t.shape.rank() == first.shape.rank()
             && (0..t.shape.rank()).all(|d| d == axis || t.shape[d] == first.shape[d]);
@@ -191,7 +220,11 @@ pub struct AxisSlice {
 
 /// Resolves slice attributes against a shape.
 pub fn resolve_slice(attrs: &Attrs<'_>, shape: &Shape) -> Result<SmallVec<[AxisSlice; 4]>> {
-    let (starts, ends, steps) = (attrs.ints("starts")?, attrs.ints("ends")?, attrs.ints("steps")?);
+    let (starts, ends, steps) = (
+        attrs.ints("starts")?,
+        attrs.ints("ends")?,
+        attrs.ints("steps")?,
+    );
     let rank = shape.rank();
     if starts.len() != rank || ends.len() != rank || !(steps.is_empty() || steps.len() == rank) {
         return Err(Error::attribute(format!(
@@ -206,14 +239,20 @@ pub fn resolve_slice(attrs: &Attrs<'_>, shape: &Shape) -> Result<SmallVec<[AxisS
             let dim = shape[i] as i64;
             let step = if steps.is_empty() { 1 } else { steps[i] };
             if step <= 0 {
-                return Err(Error::attribute(format!("slice step must be positive, got {step} on axis {i}")));
+                return Err(Error::attribute(format!(
+                    "slice step must be positive, got {step} on axis {i}"
+                )));
             }
             let clamp = |v: i64| if v < 0 { (v + dim).max(0) } else { v.min(dim) };
             let (s, e) = (clamp(starts[i]), clamp(ends[i]));
             // (e - s - 1) / step + 1 cannot overflow, unlike rounding up with
             // `+ step - 1` when the step is huge.
             let len = if e > s { (e - s - 1) / step + 1 } else { 0 };
-            Ok(AxisSlice { start: s as usize, step: step as usize, len: len as usize })
+            Ok(AxisSlice {
+                start: s as usize,
+                step: step as usize,
+                len: len as usize,
+            })
         })
         .collect()
 }
@@ -221,7 +260,10 @@ pub fn resolve_slice(attrs: &Attrs<'_>, shape: &Shape) -> Result<SmallVec<[AxisS
 fn slice_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let x = &inputs[0];
     let slices = resolve_slice(attrs, &x.shape)?;
-    one(TensorMetadata::new(x.dtype, slices.iter().map(|s| s.len).collect::<Shape>()))
+    one(TensorMetadata::new(
+        x.dtype,
+        slices.iter().map(|s| s.len).collect::<Shape>(),
+    ))
 }
 
 /// Selects entries of `x` along `axis` by integer `indices` (negative
@@ -232,7 +274,11 @@ pub static GATHER: OpDef = OpDef {
     inputs: &["x", "indices"],
     variadic: false,
     outputs: 1,
-    attrs: &[AttrSpec::optional("axis", AttrKind::Int, AttrDefault::Int(0))],
+    attrs: &[AttrSpec::optional(
+        "axis",
+        AttrKind::Int,
+        AttrDefault::Int(0),
+    )],
     kind: OpKind::Other,
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
@@ -272,7 +318,9 @@ fn one_hot_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMe
     require_int("indices", idx)?;
     let depth = attrs.int("depth")?;
     if depth < 0 {
-        return Err(Error::attribute(format!("depth must be non-negative, got {depth}")));
+        return Err(Error::attribute(format!(
+            "depth must be non-negative, got {depth}"
+        )));
     }
     let mut shape = idx.shape.clone();
     shape.push(depth as usize);
@@ -367,36 +415,59 @@ mod tests {
     fn transpose_broadcast_concat() {
         let mut a = OpAttrs::new();
         a.set_ints("perm", &[2, 0, -2]);
-        assert_eq!(TRANSPOSE.infer(&[f(&[2, 3, 4])], &a).unwrap()[0], f(&[4, 2, 3]));
+        assert_eq!(
+            TRANSPOSE.infer(&[f(&[2, 3, 4])], &a).unwrap()[0],
+            f(&[4, 2, 3])
+        );
         a.set_ints("perm", &[0, 0, 1]);
         assert!(TRANSPOSE.infer(&[f(&[2, 3, 4])], &a).is_err());
         let mut b = OpAttrs::new();
         b.set_ints("shape", &[4, 2, 3]);
         assert!(BROADCAST_TO.infer(&[f(&[3, 1])], &b).is_err());
         assert!(BROADCAST_TO.infer(&[f(&[5, 2, 3])], &b).is_err());
-        assert_eq!(BROADCAST_TO.infer(&[f(&[1, 3])], &b).unwrap()[0], f(&[4, 2, 3]));
+        assert_eq!(
+            BROADCAST_TO.infer(&[f(&[1, 3])], &b).unwrap()[0],
+            f(&[4, 2, 3])
+        );
         let mut c = OpAttrs::new();
         c.set_int("axis", -1);
-        assert_eq!(CONCAT.infer(&[f(&[2, 1]), f(&[2, 0]), f(&[2, 4])], &c).unwrap()[0], f(&[2, 5]));
+        assert_eq!(
+            CONCAT
+                .infer(&[f(&[2, 1]), f(&[2, 0]), f(&[2, 4])], &c)
+                .unwrap()[0],
+            f(&[2, 5])
+        );
         assert!(CONCAT.infer(&[f(&[2, 1]), f(&[3, 1])], &c).is_err());
-        assert!(CONCAT.infer(&[f(&[2, 1]), m(DType::F64, &[2, 1])], &c).is_err());
+        assert!(CONCAT
+            .infer(&[f(&[2, 1]), m(DType::F64, &[2, 1])], &c)
+            .is_err());
         assert!(CONCAT.infer(&[], &c).is_err());
     }
 
     #[test]
     fn slice_gather_onehot_pad() {
         let mut s = OpAttrs::new();
-        s.set_ints("starts", &[1, -2]).set_ints("ends", &[100, 4]).set_ints("steps", &[2, 1]);
+        s.set_ints("starts", &[1, -2])
+            .set_ints("ends", &[100, 4])
+            .set_ints("steps", &[2, 1]);
         assert_eq!(SLICE.infer(&[f(&[6, 4])], &s).unwrap()[0], f(&[3, 2]));
         s.set_ints("steps", &[0, 1]);
         assert!(SLICE.infer(&[f(&[6, 4])], &s).is_err());
         let mut g = OpAttrs::new();
         g.set_int("axis", 1);
-        assert_eq!(GATHER.infer(&[f(&[2, 5, 3]), m(DType::I64, &[4, 2])], &g).unwrap()[0], f(&[2, 4, 2, 3]));
+        assert_eq!(
+            GATHER
+                .infer(&[f(&[2, 5, 3]), m(DType::I64, &[4, 2])], &g)
+                .unwrap()[0],
+            f(&[2, 4, 2, 3])
+        );
         assert!(GATHER.infer(&[f(&[2, 5]), f(&[4])], &g).is_err());
         let mut o = OpAttrs::new();
         o.set_int("depth", 10);
-        assert_eq!(ONE_HOT.infer(&[m(DType::I32, &[3])], &o).unwrap()[0], f(&[3, 10]));
+        assert_eq!(
+            ONE_HOT.infer(&[m(DType::I32, &[3])], &o).unwrap()[0],
+            f(&[3, 10])
+        );
         let mut p = OpAttrs::new();
         p.set_ints("pads", &[1, 2, 0, 3]);
         assert_eq!(PAD.infer(&[f(&[2, 2])], &p).unwrap()[0], f(&[5, 5]));
