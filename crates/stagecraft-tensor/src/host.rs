@@ -17,15 +17,31 @@ pub struct DenseHostTensor {
 impl DenseHostTensor {
     /// A tensor of zeros.
     pub fn zeros(meta: TensorMetadata) -> Result<DenseHostTensor> {
-        let numel = meta.shape.checked_numel()?;
-        let bytes = numel
-            .checked_mul(meta.dtype.size_in_bytes())
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| Error::shape(format!("a tensor of {meta} does not fit in memory")))?;
+        let bytes = Self::byte_len(&meta)?;
         Ok(DenseHostTensor {
             meta,
             buffer: Buffer::zeroed(bytes),
         })
+    }
+
+    /// A tensor whose values are unspecified, for a kernel that writes every
+    /// element (bool tensors are zeroed: not every byte is a valid bool).
+    pub fn for_overwrite(meta: TensorMetadata) -> Result<DenseHostTensor> {
+        let bytes = Self::byte_len(&meta)?;
+        let buffer = if meta.dtype == DType::Bool {
+            Buffer::zeroed(bytes)
+        } else {
+            Buffer::for_overwrite(bytes)
+        };
+        Ok(DenseHostTensor { meta, buffer })
+    }
+
+    fn byte_len(meta: &TensorMetadata) -> Result<usize> {
+        let numel = meta.shape.checked_numel()?;
+        numel
+            .checked_mul(meta.dtype.size_in_bytes())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| Error::shape(format!("a tensor of {meta} does not fit in memory")))
     }
 
     /// A tensor taking its values from `values`, which must hold exactly

@@ -557,7 +557,7 @@ where
             update(out.as_mut_slice::<T>()?, f);
             return Ok(smallvec![out]);
         }
-        let mut out = DenseHostTensor::zeros(meta.clone())?;
+        let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
         map_into(out.as_mut_slice::<T>()?, x.as_slice::<T>()?, f);
         Ok(smallvec![out])
     })
@@ -843,6 +843,31 @@ where
     T: Element,
     F: Fn(T, T) -> T + Copy + Send + Sync,
 {
+    let n = meta.shape.numel();
+    if n < crate::PARALLEL_THRESHOLD && a.shape() == &meta.shape && b.shape() == &meta.shape {
+        // Small, same-shape operands (the common eager case): one flat
+        // loop; building a broadcast walk would cost more than the math.
+        if reusable(&a, meta) {
+            let mut out = a;
+            let y = Operand {
+                data: b.as_slice::<T>()?,
+                step: 1,
+            };
+            update_row(out.as_mut_slice::<T>()?, y, 0, f);
+            return Ok(out);
+        }
+        let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
+        let x = Operand {
+            data: a.as_slice::<T>()?,
+            step: 1,
+        };
+        let y = Operand {
+            data: b.as_slice::<T>()?,
+            step: 1,
+        };
+        zip_row(out.as_mut_slice::<T>()?, x, 0, y, 0, f);
+        return Ok(out);
+    }
     let walk = Walk::new(&meta.shape, [a.shape(), b.shape()]);
     let [sa, sb] = walk.inner_strides;
     if reusable(&a, meta) {
@@ -867,7 +892,7 @@ where
         });
         return Ok(out);
     }
-    let mut out = DenseHostTensor::zeros(meta.clone())?;
+    let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
     let x = Operand {
         data: a.as_slice::<T>()?,
         step: sa,
@@ -955,7 +980,7 @@ fn select_kernel<T: Element>() -> Kernel {
         let [sc, sa, sb] = walk.inner_strides;
         let c = cond.as_slice::<bool>()?;
         let (x, y) = (a.as_slice::<T>()?, b.as_slice::<T>()?);
-        let mut out = DenseHostTensor::zeros(meta.clone())?;
+        let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
         walk.run(out.as_mut_slice::<T>()?, |o, [oc, oa, ob]| {
             let n = o.len();
             if (sc, sa, sb) == (1, 1, 1) {
