@@ -5,6 +5,7 @@
 //! attributes of a typical op allocates nothing; larger sets spill to the heap.
 
 use smallvec::SmallVec;
+use crate::func::FuncId;
 use stagecraft_tensor::{DType, Scalar};
 use std::fmt;
 use std::hash::{Hash, Hasher};
@@ -30,6 +31,9 @@ pub enum AttrKind {
     Floats,
     /// A UTF-8 string.
     Str,
+    /// A function of the function library (the branches of `If`, the
+    /// condition and body of `While`).
+    Func,
 }
 
 impl AttrKind {
@@ -44,6 +48,7 @@ impl AttrKind {
             AttrKind::Ints => "int list",
             AttrKind::Floats => "float list",
             AttrKind::Str => "string",
+            AttrKind::Func => "function",
         }
     }
 }
@@ -67,6 +72,8 @@ pub enum AttrValue<'a> {
     Floats(&'a [f64]),
     /// A string.
     Str(&'a str),
+    /// A function of the library.
+    Func(FuncId),
 }
 
 impl AttrValue<'_> {
@@ -81,6 +88,7 @@ impl AttrValue<'_> {
             AttrValue::Ints(_) => AttrKind::Ints,
             AttrValue::Floats(_) => AttrKind::Floats,
             AttrValue::Str(_) => AttrKind::Str,
+            AttrValue::Func(_) => AttrKind::Func,
         }
     }
 }
@@ -107,6 +115,7 @@ impl fmt::Display for AttrValue<'_> {
             AttrValue::Ints(v) => list(f, v),
             AttrValue::Floats(v) => list(f, v),
             AttrValue::Str(v) => write!(f, "{v:?}"),
+            AttrValue::Func(v) => write!(f, "@{}", crate::func::function_name(*v)),
         }
     }
 }
@@ -228,6 +237,12 @@ impl OpAttrs {
         self
     }
 
+    /// Sets a function attribute.
+    pub fn set_func(&mut self, name: &'static str, value: FuncId) -> &mut Self {
+        self.push(name, AttrKind::Func, 1, &[value.0 as u64]);
+        self
+    }
+
     /// Sets a string attribute.
     pub fn set_str(&mut self, name: &'static str, value: &str) -> &mut Self {
         let words: SmallVec<[u64; 8]> = value
@@ -254,6 +269,7 @@ impl OpAttrs {
             AttrValue::Ints(v) => self.set_ints(name, v),
             AttrValue::Floats(v) => self.set_floats(name, v),
             AttrValue::Str(v) => self.set_str(name, v),
+            AttrValue::Func(v) => self.set_func(name, v),
         }
     }
 
@@ -266,6 +282,7 @@ impl OpAttrs {
             AttrKind::Int => AttrValue::Int(word as i64),
             AttrKind::Float => AttrValue::Float(f64::from_bits(word)),
             AttrKind::DType => AttrValue::DType(DType::ALL[word as usize]),
+            AttrKind::Func => AttrValue::Func(FuncId(word as u32)),
             AttrKind::Scalar => AttrValue::Scalar(Scalar::from_bits(
                 DType::ALL[word as usize],
                 self.words[start + 1],

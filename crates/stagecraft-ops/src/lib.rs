@@ -8,12 +8,14 @@
 
 mod attrs;
 pub mod defs;
+pub mod func;
 mod op;
 
 pub use attrs::{AttrKind, AttrValue, FrozenOpAttrs, OpAttrs, OpAttrsRef};
 pub use defs::*;
+pub use func::{FuncId, FunctionSignature};
 pub use op::{
-    AttrDefault, AttrSpec, Attrs, BinaryOp, CompareOp, Effect, MetadataFn, OpDef, OpKind,
+    AttrDefault, AttrSpec, Attrs, BinaryOp, CompareOp, ControlOp, Effect, MetadataFn, OpDef, OpKind,
     OutputMetas, ReduceOp, ShapeKind, UnaryOp,
 };
 

@@ -162,6 +162,17 @@ pub enum ReduceOp {
     Prod,
 }
 
+/// Ops that run functions of the library.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ControlOp {
+    /// Runs one of two branch functions, chosen by a bool scalar.
+    If,
+    /// Runs a body function while a condition function returns true.
+    While,
+    /// Runs one function.
+    Call,
+}
+
 /// The property of an op that passes and kernels dispatch on, so that they
 /// ask "is this elementwise?" rather than "is this op named Add?".
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -174,6 +185,8 @@ pub enum OpKind {
     Compare(CompareOp),
     /// A reduction over axes.
     Reduce(ReduceOp),
+    /// Control flow: runs library functions named by its attributes.
+    Control(ControlOp),
     /// Anything else.
     Other,
 }
@@ -219,7 +232,9 @@ pub struct OpDef {
     pub inputs: &'static [&'static str],
     /// True when the op takes any number (≥ 1) of inputs.
     pub variadic: bool,
-    /// The number of outputs.
+    /// The number of outputs; 0 for control-flow ops, whose outputs are
+    /// those of the functions they run (the metadata function says how
+    /// many).
     pub outputs: usize,
     /// Declared attributes.
     pub attrs: &'static [AttrSpec],
@@ -265,8 +280,10 @@ impl OpDef {
     }
 
     fn check_arity(&self, n: usize) -> Result<()> {
+        // A variadic op repeats its last input zero or more times, except
+        // that an op whose only input is variadic needs at least one.
         let ok = if self.variadic {
-            n >= 1
+            n >= self.inputs.len()
         } else {
             n == self.inputs.len()
         };
@@ -274,7 +291,7 @@ impl OpDef {
             return Ok(());
         }
         let expected = if self.variadic {
-            "at least 1".to_string()
+            format!("at least {}", self.inputs.len())
         } else {
             self.inputs.len().to_string()
         };
@@ -434,6 +451,14 @@ impl<'a> Attrs<'a> {
         match self.value(name)? {
             AttrValue::Floats(v) => Ok(v),
             other => Err(Self::mismatch(name, AttrKind::Floats, other)),
+        }
+    }
+
+    /// A function attribute.
+    pub fn func(&self, name: &str) -> Result<crate::func::FuncId> {
+        match self.value(name)? {
+            AttrValue::Func(v) => Ok(v),
+            other => Err(Self::mismatch(name, AttrKind::Func, other)),
         }
     }
 

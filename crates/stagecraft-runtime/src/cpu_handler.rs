@@ -57,6 +57,9 @@ struct CacheEntry {
 /// device.
 #[derive(Default)]
 pub struct KernelCache {
+    /// The index of the CPU device this cache belongs to (`cpu:N`): the
+    /// kernels of control-flow ops run their functions there.
+    device_index: usize,
     buckets: RwLock<HashMap<u64, SmallVec<[CacheEntry; 1]>, FxBuild>>,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -109,13 +112,18 @@ impl KernelCache {
             }
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        let factory = stagecraft_cpu::registry().get(op).ok_or_else(|| {
-            Error::new(
-                ErrorKind::Device,
-                format!("the CPU has no kernel for {}", op.name),
-            )
-        })?;
-        let kernel = factory(&Attrs::new(attrs, op), inputs)?;
+        let kernel = if let stagecraft_ops::OpKind::Control(_) = op.kind {
+            let device = crate::Device::parse(&format!("cpu:{}", self.device_index))?;
+            crate::executor::control::control_kernel(op, attrs, device)?
+        } else {
+            let factory = stagecraft_cpu::registry().get(op).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Device,
+                    format!("the CPU has no kernel for {}", op.name),
+                )
+            })?;
+            factory(&Attrs::new(attrs, op), inputs)?
+        };
         let mut buckets = self.buckets.write().unwrap_or_else(|p| p.into_inner());
         let bucket = buckets.entry(key).or_default();
         if !bucket.iter().any(matches) {
@@ -156,7 +164,10 @@ impl CpuOpHandler {
     pub fn new(index: usize) -> CpuOpHandler {
         CpuOpHandler {
             name: format!("cpu:{index}"),
-            cache: Arc::new(KernelCache::default()),
+            cache: Arc::new(KernelCache {
+                device_index: index,
+                ..KernelCache::default()
+            }),
         }
     }
 
@@ -208,11 +219,11 @@ fn run_kernel(
         outputs,
     };
     let produced = kernel(inputs, &ctx).map_err(Failure::Raised)?;
-    if produced.len() != op.outputs {
+    if produced.len() != outputs.len() {
         return Err(Failure::Raised(Error::internal(format!(
             "the kernel returned {} outputs, the op has {}",
             produced.len(),
-            op.outputs
+            outputs.len()
         ))));
     }
     if op.shape_kind == ShapeKind::Static {
@@ -246,6 +257,10 @@ impl OpHandler for CpuOpHandler {
 
     fn kernel_cache_stats(&self) -> Option<KernelCacheStats> {
         Some(self.cache.stats())
+    }
+
+    fn host_kernels(&self) -> Option<&KernelCache> {
+        Some(&self.cache)
     }
 
     fn execute(&self, inv: OpInvocation<'_>) -> Results {

@@ -17,11 +17,22 @@ pub enum MetadataState {
     Deferred,
 }
 
+/// What a symbolic handle stands for: a value of a function being traced,
+/// which has no data until the function runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TracedValue {
+    /// The trace frame (see [`crate::tracing`]) the value belongs to.
+    pub frame: u64,
+    /// The value inside that frame's function.
+    pub value: stagecraft_graph::Value,
+}
+
 struct HandleInner {
     device: Device,
     meta: TensorMetadata,
     meta_state: MetadataState,
     value: AsyncValue<HostTensor>,
+    traced: Option<TracedValue>,
 }
 
 /// A reference to a tensor that may not be computed yet. Cloning is one
@@ -37,6 +48,7 @@ impl TensorHandle {
             meta: value.metadata().clone(),
             meta_state: MetadataState::Known,
             value: AsyncValue::available(value),
+            traced: None,
         }))
     }
 
@@ -48,6 +60,7 @@ impl TensorHandle {
             meta,
             meta_state: MetadataState::Known,
             value: AsyncValue::error(error),
+            traced: None,
         }))
     }
 
@@ -62,7 +75,25 @@ impl TensorHandle {
             meta,
             meta_state,
             value: AsyncValue::unavailable(),
+            traced: None,
         }))
+    }
+
+    /// A symbolic handle for a value of a function being traced.
+    pub fn traced(device: Device, meta: TensorMetadata, traced: TracedValue) -> TensorHandle {
+        TensorHandle(Arc::new(HandleInner {
+            device,
+            meta,
+            meta_state: MetadataState::Known,
+            value: AsyncValue::unavailable(),
+            traced: Some(traced),
+        }))
+    }
+
+    /// The traced value this handle stands for, if it is symbolic.
+    #[inline]
+    pub fn traced_value(&self) -> Option<TracedValue> {
+        self.0.traced
     }
 
     /// Sets the value of a pending handle (once), waking its dependents.
@@ -128,6 +159,13 @@ impl TensorHandle {
 
     /// The value, waiting for it if needed.
     pub fn wait(&self) -> Result<&HostTensor> {
+        if self.0.traced.is_some() && !self.0.value.is_resolved() {
+            return Err(Error::invalid(
+                "this tensor is a symbolic value of a function being traced \
+                 (function, cond or while_loop): it has no data until the function runs; \
+                 return it from the closure instead of reading it",
+            ));
+        }
         self.0.value.wait().as_ref().map_err(Clone::clone)
     }
 

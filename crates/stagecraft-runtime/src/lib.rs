@@ -11,11 +11,13 @@ pub mod async_value;
 pub mod context;
 pub mod cpu_handler;
 mod device;
+pub mod executor;
 pub mod format;
 mod handle;
 pub mod logging;
 mod op_handler;
 mod runtime;
+pub mod tracing;
 
 pub use async_value::{AsyncValue, Chain};
 pub use context::{
@@ -24,7 +26,7 @@ pub use context::{
 };
 pub use cpu_handler::{CpuOpHandler, KernelCache, KernelCacheStats};
 pub use device::{Device, DeviceKind};
-pub use handle::{MetadataState, TensorHandle};
+pub use handle::{MetadataState, TensorHandle, TracedValue};
 pub use logging::{LogSink, LoggingOpHandler};
 pub use op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
 pub use runtime::{

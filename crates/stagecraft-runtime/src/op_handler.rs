@@ -54,6 +54,19 @@ pub trait OpHandler: Send + Sync {
     /// panics.
     fn execute(&self, invocation: OpInvocation<'_>) -> Results;
 
+    /// True when the handler takes arguments from other devices (a tracer
+    /// captures them as function inputs) instead of requiring explicit
+    /// copies.
+    fn captures_foreign_args(&self) -> bool {
+        false
+    }
+
+    /// The host kernel cache of a handler that runs CPU kernels, for the
+    /// graph executor.
+    fn host_kernels(&self) -> Option<&crate::cpu_handler::KernelCache> {
+        None
+    }
+
     /// Hits and misses of the handler's kernel cache, if it has one.
     fn kernel_cache_stats(&self) -> Option<crate::cpu_handler::KernelCacheStats> {
         None

@@ -111,9 +111,12 @@ fn error_results(
     metas: Option<&[TensorMetadata]>,
     error: &Error,
 ) -> Results {
-    (0..op.outputs)
+    // A control-flow op whose metadata is unknown still yields one handle,
+    // so the error is not lost; the typed layer pads to the expected count.
+    let count = metas.map_or(op.outputs.max(1), |m| m.len());
+    (0..count)
         .map(|i| {
-            let meta = metas
+            let meta: TensorMetadata = metas
                 .and_then(|m| m.get(i).cloned())
                 .unwrap_or_else(|| TensorMetadata::new(DType::F32, Shape::scalar()));
             TensorHandle::error(device, meta, error.clone())
@@ -143,8 +146,9 @@ pub fn execute(
         let err = Error::cancelled().with_op(op.name).at(location);
         return error_results(op, device, None, &err);
     }
+    let foreign_ok = device.handler().captures_foreign_args();
     for arg in &args {
-        if arg.device() != device {
+        if arg.device() != device && !foreign_ok {
             let err = Error::new(
                 ErrorKind::Device,
                 format!(

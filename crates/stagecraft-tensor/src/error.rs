@@ -5,31 +5,46 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
-/// A source location recorded with `#[track_caller]` at the user's call site.
+/// A source location recorded with `#[track_caller]` at the user's call site
+/// (or read back from a printed graph).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Location(&'static std::panic::Location<'static>);
+pub struct Location {
+    file: &'static str,
+    line: u32,
+    column: u32,
+}
 
 impl Location {
     /// The location of the caller of the current `#[track_caller]` function.
     #[track_caller]
     #[inline]
     pub fn caller() -> Location {
-        Location(std::panic::Location::caller())
+        let l = std::panic::Location::caller();
+        Location {
+            file: l.file(),
+            line: l.line(),
+            column: l.column(),
+        }
+    }
+
+    /// A location from its parts (for locations read back from text).
+    pub fn new(file: &'static str, line: u32, column: u32) -> Location {
+        Location { file, line, column }
     }
 
     /// The source file of the call.
     pub fn file(&self) -> &'static str {
-        self.0.file()
+        self.file
     }
 
     /// The 1-based line of the call.
     pub fn line(&self) -> u32 {
-        self.0.line()
+        self.line
     }
 
     /// The 1-based column of the call.
     pub fn column(&self) -> u32 {
-        self.0.column()
+        self.column
     }
 }
 

@@ -28,10 +28,12 @@
 mod operators;
 mod ops;
 mod random;
+mod staging;
 mod tensor;
 
 pub use ops::{where_, Conv2dOptions, Pool2dOptions};
 pub use random::Rng;
+pub use staging::{cond, function, while_loop, StagedFunction, TensorGroup};
 pub use tensor::Tensor;
 
 pub use stagecraft_runtime::{
@@ -46,6 +48,7 @@ pub use stagecraft_tensor::{
 /// The layers underneath, for code that works below the typed API.
 pub mod layers {
     pub use stagecraft_cpu as cpu;
+    pub use stagecraft_graph as graph;
     pub use stagecraft_ops as ops;
     pub use stagecraft_runtime as runtime;
     pub use stagecraft_tensor as tensor;

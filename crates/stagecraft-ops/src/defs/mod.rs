@@ -1,6 +1,7 @@
 //! The op set, grouped by family. Adding an op is one definition in its
 //! family's file and one line in [`ALL_OPS`].
 
+mod control;
 mod creation;
 mod effects;
 mod elementwise;
@@ -9,6 +10,7 @@ mod nn;
 mod reduce;
 mod shape;
 
+pub use control::*;
 pub use creation::*;
 pub use effects::*;
 pub use elementwise::*;
@@ -88,6 +90,10 @@ pub static ALL_OPS: &[&OpDef] = &[
     &AVG_POOL2D,
     // side effects
     &PRINT,
+    // control flow
+    &IF,
+    &WHILE,
+    &CALL,
 ];
 
 /// One output.

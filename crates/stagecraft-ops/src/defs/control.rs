@@ -1,0 +1,146 @@
+//! Functional control flow: `If`, `While` and `Call` are single ops whose
+//! attributes name library functions (the cond_v2 design). Their metadata
+//! functions check the functions' signatures against the arguments, so a
+//! branch or body mismatch is found when the op is created.
+
+use crate::attrs::AttrKind;
+use crate::func::{function_name, function_signature, FuncId, FunctionSignature};
+use crate::op::*;
+use stagecraft_tensor::{DType, Error, Result, TensorMetadata};
+
+fn signature(attrs: &Attrs<'_>, name: &str) -> Result<(FuncId, FunctionSignature)> {
+    let id = attrs.func(name)?;
+    let sig = function_signature(id).ok_or_else(|| {
+        Error::attribute(format!("attribute `{name}` names function {} which does not exist", id.0))
+    })?;
+    Ok((id, sig))
+}
+
+fn list(metas: &[TensorMetadata]) -> String {
+    let items: Vec<String> = metas.iter().map(|m| m.to_string()).collect();
+    format!("({})", items.join(", "))
+}
+
+fn check_params(role: &str, id: FuncId, sig: &FunctionSignature, args: &[TensorMetadata]) -> Result<()> {
+    if sig.inputs.as_slice() != args {
+        return Err(Error::shape(format!(
+            "the {role} @{} takes {} but is given {}",
+            function_name(id),
+            list(&sig.inputs),
+            list(args)
+        )));
+    }
+    Ok(())
+}
+
+fn require_bool_scalar(role: &str, meta: &TensorMetadata) -> Result<()> {
+    if meta.dtype != DType::Bool || meta.shape.numel() != 1 {
+        return Err(Error::dtype(format!(
+            "{role} must be a bool tensor with one element, got {meta}"
+        )));
+    }
+    Ok(())
+}
+
+fn if_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    require_bool_scalar("the predicate", &inputs[0])?;
+    let args = &inputs[1..];
+    let (then_id, then_sig) = signature(attrs, "then_branch")?;
+    let (else_id, else_sig) = signature(attrs, "else_branch")?;
+    check_params("then branch", then_id, &then_sig, args)?;
+    check_params("else branch", else_id, &else_sig, args)?;
+    if then_sig.outputs != else_sig.outputs {
+        return Err(Error::shape(format!(
+            "the branches return different types: then @{} returns {}, else @{} returns {}",
+            function_name(then_id),
+            list(&then_sig.outputs),
+            function_name(else_id),
+            list(&else_sig.outputs)
+        )));
+    }
+    Ok(then_sig.outputs.into_iter().collect())
+}
+
+fn while_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let (cond_id, cond_sig) = signature(attrs, "cond")?;
+    let (body_id, body_sig) = signature(attrs, "body")?;
+    check_params("condition", cond_id, &cond_sig, inputs)?;
+    check_params("body", body_id, &body_sig, inputs)?;
+    match cond_sig.outputs.as_slice() {
+        [out] => require_bool_scalar("the loop condition's result", out)?,
+        other => {
+            return Err(Error::shape(format!(
+                "the loop condition @{} must return one bool scalar, it returns {}",
+                function_name(cond_id),
+                list(other)
+            )))
+        }
+    }
+    if body_sig.outputs.as_slice() != inputs {
+        return Err(Error::shape(format!(
+            "the loop body @{} must return the loop state's types {}, it returns {} \
+             (loop-carried values keep their dtype and shape)",
+            function_name(body_id),
+            list(inputs),
+            list(&body_sig.outputs)
+        )));
+    }
+    if attrs.int("max_iterations")? < -1 {
+        return Err(Error::attribute("`max_iterations` must be -1 (no limit) or non-negative"));
+    }
+    Ok(inputs.iter().cloned().collect())
+}
+
+fn call_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let (id, sig) = signature(attrs, "f")?;
+    check_params("function", id, &sig, inputs)?;
+    Ok(sig.outputs.into_iter().collect())
+}
+
+/// `If(pred, args...)`: runs `then_branch(args...)` when `pred` holds, else
+/// `else_branch(args...)`; only the taken branch runs.
+pub static IF: OpDef = OpDef {
+    name: "If",
+    inputs: &["pred"],
+    variadic: true,
+    outputs: 0,
+    attrs: &[
+        AttrSpec::required("then_branch", AttrKind::Func),
+        AttrSpec::required("else_branch", AttrKind::Func),
+    ],
+    kind: OpKind::Control(ControlOp::If),
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: if_meta,
+};
+
+/// `While(state...)`: `state = body(state)` while `cond(state)` holds; the
+/// result is the final state. Loop-carried values keep dtype and shape.
+pub static WHILE: OpDef = OpDef {
+    name: "While",
+    inputs: &["state"],
+    variadic: true,
+    outputs: 0,
+    attrs: &[
+        AttrSpec::required("cond", AttrKind::Func),
+        AttrSpec::required("body", AttrKind::Func),
+        AttrSpec::optional("max_iterations", AttrKind::Int, AttrDefault::Int(-1)),
+    ],
+    kind: OpKind::Control(ControlOp::While),
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: while_meta,
+};
+
+/// `Call(args...)`: runs the function `f`.
+pub static CALL: OpDef = OpDef {
+    name: "Call",
+    inputs: &[],
+    variadic: true,
+    outputs: 0,
+    attrs: &[AttrSpec::required("f", AttrKind::Func)],
+    kind: OpKind::Control(ControlOp::Call),
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: call_meta,
+};

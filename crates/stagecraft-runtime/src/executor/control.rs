@@ -1,0 +1,100 @@
+//! Kernels of the control-flow ops. `If`, `While` and `Call` run the
+//! executables of the library functions their attributes name, on the
+//! device the op runs on.
+
+use super::{instantiate_library, Executable};
+use crate::device::Device;
+use crate::runtime::is_cancelled;
+use stagecraft_cpu::{Inputs, Kernel, KernelContext, Outputs};
+use stagecraft_ops::{Attrs, ControlOp, OpAttrs, OpDef, OpKind};
+use stagecraft_tensor::{DenseHostTensor, Error, HostTensor, Result};
+use std::sync::Arc;
+
+fn host(inputs: impl IntoIterator<Item = DenseHostTensor>) -> Vec<HostTensor> {
+    inputs.into_iter().map(HostTensor::Dense).collect()
+}
+
+fn dense(values: Vec<HostTensor>) -> Result<Outputs> {
+    values.into_iter().map(HostTensor::into_dense).collect()
+}
+
+fn truth(value: &HostTensor) -> Result<bool> {
+    let dense = value.to_dense()?;
+    let flags = dense.as_slice::<bool>()?;
+    match flags {
+        [flag] => Ok(*flag),
+        _ => Err(Error::shape(format!(
+            "a predicate must have one element, got {}",
+            dense.metadata()
+        ))),
+    }
+}
+
+/// The kernel of a control-flow op on `device`; the functions it names are
+/// instantiated now, so a bad branch fails when the op is first run.
+pub(crate) fn control_kernel(op: &'static OpDef, attrs: &OpAttrs, device: Device) -> Result<Kernel> {
+    let attrs = Attrs::new(attrs, op);
+    let OpKind::Control(kind) = op.kind else {
+        return Err(Error::internal(format!("{} is not a control-flow op", op.name)));
+    };
+    Ok(match kind {
+        ControlOp::If => {
+            let then_exe = instantiate_library(attrs.func("then_branch")?, device)?;
+            let else_exe = instantiate_library(attrs.func("else_branch")?, device)?;
+            Arc::new(move |inputs: Inputs, _: &KernelContext<'_>| {
+                let mut inputs = inputs.into_iter();
+                let pred = inputs
+                    .next()
+                    .ok_or_else(|| Error::internal("If without a predicate"))?;
+                let exe = if truth(&HostTensor::Dense(pred))? {
+                    &then_exe
+                } else {
+                    &else_exe
+                };
+                dense(exe.run(host(inputs))?)
+            })
+        }
+        ControlOp::Call => {
+            let exe = instantiate_library(attrs.func("f")?, device)?;
+            Arc::new(move |inputs: Inputs, _: &KernelContext<'_>| dense(exe.run(host(inputs))?))
+        }
+        ControlOp::While => {
+            let cond = instantiate_library(attrs.func("cond")?, device)?;
+            let body = instantiate_library(attrs.func("body")?, device)?;
+            let limit = attrs.int("max_iterations")?;
+            Arc::new(move |inputs: Inputs, _: &KernelContext<'_>| {
+                dense(run_while(&cond, &body, limit, host(inputs))?)
+            })
+        }
+    })
+}
+
+/// `state = body(state)` while `cond(state)`, checking cancellation every
+/// iteration so that a long loop stops promptly.
+fn run_while(
+    cond: &Executable,
+    body: &Executable,
+    limit: i64,
+    mut state: Vec<HostTensor>,
+) -> Result<Vec<HostTensor>> {
+    let mut iterations: i64 = 0;
+    loop {
+        if is_cancelled() {
+            return Err(Error::cancelled());
+        }
+        if limit >= 0 && iterations >= limit {
+            return Ok(state);
+        }
+        let verdict = cond.run(state.clone())?;
+        let keep_going = match verdict.as_slice() {
+            [flag] => truth(flag)?,
+            _ => return Err(Error::internal("a loop condition returned no single value")),
+        };
+        if !keep_going {
+            return Ok(state);
+        }
+        state = body.run(state)?;
+        iterations += 1;
+    }
+}
+

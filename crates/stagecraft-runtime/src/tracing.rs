@@ -1,0 +1,230 @@
+//! Tracing closures into graph functions (the FuncGraph of cond_v2 and
+//! tf.function).
+//!
+//! While a frame is open on a thread, every op placed on that thread goes to
+//! the tracer device, whose handler appends a node to the frame's function
+//! and returns symbolic handles instead of running anything. Tensors from
+//! outside the frame (eager tensors, lazy tensors, values of an enclosing
+//! frame) are captured: small concrete ones become constants, the rest
+//! become extra parameters that the caller passes in.
+
+use crate::device::Device;
+use crate::handle::{TensorHandle, TracedValue};
+use crate::op_handler::{OpHandler, OpInvocation, Results};
+use smallvec::SmallVec;
+use stagecraft_graph::{Function, Node, NodeOp, Value};
+use stagecraft_ops::ShapeKind;
+use stagecraft_tensor::{Error, HostTensor, Location, Result, TensorMetadata};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// Concrete captured tensors with at most this many elements are baked into
+/// the function as constants (Rust numbers turned into scalars); larger ones
+/// become parameters.
+pub const CONST_CAPTURE_LIMIT: usize = 16;
+
+struct Frame {
+    id: u64,
+    function: Function,
+    /// Handles from outside the frame, one per parameter beyond the
+    /// declared ones.
+    captures: Vec<TensorHandle>,
+    declared: usize,
+}
+
+thread_local! {
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+static NEXT_FRAME: AtomicU64 = AtomicU64::new(1);
+
+/// A traced function and the outside tensors its extra parameters capture
+/// (parameters `declared..` in order).
+pub struct Traced {
+    /// The function.
+    pub function: Function,
+    /// The captured tensors.
+    pub captures: Vec<TensorHandle>,
+}
+
+/// True while this thread is tracing a function.
+pub fn is_tracing() -> bool {
+    FRAMES.with(|f| !f.borrow().is_empty())
+}
+
+/// The device whose handler records ops into the innermost open frame.
+pub fn tracer_device() -> Device {
+    static TRACER: OnceLock<Device> = OnceLock::new();
+    *TRACER.get_or_init(|| {
+        Device::register("trace", Arc::new(TracerHandler))
+            .expect("the tracer device is registered once")
+    })
+}
+
+/// Opens a frame for a function named `name` with declared parameters
+/// `params`; returns one symbolic handle per parameter. Every op this thread
+/// places until [`end`] is recorded into the frame.
+pub fn begin(name: &str, params: &[TensorMetadata]) -> Vec<TensorHandle> {
+    let id = NEXT_FRAME.fetch_add(1, Ordering::Relaxed);
+    let device = tracer_device();
+    let handles = params
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            TensorHandle::traced(
+                device,
+                m.clone(),
+                TracedValue {
+                    frame: id,
+                    value: Value::Param(i as u32),
+                },
+            )
+        })
+        .collect();
+    FRAMES.with(|f| {
+        f.borrow_mut().push(Frame {
+            id,
+            function: Function::new(name, params.to_vec()),
+            captures: Vec::new(),
+            declared: params.len(),
+        })
+    });
+    handles
+}
+
+/// Closes the innermost frame with `results` as the function's results.
+/// A result that holds an error (an op inside failed) returns that error.
+pub fn end(results: &[TensorHandle], location: Location) -> Result<Traced> {
+    let mut frame = FRAMES
+        .with(|f| f.borrow_mut().pop())
+        .ok_or_else(|| Error::internal("tracing::end without a matching begin"))?;
+    for handle in results {
+        if let Some(e) = handle.resolved_error() {
+            return Err(e.clone());
+        }
+    }
+    let values = results
+        .iter()
+        .map(|h| value_of(&mut frame, h, location))
+        .collect::<Result<Vec<_>>>()?;
+    frame.function.results = values;
+    debug_assert_eq!(
+        frame.function.params.len(),
+        frame.declared + frame.captures.len()
+    );
+    Ok(Traced {
+        function: frame.function,
+        captures: frame.captures,
+    })
+}
+
+/// Closes the innermost frame without a result (the closure panicked or the
+/// caller gave up).
+pub fn abandon() {
+    FRAMES.with(|f| f.borrow_mut().pop());
+}
+
+/// The value of `handle` inside `frame`, capturing it if it comes from
+/// outside.
+fn value_of(frame: &mut Frame, handle: &TensorHandle, location: Location) -> Result<Value> {
+    if let Some(t) = handle.traced_value() {
+        if t.frame == frame.id {
+            return Ok(t.value);
+        }
+    }
+    if let Some(i) = frame.captures.iter().position(|c| c.ptr_eq(handle)) {
+        return Ok(Value::Param((frame.declared + i) as u32));
+    }
+    let meta = handle.metadata().clone();
+    let small_concrete = handle.traced_value().is_none()
+        && handle.is_resolved()
+        && meta.shape.numel() <= CONST_CAPTURE_LIMIT;
+    if small_concrete {
+        let value: HostTensor = handle.wait()?.clone();
+        let node = frame.function.add_const(value, location);
+        return Ok(Value::node(node));
+    }
+    frame.function.params.push(meta);
+    frame.captures.push(handle.clone());
+    Ok(Value::Param((frame.function.params.len() - 1) as u32))
+}
+
+struct TracerHandler;
+
+impl OpHandler for TracerHandler {
+    fn name(&self) -> &str {
+        "trace"
+    }
+
+    fn captures_foreign_args(&self) -> bool {
+        true
+    }
+
+    fn execute(&self, inv: OpInvocation<'_>) -> Results {
+        let OpInvocation {
+            op,
+            device,
+            location,
+            args,
+            attrs,
+            outputs,
+            chain,
+            ..
+        } = inv;
+        // Staged side effects are ordered by the function's own execution;
+        // the eager chain must not wait for them.
+        if let Some((_, done)) = chain {
+            done.set(Ok(()));
+        }
+        let recorded = FRAMES.with(|frames| -> Result<Results> {
+            let mut frames = frames.borrow_mut();
+            let frame = frames
+                .last_mut()
+                .ok_or_else(|| Error::internal("an op reached the tracer outside a trace"))?;
+            if op.shape_kind == ShapeKind::DataDependent {
+                return Err(Error::invalid(format!(
+                    "{} has a data-dependent output shape and cannot be staged into a function",
+                    op.name
+                )));
+            }
+            let inputs = args
+                .iter()
+                .map(|a| value_of(frame, a, location))
+                .collect::<Result<SmallVec<[Value; 4]>>>()?;
+            let placed = crate::context::scoped_device().filter(|d| *d != device);
+            let index = frame.function.push(Node {
+                op: NodeOp::Op(op, attrs.freeze()),
+                inputs,
+                outputs: outputs.clone(),
+                device: placed.map(|d| d.name().to_string()),
+                location,
+            });
+            Ok(outputs
+                .iter()
+                .enumerate()
+                .map(|(o, meta)| {
+                    TensorHandle::traced(
+                        device,
+                        meta.clone(),
+                        TracedValue {
+                            frame: frame.id,
+                            value: Value::Output {
+                                node: index as u32,
+                                output: o as u32,
+                            },
+                        },
+                    )
+                })
+                .collect())
+        });
+        recorded.unwrap_or_else(|e| {
+            let e = e.with_op(op.name).at(location);
+            crate::runtime::report_error(&e);
+            outputs
+                .iter()
+                .map(|m| TensorHandle::error(device, m.clone(), e.clone()))
+                .collect()
+        })
+    }
+}
