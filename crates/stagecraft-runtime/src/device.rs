@@ -13,6 +13,9 @@ pub enum DeviceKind {
     /// A host CPU device (`cpu:0` is the machine; `cpu:N` are virtual CPU
     /// devices sharing it).
     Cpu,
+    /// A lazy device: ops are recorded and run as traces on a target device
+    /// when values are needed.
+    Lazy,
     /// A device whose handler was registered by a library or the user (for
     /// example a logging wrapper).
     Custom,
@@ -91,6 +94,9 @@ impl Device {
             Some((kind, index)) => (kind, Some(index)),
             None => (name, None),
         };
+        if let Some(target) = name.strip_prefix("lazy:") {
+            return Ok(Device::lazy(&Device::parse(target)?));
+        }
         if kind == "cpu" {
             let index = match index {
                 None => 0,
@@ -123,6 +129,29 @@ impl Device {
                     .join(", ")
             ),
         ))
+    }
+
+    /// The lazy device over `target`: ops on its tensors are recorded, not
+    /// run, and materialized as one compiled trace on `target` when a value
+    /// is needed or at [`crate::lazy::mark_step`].
+    pub fn lazy(target: &Device) -> Device {
+        let target = *target;
+        intern(
+            format!("lazy:{}", target.name()),
+            DeviceKind::Lazy,
+            target.index(),
+            || Arc::new(crate::lazy::LazyOpHandler::new(target)),
+            false,
+        )
+        .expect("interning an existing or new lazy device cannot fail")
+    }
+
+    /// For a lazy device, the device its traces run on.
+    pub fn lazy_target(&self) -> Option<Device> {
+        if self.kind() != DeviceKind::Lazy {
+            return None;
+        }
+        Device::parse(self.name().strip_prefix("lazy:")?).ok()
     }
 
     /// Registers a device with its own op handler under a new name.

@@ -33,6 +33,16 @@ struct HandleInner {
     meta_state: MetadataState,
     value: AsyncValue<HostTensor>,
     traced: Option<TracedValue>,
+    /// For a tensor on a lazy device: the recorded op output it stands for.
+    lazy: Option<crate::lazy::LazyRef>,
+}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        if let Some(lazy) = &self.lazy {
+            lazy.release();
+        }
+    }
 }
 
 /// A reference to a tensor that may not be computed yet. Cloning is one
@@ -49,6 +59,7 @@ impl TensorHandle {
             meta_state: MetadataState::Known,
             value: AsyncValue::available(value),
             traced: None,
+            lazy: None,
         }))
     }
 
@@ -61,6 +72,7 @@ impl TensorHandle {
             meta_state: MetadataState::Known,
             value: AsyncValue::error(error),
             traced: None,
+            lazy: None,
         }))
     }
 
@@ -76,6 +88,7 @@ impl TensorHandle {
             meta_state,
             value: AsyncValue::unavailable(),
             traced: None,
+            lazy: None,
         }))
     }
 
@@ -87,7 +100,47 @@ impl TensorHandle {
             meta_state: MetadataState::Known,
             value: AsyncValue::unavailable(),
             traced: Some(traced),
+            lazy: None,
         }))
+    }
+
+    /// A handle for output `lazy` of a recorded lazy op (its value is set
+    /// when a trace containing the op runs).
+    pub(crate) fn lazy(device: Device, meta: TensorMetadata, lazy: crate::lazy::LazyRef) -> TensorHandle {
+        lazy.retain();
+        TensorHandle(Arc::new(HandleInner {
+            device,
+            meta,
+            meta_state: MetadataState::Known,
+            value: AsyncValue::unavailable(),
+            traced: None,
+            lazy: Some(lazy),
+        }))
+    }
+
+    /// The recorded lazy op output this handle stands for, if any.
+    pub(crate) fn lazy_ref(&self) -> Option<&crate::lazy::LazyRef> {
+        self.0.lazy.as_ref()
+    }
+
+    /// Sets the value of a lazy handle whose op has run (no-op once set).
+    pub(crate) fn fill_lazy(&self, result: Result<HostTensor>) {
+        if !self.0.value.is_resolved() {
+            self.0.value.set(result)
+        }
+    }
+
+    /// Runs the lazy trace that computes this handle now, recording `trigger`
+    /// as the reason (no-op for other handles or computed values).
+    pub fn materialize(&self, trigger: crate::lazy::Trigger) {
+        if self.0.lazy.is_some() && !self.0.value.is_resolved() {
+            crate::lazy::materialize_handle(self, trigger);
+        }
+    }
+
+    /// True for a handle whose value a lazy trace computed (or will).
+    pub fn is_lazy(&self) -> bool {
+        self.0.lazy.is_some()
     }
 
     /// The traced value this handle stands for, if it is symbolic.
@@ -166,6 +219,9 @@ impl TensorHandle {
                  return it from the closure instead of reading it",
             ));
         }
+        if self.0.lazy.is_some() && !self.0.value.is_resolved() {
+            crate::lazy::materialize_handle(self, crate::lazy::Trigger::ValueRead);
+        }
         self.0.value.wait().as_ref().map_err(Clone::clone)
     }
 
@@ -179,12 +235,16 @@ impl TensorHandle {
     pub fn into_value(self) -> Result<HostTensor> {
         self.wait()?;
         match Arc::try_unwrap(self.0) {
-            Ok(inner) => inner
-                .value
+            Ok(mut inner) => std::mem::replace(&mut inner.value, AsyncValue::unavailable())
                 .into_inner()
                 .unwrap_or_else(|| Err(Error::internal("a waited-for value is missing"))),
             Err(shared) => shared.value.wait().clone(),
         }
+    }
+
+    /// An address identifying the tensor (equal for clones of one handle).
+    pub(crate) fn addr(&self) -> usize {
+        Arc::as_ptr(&self.0) as *const u8 as usize
     }
 
     /// True when both handles are the same tensor.

@@ -14,6 +14,7 @@ mod device;
 pub mod executor;
 pub mod format;
 mod handle;
+pub mod lazy;
 pub mod logging;
 mod op_handler;
 mod runtime;

@@ -25,6 +25,7 @@
 //! let _ = a + b;
 //! ```
 
+pub mod lazy;
 mod operators;
 mod ops;
 mod random;

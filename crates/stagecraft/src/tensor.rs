@@ -191,6 +191,11 @@ impl<T: Element> Tensor<T> {
     #[track_caller]
     pub fn item(&self) -> Result<T> {
         let location = Location::caller();
+        if T::DTYPE == DType::Bool {
+            // Reading a bool scalar is the host deciding on a value.
+            self.handle
+                .materialize(stagecraft_runtime::lazy::Trigger::HostControlFlow);
+        }
         let value = self.host_value()?;
         let numel = value.metadata().shape.numel();
         if numel != 1 {

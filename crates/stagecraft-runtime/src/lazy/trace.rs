@@ -1,0 +1,870 @@
+//! Recording, trace collection, the trace cache and materialization.
+
+use crate::device::Device;
+use crate::executor::{instantiate, Executable};
+use crate::handle::TensorHandle;
+use crate::op_handler::{OpInvocation, Results};
+use smallvec::SmallVec;
+use stagecraft_graph::{text, Function, Node, NodeOp, Value};
+use stagecraft_ops::{FrozenOpAttrs, OpDef, OutputMetas};
+use stagecraft_tensor::{Error, HostTensor, Location, Result, TensorMetadata};
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// Constants with at most this many elements are baked into traces (until
+/// widening promotes them); larger ones are always arguments: comparing
+/// their values on every lookup would cost more than baking gains.
+const BAKE_LIMIT: usize = 16;
+
+/// One input of a recorded op.
+enum Input {
+    /// Output `index` of another recorded op.
+    Op(Arc<LazyOp>, u32),
+    /// An available value; `handle` gives it an identity, so one tensor
+    /// used twice is one trace argument.
+    Concrete { handle: TensorHandle },
+}
+
+enum State {
+    Pending(SmallVec<[Input; 4]>),
+    /// The op ran in a trace: the outputs the trace produced (`None` for an
+    /// output nobody could read any more), or the trace's error.
+    Done(SmallVec<[Option<Result<HostTensor>>; 1]>),
+}
+
+/// A recorded op.
+pub(crate) struct LazyOp {
+    def: &'static OpDef,
+    attrs: FrozenOpAttrs,
+    location: Location,
+    outputs: OutputMetas,
+    target: Device,
+    /// Live user handles per output.
+    live: SmallVec<[AtomicU32; 1]>,
+    /// Pending recorded ops reading each output.
+    uses: SmallVec<[AtomicU32; 1]>,
+    state: Mutex<State>,
+}
+
+impl LazyOp {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn is_pending(&self) -> bool {
+        matches!(*self.lock(), State::Pending(_))
+    }
+
+    fn release_inputs(inputs: &SmallVec<[Input; 4]>) {
+        for input in inputs {
+            if let Input::Op(op, index) = input {
+                op.uses[*index as usize].fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for LazyOp {
+    fn drop(&mut self) {
+        if let State::Pending(inputs) = &*self.lock() {
+            LazyOp::release_inputs(inputs);
+        }
+    }
+}
+
+/// A user handle's link to the recorded op output it stands for.
+pub(crate) struct LazyRef {
+    op: Arc<LazyOp>,
+    index: u32,
+}
+
+impl LazyRef {
+    pub(crate) fn retain(&self) {
+        self.op.live[self.index as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn release(&self) {
+        self.op.live[self.index as usize].fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What made a trace run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Trigger {
+    /// The user read a value (`to_vec`, `item`, `Display`).
+    ValueRead,
+    /// The host branched on a value (`item()` of a bool tensor).
+    HostControlFlow,
+    /// [`mark_step`].
+    MarkStep,
+    /// The pending work reached the trace-length cap.
+    TraceLimit,
+}
+
+/// Counters of the lazy runtime since the last [`reset_metrics`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LazyMetrics {
+    /// Ops recorded on lazy devices.
+    pub ops_recorded: u64,
+    /// Traces compiled (cache misses, including widenings).
+    pub traces_compiled: u64,
+    /// Trace-cache lookups that found a compiled trace.
+    pub cache_hits: u64,
+    /// Lookups that had to compile.
+    pub cache_misses: u64,
+    /// Traces run.
+    pub materializations: u64,
+    /// Time spent building and compiling traces.
+    pub compile_time: Duration,
+    /// Time spent running traces.
+    pub execute_time: Duration,
+    /// Bytes of values handed to the host by reads.
+    pub bytes_to_host: u64,
+    /// Materializations caused by value reads.
+    pub by_value_read: u64,
+    /// Materializations caused by host decisions on values.
+    pub by_host_control_flow: u64,
+    /// Materializations caused by `mark_step`.
+    pub by_mark_step: u64,
+    /// Materializations caused by the trace-length cap.
+    pub by_trace_limit: u64,
+    /// Why the last cache miss missed (which part of the key changed).
+    pub last_miss_reason: Option<String>,
+}
+
+struct Runtime {
+    pending: Vec<Weak<LazyOp>>,
+    recorded_since_step: usize,
+    limit: usize,
+    cache: HashMap<u64, Vec<Entry>>,
+    metrics: LazyMetrics,
+}
+
+static RUNTIME: Mutex<Option<Runtime>> = Mutex::new(None);
+static OPS_RECORDED: AtomicU64 = AtomicU64::new(0);
+static TRACE_NUMBER: AtomicUsize = AtomicUsize::new(0);
+/// One trace runs at a time: materializations from several threads would
+/// otherwise race to run overlapping pending ops.
+static MATERIALIZE: Mutex<()> = Mutex::new(());
+
+fn with_runtime<R>(f: impl FnOnce(&mut Runtime) -> R) -> R {
+    let mut guard = RUNTIME.lock().unwrap_or_else(|p| p.into_inner());
+    let rt = guard.get_or_insert_with(|| Runtime {
+        pending: Vec::new(),
+        recorded_since_step: 0,
+        limit: 10_000,
+        cache: HashMap::new(),
+        metrics: LazyMetrics::default(),
+    });
+    f(rt)
+}
+
+/// The current counters.
+pub fn metrics() -> LazyMetrics {
+    let mut m = with_runtime(|rt| rt.metrics.clone());
+    m.ops_recorded = OPS_RECORDED.load(Ordering::Relaxed);
+    m
+}
+
+/// Zeroes the counters (the trace cache is kept).
+pub fn reset_metrics() {
+    OPS_RECORDED.store(0, Ordering::Relaxed);
+    with_runtime(|rt| rt.metrics = LazyMetrics::default());
+}
+
+/// Sets how many ops may be pending before the lazy runtime materializes
+/// them on its own (so a loop that never calls [`mark_step`] stays bounded).
+pub fn set_trace_limit(ops: usize) {
+    with_runtime(|rt| rt.limit = ops.max(1));
+}
+
+fn debug_log(message: &str) {
+    if std::env::var("STAGECRAFT_LAZY_LOG").is_ok_and(|v| v == "1") {
+        eprintln!("[stagecraft lazy] {message}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Recording.
+
+pub(super) fn record(target: Device, inv: OpInvocation<'_>) -> Results {
+    let OpInvocation {
+        op,
+        device,
+        location,
+        args,
+        attrs,
+        outputs,
+        chain,
+        ..
+    } = inv;
+    // The trace orders side effects by its own execution order.
+    if let Some((_, done)) = chain {
+        done.set(Ok(()));
+    }
+    let inputs: SmallVec<[Input; 4]> = args
+        .into_iter()
+        .map(|arg| match arg.lazy_ref() {
+            Some(r) => {
+                r.op.uses[r.index as usize].fetch_add(1, Ordering::Relaxed);
+                Input::Op(r.op.clone(), r.index)
+            }
+            None => Input::Concrete { handle: arg },
+        })
+        .collect();
+    let n = outputs.len();
+    let lazy_op = Arc::new(LazyOp {
+        def: op,
+        attrs: attrs.freeze(),
+        location,
+        outputs: outputs.clone(),
+        target,
+        live: (0..n).map(|_| AtomicU32::new(0)).collect(),
+        uses: (0..n).map(|_| AtomicU32::new(0)).collect(),
+        state: Mutex::new(State::Pending(inputs)),
+    });
+    OPS_RECORDED.fetch_add(1, Ordering::Relaxed);
+    let over_limit = with_runtime(|rt| {
+        rt.pending.push(Arc::downgrade(&lazy_op));
+        rt.recorded_since_step += 1;
+        rt.recorded_since_step >= rt.limit
+    });
+    let results: Results = outputs
+        .iter()
+        .enumerate()
+        .map(|(i, meta)| {
+            TensorHandle::lazy(
+                device,
+                meta.clone(),
+                LazyRef {
+                    op: lazy_op.clone(),
+                    index: i as u32,
+                },
+            )
+        })
+        .collect();
+    if over_limit {
+        materialize_live(Trigger::TraceLimit);
+    }
+    results
+}
+
+/// `STAGECRAFT_LAZY_EAGER=1`: run each op on the target at once and keep
+/// the results as concrete lazy tensors.
+pub(super) fn execute_eagerly(target: Device, inv: OpInvocation<'_>) -> Results {
+    let OpInvocation {
+        op,
+        device,
+        location,
+        args,
+        attrs,
+        chain,
+        ..
+    } = inv;
+    if let Some((_, done)) = chain {
+        done.set(Ok(()));
+    }
+    let moved: crate::Args = args
+        .iter()
+        .map(|a| match a.wait() {
+            Ok(v) => TensorHandle::available(target, v.clone()),
+            Err(e) => TensorHandle::error(target, a.metadata().clone(), e),
+        })
+        .collect();
+    crate::runtime::execute(op, target, location, moved, attrs)
+        .into_iter()
+        .map(|h| match h.wait() {
+            Ok(v) => TensorHandle::available(device, v.clone()),
+            Err(e) => TensorHandle::error(device, h.metadata().clone(), e),
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// Collecting a trace.
+
+/// A trace argument before the cache decides whether it is baked.
+struct Leaf {
+    value: HostTensor,
+    /// False for values a trace computed (always arguments) and for large
+    /// values.
+    bakeable: bool,
+}
+
+/// The structure of a trace: what the cache key hashes. Every leaf is a
+/// parameter here, whatever it will become.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Skeleton {
+    params: Vec<TensorMetadata>,
+    nodes: Vec<SkeletonNode>,
+    results: Vec<Value>,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct SkeletonNode {
+    op: usize,
+    attrs: FrozenOpAttrs,
+    inputs: SmallVec<[Value; 4]>,
+    outputs: OutputMetas,
+}
+
+struct Collected {
+    skeleton: Skeleton,
+    ops: Vec<Arc<LazyOp>>,
+    locations: Vec<Location>,
+    leaves: Vec<Leaf>,
+    /// (op position, output index) of each result.
+    outputs: Vec<(usize, u32)>,
+    requested: Vec<usize>,
+    target: Device,
+}
+
+fn key_of(p: &Arc<LazyOp>) -> usize {
+    Arc::as_ptr(p) as usize
+}
+
+/// Collects the pending ops that `roots` depend on, in DFS post-order.
+fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
+    let target = roots
+        .first()
+        .map(|(op, _)| op.target)
+        .ok_or_else(|| Error::internal("an empty trace"))?;
+    let mut position: HashMap<usize, usize> = HashMap::new();
+    let mut ops: Vec<Arc<LazyOp>> = Vec::new();
+    let mut nodes: Vec<SkeletonNode> = Vec::new();
+    let mut locations = Vec::new();
+    let mut leaves: Vec<Leaf> = Vec::new();
+    let mut params: Vec<TensorMetadata> = Vec::new();
+    let mut leaf_ids: HashMap<(usize, u32), u32> = HashMap::new();
+    let mut inside_uses: HashMap<(usize, u32), u32> = HashMap::new();
+
+    // Iterative DFS: (op, visited-children?).
+    let mut stack: Vec<(Arc<LazyOp>, bool)> = roots.iter().rev().map(|(op, _)| (op.clone(), false)).collect();
+    while let Some((op, expanded)) = stack.pop() {
+        let key = key_of(&op);
+        if position.contains_key(&key) {
+            continue;
+        }
+        let state = op.lock();
+        let State::Pending(inputs) = &*state else {
+            continue;
+        };
+        if !expanded {
+            let children: Vec<Arc<LazyOp>> = inputs
+                .iter()
+                .filter_map(|i| match i {
+                    Input::Op(child, _) if child.is_pending() && !position.contains_key(&key_of(child)) => {
+                        Some(child.clone())
+                    }
+                    _ => None,
+                })
+                .collect();
+            drop(state);
+            stack.push((op.clone(), true));
+            for child in children.into_iter().rev() {
+                stack.push((child, false));
+            }
+            continue;
+        }
+        let mut values: SmallVec<[Value; 4]> = SmallVec::new();
+        for input in inputs.iter() {
+            let value = match input {
+                Input::Op(child, index) => {
+                    if let Some(&pos) = position.get(&key_of(child)) {
+                        *inside_uses.entry((pos, *index)).or_default() += 1;
+                        Value::Output {
+                            node: pos as u32,
+                            output: *index,
+                        }
+                    } else {
+                        // A materialized output: an argument.
+                        let leaf_key = (key_of(child), *index);
+                        let id = match leaf_ids.get(&leaf_key) {
+                            Some(id) => *id,
+                            None => {
+                                let value = match &*child.lock() {
+                                    State::Done(values) => values.get(*index as usize).cloned().flatten().unwrap_or_else(
+                                        || Err(Error::internal("a materialized value was dropped")),
+                                    ),
+                                    State::Pending(_) => Err(Error::internal("a pending input escaped the trace")),
+                                };
+                                // The producing trace failed: this one fails the same way.
+                                let value = value?;
+                                params.push(child.outputs[*index as usize].clone());
+                                leaves.push(Leaf { value, bakeable: false });
+                                let id = (leaves.len() - 1) as u32;
+                                leaf_ids.insert(leaf_key, id);
+                                id
+                            }
+                        };
+                        Value::Param(id)
+                    }
+                }
+                Input::Concrete { handle } => {
+                    let leaf_key = (handle.addr(), u32::MAX);
+                    let id = match leaf_ids.get(&leaf_key) {
+                        Some(id) => *id,
+                        None => {
+                            let value = handle.wait()?.clone();
+                            let bakeable = value.metadata().shape.numel() <= BAKE_LIMIT;
+                            params.push(handle.metadata().clone());
+                            leaves.push(Leaf { value, bakeable });
+                            let id = (leaves.len() - 1) as u32;
+                            leaf_ids.insert(leaf_key, id);
+                            id
+                        }
+                    };
+                    Value::Param(id)
+                }
+            };
+            values.push(value);
+        }
+        drop(state);
+        position.insert(key, ops.len());
+        nodes.push(SkeletonNode {
+            op: op.def as *const OpDef as usize,
+            attrs: op.attrs.clone(),
+            inputs: values,
+            outputs: op.outputs.clone(),
+        });
+        locations.push(op.location);
+        ops.push(op);
+    }
+    // Outputs: requested roots, then every op output still referenced from
+    // outside the trace (live user tensors or pending ops not in it).
+    let mut outputs: Vec<(usize, u32)> = Vec::new();
+    let mut requested = Vec::new();
+    for (op, index) in roots {
+        if let Some(&pos) = position.get(&key_of(op)) {
+            let out = (pos, *index);
+            let at = outputs.iter().position(|o| *o == out).unwrap_or_else(|| {
+                outputs.push(out);
+                outputs.len() - 1
+            });
+            requested.push(at);
+        }
+    }
+    for (pos, op) in ops.iter().enumerate() {
+        for index in 0..op.outputs.len() as u32 {
+            let live = op.live[index as usize].load(Ordering::Relaxed) > 0;
+            let uses = op.uses[index as usize].load(Ordering::Relaxed);
+            let inside = inside_uses.get(&(pos, index)).copied().unwrap_or(0);
+            if (live || uses > inside) && !outputs.contains(&(pos, index)) {
+                outputs.push((pos, index));
+            }
+        }
+    }
+    let results = outputs
+        .iter()
+        .map(|&(node, output)| Value::Output {
+            node: node as u32,
+            output,
+        })
+        .collect();
+    Ok(Collected {
+        skeleton: Skeleton {
+            params,
+            nodes,
+            results,
+        },
+        ops,
+        locations,
+        leaves,
+        outputs,
+        requested,
+        target,
+    })
+}
+
+// ---------------------------------------------------------------------------
+// The trace cache.
+
+#[derive(Clone)]
+enum Mode {
+    /// The leaf is a parameter of the compiled trace.
+    Argument,
+    /// The leaf is baked in as this constant.
+    Baked(HostTensor),
+}
+
+struct Entry {
+    skeleton: Skeleton,
+    modes: Vec<Mode>,
+    executable: Arc<Executable>,
+}
+
+fn fingerprint(skeleton: &Skeleton) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    skeleton.hash(&mut h);
+    h.finish()
+}
+
+fn same_value(a: &HostTensor, b: &HostTensor) -> bool {
+    match (a, b) {
+        (HostTensor::Scalar(x), HostTensor::Scalar(y)) => {
+            x.metadata() == y.metadata() && x.value().to_bits() == y.value().to_bits() && x.value().dtype() == y.value().dtype()
+        }
+        (HostTensor::Dense(x), HostTensor::Dense(y)) => {
+            x.metadata() == y.metadata() && x.buffer().bytes() == y.buffer().bytes()
+        }
+        _ => false,
+    }
+}
+
+/// Explains a miss against the cached trace most like this one.
+fn miss_reason(skeleton: &Skeleton, cache: &HashMap<u64, Vec<Entry>>) -> String {
+    let nearest = cache
+        .values()
+        .flatten()
+        .filter(|e| e.skeleton.nodes.len() == skeleton.nodes.len())
+        .map(|e| &e.skeleton)
+        .next();
+    let Some(old) = nearest else {
+        return format!("no cached trace has {} ops", skeleton.nodes.len());
+    };
+    for (i, (a, b)) in skeleton.nodes.iter().zip(&old.nodes).enumerate() {
+        if a.op != b.op {
+            return format!("op {i} changed");
+        }
+        if a.attrs != b.attrs {
+            return format!("an attribute of op {i} changed ({} vs {})", &*a.attrs, &*b.attrs);
+        }
+        if a.inputs != b.inputs {
+            return format!("the inputs of op {i} are wired differently");
+        }
+        if a.outputs != b.outputs {
+            return format!("the output shape or dtype of op {i} changed");
+        }
+    }
+    for (i, (a, b)) in skeleton.params.iter().zip(&old.params).enumerate() {
+        if a.dtype != b.dtype {
+            return format!("argument {i} changed dtype ({} vs {})", a.dtype, b.dtype);
+        }
+        if a.shape != b.shape {
+            return format!("argument {i} changed shape ({} vs {})", a.shape, b.shape);
+        }
+    }
+    if skeleton.params.len() != old.params.len() {
+        return "the number of arguments changed".into();
+    }
+    "the set of live outputs changed".into()
+}
+
+/// Builds the graph function for `skeleton` with baked leaves as constants.
+fn build_function(name: String, skeleton: &Skeleton, modes: &[Mode], collected_ops: &[Arc<LazyOp>], locations: &[Location]) -> Function {
+    let args: Vec<TensorMetadata> = skeleton
+        .params
+        .iter()
+        .zip(modes)
+        .filter(|(_, m)| matches!(m, Mode::Argument))
+        .map(|(p, _)| p.clone())
+        .collect();
+    let mut f = Function::new(name, args);
+    // Leaf i becomes parameter k (arguments) or a constant node.
+    let mut leaf_value = Vec::with_capacity(modes.len());
+    let mut next_arg = 0u32;
+    let first_location = locations.first().copied().unwrap_or_else(Location::caller);
+    for mode in modes {
+        match mode {
+            Mode::Argument => {
+                leaf_value.push(Value::Param(next_arg));
+                next_arg += 1;
+            }
+            Mode::Baked(v) => leaf_value.push(Value::node(f.add_const(v.clone(), first_location))),
+        }
+    }
+    let base = f.nodes.len() as u32;
+    let remap = |v: Value| match v {
+        Value::Param(i) => leaf_value[i as usize],
+        Value::Output { node, output } => Value::Output { node: node + base, output },
+    };
+    for (i, node) in skeleton.nodes.iter().enumerate() {
+        let op = &collected_ops[i];
+        f.push(Node {
+            op: NodeOp::Op(op.def, node.attrs.clone()),
+            inputs: node.inputs.iter().map(|v| remap(*v)).collect(),
+            outputs: node.outputs.clone(),
+            device: None,
+            location: locations[i],
+        });
+    }
+    f.results = skeleton.results.iter().map(|v| remap(*v)).collect();
+    f
+}
+
+/// The compiled trace for `collected`, from the cache or compiled now,
+/// with the arguments to pass.
+fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<HostTensor>)> {
+    let key = fingerprint(&collected.skeleton);
+    let leaves = &collected.leaves;
+    let found = with_runtime(|rt| {
+        let entries = rt.cache.get(&key)?;
+        let entry = entries.iter().find(|e| e.skeleton == collected.skeleton)?;
+        let mut widened = Vec::new();
+        for (i, (mode, leaf)) in entry.modes.iter().zip(leaves).enumerate() {
+            if let Mode::Baked(v) = mode {
+                if !(leaf.bakeable && same_value(v, &leaf.value)) {
+                    widened.push(i);
+                }
+            }
+        }
+        Some((entry.modes.clone(), entry.executable.clone(), widened))
+    });
+    let modes = match found {
+        Some((modes, exe, widened)) if widened.is_empty() => {
+            with_runtime(|rt| rt.metrics.cache_hits += 1);
+            return Ok((exe.clone(), arguments(&modes, leaves)));
+        }
+        Some((mut modes, _, widened)) => {
+            let reason = format!("the values of constants {widened:?} changed: promoting them to arguments");
+            debug_log(&format!("trace cache miss: {reason}"));
+            with_runtime(|rt| rt.metrics.last_miss_reason = Some(reason));
+            for i in widened {
+                modes[i] = Mode::Argument;
+            }
+            modes
+        }
+        None => {
+            let reason = with_runtime(|rt| miss_reason(&collected.skeleton, &rt.cache));
+            debug_log(&format!("trace cache miss: {reason}"));
+            with_runtime(|rt| rt.metrics.last_miss_reason = Some(reason));
+            leaves
+                .iter()
+                .map(|l| if l.bakeable { Mode::Baked(l.value.clone()) } else { Mode::Argument })
+                .collect()
+        }
+    };
+    let start = Instant::now();
+    let name = format!("lazyTrace_{}", TRACE_NUMBER.fetch_add(1, Ordering::Relaxed));
+    let function = build_function(name, &collected.skeleton, &modes, &collected.ops, &collected.locations);
+    let function = stagecraft_graph::passes::optimize(&function);
+    let exe = Arc::new(instantiate(Arc::new(function), collected.target)?);
+    let args = arguments(&modes, leaves);
+    with_runtime(|rt| {
+        rt.metrics.cache_misses += 1;
+        rt.metrics.traces_compiled += 1;
+        rt.metrics.compile_time += start.elapsed();
+        let entries = rt.cache.entry(key).or_default();
+        entries.retain(|e| e.skeleton != collected.skeleton);
+        entries.push(Entry {
+            skeleton: collected.skeleton.clone(),
+            modes,
+            executable: exe.clone(),
+        });
+    });
+    Ok((exe, args))
+}
+
+fn arguments(modes: &[Mode], leaves: &[Leaf]) -> Vec<HostTensor> {
+    modes
+        .iter()
+        .zip(leaves)
+        .filter(|(m, _)| matches!(m, Mode::Argument))
+        .map(|(_, l)| l.value.clone())
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// Materialization.
+
+fn count_trigger(rt: &mut Runtime, trigger: Trigger) {
+    match trigger {
+        Trigger::ValueRead => rt.metrics.by_value_read += 1,
+        Trigger::HostControlFlow => rt.metrics.by_host_control_flow += 1,
+        Trigger::MarkStep => rt.metrics.by_mark_step += 1,
+        Trigger::TraceLimit => rt.metrics.by_trace_limit += 1,
+    }
+}
+
+/// Marks every op of a trace done with `error`.
+fn fail(ops: &[Arc<LazyOp>], error: &Error) {
+    for op in ops {
+        let mut state = op.lock();
+        if let State::Pending(inputs) = &*state {
+            LazyOp::release_inputs(inputs);
+            *state = State::Done(op.outputs.iter().map(|_| Some(Err(error.clone()))).collect());
+        }
+    }
+}
+
+/// Runs the trace that computes `roots` (plus live outputs) and memoizes
+/// every produced value in its op.
+fn run_trace(roots: &[(Arc<LazyOp>, u32)], trigger: Trigger) {
+    let pending: Vec<(Arc<LazyOp>, u32)> = roots.iter().filter(|(op, _)| op.is_pending()).cloned().collect();
+    if pending.is_empty() {
+        return;
+    }
+    let start = Instant::now();
+    let collected = match collect(&pending) {
+        Ok(c) => c,
+        Err(e) => {
+            let ops: Vec<Arc<LazyOp>> = pending.iter().map(|(op, _)| op.clone()).collect();
+            fail(&ops, &e);
+            return;
+        }
+    };
+    let compiled = lookup_or_compile(&collected);
+    with_runtime(|rt| {
+        rt.metrics.materializations += 1;
+        count_trigger(rt, trigger);
+        // Building the trace counts as compile time even on a hit.
+        rt.metrics.compile_time += start.elapsed();
+    });
+    let (exe, args) = match compiled {
+        Ok(c) => c,
+        Err(e) => return fail(&collected.ops, &e),
+    };
+    let start = Instant::now();
+    let results = exe.run(args);
+    with_runtime(|rt| rt.metrics.execute_time += start.elapsed());
+    let results = match results {
+        Ok(r) => r,
+        Err(e) => return fail(&collected.ops, &e),
+    };
+    let mut produced: Vec<SmallVec<[Option<Result<HostTensor>>; 1]>> = collected
+        .ops
+        .iter()
+        .map(|op| op.outputs.iter().map(|_| None).collect())
+        .collect();
+    for (&(pos, index), value) in collected.outputs.iter().zip(results) {
+        produced[pos][index as usize] = Some(Ok(value));
+    }
+    for (op, values) in collected.ops.iter().zip(produced) {
+        let mut state = op.lock();
+        if let State::Pending(inputs) = &*state {
+            LazyOp::release_inputs(inputs);
+        }
+        *state = State::Done(values);
+    }
+}
+
+/// Gives a lazy handle its value, running a trace if its op has not run.
+pub(crate) fn materialize_handle(handle: &TensorHandle, trigger: Trigger) {
+    let Some(lazy) = handle.lazy_ref() else { return };
+    let root = (lazy.op.clone(), lazy.index);
+    {
+        let _one_at_a_time = MATERIALIZE.lock().unwrap_or_else(|p| p.into_inner());
+        run_trace(&[root.clone()], trigger);
+    }
+    let value = match &*root.0.lock() {
+        State::Done(values) => values
+            .get(root.1 as usize)
+            .cloned()
+            .flatten()
+            .unwrap_or_else(|| Err(Error::internal("a lazy value was not materialized"))),
+        State::Pending(_) => Err(Error::internal("a trace did not run its requested op")),
+    };
+    if let Ok(v) = &value {
+        if matches!(trigger, Trigger::ValueRead | Trigger::HostControlFlow) {
+            let bytes = v.metadata().shape.numel() * v.metadata().dtype.size_in_bytes();
+            with_runtime(|rt| rt.metrics.bytes_to_host += bytes as u64);
+        }
+    }
+    handle.fill_lazy(value);
+}
+
+fn live_roots() -> Vec<(Arc<LazyOp>, u32)> {
+    with_runtime(|rt| {
+        rt.recorded_since_step = 0;
+        let mut roots = Vec::new();
+        rt.pending.retain(|weak| {
+            let Some(op) = weak.upgrade() else { return false };
+            if !op.is_pending() {
+                return false;
+            }
+            for (i, live) in op.live.iter().enumerate() {
+                if live.load(Ordering::Relaxed) > 0 {
+                    roots.push((op.clone(), i as u32));
+                }
+            }
+            true
+        });
+        roots
+    })
+}
+
+fn materialize_live(trigger: Trigger) {
+    let _one_at_a_time = MATERIALIZE.lock().unwrap_or_else(|p| p.into_inner());
+    let roots = live_roots();
+    // One trace per target device.
+    let mut targets: Vec<Device> = roots.iter().map(|(op, _)| op.target).collect();
+    targets.dedup();
+    for target in targets {
+        let for_target: Vec<_> = roots.iter().filter(|(op, _)| op.target == target).cloned().collect();
+        run_trace(&for_target, trigger);
+    }
+}
+
+/// The end-of-step barrier: materializes every live lazy tensor with one
+/// trace (per target device). Call it once per training step, so each step
+/// is the same trace and hits the cache.
+pub fn mark_step() {
+    materialize_live(Trigger::MarkStep);
+}
+
+fn describe(handle: &TensorHandle) -> Result<(Collected, Vec<Mode>)> {
+    let lazy = handle
+        .lazy_ref()
+        .ok_or_else(|| Error::invalid("the tensor is not a pending lazy tensor"))?;
+    if !lazy.op.is_pending() {
+        return Err(Error::invalid("the tensor is already materialized: its trace has run"));
+    }
+    let collected = collect(&[(lazy.op.clone(), lazy.index)])?;
+    let key = fingerprint(&collected.skeleton);
+    let modes = with_runtime(|rt| {
+        rt.cache
+            .get(&key)
+            .and_then(|es| es.iter().find(|e| e.skeleton == collected.skeleton))
+            .map(|e| e.modes.clone())
+    })
+    .unwrap_or_else(|| {
+        collected
+            .leaves
+            .iter()
+            .map(|l| if l.bakeable { Mode::Baked(l.value.clone()) } else { Mode::Argument })
+            .collect()
+    });
+    Ok((collected, modes))
+}
+
+/// The trace that materializing `handle` now would run, in the lazy-tensor
+/// text form, with its live outputs listed after `return`.
+pub fn trace_text(handle: &TensorHandle) -> Result<String> {
+    let (collected, modes) = describe(handle)?;
+    let name = format!("lazyTrace_{}", collected.ops.len());
+    let f = build_function(name, &collected.skeleton, &modes, &collected.ops, &collected.locations);
+    let printed = text::print(&f);
+    let mut out = String::new();
+    for line in printed.lines() {
+        let line = line.strip_prefix('@').unwrap_or(line);
+        // The seed's form: no per-node metadata or locations.
+        let line = match line.find(") : ") {
+            Some(cut) if line.trim_start().starts_with('%') => &line[..=cut],
+            _ => line,
+        };
+        out.push_str(line);
+        out.push('\n');
+    }
+    let requested: Vec<String> = collected
+        .requested
+        .iter()
+        .map(|&i| text::value_name(&f, f.results[i]))
+        .collect();
+    let live: Vec<String> = (0..f.results.len())
+        .filter(|i| !collected.requested.contains(i))
+        .map(|i| text::value_name(&f, f.results[i]))
+        .collect();
+    out.push_str(&format!("// requested: {}; live: {}\n", requested.join(", "), if live.is_empty() { "none".to_string() } else { live.join(", ") }));
+    Ok(out)
+}
+
+/// The same trace as [`trace_text`], as Graphviz DOT.
+pub fn trace_dot(handle: &TensorHandle) -> Result<String> {
+    let (collected, modes) = describe(handle)?;
+    let name = format!("lazyTrace_{}", collected.ops.len());
+    let f = build_function(name, &collected.skeleton, &modes, &collected.ops, &collected.locations);
+    Ok(stagecraft_graph::dot::to_dot(&f))
+}
