@@ -216,11 +216,9 @@ impl ScalarHostTensor {
     /// Materializes the values (the explicit conversion to a dense tensor).
     pub fn to_dense(&self) -> Result<DenseHostTensor> {
         fn fill<T: Element>(meta: &TensorMetadata, v: Scalar) -> Result<DenseHostTensor> {
-            let mut dense = DenseHostTensor::zeros(meta.clone())?;
-            let v = T::from_scalar(v);
-            if v != T::default() {
-                dense.as_mut_slice::<T>()?.fill(v);
-            }
+            // Always fill: comparing with zero would lose the sign of -0.0.
+            let mut dense = DenseHostTensor::for_overwrite(meta.clone())?;
+            dense.as_mut_slice::<T>()?.fill(T::from_scalar(v));
             Ok(dense)
         }
         match self.meta.dtype {
@@ -314,5 +312,12 @@ mod tests {
     fn huge_shapes_fail_cleanly() {
         let meta = TensorMetadata::new(DType::F64, [usize::MAX / 2, 4]);
         assert!(DenseHostTensor::zeros(meta).is_err());
+    }
+
+    #[test]
+    fn negative_zero_scalars_keep_their_sign_when_densified() {
+        let s = ScalarHostTensor::new(Scalar::F32(-0.0), [3]);
+        let d = s.to_dense().unwrap();
+        assert!(d.as_slice::<f32>().unwrap().iter().all(|v| v.to_bits() == (-0.0f32).to_bits()));
     }
 }

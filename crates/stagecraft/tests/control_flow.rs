@@ -199,3 +199,39 @@ fn reading_a_value_while_tracing_is_an_error_not_a_hang() {
     assert_eq!(f.call(f32s(&[1.0])).to_vec().unwrap(), vec![2.0]);
 }
 
+
+#[test]
+fn wide_functions_run_in_parallel_with_the_same_results() {
+    let cpu = Device::cpu();
+    let a = Tensor::<f32>::rand_uniform(&[256, 256], -1.0, 1.0, &mut stagecraft::Rng::new(3), &cpu);
+    let b = Tensor::<f32>::rand_uniform(&[256, 256], -1.0, 1.0, &mut stagecraft::Rng::new(4), &cpu);
+    let wide = |(a, b): (Tensor<f32>, Tensor<f32>)| {
+        // Four independent large branches joined at the end.
+        let p = a.matmul(&b).tanh();
+        let q = b.matmul(&a).sigmoid();
+        let r = (&a * 2.0).exp();
+        let s = (&b - 1.0).abs().sqrt();
+        (&p + &q) * (&r - &s)
+    };
+    let eager = wide((a.clone(), b.clone())).to_vec().unwrap();
+    let staged = function(wide);
+    for _ in 0..5 {
+        assert_eq!(staged.call((a.clone(), b.clone())).to_vec().unwrap(), eager);
+    }
+}
+
+#[test]
+fn an_error_in_a_parallel_run_names_the_failing_node() {
+    let cpu = Device::cpu();
+    let n = 1 << 15;
+    let f = function(|x: Tensor<i32>| {
+        let big = &x * 3;
+        let line = &x - &x; // all zeros
+        let bad = &big / &line;
+        (&big + 1) * 2 + bad
+    });
+    let x = Tensor::<i32>::ones(&[n], &cpu);
+    let err = f.call(x).to_vec().unwrap_err();
+    assert_eq!(err.op(), Some("Div"), "{err}");
+    assert!(err.to_string().contains("division by zero"), "{err}");
+}

@@ -354,13 +354,18 @@ fn pad_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas>
             pads.len()
         )));
     }
-    let shape: Shape = x
+    let dims = x
         .shape
         .dims()
         .iter()
         .enumerate()
-        .map(|(i, &d)| d + pads[2 * i] + pads[2 * i + 1])
-        .collect();
+        .map(|(i, &d)| {
+            d.checked_add(pads[2 * i])
+                .and_then(|v| v.checked_add(pads[2 * i + 1]))
+                .ok_or_else(|| Error::shape(format!("padding axis {i} of {x} overflows the size range")))
+        })
+        .collect::<Result<Vec<usize>>>()?;
+    let shape = Shape::new(&dims);
     shape.checked_numel()?;
     one(TensorMetadata::new(x.dtype, shape))
 }

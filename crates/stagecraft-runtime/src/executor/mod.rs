@@ -49,6 +49,68 @@ pub struct Executable {
     steps: Vec<Step>,
     slots: usize,
     results: Vec<Slot>,
+    schedule: Schedule,
+}
+
+/// What the parallel dataflow run needs: who reads each slot, and how many
+/// produced inputs each step waits for.
+struct Schedule {
+    /// Steps reading each slot (once per read).
+    consumers: Vec<SmallVec<[u32; 2]>>,
+    /// Reads of each slot by steps, plus one if it is a result (a result is
+    /// never moved out).
+    readers: Vec<u32>,
+    /// Inputs of each step that another step produces.
+    waits: Vec<u32>,
+    /// Worth running in parallel: at least two steps are large enough that
+    /// overlapping them beats the cost of handing work between threads.
+    parallel: bool,
+}
+
+/// Steps producing fewer elements than this are too small to hand to
+/// another thread.
+const PARALLEL_STEP_ELEMENTS: usize = 1 << 14;
+
+impl Schedule {
+    fn new(steps: &[Step], slots: usize, results: &[Slot]) -> Schedule {
+        let mut consumers: Vec<SmallVec<[u32; 2]>> = vec![SmallVec::new(); slots];
+        let mut readers = vec![0u32; slots];
+        let mut produced = vec![false; slots];
+        for step in steps {
+            for out in &step.outputs {
+                produced[*out as usize] = true;
+            }
+        }
+        let mut waits = vec![0u32; steps.len()];
+        for (s, step) in steps.iter().enumerate() {
+            for input in &step.inputs {
+                consumers[*input as usize].push(s as u32);
+                readers[*input as usize] += 1;
+                if produced[*input as usize] {
+                    waits[s] += 1;
+                }
+            }
+        }
+        for r in results {
+            readers[*r as usize] += 1;
+        }
+        let big = steps
+            .iter()
+            .filter(|s| s.metas.iter().map(|m| m.shape.numel()).sum::<usize>() >= PARALLEL_STEP_ELEMENTS)
+            .count();
+        let forced = std::env::var("STAGECRAFT_EXECUTOR").ok();
+        let parallel = match forced.as_deref() {
+            Some("parallel") => true,
+            Some("sequential") => false,
+            _ => big >= 2 && rayon::current_num_threads() > 1,
+        };
+        Schedule {
+            consumers,
+            readers,
+            waits,
+            parallel,
+        }
+    }
 }
 
 impl std::fmt::Debug for Executable {
@@ -156,12 +218,14 @@ pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable
     for (s, i) in last_reader.into_values() {
         steps[s].last_use[i] = true;
     }
+    let schedule = Schedule::new(&steps, next as usize, &results);
     Ok(Executable {
         function,
         device,
         steps,
         slots: next as usize,
         results,
+        schedule,
     })
 }
 
@@ -224,6 +288,9 @@ impl Executable {
                 args.len()
             )));
         }
+        if self.schedule.parallel {
+            return self.run_parallel(args);
+        }
         let mut slots: Vec<Option<HostTensor>> = Vec::with_capacity(self.slots);
         slots.extend(args.into_iter().map(Some));
         slots.resize_with(self.slots, || None);
@@ -231,7 +298,19 @@ impl Executable {
             if is_cancelled() {
                 return Err(Error::cancelled().at(step.location));
             }
-            self.run_step(step, &mut slots)?;
+            let mut inputs = Inputs::new();
+            for (slot, last) in step.inputs.iter().zip(&step.last_use) {
+                let value = if *last {
+                    slots[*slot as usize].take()
+                } else {
+                    slots[*slot as usize].clone()
+                };
+                let value = value.ok_or_else(|| Error::internal("an input was never computed"))?;
+                inputs.push(value.into_dense()?);
+            }
+            for (slot, value) in step.outputs.iter().zip(self.execute_step(step, inputs)?) {
+                slots[*slot as usize] = Some(value);
+            }
         }
         self.results
             .iter()
@@ -243,24 +322,114 @@ impl Executable {
             .collect()
     }
 
-    fn run_step(&self, step: &Step, slots: &mut [Option<HostTensor>]) -> Result<()> {
-        let (def, attrs, kernel) = match &step.kind {
-            StepKind::Const(value) => {
-                slots[step.outputs[0] as usize] = Some(value.clone());
-                return Ok(());
+    /// The greedy dataflow run: each step starts as soon as its last input
+    /// is produced, on the rayon pool; a finishing step continues with one
+    /// newly ready step on its own thread and hands the others to the pool.
+    /// The calling thread takes part in the work while it waits.
+    fn run_parallel(&self, args: Vec<HostTensor>) -> Result<Vec<HostTensor>> {
+        use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+        use std::sync::Mutex;
+        struct Run<'a> {
+            exe: &'a Executable,
+            slots: Vec<Mutex<(Option<HostTensor>, u32)>>,
+            waits: Vec<AtomicU32>,
+            failed: AtomicBool,
+            error: Mutex<Option<Error>>,
+        }
+        impl Run<'_> {
+            fn read(&self, slot: Slot) -> Result<HostTensor> {
+                let mut guard = self.slots[slot as usize].lock().unwrap_or_else(|p| p.into_inner());
+                let (value, readers) = &mut *guard;
+                *readers -= 1;
+                // The last reader takes the value, so a kernel can reuse the
+                // buffer; earlier readers (in whatever order they run) clone.
+                let v = if *readers == 0 { value.take() } else { value.clone() };
+                v.ok_or_else(|| Error::internal("an input was never computed"))
             }
+
+            fn fail(&self, e: Error) {
+                if !self.failed.swap(true, Ordering::AcqRel) {
+                    *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                }
+            }
+
+            fn run_from<'s>(&'s self, scope: &rayon::Scope<'s>, first: usize) {
+                let mut next = Some(first);
+                while let Some(s) = next.take() {
+                    if self.failed.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let step = &self.exe.steps[s];
+                    if is_cancelled() {
+                        return self.fail(Error::cancelled().at(step.location));
+                    }
+                    let inputs: Result<Inputs> = step
+                        .inputs
+                        .iter()
+                        .map(|slot| self.read(*slot)?.into_dense())
+                        .collect();
+                    let produced = match inputs.and_then(|i| self.exe.execute_step(step, i)) {
+                        Ok(p) => p,
+                        Err(e) => return self.fail(e),
+                    };
+                    for (slot, value) in step.outputs.iter().zip(produced) {
+                        self.slots[*slot as usize].lock().unwrap_or_else(|p| p.into_inner()).0 = Some(value);
+                        for &c in &self.exe.schedule.consumers[*slot as usize] {
+                            if self.waits[c as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
+                                match next {
+                                    None => next = Some(c as usize),
+                                    Some(_) => scope.spawn(move |scope| self.run_from(scope, c as usize)),
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let schedule = &self.schedule;
+        let mut slots: Vec<Mutex<(Option<HostTensor>, u32)>> = Vec::with_capacity(self.slots);
+        let mut args = args.into_iter();
+        for slot in 0..self.slots {
+            let value = if slot < self.function.params.len() { args.next() } else { None };
+            slots.push(Mutex::new((value, schedule.readers[slot])));
+        }
+        let run = Run {
+            exe: self,
+            slots,
+            waits: schedule.waits.iter().map(|&w| AtomicU32::new(w)).collect(),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+        };
+        let ready: Vec<usize> = (0..self.steps.len()).filter(|&s| schedule.waits[s] == 0).collect();
+        rayon::in_place_scope(|scope| {
+            let run = &run;
+            for s in ready {
+                scope.spawn(move |scope| run.run_from(scope, s));
+            }
+        });
+        if let Some(e) = run.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return Err(e);
+        }
+        self.results
+            .iter()
+            .map(|slot| {
+                run.slots[*slot as usize]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+                    .clone()
+                    .ok_or_else(|| Error::internal("a result was never computed"))
+            })
+            .collect()
+    }
+
+    /// Runs one step on its (dense) inputs and checks its outputs against
+    /// the metadata the graph promised.
+    fn execute_step(&self, step: &Step, inputs: Inputs) -> Result<SmallVec<[HostTensor; 1]>> {
+        let (def, attrs, kernel) = match &step.kind {
+            StepKind::Const(value) => return Ok(smallvec::smallvec![value.clone()]),
             StepKind::Kernel { def, attrs, kernel } => (*def, attrs, kernel),
         };
-        let mut inputs = Inputs::new();
-        for (slot, last) in step.inputs.iter().zip(&step.last_use) {
-            let value = if *last {
-                slots[*slot as usize].take()
-            } else {
-                slots[*slot as usize].clone()
-            };
-            let value = value.ok_or_else(|| Error::internal("an input was never computed"))?;
-            inputs.push(value.into_dense()?);
-        }
         count_kernel_launch();
         let ctx = KernelContext {
             attrs: Attrs::new(attrs, def),
@@ -285,17 +454,20 @@ impl Executable {
             ))
             .at(step.location));
         }
-        for ((slot, value), meta) in step.outputs.iter().zip(produced).zip(&step.metas) {
-            if def.shape_kind == ShapeKind::Static && value.metadata() != meta {
-                return Err(Error::internal(format!(
-                    "{} produced {} where its metadata function promised {meta}",
-                    def.name,
-                    value.metadata()
-                ))
-                .at(step.location));
-            }
-            slots[*slot as usize] = Some(value.into());
-        }
-        Ok(())
+        produced
+            .into_iter()
+            .zip(&step.metas)
+            .map(|(value, meta)| {
+                if def.shape_kind == ShapeKind::Static && value.metadata() != meta {
+                    return Err(Error::internal(format!(
+                        "{} produced {} where its metadata function promised {meta}",
+                        def.name,
+                        value.metadata()
+                    ))
+                    .at(step.location));
+                }
+                Ok(HostTensor::Dense(value))
+            })
+            .collect()
     }
 }
