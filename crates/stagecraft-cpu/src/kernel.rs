@@ -69,6 +69,13 @@ mod tests {
     fn every_op_has_a_cpu_kernel() {
         let missing: Vec<&str> = stagecraft_ops::all_ops()
             .iter()
+            // Control-flow and transfer ops are run by the graph executor.
+            .filter(|op| {
+                !matches!(
+                    op.kind,
+                    stagecraft_ops::OpKind::Control(_) | stagecraft_ops::OpKind::Transfer
+                )
+            })
             .filter(|op| super::registry().get(op).is_none())
             .map(|op| op.name)
             .collect();

@@ -187,6 +187,8 @@ pub enum OpKind {
     Reduce(ReduceOp),
     /// Control flow: runs library functions named by its attributes.
     Control(ControlOp),
+    /// One end of a cross-device edge (`Send`, `Recv`), run by the executor.
+    Transfer,
     /// Anything else.
     Other,
 }

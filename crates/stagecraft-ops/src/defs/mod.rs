@@ -9,6 +9,7 @@ mod linalg;
 mod nn;
 mod reduce;
 mod shape;
+mod transfer;
 
 pub use control::*;
 pub use creation::*;
@@ -18,6 +19,7 @@ pub use linalg::*;
 pub use nn::*;
 pub use reduce::*;
 pub use shape::*;
+pub use transfer::*;
 
 use crate::op::{OpDef, OutputMetas};
 use smallvec::smallvec;
@@ -94,6 +96,9 @@ pub static ALL_OPS: &[&OpDef] = &[
     &IF,
     &WHILE,
     &CALL,
+    // cross-device transfer
+    &SEND,
+    &RECV,
 ];
 
 /// One output.

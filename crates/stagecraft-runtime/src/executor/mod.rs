@@ -8,6 +8,7 @@
 //! functions their attributes name.
 
 pub mod control;
+pub mod partition;
 
 use crate::device::Device;
 use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
@@ -28,6 +29,10 @@ enum StepKind {
         kernel: Kernel,
     },
     Const(HostTensor),
+    /// Hands the input to the run's rendezvous under this key.
+    Send(String),
+    /// Waits for the value sent under this key.
+    Recv(String),
 }
 
 struct Step {
@@ -50,6 +55,9 @@ pub struct Executable {
     slots: usize,
     results: Vec<Slot>,
     schedule: Schedule,
+    /// For a function placed on several devices: its per-device partitions,
+    /// which `run` executes instead of `steps`.
+    partitions: Option<Box<partition::Partitioned>>,
 }
 
 /// What the parallel dataflow run needs: who reads each slot, and how many
@@ -99,11 +107,17 @@ impl Schedule {
             .filter(|s| s.metas.iter().map(|m| m.shape.numel()).sum::<usize>() >= PARALLEL_STEP_ELEMENTS)
             .count();
         let forced = std::env::var("STAGECRAFT_EXECUTOR").ok();
-        let parallel = match forced.as_deref() {
-            Some("parallel") => true,
-            Some("sequential") => false,
-            _ => big >= 2 && rayon::current_num_threads() > 1,
-        };
+        // A partition that sends or receives runs its steps in order on
+        // its device's thread: transfers need the run's rendezvous.
+        let transfers = steps
+            .iter()
+            .any(|s| matches!(s.kind, StepKind::Send(_) | StepKind::Recv(_)));
+        let parallel = !transfers
+            && match forced.as_deref() {
+                Some("parallel") => true,
+                Some("sequential") => false,
+                _ => big >= 2 && rayon::current_num_threads() > 1,
+            };
         Schedule {
             consumers,
             readers,
@@ -135,6 +149,15 @@ fn slot_of(value: Value, node_base: &[Slot]) -> Slot {
 /// Instantiates `function` for `device`: runs the optimization passes and
 /// resolves every node's kernel on the device's kernel cache.
 pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable> {
+    let placement = partition::place(&function, device)?;
+    if placement.iter().any(|d| *d != device) {
+        return partition::instantiate_partitioned(function, device, &placement);
+    }
+    instantiate_on(function, device)
+}
+
+/// Instantiates `function` with every node on `device`.
+pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<Executable> {
     let kernels = device.handler().host_kernels().ok_or_else(|| {
         Error::new(
             ErrorKind::Device,
@@ -151,6 +174,13 @@ pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable
     // Only nodes that a result depends on run.
     let mut needed = vec![false; function.nodes.len()];
     let mut stack: Vec<Value> = function.results.clone();
+    // Side effects (prints, sends) run whether or not a result needs them.
+    for (index, node) in function.nodes.iter().enumerate() {
+        if node.op.def().is_some_and(|d| d.effect == stagecraft_ops::Effect::SideEffecting) {
+            needed[index] = true;
+            stack.extend(node.inputs.iter().copied());
+        }
+    }
     while let Some(v) = stack.pop() {
         if let Value::Output { node, .. } = v {
             if !std::mem::replace(&mut needed[node as usize], true) {
@@ -165,6 +195,18 @@ pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable
         }
         let kind = match &node.op {
             NodeOp::Const(value) => StepKind::Const(value.clone()),
+            NodeOp::Op(def, attrs) if def.kind == stagecraft_ops::OpKind::Transfer => {
+                let key = attrs.get("key").and_then(|v| match v {
+                    stagecraft_ops::AttrValue::Str(k) => Some(k.to_string()),
+                    _ => None,
+                });
+                let key = key.ok_or_else(|| Error::internal("a transfer without a key"))?;
+                if node.outputs.is_empty() {
+                    StepKind::Send(key)
+                } else {
+                    StepKind::Recv(key)
+                }
+            }
             NodeOp::Op(def, attrs) => {
                 let metas: SmallVec<[_; 4]> = node
                     .inputs
@@ -226,6 +268,7 @@ pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable
         slots: next as usize,
         results,
         schedule,
+        partitions: None,
     })
 }
 
@@ -269,6 +312,12 @@ impl Executable {
         self.device
     }
 
+    /// The number of device partitions (1 unless nodes are placed on other
+    /// devices).
+    pub fn partition_count(&self) -> usize {
+        self.partitions.as_ref().map_or(1, |p| p.partition_count())
+    }
+
     /// The number of kernel and constant steps after pruning.
     pub fn step_count(&self) -> usize {
         self.steps.len()
@@ -280,6 +329,18 @@ impl Executable {
     /// An error in any step stops the run; it names the failing node's op
     /// and source location. Cancellation is checked before every step.
     pub fn run(&self, args: Vec<HostTensor>) -> Result<Vec<HostTensor>> {
+        match &self.partitions {
+            Some(parts) => parts.run(args),
+            None => self.run_with(args, None),
+        }
+    }
+
+    /// Runs with `rendezvous` serving this partition's `Send`/`Recv` steps.
+    pub(crate) fn run_with(
+        &self,
+        args: Vec<HostTensor>,
+        rendezvous: Option<&partition::Rendezvous>,
+    ) -> Result<Vec<HostTensor>> {
         if args.len() != self.function.params.len() {
             return Err(Error::internal(format!(
                 "@{} takes {} arguments, got {}",
@@ -297,6 +358,21 @@ impl Executable {
         for step in &self.steps {
             if is_cancelled() {
                 return Err(Error::cancelled().at(step.location));
+            }
+            match &step.kind {
+                StepKind::Send(key) => {
+                    let value = slots[step.inputs[0] as usize]
+                        .clone()
+                        .ok_or_else(|| Error::internal("a sent value was never computed"))?;
+                    partition::rendezvous(rendezvous)?.send(key, value);
+                    continue;
+                }
+                StepKind::Recv(key) => {
+                    let value = partition::rendezvous(rendezvous)?.recv(key, step.location)?;
+                    slots[step.outputs[0] as usize] = Some(value);
+                    continue;
+                }
+                _ => {}
             }
             let mut inputs = Inputs::new();
             for (slot, last) in step.inputs.iter().zip(&step.last_use) {
@@ -429,6 +505,9 @@ impl Executable {
         let (def, attrs, kernel) = match &step.kind {
             StepKind::Const(value) => return Ok(smallvec::smallvec![value.clone()]),
             StepKind::Kernel { def, attrs, kernel } => (*def, attrs, kernel),
+            StepKind::Send(_) | StepKind::Recv(_) => {
+                return Err(Error::internal("a transfer step outside a partitioned run"))
+            }
         };
         count_kernel_launch();
         let ctx = KernelContext {

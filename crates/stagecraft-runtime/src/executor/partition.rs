@@ -1,0 +1,310 @@
+//! Placement and partitioning of a function over several devices.
+//!
+//! Placement follows the eager rules: a node's explicit device, else the
+//! device of its first input's producer, else (for nodes without inputs)
+//! the explicit device of a consumer, else the function's device. There are
+//! no resource (variable) handles yet, so resource affinity has nothing to
+//! pin. Each device gets a partition; every edge between devices becomes a
+//! `Send` in the producer's partition and a `Recv` in the consumer's, which
+//! meet at run time in a [`Rendezvous`]. Parameters and results live in the
+//! partition of the function's device.
+//!
+//! Each partition runs on its device's own worker thread. An error in any
+//! partition aborts the rendezvous, which releases every blocked `Recv`, so
+//! no partition waits forever; the run returns the original error.
+
+use super::{instantiate_on, Executable};
+use crate::device::{Device, DeviceKind};
+use crate::runtime::{count_device_copy, is_cancelled};
+use smallvec::SmallVec;
+use stagecraft_graph::{Function, Node, Value};
+use stagecraft_ops::{OpAttrs, RECV, SEND};
+use stagecraft_tensor::{Error, ErrorKind, HostTensor, Location, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
+
+/// Where each node of `function` runs.
+pub(crate) fn place(function: &Function, default: Device) -> Result<Vec<Device>> {
+    let explicit: Vec<Option<Device>> = function
+        .nodes
+        .iter()
+        .map(|n| n.device.as_deref().map(Device::parse).transpose())
+        .collect::<Result<_>>()?;
+    let mut placed: Vec<Device> = Vec::with_capacity(function.nodes.len());
+    for (i, node) in function.nodes.iter().enumerate() {
+        let device = explicit[i]
+            .or_else(|| match node.inputs.first() {
+                Some(Value::Output { node, .. }) => Some(placed[*node as usize]),
+                Some(Value::Param(_)) => Some(default),
+                None => None,
+            })
+            .or_else(|| {
+                // A constant or a creation op: next to its first explicitly
+                // placed consumer, so the value is not shipped across.
+                function.nodes[i + 1..]
+                    .iter()
+                    .zip(&explicit[i + 1..])
+                    .find(|(n, _)| n.inputs.iter().any(|v| matches!(v, Value::Output { node, .. } if *node as usize == i)))
+                    .and_then(|(_, d)| *d)
+            })
+            .unwrap_or(default);
+        placed.push(device);
+    }
+    Ok(placed)
+}
+
+/// The worker thread pool of a virtual CPU device (`cpu:N`, N ≥ 1); the
+/// machine's device `cpu:0` uses the global pool.
+pub(crate) fn device_pool(device: Device) -> Option<&'static rayon::ThreadPool> {
+    if device.kind() != DeviceKind::Cpu || device.index() == 0 {
+        return None;
+    }
+    static POOLS: OnceLock<Mutex<HashMap<usize, &'static rayon::ThreadPool>>> = OnceLock::new();
+    let mut pools = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let index = device.index();
+    let pool = pools.entry(index).or_insert_with(|| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .thread_name(move |_| format!("stagecraft-cpu:{index}"))
+            .build()
+            .expect("a worker thread can be started");
+        // Devices live for the whole process, and so do their workers.
+        Box::leak(Box::new(pool))
+    });
+    Some(*pool)
+}
+
+/// Where `Send` and `Recv` of one run meet.
+pub struct Rendezvous {
+    state: Mutex<RendezvousState>,
+    arrived: Condvar,
+}
+
+#[derive(Default)]
+struct RendezvousState {
+    values: HashMap<String, HostTensor>,
+    /// The first error of any partition; every waiting `Recv` returns it.
+    aborted: Option<Error>,
+}
+
+impl Rendezvous {
+    fn new() -> Rendezvous {
+        Rendezvous {
+            state: Mutex::new(RendezvousState::default()),
+            arrived: Condvar::new(),
+        }
+    }
+
+    /// Publishes a value under `key`.
+    pub fn send(&self, key: &str, value: HostTensor) {
+        let bytes = value.metadata().shape.numel() * value.metadata().dtype.size_in_bytes();
+        count_device_copy(bytes);
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.values.insert(key.to_string(), value);
+        self.arrived.notify_all();
+    }
+
+    /// Waits for the value under `key`; returns early with the abort error,
+    /// or a cancellation error.
+    pub fn recv(&self, key: &str, location: Location) -> Result<HostTensor> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(e) = &state.aborted {
+                return Err(e.clone());
+            }
+            if let Some(v) = state.values.remove(key) {
+                return Ok(v);
+            }
+            if is_cancelled() {
+                return Err(Error::cancelled().with_op("Recv").at(location));
+            }
+            // Wake up now and then to notice cancellation.
+            state = self
+                .arrived
+                .wait_timeout(state, Duration::from_millis(20))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Stops the run: every waiting and later `Recv` fails with `error`
+    /// (the first abort wins).
+    pub fn abort(&self, error: Error) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.aborted.is_none() {
+            state.aborted = Some(error);
+        }
+        self.arrived.notify_all();
+    }
+
+    fn first_error(&self) -> Option<Error> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).aborted.clone()
+    }
+}
+
+pub(super) fn rendezvous(r: Option<&Rendezvous>) -> Result<&Rendezvous> {
+    r.ok_or_else(|| Error::new(ErrorKind::Internal, "a Send or Recv outside a partitioned run"))
+}
+
+/// A function split into one executable per device.
+pub(crate) struct Partitioned {
+    /// The partition of the function's own device (parameters and results).
+    main: Executable,
+    others: Vec<Executable>,
+}
+
+impl Partitioned {
+    pub(super) fn run(&self, args: Vec<HostTensor>) -> Result<Vec<HostTensor>> {
+        let rdv = Rendezvous::new();
+        let outcome = std::thread::scope(|scope| {
+            let rdv = &rdv;
+            let workers: Vec<_> = self
+                .others
+                .iter()
+                .map(|part| {
+                    scope.spawn(move || {
+                        let run = || part.run_with(Vec::new(), Some(rdv));
+                        let result = match device_pool(part.device) {
+                            Some(pool) => pool.install(run),
+                            None => run(),
+                        };
+                        if let Err(e) = &result {
+                            rdv.abort(e.clone());
+                        }
+                    })
+                })
+                .collect();
+            let main = self.main.run_with(args, Some(rdv));
+            if let Err(e) = &main {
+                rdv.abort(e.clone());
+            }
+            for w in workers {
+                if w.join().is_err() {
+                    rdv.abort(Error::internal("a device partition panicked"));
+                }
+            }
+            main
+        });
+        // The first failure is the cause; later ones were released by it.
+        match rdv.first_error() {
+            Some(e) => Err(e),
+            None => outcome,
+        }
+    }
+}
+
+/// Splits `function` by `placement` and instantiates each partition.
+pub(super) fn instantiate_partitioned(
+    function: Arc<Function>,
+    main: Device,
+    placement: &[Device],
+) -> Result<Executable> {
+    let mut devices: Vec<Device> = vec![main];
+    for d in placement {
+        if !devices.contains(d) {
+            devices.push(*d);
+        }
+    }
+    let part_of = |d: Device| devices.iter().position(|x| *x == d).unwrap_or(0);
+    let mut parts: Vec<Function> = devices
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let params = if i == 0 { function.params.clone() } else { Vec::new() };
+            Function::new(format!("{}@{}", function.name, d), params)
+        })
+        .collect();
+    // The value of an original value in each partition, created on demand.
+    let mut local: HashMap<(Value, usize), Value> = HashMap::new();
+    for (i, _) in function.params.iter().enumerate() {
+        local.insert((Value::Param(i as u32), 0), Value::Param(i as u32));
+    }
+    let mut home: HashMap<Value, usize> = HashMap::new();
+    for i in 0..function.params.len() {
+        home.insert(Value::Param(i as u32), 0);
+    }
+    let mut next_key = 0usize;
+    let mut fetch = |parts: &mut Vec<Function>,
+                     local: &mut HashMap<(Value, usize), Value>,
+                     home: &HashMap<Value, usize>,
+                     v: Value,
+                     to: usize,
+                     location: Location|
+     -> Result<Value> {
+        if let Some(found) = local.get(&(v, to)) {
+            return Ok(*found);
+        }
+        let from = home[&v];
+        let source = local[&(v, from)];
+        let meta = function.meta(v).clone();
+        let key = format!("edge{next_key}:{}->{}", devices[from], devices[to]);
+        next_key += 1;
+        let mut send = OpAttrs::new();
+        send.set_str("key", &key);
+        parts[from].add_op(&SEND, &send, &[source], location)?;
+        let mut recv = OpAttrs::new();
+        let dims: SmallVec<[usize; 4]> = meta.shape.dims().iter().copied().collect();
+        recv.set_str("key", &key).set_dtype("dtype", meta.dtype).set_dims("shape", &dims);
+        let got = Value::node(parts[to].add_op(&RECV, &recv, &[], location)?);
+        local.insert((v, to), got);
+        Ok(got)
+    };
+    for (index, node) in function.nodes.iter().enumerate() {
+        let p = part_of(placement[index]);
+        let inputs = node
+            .inputs
+            .iter()
+            .map(|v| fetch(&mut parts, &mut local, &home, *v, p, node.location))
+            .collect::<Result<SmallVec<[Value; 4]>>>()?;
+        let new = parts[p].push(Node {
+            op: node.op.clone(),
+            inputs,
+            outputs: node.outputs.clone(),
+            device: None,
+            location: node.location,
+        });
+        for o in 0..node.outputs.len() as u32 {
+            let v = Value::Output {
+                node: index as u32,
+                output: o,
+            };
+            home.insert(v, p);
+            local.insert(
+                (v, p),
+                Value::Output {
+                    node: new as u32,
+                    output: o,
+                },
+            );
+        }
+    }
+    let location = function.nodes.first().map_or_else(Location::caller, |n| n.location);
+    let results = function
+        .results
+        .iter()
+        .map(|v| fetch(&mut parts, &mut local, &home, *v, 0, location))
+        .collect::<Result<Vec<_>>>()?;
+    parts[0].results = results;
+    let mut executables = parts
+        .into_iter()
+        .zip(&devices)
+        .map(|(f, d)| instantiate_on(Arc::new(f), *d))
+        .collect::<Result<Vec<_>>>()?;
+    let main_exe = executables.remove(0);
+    let partitions = Partitioned {
+        main: main_exe,
+        others: executables,
+    };
+    let mut shell = instantiate_on(Arc::new(Function::new(function.name.clone(), function.params.clone())), main)?;
+    shell.function = function;
+    shell.partitions = Some(Box::new(partitions));
+    Ok(shell)
+}
+
+impl Partitioned {
+    /// The number of partitions (devices).
+    pub fn partition_count(&self) -> usize {
+        1 + self.others.len()
+    }
+}
