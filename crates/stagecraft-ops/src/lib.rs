@@ -9,11 +9,13 @@
 mod attrs;
 pub mod defs;
 pub mod func;
+pub mod grad;
 mod op;
 
 pub use attrs::{AttrKind, AttrValue, FrozenOpAttrs, OpAttrs, OpAttrsRef};
 pub use defs::*;
 pub use func::{FuncId, FunctionSignature};
+pub use grad::{GradBuilder, GradContext, GradFn, InputGrads, G};
 pub use op::{
     AttrDefault, AttrSpec, Attrs, BinaryOp, CompareOp, ControlOp, Effect, MetadataFn, OpDef, OpKind,
     OutputMetas, ReduceOp, ShapeKind, UnaryOp,

@@ -248,6 +248,9 @@ pub struct OpDef {
     pub shape_kind: ShapeKind,
     /// The shape and dtype rule.
     pub metadata: MetadataFn,
+    /// The reverse-mode gradient rule; `None` for ops that are not
+    /// differentiable (comparisons, indices, random numbers).
+    pub grad: Option<crate::grad::GradFn>,
 }
 
 impl fmt::Debug for OpDef {

@@ -243,7 +243,7 @@ impl TensorHandle {
     }
 
     /// An address identifying the tensor (equal for clones of one handle).
-    pub(crate) fn addr(&self) -> usize {
+    pub fn addr(&self) -> usize {
         Arc::as_ptr(&self.0) as *const u8 as usize
     }
 

@@ -25,6 +25,7 @@
 //! let _ = a + b;
 //! ```
 
+mod autodiff;
 pub mod lazy;
 mod operators;
 mod ops;
@@ -33,6 +34,7 @@ mod staging;
 mod tensor;
 
 pub use ops::{where_, Conv2dOptions, Pool2dOptions};
+pub use autodiff::{grad, value_and_grad, Gradients};
 pub use random::Rng;
 pub use staging::{cond, function, while_loop, StagedFunction, TensorGroup};
 pub use tensor::Tensor;

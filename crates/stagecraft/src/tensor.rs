@@ -247,6 +247,23 @@ impl<T: Element> Tensor<T> {
     }
 }
 
+/// Runs `op` on `args`, placed by the eager rules, and records it on the
+/// autodiff tapes that track one of its arguments; returns the first output.
+pub(crate) fn run_handle(
+    op: &'static OpDef,
+    args: Args,
+    attrs: &OpAttrs,
+    location: Location,
+) -> TensorHandle {
+    let device = runtime::place(&args);
+    let recorded = crate::autodiff::is_recording().then(|| args.clone());
+    let mut results = runtime::execute(op, device, location, args, attrs.into());
+    if let Some(args) = recorded {
+        crate::autodiff::record(op, attrs, location, &args, &results);
+    }
+    results.swap_remove(0)
+}
+
 /// Runs `op` on `args`, placed by the eager rules, returning its first
 /// output.
 pub(crate) fn run<U: Element>(
@@ -255,9 +272,8 @@ pub(crate) fn run<U: Element>(
     attrs: &OpAttrs,
     location: Location,
 ) -> Tensor<U> {
-    let device = runtime::place(&args);
-    let mut results = runtime::execute(op, device, location, args, attrs.into());
-    let handle = results.swap_remove(0);
+    let handle = run_handle(op, args, attrs, location);
+    let device = handle.device();
     if handle.dtype() != U::DTYPE {
         // Only an error handle whose op failed before its output dtype was
         // known can disagree with the typed signature: keep the error, fix

@@ -112,6 +112,7 @@ pub static IF: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: if_meta,
+    grad: None,
 };
 
 /// `While(state...)`: `state = body(state)` while `cond(state)` holds; the
@@ -130,6 +131,7 @@ pub static WHILE: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: while_meta,
+    grad: None,
 };
 
 /// `Call(args...)`: runs the function `f`.
@@ -143,4 +145,5 @@ pub static CALL: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: call_meta,
+    grad: None,
 };

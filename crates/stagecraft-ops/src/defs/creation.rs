@@ -21,6 +21,7 @@ pub static FILL: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: fill_meta,
+    grad: None,
 };
 
 fn fill_meta(_: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
@@ -46,6 +47,7 @@ pub static ARANGE: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: arange_meta,
+    grad: None,
 };
 
 /// The number of elements of an arange, or an error for a zero, NaN or
@@ -107,6 +109,7 @@ pub static RANDOM_UNIFORM: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: random_meta,
+    grad: None,
 };
 
 /// Normal random numbers with `mean` and `std` (Box–Muller over the same
@@ -121,6 +124,7 @@ pub static RANDOM_NORMAL: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: random_meta,
+    grad: None,
 };
 
 fn random_meta(_: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {

@@ -20,6 +20,7 @@ pub static PRINT: OpDef = OpDef {
     effect: Effect::SideEffecting,
     shape_kind: ShapeKind::Static,
     metadata: print_meta,
+    grad: Some(|_, ctx| crate::grad::only(ctx.grad()?)),
 };
 
 fn print_meta(inputs: &[TensorMetadata], _: &Attrs<'_>) -> Result<OutputMetas> {

@@ -3,6 +3,7 @@
 
 use super::{one, require_float, require_numeric, require_same_dtype};
 use crate::attrs::AttrKind;
+use crate::grad::{GradBuilder, GradContext, InputGrads};
 use crate::op::*;
 use stagecraft_tensor::{broadcast_shapes, DType, Error, Result, TensorMetadata};
 
@@ -17,6 +18,7 @@ const fn unary(name: &'static str, op: UnaryOp) -> OpDef {
         effect: Effect::Pure,
         shape_kind: ShapeKind::Static,
         metadata: unary_meta,
+        grad: Some(unary_grad),
     }
 }
 
@@ -76,6 +78,7 @@ const fn binary(name: &'static str, op: BinaryOp) -> OpDef {
         effect: Effect::Pure,
         shape_kind: ShapeKind::Static,
         metadata: binary_meta,
+        grad: Some(binary_grad),
     }
 }
 
@@ -129,6 +132,7 @@ const fn compare(name: &'static str, op: CompareOp) -> OpDef {
         effect: Effect::Pure,
         shape_kind: ShapeKind::Static,
         metadata: compare_meta,
+        grad: None,
     }
 }
 
@@ -165,6 +169,7 @@ pub static SELECT: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: select_meta,
+    grad: Some(select_grad),
 };
 
 fn select_meta(inputs: &[TensorMetadata], _: &Attrs<'_>) -> Result<OutputMetas> {
@@ -189,6 +194,7 @@ pub static CAST: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: cast_meta,
+    grad: Some(cast_grad),
 };
 
 fn cast_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
@@ -287,4 +293,143 @@ mod tests {
         unknown.set_dtype("dtype", DType::I64).set_int("bogus", 1);
         assert!(CAST.infer(&[m(DType::F32, &[4])], &unknown).is_err());
     }
+}
+
+// ---------------------------------------------------------------------------
+// Gradients.
+
+fn unary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, y, g) = (ctx.inputs[0], ctx.outputs[0], ctx.grad()?);
+    let dtype = b.meta(x).dtype;
+    let OpKind::Unary(op) = ctx.attrs.op().kind else {
+        return Err(Error::internal("unary_grad on a non-unary op"));
+    };
+    let dx = match op {
+        UnaryOp::Neg => b.neg(g)?,
+        UnaryOp::Abs => {
+            let s = b.unary(&SIGN, x)?;
+            b.mul(g, s)?
+        }
+        UnaryOp::Exp => b.mul(g, y)?,
+        UnaryOp::Log => b.div(g, x)?,
+        // d sqrt(x) = 1 / (2 sqrt(x))
+        UnaryOp::Sqrt => {
+            let twice = b.scale(y, 2.0)?;
+            b.div(g, twice)?
+        }
+        // d x^(-1/2) = -x^(-3/2) / 2 = -y^3 / 2
+        UnaryOp::Rsqrt => {
+            let y2 = b.mul(y, y)?;
+            let y3 = b.mul(y2, y)?;
+            let d = b.scale(y3, -0.5)?;
+            b.mul(g, d)?
+        }
+        UnaryOp::Tanh => {
+            let y2 = b.mul(y, y)?;
+            let one = b.scalar(1.0, dtype)?;
+            let d = b.sub(one, y2)?;
+            b.mul(g, d)?
+        }
+        UnaryOp::Sigmoid => {
+            let one = b.scalar(1.0, dtype)?;
+            let rest = b.sub(one, y)?;
+            let d = b.mul(y, rest)?;
+            b.mul(g, d)?
+        }
+        UnaryOp::Relu => {
+            let zero = b.scalar(0.0, dtype)?;
+            let positive = b.op(&GREATER, &[x, zero], &crate::OpAttrs::new())?;
+            let m = b.mask(positive, dtype)?;
+            b.mul(g, m)?
+        }
+        // gelu(x) = x Φ(x): the derivative is Φ(x) + x φ(x), with Φ(x) read
+        // back as gelu(x) / x (and 1/2 at 0) since there is no erf op.
+        UnaryOp::Gelu => {
+            let zero = b.scalar(0.0, dtype)?;
+            let half = b.scalar(0.5, dtype)?;
+            let at_zero = b.op(&EQUAL, &[x, zero], &crate::OpAttrs::new())?;
+            let one = b.scalar(1.0, dtype)?;
+            let safe_x = b.op(&SELECT, &[at_zero, one, x], &crate::OpAttrs::new())?;
+            let ratio = b.div(y, safe_x)?;
+            let cdf = b.op(&SELECT, &[at_zero, half, ratio], &crate::OpAttrs::new())?;
+            let x2 = b.mul(x, x)?;
+            let e = b.scale(x2, -0.5)?;
+            let e = b.unary(&EXP, e)?;
+            let pdf = b.scale(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
+            let xpdf = b.mul(x, pdf)?;
+            let d = b.add(cdf, xpdf)?;
+            b.mul(g, d)?
+        }
+        UnaryOp::Sin => {
+            let c = b.unary(&COS, x)?;
+            b.mul(g, c)?
+        }
+        UnaryOp::Cos => {
+            let s = b.unary(&SIN, x)?;
+            let d = b.mul(g, s)?;
+            b.neg(d)?
+        }
+        UnaryOp::Sign | UnaryOp::Not => return Ok(smallvec::smallvec![None]),
+    };
+    crate::grad::only(dx)
+}
+
+fn binary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, y, out, g) = (ctx.inputs[0], ctx.inputs[1], ctx.outputs[0], ctx.grad()?);
+    let (xs, ys) = (b.meta(x).shape, b.meta(y).shape);
+    let dtype = b.meta(x).dtype;
+    let OpKind::Binary(op) = ctx.attrs.op().kind else {
+        return Err(Error::internal("binary_grad on a non-binary op"));
+    };
+    let (dx, dy) = match op {
+        BinaryOp::Add => (g, g),
+        BinaryOp::Sub => (g, b.neg(g)?),
+        BinaryOp::Mul => (b.mul(g, y)?, b.mul(g, x)?),
+        // d(x/y) = g/y, -g x/y^2 = -g out / y
+        BinaryOp::Div => {
+            let dx = b.div(g, y)?;
+            let t = b.mul(dx, out)?;
+            (dx, b.neg(t)?)
+        }
+        // d x^y = y x^(y-1) and x^y ln x
+        BinaryOp::Pow => {
+            let one = b.scalar(1.0, dtype)?;
+            let ym1 = b.sub(y, one)?;
+            let p = b.op(&POW, &[x, ym1], &crate::OpAttrs::new())?;
+            let d = b.mul(y, p)?;
+            let dx = b.mul(g, d)?;
+            let lx = b.unary(&LOG, x)?;
+            let d = b.mul(out, lx)?;
+            (dx, b.mul(g, d)?)
+        }
+        // Ties send the gradient to the first operand.
+        BinaryOp::Maximum | BinaryOp::Minimum => {
+            let cmp = if op == BinaryOp::Maximum { &GREATER_EQUAL } else { &LESS_EQUAL };
+            let first = b.op(cmp, &[x, y], &crate::OpAttrs::new())?;
+            let zero = b.scalar(0.0, dtype)?;
+            let dx = b.op(&SELECT, &[first, g, zero], &crate::OpAttrs::new())?;
+            let dy = b.op(&SELECT, &[first, zero, g], &crate::OpAttrs::new())?;
+            (dx, dy)
+        }
+        BinaryOp::And | BinaryOp::Or => return Ok(smallvec::smallvec![None, None]),
+    };
+    Ok(smallvec::smallvec![Some(b.unbroadcast(dx, &xs)?), Some(b.unbroadcast(dy, &ys)?)])
+}
+
+fn select_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (cond, x, y, g) = (ctx.inputs[0], ctx.inputs[1], ctx.inputs[2], ctx.grad()?);
+    let zero = b.scalar(0.0, b.meta(g).dtype)?;
+    let dx = b.op(&SELECT, &[cond, g, zero], &crate::OpAttrs::new())?;
+    let dy = b.op(&SELECT, &[cond, zero, g], &crate::OpAttrs::new())?;
+    let (xs, ys) = (b.meta(x).shape, b.meta(y).shape);
+    Ok(smallvec::smallvec![None, Some(b.unbroadcast(dx, &xs)?), Some(b.unbroadcast(dy, &ys)?)])
+}
+
+fn cast_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let from = b.meta(ctx.inputs[0]).dtype;
+    let g = ctx.grad()?;
+    if !from.is_float() || !b.meta(g).dtype.is_float() {
+        return Ok(smallvec::smallvec![None]);
+    }
+    crate::grad::only(b.cast(g, from)?)
 }

@@ -22,6 +22,7 @@ pub static CONV2D: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: conv2d_meta,
+    grad: None,
 };
 
 /// Resolved 2-D window parameters (height, width pairs).
@@ -132,6 +133,7 @@ pub static MAX_POOL2D: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: pool_meta,
+    grad: None,
 };
 
 /// Mean over `kernel` windows of `x: [N, C, H, W]`; `stride` defaults to
@@ -146,6 +148,7 @@ pub static AVG_POOL2D: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: pool_meta,
+    grad: None,
 };
 
 /// Reads and checks the window attributes of a pooling op.

@@ -2,6 +2,7 @@
 
 use super::{one, require_float, require_numeric};
 use crate::attrs::AttrKind;
+use crate::grad::{GradBuilder, GradContext, InputGrads};
 use crate::op::*;
 use smallvec::SmallVec;
 use stagecraft_tensor::{normalize_axis, DType, Error, Result, Shape, TensorMetadata};
@@ -22,6 +23,7 @@ const fn reduce(name: &'static str, op: ReduceOp) -> OpDef {
         effect: Effect::Pure,
         shape_kind: ShapeKind::Static,
         metadata: reduce_meta,
+        grad: Some(reduce_grad),
     }
 }
 
@@ -111,6 +113,7 @@ pub static ARGMAX: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: arg_meta,
+    grad: None,
 };
 
 /// Index (i64) of the smallest value along `axis`; the first one on ties,
@@ -125,6 +128,7 @@ pub static ARGMIN: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: arg_meta,
+    grad: None,
 };
 
 fn arg_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
@@ -160,6 +164,7 @@ pub static SOFTMAX: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: softmax_meta,
+    grad: Some(softmax_grad),
 };
 
 /// `x - max - log(sum(exp(x - max)))` along `axis`.
@@ -173,6 +178,7 @@ pub static LOG_SOFTMAX: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: softmax_meta,
+    grad: Some(log_softmax_grad),
 };
 
 fn softmax_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
@@ -240,4 +246,72 @@ mod tests {
             .infer(&[m(DType::I32, &[2, 3])], &OpAttrs::new())
             .is_err());
     }
+}
+
+// ---------------------------------------------------------------------------
+// Gradients.
+
+/// The incoming gradient stretched back over the reduced axes of `x`.
+fn spread(b: &mut dyn GradBuilder, g: crate::grad::G, x_shape: &Shape, axes: &[usize]) -> Result<crate::grad::G> {
+    let kept = reduced_shape(x_shape, axes, true);
+    let g = b.reshape(g, kept.dims())?;
+    b.broadcast_to(g, x_shape.dims())
+}
+
+fn reduce_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, y, g) = (ctx.inputs[0], ctx.outputs[0], ctx.grad()?);
+    let xm = b.meta(x);
+    if !xm.dtype.is_float() {
+        return Ok(smallvec::smallvec![None]);
+    }
+    let axes = reduction_axes(ctx.attrs.ints("axes")?, xm.shape.rank())?;
+    let count: usize = axes.iter().map(|&a| xm.shape[a]).product();
+    let OpKind::Reduce(op) = ctx.attrs.op().kind else {
+        return Err(Error::internal("reduce_grad on a non-reduction"));
+    };
+    let spread_g = spread(b, g, &xm.shape, &axes)?;
+    let dx = match op {
+        ReduceOp::Sum => spread_g,
+        ReduceOp::Mean => b.scale(spread_g, 1.0 / count.max(1) as f64)?,
+        // Ties share the gradient equally.
+        ReduceOp::Max | ReduceOp::Min => {
+            let y_full = spread(b, y, &xm.shape, &axes)?;
+            let hit = b.op(&crate::EQUAL, &[x, y_full], &crate::OpAttrs::new())?;
+            let mask = b.mask(hit, xm.dtype)?;
+            let ties = b.sum(mask, &axes, true)?;
+            let share = b.div(mask, ties)?;
+            b.mul(spread_g, share)?
+        }
+        // d prod / dx_i = prod / x_i (undefined where x_i = 0).
+        ReduceOp::Prod => {
+            let y_full = spread(b, y, &xm.shape, &axes)?;
+            let d = b.div(y_full, x)?;
+            b.mul(spread_g, d)?
+        }
+    };
+    crate::grad::only(dx)
+}
+
+fn softmax_axis(ctx: &GradContext<'_>, rank: usize) -> Result<usize> {
+    normalize_axis(ctx.attrs.int("axis")? as isize, rank)
+}
+
+/// dx = y (g - sum(g y, axis))
+fn softmax_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (y, g) = (ctx.outputs[0], ctx.grad()?);
+    let axis = softmax_axis(ctx, b.meta(y).shape.rank())?;
+    let gy = b.mul(g, y)?;
+    let s = b.sum(gy, &[axis], true)?;
+    let d = b.sub(g, s)?;
+    crate::grad::only(b.mul(y, d)?)
+}
+
+/// dx = g - exp(y) sum(g, axis)
+fn log_softmax_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (y, g) = (ctx.outputs[0], ctx.grad()?);
+    let axis = softmax_axis(ctx, b.meta(y).shape.rank())?;
+    let p = b.unary(&crate::EXP, y)?;
+    let s = b.sum(g, &[axis], true)?;
+    let ps = b.mul(p, s)?;
+    crate::grad::only(b.sub(g, ps)?)
 }

@@ -35,6 +35,7 @@ pub static SEND: OpDef = OpDef {
     effect: Effect::SideEffecting,
     shape_kind: ShapeKind::Static,
     metadata: send_meta,
+    grad: None,
 };
 
 /// Waits for the value sent under `key`.
@@ -52,4 +53,5 @@ pub static RECV: OpDef = OpDef {
     effect: Effect::SideEffecting,
     shape_kind: ShapeKind::Static,
     metadata: recv_meta,
+    grad: None,
 };

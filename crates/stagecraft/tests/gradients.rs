@@ -1,0 +1,242 @@
+//! Gradient checks: every differentiable op against central finite
+//! differences in f64, second derivatives, the tape API on the eager and
+//! lazy devices, and errors.
+
+use stagecraft::{grad, lazy, value_and_grad, where_, Device, Rng, Tensor};
+
+type T = Tensor<f64>;
+
+fn cpu() -> Device {
+    Device::cpu()
+}
+
+fn values(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            lo + (hi - lo) * ((s >> 11) as f64 / (1u64 << 53) as f64)
+        })
+        .collect()
+}
+
+fn tensor(dims: &[usize], seed: u64, lo: f64, hi: f64) -> T {
+    let n = dims.iter().product();
+    Tensor::from_vec(values(n, seed, lo, hi), dims, &cpu()).unwrap()
+}
+
+/// Compares `grad(f)` with central differences at `x`.
+fn check(name: &str, f: impl Fn(&T) -> T + Clone, x: &T) {
+    let analytic = grad(f.clone())(x).to_vec().unwrap_or_else(|e| panic!("{name}: {e}"));
+    let base = x.to_vec().unwrap();
+    let h = 1e-6;
+    for i in 0..base.len() {
+        let at = |d: f64| {
+            let mut v = base.clone();
+            v[i] += d;
+            f(&Tensor::from_vec(v, x.dims(), &cpu()).unwrap()).item().unwrap()
+        };
+        let numeric = (at(h) - at(-h)) / (2.0 * h);
+        let tol = 1e-6 * (1.0 + numeric.abs());
+        assert!(
+            (analytic[i] - numeric).abs() <= tol,
+            "{name}: d/dx[{i}] analytic {} vs numeric {numeric}",
+            analytic[i]
+        );
+    }
+}
+
+/// Weights the output so every element's gradient differs.
+fn weighted(y: T) -> T {
+    let w = tensor(y.dims(), 99, 0.5, 1.5);
+    (y * w).sum(&[], false)
+}
+
+#[test]
+fn unary_ops() {
+    let x = tensor(&[2, 3], 1, 0.2, 1.5);
+    let mixed = tensor(&[2, 3], 2, -1.5, 1.5);
+    check("exp", |x| weighted(x.exp()), &x);
+    check("log", |x| weighted(x.log()), &x);
+    check("sqrt", |x| weighted(x.sqrt()), &x);
+    check("rsqrt", |x| weighted(x.rsqrt()), &x);
+    check("tanh", |x| weighted(x.tanh()), &mixed);
+    check("sigmoid", |x| weighted(x.sigmoid()), &mixed);
+    check("gelu", |x| weighted(x.gelu()), &mixed);
+    check("sin", |x| weighted(x.sin()), &mixed);
+    check("cos", |x| weighted(x.cos()), &mixed);
+    check("neg", |x| weighted(-x), &mixed);
+    // Away from the kinks at 0.
+    let away = tensor(&[2, 3], 3, 0.3, 1.0);
+    let signs = Tensor::<f64>::from_vec(vec![1.0, -1.0, 1.0, -1.0, 1.0, -1.0], &[2, 3], &cpu()).unwrap();
+    let kinked = away * signs;
+    check("relu", |x| weighted(x.relu()), &kinked);
+    check("abs", |x| weighted(x.abs()), &kinked);
+}
+
+#[test]
+fn binary_ops_with_broadcasting() {
+    let x = tensor(&[2, 3], 4, 0.5, 2.0);
+    let row = tensor(&[3], 5, 0.5, 2.0);
+    let col = tensor(&[2, 1], 6, 0.5, 2.0);
+    for (name, other) in [("row", &row), ("col", &col)] {
+        let o = other.clone();
+        let o2 = other.clone();
+        check(&format!("add {name}"), |x| weighted(x + &o), &x);
+        check(&format!("sub {name}"), |x| weighted(x - &o), &x);
+        check(&format!("mul {name}"), |x| weighted(x * &o), &x);
+        check(&format!("div {name}"), |x| weighted(x / &o), &x);
+        check(&format!("pow {name}"), |x| weighted(x.pow(&o)), &x);
+        check(&format!("maximum {name}"), |x| weighted(x.maximum(&o)), &x);
+        check(&format!("minimum {name}"), |x| weighted(x.minimum(&o)), &x);
+        // The gradient reaching the broadcast operand is summed back.
+        let xx = x.clone();
+        check(&format!("mul into {name}"), move |o| weighted(&xx * o), &o2);
+        let xx = x.clone();
+        check(&format!("div into {name}"), move |o| weighted(&xx / o), other);
+        let xx = x.clone();
+        check(&format!("pow into {name}"), move |o| weighted(xx.pow(o)), other);
+    }
+}
+
+#[test]
+fn reductions_and_softmax() {
+    let x = tensor(&[2, 3, 4], 7, -1.0, 1.0);
+    check("sum all", |x| weighted(x.sum(&[], false)), &x);
+    check("sum axis", |x| weighted(x.sum(&[1], false)), &x);
+    check("sum keep", |x| weighted(x.sum(&[0, -1], true)), &x);
+    check("mean", |x| weighted(x.mean(&[2], false)), &x);
+    check("max", |x| weighted(x.max(&[1], false)), &x);
+    check("min", |x| weighted(x.min(&[0, 2], true)), &x);
+    let pos = tensor(&[2, 3], 8, 0.5, 1.5);
+    check("prod", |x| weighted(x.prod(&[1], false)), &pos);
+    check("softmax", |x| weighted(x.softmax(-1)), &x);
+    check("softmax axis 1", |x| weighted(x.softmax(1)), &x);
+    check("log_softmax", |x| weighted(x.log_softmax(-1)), &x);
+}
+
+#[test]
+fn matmul_variants() {
+    let a = tensor(&[3, 4], 9, -1.0, 1.0);
+    let b = tensor(&[4, 2], 10, -1.0, 1.0);
+    let bb = b.clone();
+    check("matmul a", move |a| weighted(a.matmul(&bb)), &a);
+    let aa = a.clone();
+    check("matmul b", move |b| weighted(aa.matmul(b)), &b);
+    let batched = tensor(&[2, 3, 4], 11, -1.0, 1.0);
+    let bb = b.clone();
+    check("batched @ shared", move |x| weighted(x.matmul(&bb)), &batched);
+    let bt = batched.clone();
+    check("shared weight", move |w| weighted(bt.matmul(w)), &b);
+    let v = tensor(&[4], 12, -1.0, 1.0);
+    let aa = a.clone();
+    check("matrix @ vector", move |v| weighted(aa.matmul(v)), &v);
+    let bb = b.clone();
+    check("vector @ matrix", move |v| weighted(v.matmul(&bb)), &v);
+}
+
+#[test]
+fn shape_ops() {
+    let x = tensor(&[2, 3, 4], 13, -1.0, 1.0);
+    check("reshape", |x| weighted(x.reshape(&[6, 4]).tanh()), &x);
+    check("transpose", |x| weighted(x.transpose(0, 2)), &x);
+    check("permute", |x| weighted(x.permute(&[1, 2, 0])), &x);
+    let small = tensor(&[3, 1], 14, -1.0, 1.0);
+    check("broadcast_to", |x| weighted(x.broadcast_to(&[2, 3, 4])), &small);
+    let other = tensor(&[2, 2, 4], 15, -1.0, 1.0);
+    check("concat", move |x| weighted(Tensor::concat(&[x, &other, x], 1)), &x);
+    check("slice", |x| weighted(x.slice(&[0, 1, 0], &[2, 3, 4], &[1, 1, 1])), &x);
+    check("strided slice", |x| weighted(x.slice(&[1, 0, 1], &[2, 3, 4], &[1, 2, 2])), &x);
+    let idx = Tensor::<i64>::from_vec(vec![2, 0, 2, 1], &[2, 2], &cpu()).unwrap();
+    check("gather", move |x| weighted(x.gather(1, &idx)), &x);
+    check("pad", |x| weighted(x.pad(&[(1, 0), (0, 2), (1, 1)], 0.5)), &x);
+    let cond = Tensor::<bool>::from_vec((0..24).map(|i| i % 3 == 0).collect(), &[2, 3, 4], &cpu()).unwrap();
+    let other = tensor(&[4], 16, -1.0, 1.0);
+    check("where", move |x| weighted(where_(&cond, x, &other)), &x);
+    // Through f32 finite differences are too coarse: the gradient of a
+    // round trip of casts is the weights themselves, rounded to f32.
+    let g = grad(|x: &T| weighted(x.cast::<f32>().cast::<f64>()))(&x).to_vec().unwrap();
+    let w = tensor(&[2, 3, 4], 99, 0.5, 1.5).to_vec().unwrap();
+    for (a, b) in g.iter().zip(&w) {
+        assert_eq!(*a, *b as f32 as f64);
+    }
+}
+
+#[test]
+fn second_derivatives() {
+    let x = tensor(&[3], 17, -1.0, 1.0);
+    let xs = x.to_vec().unwrap();
+    let dd = |f: fn(&T) -> T| grad(move |x: &T| grad(f)(x).sum(&[0], false))(&x).to_vec().unwrap();
+    let tanh2 = dd(|x| x.tanh().sum(&[0], false));
+    let sig2 = dd(|x| x.sigmoid().sum(&[0], false));
+    for (i, &v) in xs.iter().enumerate() {
+        let t = v.tanh();
+        assert!((tanh2[i] - (-2.0 * t * (1.0 - t * t))).abs() < 1e-12, "tanh''");
+        let s = 1.0 / (1.0 + (-v).exp());
+        assert!((sig2[i] - s * (1.0 - s) * (1.0 - 2.0 * s)).abs() < 1e-12, "sigmoid''");
+    }
+    // The softmax Hessian-vector product against finite differences of
+    // the gradient.
+    let w = tensor(&[3], 18, 0.5, 1.5);
+    let g = move |x: &T| grad(|x: &T| (x.softmax(0) * &w).sum(&[0], false))(x);
+    check("softmax second order", move |x| weighted(g(x)), &x);
+}
+
+#[test]
+fn second_derivative_of_a_small_mlp_loss() {
+    let w1 = tensor(&[3, 4], 19, -0.5, 0.5);
+    let w2 = tensor(&[4, 2], 20, -0.5, 0.5);
+    let x = tensor(&[2, 3], 21, -1.0, 1.0);
+    let loss = move |w1: &T| {
+        let h = x.matmul(w1).tanh();
+        h.matmul(&w2).log_softmax(-1).sum(&[], false)
+    };
+    let l = loss.clone();
+    check("mlp loss", l, &w1);
+    check("mlp loss, second order", move |w| weighted(grad(loss.clone())(w)), &w1);
+}
+
+#[test]
+fn tape_api_on_eager_and_lazy_agree() {
+    let run = |d: &Device| {
+        let mut rng = Rng::new(3);
+        let w = Tensor::<f32>::rand_normal(&[4, 3], 0.0, 0.5, &mut rng, d).requires_grad();
+        let b = Tensor::<f32>::zeros(&[3], d).requires_grad();
+        let x = Tensor::<f32>::from_vec((0..8).map(|i| i as f32 * 0.1).collect(), &[2, 4], d).unwrap();
+        let loss = (x.matmul(&w) + &b).tanh().sum(&[], false);
+        let grads = loss.backward().unwrap();
+        (grads.get(&w).unwrap().to_vec().unwrap(), grads.get(&b).unwrap().to_vec().unwrap())
+    };
+    let eager = run(&Device::cpu());
+    let lazy_dev = Device::lazy(&Device::cpu());
+    let lazy = run(&lazy_dev);
+    assert_eq!(eager, lazy);
+}
+
+#[test]
+fn value_and_grad_returns_both() {
+    let x = tensor(&[2], 22, -1.0, 1.0);
+    let (v, g) = value_and_grad(|x: &T| (x * x).sum(&[0], false))(&x);
+    let xs = x.to_vec().unwrap();
+    assert_eq!(v.item().unwrap(), xs[0] * xs[0] + xs[1] * xs[1]);
+    assert_eq!(g.to_vec().unwrap(), vec![2.0 * xs[0], 2.0 * xs[1]]);
+}
+
+#[test]
+fn errors() {
+    let i = Tensor::<i64>::ones(&[2], &cpu());
+    let err = i.sum(&[0], false).cast::<f64>().backward().unwrap_err();
+    assert!(err.to_string().contains("requires_grad"), "{err}");
+    let x = tensor(&[2], 23, 0.0, 1.0);
+    let err = (x.clone() * 2.0).sum(&[0], false).backward().unwrap_err();
+    assert!(err.to_string().contains("nothing to differentiate"), "{err}");
+    // An op without a gradient rule names itself and its line.
+    let w = tensor(&[1, 1, 3, 3], 24, 0.0, 1.0).requires_grad();
+    let img = tensor(&[1, 1, 4, 4], 25, 0.0, 1.0);
+    let line = line!() + 1;
+    let y = img.conv2d(&w, Default::default()).sum(&[], false);
+    let err = y.backward().unwrap_err();
+    assert_eq!(err.op(), Some("Conv2d"), "{err}");
+    assert_eq!(err.location().unwrap().line(), line);
+    let _ = lazy::metrics();
+}
