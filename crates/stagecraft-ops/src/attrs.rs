@@ -4,8 +4,8 @@
 //! Up to six entries and 128 bytes of values live inline, so building the
 //! attributes of a typical op allocates nothing; larger sets spill to the heap.
 
-use smallvec::SmallVec;
 use crate::func::FuncId;
+use smallvec::SmallVec;
 use stagecraft_tensor::{DType, Scalar};
 use std::fmt;
 use std::hash::{Hash, Hasher};

@@ -153,7 +153,11 @@ impl dyn GradBuilder + '_ {
                 axes.push(extra + i);
             }
         }
-        let summed = if axes.is_empty() { g } else { self.sum(g, &axes, false)? };
+        let summed = if axes.is_empty() {
+            g
+        } else {
+            self.sum(g, &axes, false)?
+        };
         self.reshape(summed, shape.dims())
     }
 }

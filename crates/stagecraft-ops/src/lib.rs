@@ -17,8 +17,8 @@ pub use defs::*;
 pub use func::{FuncId, FunctionSignature};
 pub use grad::{GradBuilder, GradContext, GradFn, InputGrads, G};
 pub use op::{
-    AttrDefault, AttrSpec, Attrs, BinaryOp, CompareOp, ControlOp, Effect, MetadataFn, OpDef, OpKind,
-    OutputMetas, ReduceOp, ShapeKind, UnaryOp,
+    AttrDefault, AttrSpec, Attrs, BinaryOp, CompareOp, ControlOp, Effect, MetadataFn, OpDef,
+    OpKind, OutputMetas, ReduceOp, ShapeKind, UnaryOp,
 };
 
 /// Every registered op.

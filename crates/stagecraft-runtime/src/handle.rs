@@ -106,7 +106,11 @@ impl TensorHandle {
 
     /// A handle for output `lazy` of a recorded lazy op (its value is set
     /// when a trace containing the op runs).
-    pub(crate) fn lazy(device: Device, meta: TensorMetadata, lazy: crate::lazy::LazyRef) -> TensorHandle {
+    pub(crate) fn lazy(
+        device: Device,
+        meta: TensorMetadata,
+        lazy: crate::lazy::LazyRef,
+    ) -> TensorHandle {
         lazy.retain();
         TensorHandle(Arc::new(HandleInner {
             device,

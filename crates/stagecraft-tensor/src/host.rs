@@ -318,6 +318,10 @@ mod tests {
     fn negative_zero_scalars_keep_their_sign_when_densified() {
         let s = ScalarHostTensor::new(Scalar::F32(-0.0), [3]);
         let d = s.to_dense().unwrap();
-        assert!(d.as_slice::<f32>().unwrap().iter().all(|v| v.to_bits() == (-0.0f32).to_bits()));
+        assert!(d
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .all(|v| v.to_bits() == (-0.0f32).to_bits()));
     }
 }

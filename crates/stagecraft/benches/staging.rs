@@ -72,7 +72,10 @@ fn elementwise_chain(c: &mut Criterion) {
     const N: usize = 1 << 20;
     let mut g = c.benchmark_group("b3_chain_1M");
     g.sample_size(30);
-    for (name, d) in [("eager", Device::cpu()), ("lazy", Device::lazy(&Device::cpu()))] {
+    for (name, d) in [
+        ("eager", Device::cpu()),
+        ("lazy", Device::lazy(&Device::cpu())),
+    ] {
         let x = Tensor::<f32>::from_vec(vec![0.5; N], &[N], &d).unwrap();
         g.bench_function(name, |b| b.iter(|| b3(&x).wait().unwrap()));
     }
@@ -88,7 +91,9 @@ impl Mlp {
     fn new(d: &Device) -> Mlp {
         let mut rng = Rng::new(0);
         let dims = [784, 256, 256, 10];
-        let w = std::array::from_fn(|i| Tensor::rand_normal(&[dims[i], dims[i + 1]], 0.0, 0.05, &mut rng, d));
+        let w = std::array::from_fn(|i| {
+            Tensor::rand_normal(&[dims[i], dims[i + 1]], 0.0, 0.05, &mut rng, d)
+        });
         let b = std::array::from_fn(|i| Tensor::zeros(&[dims[i + 1]], d));
         Mlp { w, b }
     }
@@ -106,10 +111,12 @@ impl Mlp {
         let dlogits = (logp.exp() - y) * (1.0 / batch);
         let dw3 = h2.transpose(0, 1).matmul(&dlogits);
         let db3 = dlogits.sum(&[0], false);
-        let dh2 = dlogits.matmul(&w3.transpose(0, 1)) * h2.gt(&Tensor::scalar(0.0, &x.device())).cast::<f32>();
+        let dh2 = dlogits.matmul(&w3.transpose(0, 1))
+            * h2.gt(&Tensor::scalar(0.0, &x.device())).cast::<f32>();
         let dw2 = h1.transpose(0, 1).matmul(&dh2);
         let db2 = dh2.sum(&[0], false);
-        let dh1 = dh2.matmul(&w2.transpose(0, 1)) * h1.gt(&Tensor::scalar(0.0, &x.device())).cast::<f32>();
+        let dh1 = dh2.matmul(&w2.transpose(0, 1))
+            * h1.gt(&Tensor::scalar(0.0, &x.device())).cast::<f32>();
         let dw1 = x.transpose(0, 1).matmul(&dh1);
         let db1 = dh1.sum(&[0], false);
         let grads_w = [dw1, dw2, dw3];
@@ -125,11 +132,16 @@ impl Mlp {
 fn mlp_step(c: &mut Criterion) {
     let mut g = c.benchmark_group("mlp_784_256_256_10_b128");
     g.sample_size(30);
-    for (name, d) in [("eager", Device::cpu()), ("lazy", Device::lazy(&Device::cpu()))] {
+    for (name, d) in [
+        ("eager", Device::cpu()),
+        ("lazy", Device::lazy(&Device::cpu())),
+    ] {
         let mut model = Mlp::new(&d);
         lazy::mark_step();
         let x = Tensor::<f32>::rand_uniform(&[128, 784], 0.0, 1.0, &mut Rng::new(1), &d);
-        let labels: Vec<f32> = (0..1280).map(|i| if i % 10 == (i / 10) % 10 { 1.0 } else { 0.0 }).collect();
+        let labels: Vec<f32> = (0..1280)
+            .map(|i| if i % 10 == (i / 10) % 10 { 1.0 } else { 0.0 })
+            .collect();
         let y = Tensor::<f32>::from_vec(labels, &[128, 10], &d).unwrap();
         lazy::mark_step();
         g.bench_function(name, |b| {
@@ -159,7 +171,11 @@ fn staged_functions(c: &mut Criterion) {
     let one = Tensor::<f32>::scalar(1.0, &cpu);
     let start = Tensor::<f32>::full(&[1000], 0.194, &cpu);
     let staged_loop = function(|x: Tensor<f32>| {
-        while_loop(x, |x| x.sum(&[0], false).ge(&Tensor::scalar(1.0, &Device::cpu())), |x| x * 0.9)
+        while_loop(
+            x,
+            |x| x.sum(&[0], false).ge(&Tensor::scalar(1.0, &Device::cpu())),
+            |x| x * 0.9,
+        )
     });
     staged_loop.call(start.clone()).wait().unwrap();
     g.bench_function("while_loop_staged", |b| {

@@ -164,7 +164,9 @@ fn backward_handle(loss: &TensorHandle, location: Location) -> Result<Gradients>
     loss.resolved_error().map_or(Ok(()), |e| Err(e.clone()))?;
     let tape = TAPES.with(|tapes| {
         let mut tapes = tapes.borrow_mut();
-        let index = tapes.iter().rposition(|t| t.tracked.contains(&loss.addr()))?;
+        let index = tapes
+            .iter()
+            .rposition(|t| t.tracked.contains(&loss.addr()))?;
         Some(std::mem::take(&mut tapes[index]))
     });
     let tape = tape.ok_or_else(|| {
@@ -175,11 +177,20 @@ fn backward_handle(loss: &TensorHandle, location: Location) -> Result<Gradients>
         .at(location)
     })?;
     let mut grads: HashMap<usize, TensorHandle> = HashMap::new();
-    let seed = ScalarHostTensor::new(Scalar::F64(1.0).cast(loss.dtype()), loss.metadata().shape.clone());
-    grads.insert(loss.addr(), TensorHandle::available(loss.device(), HostTensor::Scalar(seed)));
+    let seed = ScalarHostTensor::new(
+        Scalar::F64(1.0).cast(loss.dtype()),
+        loss.metadata().shape.clone(),
+    );
+    grads.insert(
+        loss.addr(),
+        TensorHandle::available(loss.device(), HostTensor::Scalar(seed)),
+    );
     for entry in tape.entries.iter().rev() {
-        let incoming: SmallVec<[Option<TensorHandle>; 1]> =
-            entry.outputs.iter().map(|o| grads.get(&o.addr()).cloned()).collect();
+        let incoming: SmallVec<[Option<TensorHandle>; 1]> = entry
+            .outputs
+            .iter()
+            .map(|o| grads.get(&o.addr()).cloned())
+            .collect();
         if incoming.iter().all(Option::is_none) {
             continue;
         }
@@ -194,14 +205,16 @@ fn backward_handle(loss: &TensorHandle, location: Location) -> Result<Gradients>
         };
         let inputs: SmallVec<[G; 4]> = entry.inputs.iter().map(|h| b.push(h.clone())).collect();
         let outputs: SmallVec<[G; 1]> = entry.outputs.iter().map(|h| b.push(h.clone())).collect();
-        let flowing: SmallVec<[Option<G>; 1]> = incoming.into_iter().map(|g| g.map(|h| b.push(h))).collect();
+        let flowing: SmallVec<[Option<G>; 1]> =
+            incoming.into_iter().map(|g| g.map(|h| b.push(h))).collect();
         let ctx = GradContext {
             inputs: &inputs,
             outputs: &outputs,
             grads: &flowing,
             attrs: stagecraft_ops::Attrs::new(&entry.attrs, entry.def),
         };
-        let input_grads = rule(&mut b, &ctx).map_err(|e| e.with_op(entry.def.name).at(entry.location))?;
+        let input_grads =
+            rule(&mut b, &ctx).map_err(|e| e.with_op(entry.def.name).at(entry.location))?;
         for (input, g) in entry.inputs.iter().zip(input_grads) {
             let Some(g) = g else { continue };
             if !tape.tracked.contains(&input.addr()) {
@@ -276,7 +289,9 @@ where
             let x_var = x_var.requires_grad();
             let y = f(&x_var);
             let g = match backward_handle(&y.handle, location) {
-                Ok(grads) => grads.get(&x_var).unwrap_or_else(|| Tensor::zeros(x.dims(), &x.device())),
+                Ok(grads) => grads
+                    .get(&x_var)
+                    .unwrap_or_else(|| Tensor::zeros(x.dims(), &x.device())),
                 Err(e) => Tensor::error_at("grad", location, x.device(), x.dims(), e),
             };
             (y, g)

@@ -33,8 +33,8 @@ mod random;
 mod staging;
 mod tensor;
 
-pub use ops::{where_, Conv2dOptions, Pool2dOptions};
 pub use autodiff::{grad, value_and_grad, Gradients};
+pub use ops::{where_, Conv2dOptions, Pool2dOptions};
 pub use random::Rng;
 pub use staging::{cond, function, while_loop, StagedFunction, TensorGroup};
 pub use tensor::Tensor;

@@ -154,10 +154,15 @@ fn run_control<S: TensorGroup>(
     }
     let failed = results.first().and_then(|h| h.resolved_error().cloned());
     let handles: Vec<TensorHandle> = match failed {
-        Some(err) if results.len() < expected.len() || results.iter().any(|h| h.resolved_error().is_some()) => expected
-            .iter()
-            .map(|h| TensorHandle::error(device, h.metadata().clone(), err.clone()))
-            .collect(),
+        Some(err)
+            if results.len() < expected.len()
+                || results.iter().any(|h| h.resolved_error().is_some()) =>
+        {
+            expected
+                .iter()
+                .map(|h| TensorHandle::error(device, h.metadata().clone(), err.clone()))
+                .collect()
+        }
         _ => results.into_iter().collect(),
     };
     template
@@ -249,7 +254,7 @@ pub fn cond<S: TensorGroup>(
 /// let cpu = Device::cpu();
 /// let x = Tensor::<f32>::full(&[4], 1.0, &cpu);
 /// let halved = while_loop(x, |x| x.sum(&[0], false).gt(&Tensor::scalar(0.5, &cpu)), |x| x * 0.5);
-/// assert_eq!(halved.to_vec()?, vec![0.0625; 4]);
+/// assert_eq!(halved.to_vec()?, vec![0.125; 4]); // sums 4, 2, 1, then 0.5
 /// # Ok::<(), stagecraft::Error>(())
 /// ```
 #[track_caller]
@@ -265,13 +270,21 @@ pub fn while_loop<S: TensorGroup>(
     let cond_traced = trace("cond", &state_metas, location, |params| {
         match init.rebuild(&mut params.into_iter()) {
             Ok(state) => vec![cond(&state).handle],
-            Err(e) => vec![TensorHandle::error(runtime::place(&[]), state_metas[0].clone(), e)],
+            Err(e) => vec![TensorHandle::error(
+                runtime::place(&[]),
+                state_metas[0].clone(),
+                e,
+            )],
         }
     });
     let body_traced = trace("body", &state_metas, location, |params| {
         match init.rebuild(&mut params.into_iter()) {
             Ok(state) => handles_of(&body(state)),
-            Err(e) => vec![TensorHandle::error(runtime::place(&[]), state_metas[0].clone(), e)],
+            Err(e) => vec![TensorHandle::error(
+                runtime::place(&[]),
+                state_metas[0].clone(),
+                e,
+            )],
         }
     });
     let (mut cond_traced, mut body_traced) = match (cond_traced, body_traced) {
@@ -359,7 +372,11 @@ where
                         template = Some(r);
                         h
                     }
-                    Err(e) => vec![TensorHandle::error(runtime::place(&[]), signature[0].clone(), e)],
+                    Err(e) => vec![TensorHandle::error(
+                        runtime::place(&[]),
+                        signature[0].clone(),
+                        e,
+                    )],
                 }
             });
             let traced = match (traced, template) {
@@ -386,7 +403,13 @@ where
         attrs.set_func("f", entry.id);
         let mut call_args: Args = arg_handles.into_iter().collect();
         call_args.extend(entry.captures.iter().cloned());
-        run_control(&stagecraft_ops::CALL, call_args, &attrs, location, &entry.template)
+        run_control(
+            &stagecraft_ops::CALL,
+            call_args,
+            &attrs,
+            location,
+            &entry.template,
+        )
     }
 
     /// The graph function traced for this input signature, if any (for

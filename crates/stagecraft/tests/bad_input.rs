@@ -18,8 +18,10 @@ fn assert_fails<T: stagecraft::Element>(t: Tensor<T>, op: &str, line: u32) {
     let err = t.check().expect_err("expected an error");
     assert_eq!(err.op(), Some(op), "{err}");
     let loc = err.location().expect("location");
+    // rustfmt may wrap a case over several lines: the op call then starts
+    // a few lines above the `line!()` that follows it.
     assert!(
-        loc.file().ends_with("bad_input.rs") && loc.line() == line,
+        loc.file().ends_with("bad_input.rs") && loc.line() <= line && loc.line() + 10 >= line,
         "{err}"
     );
     assert!(t.to_vec().is_err());

@@ -9,7 +9,11 @@ fn cancelling_stops_a_long_while_loop() {
     let cpu = Device::cpu();
     let worker = std::thread::spawn(move || {
         // Never terminates on its own.
-        let out = while_loop(Tensor::<f32>::scalar(0.0, &cpu), |x| x.ge(&Tensor::scalar(0.0, &cpu)), |x| x + 1.0);
+        let out = while_loop(
+            Tensor::<f32>::scalar(0.0, &cpu),
+            |x| x.ge(&Tensor::scalar(0.0, &cpu)),
+            |x| x + 1.0,
+        );
         out.to_vec()
     });
     std::thread::sleep(std::time::Duration::from_millis(100));

@@ -34,7 +34,9 @@ fn cond_runs_only_the_taken_branch() {
     let out = cond(&take_safe, || &ones * 2, || &ones / &n);
     assert_eq!(out.to_vec().unwrap(), vec![2, 2]);
     let take_bad = Tensor::<bool>::scalar(false, &cpu);
-    let err = cond(&take_bad, || &ones * 2, || &ones / &n).to_vec().unwrap_err();
+    let err = cond(&take_bad, || &ones * 2, || &ones / &n)
+        .to_vec()
+        .unwrap_err();
     assert!(err.to_string().contains("division by zero"), "{err}");
 }
 
@@ -125,11 +127,15 @@ fn nested_cond_inside_while_and_while_inside_cond() {
 fn runtime_errors_inside_a_loop_body_name_the_body_line() {
     let cpu = Device::cpu();
     let zero_at_three = Tensor::<i64>::scalar(3, &cpu);
-    let line = line!() + 4;
+    let line = line!() + 7;
     let out = while_loop(
         Tensor::<i64>::scalar(0, &cpu),
         |i| i.lt(&Tensor::scalar(10, &cpu)),
-        |i| &i + 1 + (Tensor::scalar(6, &cpu) / (&zero_at_three - &i)) * 0,
+        |i| {
+            // The quotient is discarded (times zero), but it must be computed.
+            let zero = Tensor::<i64>::scalar(0, &cpu);
+            &i + 1 + (Tensor::scalar(6, &cpu) / (&zero_at_three - &i)) * &zero
+        },
     );
     let err = out.to_vec().unwrap_err();
     assert_eq!(err.op(), Some("Div"), "{err}");
@@ -156,7 +162,9 @@ fn staged_functions_trace_once_per_signature() {
     let other = layer.call((Tensor::<f32>::ones(&[1, 3], &cpu), w.clone()));
     assert_eq!(other.dims(), &[1, 2]);
     assert_eq!(TRACES.load(Ordering::Relaxed), 2);
-    let traced = layer.traced_function(&(Tensor::ones(&[1, 3], &cpu), w)).unwrap();
+    let traced = layer
+        .traced_function(&(Tensor::ones(&[1, 3], &cpu), w))
+        .unwrap();
     let ops: Vec<&str> = traced.nodes.iter().map(|n| n.op.name()).collect();
     // The captured two-element bias is small and concrete: baked in.
     assert_eq!(ops, ["MatMul", "Const", "Add", "Tanh"]);
@@ -174,9 +182,16 @@ fn staged_functions_trace_once_per_signature() {
 #[test]
 fn control_flow_inside_functions_matches_eager() {
     let clip = function(|x: Tensor<f32>| {
-        let big = x.abs().max(&[0], false).gt(&Tensor::scalar(1.0, &Device::cpu()));
+        let big = x
+            .abs()
+            .max(&[0], false)
+            .gt(&Tensor::scalar(1.0, &Device::cpu()));
         let y = cond(&big, || &x / x.abs().max(&[0], true), || x.clone());
-        while_loop(y, |y| y.sum(&[0], false).lt(&Tensor::scalar(3.0, &Device::cpu())), |y| y + 1.0)
+        while_loop(
+            y,
+            |y| y.sum(&[0], false).lt(&Tensor::scalar(3.0, &Device::cpu())),
+            |y| y + 1.0,
+        )
     });
     for input in [vec![4.0f32, -2.0], vec![0.5, 0.25]] {
         let x = f32s(&input);
@@ -198,7 +213,6 @@ fn reading_a_value_while_tracing_is_an_error_not_a_hang() {
     });
     assert_eq!(f.call(f32s(&[1.0])).to_vec().unwrap(), vec![2.0]);
 }
-
 
 #[test]
 fn wide_functions_run_in_parallel_with_the_same_results() {

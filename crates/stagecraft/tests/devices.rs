@@ -4,7 +4,12 @@
 use stagecraft::layers::runtime::{self as rt, executor};
 use stagecraft::{function, with_device, Device, Rng, Tensor};
 
-fn model(x: &Tensor<f32>, w1: &Tensor<f32>, w2: &Tensor<f32>, second: Option<Device>) -> Tensor<f32> {
+fn model(
+    x: &Tensor<f32>,
+    w1: &Tensor<f32>,
+    w2: &Tensor<f32>,
+    second: Option<Device>,
+) -> Tensor<f32> {
     let h = x.matmul(w1).relu();
     let tail = || (h.matmul(w2) + 0.5).tanh();
     let out = match second {
@@ -23,13 +28,24 @@ fn two_halves_on_two_devices_match_one_device() {
     let w1 = Tensor::<f32>::rand_normal(&[32, 64], 0.0, 0.2, &mut rng, &cpu);
     let w2 = Tensor::<f32>::rand_normal(&[64, 16], 0.0, 0.2, &mut rng, &cpu);
     let single = model(&x, &w1, &w2, None).to_vec().unwrap();
-    let split = function(move |(x, w1, w2): (Tensor<f32>, Tensor<f32>, Tensor<f32>)| model(&x, &w1, &w2, Some(cpu1)));
+    let split = function(
+        move |(x, w1, w2): (Tensor<f32>, Tensor<f32>, Tensor<f32>)| model(&x, &w1, &w2, Some(cpu1)),
+    );
     let copies = rt::stats().device_copies;
-    let got = split.call((x.clone(), w1.clone(), w2.clone())).to_vec().unwrap();
+    let got = split
+        .call((x.clone(), w1.clone(), w2.clone()))
+        .to_vec()
+        .unwrap();
     assert_eq!(got, single);
-    assert!(rt::stats().device_copies >= copies + 3, "h, w2 and the result cross devices");
+    assert!(
+        rt::stats().device_copies >= copies + 3,
+        "h, w2 and the result cross devices"
+    );
     let traced = split.traced_function(&(x, w1, w2)).unwrap();
-    assert!(traced.nodes.iter().any(|n| n.device.as_deref() == Some("cpu:1")));
+    assert!(traced
+        .nodes
+        .iter()
+        .any(|n| n.device.as_deref() == Some("cpu:1")));
     let exe = executor::instantiate(traced, cpu).unwrap();
     assert_eq!(exe.partition_count(), 2);
 }
@@ -48,7 +64,10 @@ fn an_error_on_one_device_stops_the_other() {
         // cpu:0 waits for `far`; the error on cpu:1 must release it.
         (&x + 1) + far
     });
-    let err = f.call(Tensor::<i32>::ones(&[64], &cpu)).to_vec().unwrap_err();
+    let err = f
+        .call(Tensor::<i32>::ones(&[64], &cpu))
+        .to_vec()
+        .unwrap_err();
     assert_eq!(err.op(), Some("Div"), "{err}");
     assert_eq!(err.location().unwrap().line(), line, "{err}");
 }

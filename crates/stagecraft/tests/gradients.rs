@@ -11,10 +11,14 @@ fn cpu() -> Device {
 }
 
 fn values(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             lo + (hi - lo) * ((s >> 11) as f64 / (1u64 << 53) as f64)
         })
         .collect()
@@ -27,14 +31,18 @@ fn tensor(dims: &[usize], seed: u64, lo: f64, hi: f64) -> T {
 
 /// Compares `grad(f)` with central differences at `x`.
 fn check(name: &str, f: impl Fn(&T) -> T + Clone, x: &T) {
-    let analytic = grad(f.clone())(x).to_vec().unwrap_or_else(|e| panic!("{name}: {e}"));
+    let analytic = grad(f.clone())(x)
+        .to_vec()
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
     let base = x.to_vec().unwrap();
     let h = 1e-6;
     for i in 0..base.len() {
         let at = |d: f64| {
             let mut v = base.clone();
             v[i] += d;
-            f(&Tensor::from_vec(v, x.dims(), &cpu()).unwrap()).item().unwrap()
+            f(&Tensor::from_vec(v, x.dims(), &cpu()).unwrap())
+                .item()
+                .unwrap()
         };
         let numeric = (at(h) - at(-h)) / (2.0 * h);
         let tol = 1e-6 * (1.0 + numeric.abs());
@@ -68,7 +76,8 @@ fn unary_ops() {
     check("neg", |x| weighted(-x), &mixed);
     // Away from the kinks at 0.
     let away = tensor(&[2, 3], 3, 0.3, 1.0);
-    let signs = Tensor::<f64>::from_vec(vec![1.0, -1.0, 1.0, -1.0, 1.0, -1.0], &[2, 3], &cpu()).unwrap();
+    let signs =
+        Tensor::<f64>::from_vec(vec![1.0, -1.0, 1.0, -1.0, 1.0, -1.0], &[2, 3], &cpu()).unwrap();
     let kinked = away * signs;
     check("relu", |x| weighted(x.relu()), &kinked);
     check("abs", |x| weighted(x.abs()), &kinked);
@@ -93,9 +102,17 @@ fn binary_ops_with_broadcasting() {
         let xx = x.clone();
         check(&format!("mul into {name}"), move |o| weighted(&xx * o), &o2);
         let xx = x.clone();
-        check(&format!("div into {name}"), move |o| weighted(&xx / o), other);
+        check(
+            &format!("div into {name}"),
+            move |o| weighted(&xx / o),
+            other,
+        );
         let xx = x.clone();
-        check(&format!("pow into {name}"), move |o| weighted(xx.pow(o)), other);
+        check(
+            &format!("pow into {name}"),
+            move |o| weighted(xx.pow(o)),
+            other,
+        );
     }
 }
 
@@ -125,7 +142,11 @@ fn matmul_variants() {
     check("matmul b", move |b| weighted(aa.matmul(b)), &b);
     let batched = tensor(&[2, 3, 4], 11, -1.0, 1.0);
     let bb = b.clone();
-    check("batched @ shared", move |x| weighted(x.matmul(&bb)), &batched);
+    check(
+        "batched @ shared",
+        move |x| weighted(x.matmul(&bb)),
+        &batched,
+    );
     let bt = batched.clone();
     check("shared weight", move |w| weighted(bt.matmul(w)), &b);
     let v = tensor(&[4], 12, -1.0, 1.0);
@@ -142,20 +163,43 @@ fn shape_ops() {
     check("transpose", |x| weighted(x.transpose(0, 2)), &x);
     check("permute", |x| weighted(x.permute(&[1, 2, 0])), &x);
     let small = tensor(&[3, 1], 14, -1.0, 1.0);
-    check("broadcast_to", |x| weighted(x.broadcast_to(&[2, 3, 4])), &small);
+    check(
+        "broadcast_to",
+        |x| weighted(x.broadcast_to(&[2, 3, 4])),
+        &small,
+    );
     let other = tensor(&[2, 2, 4], 15, -1.0, 1.0);
-    check("concat", move |x| weighted(Tensor::concat(&[x, &other, x], 1)), &x);
-    check("slice", |x| weighted(x.slice(&[0, 1, 0], &[2, 3, 4], &[1, 1, 1])), &x);
-    check("strided slice", |x| weighted(x.slice(&[1, 0, 1], &[2, 3, 4], &[1, 2, 2])), &x);
+    check(
+        "concat",
+        move |x| weighted(Tensor::concat(&[x, &other, x], 1)),
+        &x,
+    );
+    check(
+        "slice",
+        |x| weighted(x.slice(&[0, 1, 0], &[2, 3, 4], &[1, 1, 1])),
+        &x,
+    );
+    check(
+        "strided slice",
+        |x| weighted(x.slice(&[1, 0, 1], &[2, 3, 4], &[1, 2, 2])),
+        &x,
+    );
     let idx = Tensor::<i64>::from_vec(vec![2, 0, 2, 1], &[2, 2], &cpu()).unwrap();
     check("gather", move |x| weighted(x.gather(1, &idx)), &x);
-    check("pad", |x| weighted(x.pad(&[(1, 0), (0, 2), (1, 1)], 0.5)), &x);
-    let cond = Tensor::<bool>::from_vec((0..24).map(|i| i % 3 == 0).collect(), &[2, 3, 4], &cpu()).unwrap();
+    check(
+        "pad",
+        |x| weighted(x.pad(&[(1, 0), (0, 2), (1, 1)], 0.5)),
+        &x,
+    );
+    let cond = Tensor::<bool>::from_vec((0..24).map(|i| i % 3 == 0).collect(), &[2, 3, 4], &cpu())
+        .unwrap();
     let other = tensor(&[4], 16, -1.0, 1.0);
     check("where", move |x| weighted(where_(&cond, x, &other)), &x);
     // Through f32 finite differences are too coarse: the gradient of a
     // round trip of casts is the weights themselves, rounded to f32.
-    let g = grad(|x: &T| weighted(x.cast::<f32>().cast::<f64>()))(&x).to_vec().unwrap();
+    let g = grad(|x: &T| weighted(x.cast::<f32>().cast::<f64>()))(&x)
+        .to_vec()
+        .unwrap();
     let w = tensor(&[2, 3, 4], 99, 0.5, 1.5).to_vec().unwrap();
     for (a, b) in g.iter().zip(&w) {
         assert_eq!(*a, *b as f32 as f64);
@@ -166,14 +210,24 @@ fn shape_ops() {
 fn second_derivatives() {
     let x = tensor(&[3], 17, -1.0, 1.0);
     let xs = x.to_vec().unwrap();
-    let dd = |f: fn(&T) -> T| grad(move |x: &T| grad(f)(x).sum(&[0], false))(&x).to_vec().unwrap();
+    let dd = |f: fn(&T) -> T| {
+        grad(move |x: &T| grad(f)(x).sum(&[0], false))(&x)
+            .to_vec()
+            .unwrap()
+    };
     let tanh2 = dd(|x| x.tanh().sum(&[0], false));
     let sig2 = dd(|x| x.sigmoid().sum(&[0], false));
     for (i, &v) in xs.iter().enumerate() {
         let t = v.tanh();
-        assert!((tanh2[i] - (-2.0 * t * (1.0 - t * t))).abs() < 1e-12, "tanh''");
+        assert!(
+            (tanh2[i] - (-2.0 * t * (1.0 - t * t))).abs() < 1e-12,
+            "tanh''"
+        );
         let s = 1.0 / (1.0 + (-v).exp());
-        assert!((sig2[i] - s * (1.0 - s) * (1.0 - 2.0 * s)).abs() < 1e-12, "sigmoid''");
+        assert!(
+            (sig2[i] - s * (1.0 - s) * (1.0 - 2.0 * s)).abs() < 1e-12,
+            "sigmoid''"
+        );
     }
     // The softmax Hessian-vector product against finite differences of
     // the gradient.
@@ -193,7 +247,11 @@ fn second_derivative_of_a_small_mlp_loss() {
     };
     let l = loss.clone();
     check("mlp loss", l, &w1);
-    check("mlp loss, second order", move |w| weighted(grad(loss.clone())(w)), &w1);
+    check(
+        "mlp loss, second order",
+        move |w| weighted(grad(loss.clone())(w)),
+        &w1,
+    );
 }
 
 #[test]
@@ -202,10 +260,14 @@ fn tape_api_on_eager_and_lazy_agree() {
         let mut rng = Rng::new(3);
         let w = Tensor::<f32>::rand_normal(&[4, 3], 0.0, 0.5, &mut rng, d).requires_grad();
         let b = Tensor::<f32>::zeros(&[3], d).requires_grad();
-        let x = Tensor::<f32>::from_vec((0..8).map(|i| i as f32 * 0.1).collect(), &[2, 4], d).unwrap();
+        let x =
+            Tensor::<f32>::from_vec((0..8).map(|i| i as f32 * 0.1).collect(), &[2, 4], d).unwrap();
         let loss = (x.matmul(&w) + &b).tanh().sum(&[], false);
         let grads = loss.backward().unwrap();
-        (grads.get(&w).unwrap().to_vec().unwrap(), grads.get(&b).unwrap().to_vec().unwrap())
+        (
+            grads.get(&w).unwrap().to_vec().unwrap(),
+            grads.get(&b).unwrap().to_vec().unwrap(),
+        )
     };
     let eager = run(&Device::cpu());
     let lazy_dev = Device::lazy(&Device::cpu());
@@ -229,7 +291,10 @@ fn errors() {
     assert!(err.to_string().contains("requires_grad"), "{err}");
     let x = tensor(&[2], 23, 0.0, 1.0);
     let err = (x.clone() * 2.0).sum(&[0], false).backward().unwrap_err();
-    assert!(err.to_string().contains("nothing to differentiate"), "{err}");
+    assert!(
+        err.to_string().contains("nothing to differentiate"),
+        "{err}"
+    );
     // An op without a gradient rule names itself and its line.
     let w = tensor(&[1, 1, 3, 3], 24, 0.0, 1.0).requires_grad();
     let img = tensor(&[1, 1, 4, 4], 25, 0.0, 1.0);

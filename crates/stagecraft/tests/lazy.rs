@@ -37,14 +37,21 @@ fn seed_program_traces_with_live_outputs() {
         .map(|rhs| rhs.split(['[', '(']).next().unwrap())
         .collect();
     // Constants come first (leaves of the trace), then the ops in DFS order.
-    assert_eq!(ops, ["Const", "Const", "Const", "Add", "Sub", "Add", "Add", "Add"], "{text}");
+    assert_eq!(
+        ops,
+        ["Const", "Const", "Const", "Add", "Sub", "Add", "Add", "Add"],
+        "{text}"
+    );
     // w, x and y are alive, so they are outputs too; x + x is not.
     let last = text.lines().last().unwrap();
     assert_eq!(last.matches('%').count(), 4, "{text}");
     assert!(last.contains("live: %"), "{text}");
     drop((w, x, y));
     let text = lazy::trace_text(&z).unwrap();
-    assert!(text.lines().last().unwrap().ends_with("live: none"), "{text}");
+    assert!(
+        text.lines().last().unwrap().ends_with("live: none"),
+        "{text}"
+    );
     lazy::reset_metrics();
     assert_eq!(z.item().unwrap(), 60.0);
     let m = lazy::metrics();
@@ -99,7 +106,9 @@ fn mlp_step(
 ) -> (Tensor<f32>, Tensor<f32>, Tensor<f32>) {
     let h = x.matmul(w1).relu();
     let logits = h.matmul(w2);
-    let loss = -(logits.log_softmax(-1) * labels).sum(&[-1], false).mean(&[0], false);
+    let loss = -(logits.log_softmax(-1) * labels)
+        .sum(&[-1], false)
+        .mean(&[0], false);
     // A hand-derived gradient of the last layer; the first layer decays.
     let probs = logits.softmax(-1);
     let grad_w2 = h.transpose(0, 1).matmul(&(probs - labels)) * (1.0 / x.dims()[0] as f32);
@@ -122,10 +131,14 @@ fn training_steps_are_one_cached_trace_and_match_eager() {
         let mut compiled = Vec::new();
         for step in 0..steps {
             // Host data each step (a batch): a trace argument, not a constant.
-            let batch: Vec<f32> = (0..128).map(|i| (((i * 37 + step * 11) % 17) as f32 - 8.0) / 8.0).collect();
+            let batch: Vec<f32> = (0..128)
+                .map(|i| (((i * 37 + step * 11) % 17) as f32 - 8.0) / 8.0)
+                .collect();
             let x = Tensor::<f32>::from_vec(batch, &[8, 16], device).unwrap();
             let labels = Tensor::<f32>::from_vec(
-                (0..32).map(|i| if i % 4 == step % 4 { 1.0 } else { 0.0 }).collect(),
+                (0..32)
+                    .map(|i| if i % 4 == step % 4 { 1.0 } else { 0.0 })
+                    .collect(),
                 &[8, 4],
                 device,
             )
@@ -145,7 +158,10 @@ fn training_steps_are_one_cached_trace_and_match_eager() {
     let (lazy_losses, lazy_w2, compiled) = run(&dev(), 6);
     assert_eq!(lazy_losses, eager_losses);
     assert_eq!(lazy_w2, eager_w2);
-    assert!(compiled[1..].iter().all(|&c| c == compiled[0]), "recompiled: {compiled:?}");
+    assert!(
+        compiled[1..].iter().all(|&c| c == compiled[0]),
+        "recompiled: {compiled:?}"
+    );
     let m = lazy::metrics();
     assert!(m.cache_hits >= 5, "{m:?}");
     assert!(m.by_mark_step >= 6, "{m:?}");
@@ -172,7 +188,11 @@ fn control_flow_is_recorded_not_unrolled() {
         let x = Tensor::<f32>::full(&[100], 0.5, d);
         let big = x.sum(&[0], false).gt(&Tensor::scalar(10.0, d));
         let y = cond(&big, || &x * 2.0, || x.clone());
-        let z = while_loop(y, |y| y.sum(&[0], false).lt(&Tensor::scalar(1000.0, d)), |y| y * 1.5);
+        let z = while_loop(
+            y,
+            |y| y.sum(&[0], false).lt(&Tensor::scalar(1000.0, d)),
+            |y| y * 1.5,
+        );
         (z.clone(), z)
     };
     let (eager, _) = run(&Device::cpu());
@@ -206,5 +226,8 @@ fn dot_form_has_every_op() {
     let x = Tensor::<f32>::ones(&[3], &d);
     let y = (x.exp() + 1.0).log();
     let dot = lazy::trace_dot(&y).unwrap();
-    assert!(dot.starts_with("digraph") && dot.contains("Exp") && dot.contains("Log"), "{dot}");
+    assert!(
+        dot.starts_with("digraph") && dot.contains("Exp") && dot.contains("Log"),
+        "{dot}"
+    );
 }

@@ -14,7 +14,10 @@ fn lazy_devices_run_op_by_op_when_asked() {
     // Already computed: there is no pending trace to print.
     assert!(lazy::trace_text(&y).is_err());
     let got = y.to_vec().unwrap();
-    assert!((got[0] - 3.0).abs() < 1e-6 && (got[1] - 6.0).abs() < 1e-6, "{got:?}");
+    assert!(
+        (got[0] - 3.0).abs() < 1e-6 && (got[1] - 6.0).abs() < 1e-6,
+        "{got:?}"
+    );
     let m = lazy::metrics();
     assert_eq!((m.ops_recorded, m.materializations), (0, 0), "{m:?}");
 }

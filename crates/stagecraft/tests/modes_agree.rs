@@ -40,7 +40,11 @@ fn program(steps: &[Step], x: Tensor<f32>) -> Tensor<f32> {
             Step::ScalarMul(k) => &t * *k,
             Step::AddSelfT => &t + &t.transpose(0, 1),
             Step::ReduceKeep(max) => {
-                let r = if *max { t.max(&[1], true) } else { t.mean(&[0], true) };
+                let r = if *max {
+                    t.max(&[1], true)
+                } else {
+                    t.mean(&[0], true)
+                };
                 &t - &r
             }
             Step::Cond(threshold) => {
@@ -61,7 +65,9 @@ fn program(steps: &[Step], x: Tensor<f32>) -> Tensor<f32> {
 }
 
 fn input(seed: u32, d: &Device) -> Tensor<f32> {
-    let v: Vec<f32> = (0..16).map(|i| ((i * 7 + seed as usize) % 11) as f32 * 0.3 - 1.5).collect();
+    let v: Vec<f32> = (0..16)
+        .map(|i| ((i * 7 + seed as usize) % 11) as f32 * 0.3 - 1.5)
+        .collect();
     Tensor::from_vec(v, &[4, 4], d).unwrap()
 }
 

@@ -11,7 +11,10 @@ use stagecraft_tensor::{DType, Error, Result, TensorMetadata};
 fn signature(attrs: &Attrs<'_>, name: &str) -> Result<(FuncId, FunctionSignature)> {
     let id = attrs.func(name)?;
     let sig = function_signature(id).ok_or_else(|| {
-        Error::attribute(format!("attribute `{name}` names function {} which does not exist", id.0))
+        Error::attribute(format!(
+            "attribute `{name}` names function {} which does not exist",
+            id.0
+        ))
     })?;
     Ok((id, sig))
 }
@@ -21,7 +24,12 @@ fn list(metas: &[TensorMetadata]) -> String {
     format!("({})", items.join(", "))
 }
 
-fn check_params(role: &str, id: FuncId, sig: &FunctionSignature, args: &[TensorMetadata]) -> Result<()> {
+fn check_params(
+    role: &str,
+    id: FuncId,
+    sig: &FunctionSignature,
+    args: &[TensorMetadata],
+) -> Result<()> {
     if sig.inputs.as_slice() != args {
         return Err(Error::shape(format!(
             "the {role} @{} takes {} but is given {}",
@@ -86,7 +94,9 @@ fn while_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMeta
         )));
     }
     if attrs.int("max_iterations")? < -1 {
-        return Err(Error::attribute("`max_iterations` must be -1 (no limit) or non-negative"));
+        return Err(Error::attribute(
+            "`max_iterations` must be -1 (no limit) or non-negative",
+        ));
     }
     Ok(inputs.iter().cloned().collect())
 }

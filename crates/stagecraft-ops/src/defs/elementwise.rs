@@ -204,97 +204,6 @@ fn cast_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas
     ))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::OpAttrs;
-
-    fn m(dtype: DType, dims: &[usize]) -> TensorMetadata {
-        TensorMetadata::new(dtype, dims)
-    }
-
-    #[test]
-    fn binary_broadcasts_and_checks_dtypes() {
-        let none = OpAttrs::new();
-        let out = ADD
-            .infer(&[m(DType::F32, &[2, 1, 3]), m(DType::F32, &[4, 1])], &none)
-            .unwrap();
-        assert_eq!(out[0], m(DType::F32, &[2, 4, 3]));
-        assert!(ADD
-            .infer(&[m(DType::F32, &[2]), m(DType::F64, &[2])], &none)
-            .is_err());
-        assert!(ADD
-            .infer(&[m(DType::F32, &[2]), m(DType::F32, &[3])], &none)
-            .is_err());
-        assert!(ADD
-            .infer(&[m(DType::Bool, &[2]), m(DType::Bool, &[2])], &none)
-            .is_err());
-        assert!(POW
-            .infer(&[m(DType::I32, &[2]), m(DType::I32, &[2])], &none)
-            .is_err());
-        assert!(LOGICAL_AND
-            .infer(&[m(DType::I32, &[2]), m(DType::I32, &[2])], &none)
-            .is_err());
-        assert!(ADD.infer(&[m(DType::F32, &[2])], &none).is_err());
-    }
-
-    #[test]
-    fn unary_dtype_rules() {
-        let none = OpAttrs::new();
-        assert!(EXP.infer(&[m(DType::I64, &[2])], &none).is_err());
-        assert!(NEG.infer(&[m(DType::I64, &[2])], &none).is_ok());
-        assert!(NEG.infer(&[m(DType::Bool, &[2])], &none).is_err());
-        assert!(LOGICAL_NOT.infer(&[m(DType::Bool, &[0])], &none).is_ok());
-        assert_eq!(
-            EXP.infer(&[m(DType::BF16, &[0, 3])], &none).unwrap()[0],
-            m(DType::BF16, &[0, 3])
-        );
-    }
-
-    #[test]
-    fn compare_select_cast() {
-        let none = OpAttrs::new();
-        let out = LESS
-            .infer(&[m(DType::I32, &[3, 1]), m(DType::I32, &[2])], &none)
-            .unwrap();
-        assert_eq!(out[0], m(DType::Bool, &[3, 2]));
-        let out = SELECT
-            .infer(
-                &[
-                    m(DType::Bool, &[3, 1]),
-                    m(DType::F32, &[2]),
-                    m(DType::F32, &[]),
-                ],
-                &none,
-            )
-            .unwrap();
-        assert_eq!(out[0], m(DType::F32, &[3, 2]));
-        assert!(SELECT
-            .infer(
-                &[
-                    m(DType::F32, &[1]),
-                    m(DType::F32, &[1]),
-                    m(DType::F32, &[1])
-                ],
-                &none
-            )
-            .is_err());
-        assert!(CAST.infer(&[m(DType::F32, &[1])], &none).is_err());
-        let mut a = OpAttrs::new();
-        a.set_dtype("dtype", DType::I64);
-        assert_eq!(
-            CAST.infer(&[m(DType::F32, &[4])], &a).unwrap()[0],
-            m(DType::I64, &[4])
-        );
-        let mut bad = OpAttrs::new();
-        bad.set_int("dtype", 3);
-        assert!(CAST.infer(&[m(DType::F32, &[4])], &bad).is_err());
-        let mut unknown = OpAttrs::new();
-        unknown.set_dtype("dtype", DType::I64).set_int("bogus", 1);
-        assert!(CAST.infer(&[m(DType::F32, &[4])], &unknown).is_err());
-    }
-}
-
 // ---------------------------------------------------------------------------
 // Gradients.
 
@@ -404,7 +313,11 @@ fn binary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGr
         }
         // Ties send the gradient to the first operand.
         BinaryOp::Maximum | BinaryOp::Minimum => {
-            let cmp = if op == BinaryOp::Maximum { &GREATER_EQUAL } else { &LESS_EQUAL };
+            let cmp = if op == BinaryOp::Maximum {
+                &GREATER_EQUAL
+            } else {
+                &LESS_EQUAL
+            };
             let first = b.op(cmp, &[x, y], &crate::OpAttrs::new())?;
             let zero = b.scalar(0.0, dtype)?;
             let dx = b.op(&SELECT, &[first, g, zero], &crate::OpAttrs::new())?;
@@ -413,7 +326,10 @@ fn binary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGr
         }
         BinaryOp::And | BinaryOp::Or => return Ok(smallvec::smallvec![None, None]),
     };
-    Ok(smallvec::smallvec![Some(b.unbroadcast(dx, &xs)?), Some(b.unbroadcast(dy, &ys)?)])
+    Ok(smallvec::smallvec![
+        Some(b.unbroadcast(dx, &xs)?),
+        Some(b.unbroadcast(dy, &ys)?)
+    ])
 }
 
 fn select_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
@@ -422,7 +338,11 @@ fn select_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGr
     let dx = b.op(&SELECT, &[cond, g, zero], &crate::OpAttrs::new())?;
     let dy = b.op(&SELECT, &[cond, zero, g], &crate::OpAttrs::new())?;
     let (xs, ys) = (b.meta(x).shape, b.meta(y).shape);
-    Ok(smallvec::smallvec![None, Some(b.unbroadcast(dx, &xs)?), Some(b.unbroadcast(dy, &ys)?)])
+    Ok(smallvec::smallvec![
+        None,
+        Some(b.unbroadcast(dx, &xs)?),
+        Some(b.unbroadcast(dy, &ys)?)
+    ])
 }
 
 fn cast_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
@@ -432,4 +352,95 @@ fn cast_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrad
         return Ok(smallvec::smallvec![None]);
     }
     crate::grad::only(b.cast(g, from)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::OpAttrs;
+
+    fn m(dtype: DType, dims: &[usize]) -> TensorMetadata {
+        TensorMetadata::new(dtype, dims)
+    }
+
+    #[test]
+    fn binary_broadcasts_and_checks_dtypes() {
+        let none = OpAttrs::new();
+        let out = ADD
+            .infer(&[m(DType::F32, &[2, 1, 3]), m(DType::F32, &[4, 1])], &none)
+            .unwrap();
+        assert_eq!(out[0], m(DType::F32, &[2, 4, 3]));
+        assert!(ADD
+            .infer(&[m(DType::F32, &[2]), m(DType::F64, &[2])], &none)
+            .is_err());
+        assert!(ADD
+            .infer(&[m(DType::F32, &[2]), m(DType::F32, &[3])], &none)
+            .is_err());
+        assert!(ADD
+            .infer(&[m(DType::Bool, &[2]), m(DType::Bool, &[2])], &none)
+            .is_err());
+        assert!(POW
+            .infer(&[m(DType::I32, &[2]), m(DType::I32, &[2])], &none)
+            .is_err());
+        assert!(LOGICAL_AND
+            .infer(&[m(DType::I32, &[2]), m(DType::I32, &[2])], &none)
+            .is_err());
+        assert!(ADD.infer(&[m(DType::F32, &[2])], &none).is_err());
+    }
+
+    #[test]
+    fn unary_dtype_rules() {
+        let none = OpAttrs::new();
+        assert!(EXP.infer(&[m(DType::I64, &[2])], &none).is_err());
+        assert!(NEG.infer(&[m(DType::I64, &[2])], &none).is_ok());
+        assert!(NEG.infer(&[m(DType::Bool, &[2])], &none).is_err());
+        assert!(LOGICAL_NOT.infer(&[m(DType::Bool, &[0])], &none).is_ok());
+        assert_eq!(
+            EXP.infer(&[m(DType::BF16, &[0, 3])], &none).unwrap()[0],
+            m(DType::BF16, &[0, 3])
+        );
+    }
+
+    #[test]
+    fn compare_select_cast() {
+        let none = OpAttrs::new();
+        let out = LESS
+            .infer(&[m(DType::I32, &[3, 1]), m(DType::I32, &[2])], &none)
+            .unwrap();
+        assert_eq!(out[0], m(DType::Bool, &[3, 2]));
+        let out = SELECT
+            .infer(
+                &[
+                    m(DType::Bool, &[3, 1]),
+                    m(DType::F32, &[2]),
+                    m(DType::F32, &[]),
+                ],
+                &none,
+            )
+            .unwrap();
+        assert_eq!(out[0], m(DType::F32, &[3, 2]));
+        assert!(SELECT
+            .infer(
+                &[
+                    m(DType::F32, &[1]),
+                    m(DType::F32, &[1]),
+                    m(DType::F32, &[1])
+                ],
+                &none
+            )
+            .is_err());
+        assert!(CAST.infer(&[m(DType::F32, &[1])], &none).is_err());
+        let mut a = OpAttrs::new();
+        a.set_dtype("dtype", DType::I64);
+        assert_eq!(
+            CAST.infer(&[m(DType::F32, &[4])], &a).unwrap()[0],
+            m(DType::I64, &[4])
+        );
+        let mut bad = OpAttrs::new();
+        bad.set_int("dtype", 3);
+        assert!(CAST.infer(&[m(DType::F32, &[4])], &bad).is_err());
+        let mut unknown = OpAttrs::new();
+        unknown.set_dtype("dtype", DType::I64).set_int("bogus", 1);
+        assert!(CAST.infer(&[m(DType::F32, &[4])], &unknown).is_err());
+    }
 }

@@ -69,6 +69,47 @@ fn matmul_meta(inputs: &[TensorMetadata], _: &Attrs<'_>) -> Result<OutputMetas> 
     one(TensorMetadata::new(dtype, out))
 }
 
+/// da = g bᵀ, db = aᵀ g, with vectors promoted to matrices and broadcast
+/// batch dimensions summed away.
+fn matmul_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, y, g) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
+    let (xs, ys) = (b.meta(x).shape, b.meta(y).shape);
+    if !b.meta(x).dtype.is_float() {
+        return Ok(smallvec::smallvec![None, None]);
+    }
+    // Promote vectors: [k] as [1, k] on the left, [k, 1] on the right.
+    let x2 = if xs.rank() == 1 {
+        b.reshape(x, &[1, xs[0]])?
+    } else {
+        x
+    };
+    let y2 = if ys.rank() == 1 {
+        b.reshape(y, &[ys[0], 1])?
+    } else {
+        y
+    };
+    let mut gdims: Vec<usize> = b.meta(g).shape.dims().to_vec();
+    if xs.rank() == 1 {
+        gdims.insert(gdims.len() - if ys.rank() == 1 { 0 } else { 1 }, 1);
+    }
+    if ys.rank() == 1 {
+        gdims.push(1);
+    }
+    let g2 = b.reshape(g, &gdims)?;
+    let yt = b.swap_last(y2)?;
+    let dx = b.op(&MATMUL, &[g2, yt], &crate::OpAttrs::new())?;
+    let xt = b.swap_last(x2)?;
+    let dy = b.op(&MATMUL, &[xt, g2], &crate::OpAttrs::new())?;
+    let x2s = b.meta(x2).shape;
+    let y2s = b.meta(y2).shape;
+    let dx = b.unbroadcast(dx, &x2s)?;
+    let dy = b.unbroadcast(dy, &y2s)?;
+    Ok(smallvec::smallvec![
+        Some(b.reshape(dx, xs.dims())?),
+        Some(b.reshape(dy, ys.dims())?)
+    ])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,34 +143,4 @@ mod tests {
             .infer(&[m(&[2, 3]), TensorMetadata::new(DType::F64, [3, 4])], &a)
             .is_err());
     }
-}
-
-/// da = g bᵀ, db = aᵀ g, with vectors promoted to matrices and broadcast
-/// batch dimensions summed away.
-fn matmul_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let (x, y, g) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
-    let (xs, ys) = (b.meta(x).shape, b.meta(y).shape);
-    if !b.meta(x).dtype.is_float() {
-        return Ok(smallvec::smallvec![None, None]);
-    }
-    // Promote vectors: [k] as [1, k] on the left, [k, 1] on the right.
-    let x2 = if xs.rank() == 1 { b.reshape(x, &[1, xs[0]])? } else { x };
-    let y2 = if ys.rank() == 1 { b.reshape(y, &[ys[0], 1])? } else { y };
-    let mut gdims: Vec<usize> = b.meta(g).shape.dims().to_vec();
-    if xs.rank() == 1 {
-        gdims.insert(gdims.len() - if ys.rank() == 1 { 0 } else { 1 }, 1);
-    }
-    if ys.rank() == 1 {
-        gdims.push(1);
-    }
-    let g2 = b.reshape(g, &gdims)?;
-    let yt = b.swap_last(y2)?;
-    let dx = b.op(&MATMUL, &[g2, yt], &crate::OpAttrs::new())?;
-    let xt = b.swap_last(x2)?;
-    let dy = b.op(&MATMUL, &[xt, g2], &crate::OpAttrs::new())?;
-    let x2s = b.meta(x2).shape;
-    let y2s = b.meta(y2).shape;
-    let dx = b.unbroadcast(dx, &x2s)?;
-    let dy = b.unbroadcast(dy, &y2s)?;
-    Ok(smallvec::smallvec![Some(b.reshape(dx, xs.dims())?), Some(b.reshape(dy, ys.dims())?)])
 }

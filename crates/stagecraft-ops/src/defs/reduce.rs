@@ -188,71 +188,16 @@ fn softmax_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMe
     one(x.clone())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::OpAttrs;
-
-    fn m(dtype: DType, dims: &[usize]) -> TensorMetadata {
-        TensorMetadata::new(dtype, dims)
-    }
-
-    #[test]
-    fn reductions_resolve_axes() {
-        let mut a = OpAttrs::new();
-        a.set_ints("axes", &[-1, 0]).set_bool("keepdim", true);
-        assert_eq!(
-            SUM.infer(&[m(DType::F32, &[2, 3, 4])], &a).unwrap()[0],
-            m(DType::F32, &[1, 3, 1])
-        );
-        a.set_bool("keepdim", false);
-        assert_eq!(
-            SUM.infer(&[m(DType::I32, &[2, 3, 4])], &a).unwrap()[0],
-            m(DType::I32, &[3])
-        );
-        let all = OpAttrs::new();
-        assert_eq!(
-            PROD.infer(&[m(DType::F64, &[2, 3])], &all).unwrap()[0],
-            m(DType::F64, &[])
-        );
-        a.set_ints("axes", &[0, -3]);
-        assert!(SUM.infer(&[m(DType::F32, &[2, 3, 4])], &a).is_err());
-        a.set_ints("axes", &[3]);
-        assert!(SUM.infer(&[m(DType::F32, &[2, 3, 4])], &a).is_err());
-        assert!(MEAN.infer(&[m(DType::I32, &[2])], &all).is_err());
-        assert!(MAX.infer(&[m(DType::F32, &[0, 2])], &all).is_err());
-        assert!(SUM.infer(&[m(DType::F32, &[0, 2])], &all).is_ok());
-        assert!(SUM.infer(&[m(DType::Bool, &[2])], &all).is_err());
-    }
-
-    #[test]
-    fn arg_and_softmax() {
-        let mut a = OpAttrs::new();
-        a.set_int("axis", -1);
-        assert_eq!(
-            ARGMAX.infer(&[m(DType::F32, &[2, 3])], &a).unwrap()[0],
-            m(DType::I64, &[2])
-        );
-        assert!(ARGMAX.infer(&[m(DType::F32, &[2, 0])], &a).is_err());
-        assert!(ARGMAX
-            .infer(&[m(DType::F32, &[2, 3])], &OpAttrs::new())
-            .is_err());
-        assert!(SOFTMAX
-            .infer(&[m(DType::F32, &[2, 3])], &OpAttrs::new())
-            .is_ok());
-        a.set_int("axis", 2);
-        assert!(SOFTMAX.infer(&[m(DType::F32, &[2, 3])], &a).is_err());
-        assert!(SOFTMAX
-            .infer(&[m(DType::I32, &[2, 3])], &OpAttrs::new())
-            .is_err());
-    }
-}
-
 // ---------------------------------------------------------------------------
 // Gradients.
 
 /// The incoming gradient stretched back over the reduced axes of `x`.
-fn spread(b: &mut dyn GradBuilder, g: crate::grad::G, x_shape: &Shape, axes: &[usize]) -> Result<crate::grad::G> {
+fn spread(
+    b: &mut dyn GradBuilder,
+    g: crate::grad::G,
+    x_shape: &Shape,
+    axes: &[usize],
+) -> Result<crate::grad::G> {
     let kept = reduced_shape(x_shape, axes, true);
     let g = b.reshape(g, kept.dims())?;
     b.broadcast_to(g, x_shape.dims())
@@ -314,4 +259,64 @@ fn log_softmax_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<In
     let s = b.sum(g, &[axis], true)?;
     let ps = b.mul(p, s)?;
     crate::grad::only(b.sub(g, ps)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::OpAttrs;
+
+    fn m(dtype: DType, dims: &[usize]) -> TensorMetadata {
+        TensorMetadata::new(dtype, dims)
+    }
+
+    #[test]
+    fn reductions_resolve_axes() {
+        let mut a = OpAttrs::new();
+        a.set_ints("axes", &[-1, 0]).set_bool("keepdim", true);
+        assert_eq!(
+            SUM.infer(&[m(DType::F32, &[2, 3, 4])], &a).unwrap()[0],
+            m(DType::F32, &[1, 3, 1])
+        );
+        a.set_bool("keepdim", false);
+        assert_eq!(
+            SUM.infer(&[m(DType::I32, &[2, 3, 4])], &a).unwrap()[0],
+            m(DType::I32, &[3])
+        );
+        let all = OpAttrs::new();
+        assert_eq!(
+            PROD.infer(&[m(DType::F64, &[2, 3])], &all).unwrap()[0],
+            m(DType::F64, &[])
+        );
+        a.set_ints("axes", &[0, -3]);
+        assert!(SUM.infer(&[m(DType::F32, &[2, 3, 4])], &a).is_err());
+        a.set_ints("axes", &[3]);
+        assert!(SUM.infer(&[m(DType::F32, &[2, 3, 4])], &a).is_err());
+        assert!(MEAN.infer(&[m(DType::I32, &[2])], &all).is_err());
+        assert!(MAX.infer(&[m(DType::F32, &[0, 2])], &all).is_err());
+        assert!(SUM.infer(&[m(DType::F32, &[0, 2])], &all).is_ok());
+        assert!(SUM.infer(&[m(DType::Bool, &[2])], &all).is_err());
+    }
+
+    #[test]
+    fn arg_and_softmax() {
+        let mut a = OpAttrs::new();
+        a.set_int("axis", -1);
+        assert_eq!(
+            ARGMAX.infer(&[m(DType::F32, &[2, 3])], &a).unwrap()[0],
+            m(DType::I64, &[2])
+        );
+        assert!(ARGMAX.infer(&[m(DType::F32, &[2, 0])], &a).is_err());
+        assert!(ARGMAX
+            .infer(&[m(DType::F32, &[2, 3])], &OpAttrs::new())
+            .is_err());
+        assert!(SOFTMAX
+            .infer(&[m(DType::F32, &[2, 3])], &OpAttrs::new())
+            .is_ok());
+        a.set_int("axis", 2);
+        assert!(SOFTMAX.infer(&[m(DType::F32, &[2, 3])], &a).is_err());
+        assert!(SOFTMAX
+            .infer(&[m(DType::I32, &[2, 3])], &OpAttrs::new())
+            .is_err());
+    }
 }

@@ -371,7 +371,9 @@ fn pad_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas>
         .map(|(i, &d)| {
             d.checked_add(pads[2 * i])
                 .and_then(|v| v.checked_add(pads[2 * i + 1]))
-                .ok_or_else(|| Error::shape(format!("padding axis {i} of {x} overflows the size range")))
+                .ok_or_else(|| {
+                    Error::shape(format!("padding axis {i} of {x} overflows the size range"))
+                })
         })
         .collect::<Result<Vec<usize>>>()?;
     let shape = Shape::new(&dims);
@@ -396,6 +398,152 @@ pub static NONZERO: OpDef = OpDef {
 
 fn nonzero_meta(inputs: &[TensorMetadata], _: &Attrs<'_>) -> Result<OutputMetas> {
     one(TensorMetadata::new(DType::I64, [0, inputs[0].shape.rank()]))
+}
+
+// ---------------------------------------------------------------------------
+// Gradients.
+
+fn reshape_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let dims = b.meta(ctx.inputs[0]).shape;
+    crate::grad::only(b.reshape(ctx.grad()?, dims.dims())?)
+}
+
+fn transpose_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let rank = b.meta(ctx.inputs[0]).shape.rank();
+    let perm = resolve_perm(ctx.attrs.ints("perm")?, rank)?;
+    let mut inverse: SmallVec<[usize; 4]> = SmallVec::from_elem(0, rank);
+    for (i, &p) in perm.iter().enumerate() {
+        inverse[p] = i;
+    }
+    crate::grad::only(b.transpose(ctx.grad()?, &inverse)?)
+}
+
+fn broadcast_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let shape = b.meta(ctx.inputs[0]).shape;
+    crate::grad::only(b.unbroadcast(ctx.grad()?, &shape)?)
+}
+
+fn slice_of(b: &mut dyn GradBuilder, g: G, axis: usize, start: usize, len: usize) -> Result<G> {
+    let dims = b.meta(g).shape;
+    let starts: SmallVec<[i64; 4]> = (0..dims.rank())
+        .map(|a| if a == axis { start as i64 } else { 0 })
+        .collect();
+    let ends: SmallVec<[i64; 4]> = (0..dims.rank())
+        .map(|a| {
+            if a == axis {
+                (start + len) as i64
+            } else {
+                dims[a] as i64
+            }
+        })
+        .collect();
+    let mut attrs = crate::OpAttrs::new();
+    attrs.set_ints("starts", &starts).set_ints("ends", &ends);
+    b.op(&SLICE, &[g], &attrs)
+}
+
+fn pad_axis(b: &mut dyn GradBuilder, g: G, axis: usize, before: usize, after: usize) -> Result<G> {
+    let rank = b.meta(g).shape.rank();
+    let pads: SmallVec<[i64; 8]> = (0..rank)
+        .flat_map(|a| {
+            if a == axis {
+                [before as i64, after as i64]
+            } else {
+                [0, 0]
+            }
+        })
+        .collect();
+    let mut attrs = crate::OpAttrs::new();
+    attrs.set_ints("pads", &pads);
+    b.op(&PAD, &[g], &attrs)
+}
+
+fn concat_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let g = ctx.grad()?;
+    let rank = b.meta(g).shape.rank();
+    let axis = normalize_axis(ctx.attrs.int("axis")? as isize, rank)?;
+    let mut offset = 0;
+    let mut out = InputGrads::new();
+    for &x in ctx.inputs {
+        let len = b.meta(x).shape[axis];
+        out.push(Some(slice_of(b, g, axis, offset, len)?));
+        offset += len;
+    }
+    Ok(out)
+}
+
+/// Scatters the gradient of a strided slice back: per axis, spread the
+/// taken elements `step` apart (interleaving zeros through a pad of a new
+/// axis), trim, and pad to the original extent.
+fn slice_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let shape = b.meta(ctx.inputs[0]).shape;
+    let slices = resolve_slice(&ctx.attrs, &shape)?;
+    let mut g = ctx.grad()?;
+    for (axis, s) in slices.iter().enumerate() {
+        let dim = shape[axis];
+        if s.len == 0 {
+            // Nothing was taken: the gradient is all zeros.
+            let meta = b.meta(ctx.inputs[0]);
+            return crate::grad::only(b.fill(0.0, &meta)?);
+        }
+        if s.step > 1 {
+            let dims = b.meta(g).shape;
+            let pre: usize = dims.dims()[..axis].iter().product();
+            let post: usize = dims.dims()[axis + 1..].iter().product();
+            let t = b.reshape(g, &[pre, s.len, 1, post])?;
+            let t = pad_axis(b, t, 2, 0, s.step - 1)?;
+            let t = b.reshape(t, &[pre, s.len * s.step, post])?;
+            let span = (s.len - 1) * s.step + 1;
+            let t = slice_of(b, t, 1, 0, span)?;
+            let mut back: Vec<usize> = dims.dims().to_vec();
+            back[axis] = span;
+            g = b.reshape(t, &back)?;
+        }
+        let span = (s.len - 1) * s.step + 1;
+        g = pad_axis(b, g, axis, s.start, dim - s.start - span)?;
+    }
+    crate::grad::only(g)
+}
+
+/// Scatter-add through a one-hot matrix: the gradient rows of repeated
+/// indices add up.
+fn gather_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, idx, g) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
+    let xm = b.meta(x);
+    if !xm.dtype.is_float() {
+        return Ok(smallvec::smallvec![None, None]);
+    }
+    let rank = xm.shape.rank();
+    let axis = normalize_axis(ctx.attrs.int("axis")? as isize, rank)?;
+    let count = b.meta(idx).shape.numel();
+    let depth = xm.shape[axis];
+    let flat_idx = b.reshape(idx, &[count])?;
+    let mut attrs = crate::OpAttrs::new();
+    attrs
+        .set_int("depth", depth as i64)
+        .set_dtype("dtype", xm.dtype);
+    let onehot = b.op(&ONE_HOT, &[flat_idx], &attrs)?; // [count, depth]
+                                                       // g: x[..axis] ++ idx ++ x[axis+1..] → [pre, count, post]
+    let pre: usize = xm.shape.dims()[..axis].iter().product();
+    let post: usize = xm.shape.dims()[axis + 1..].iter().product();
+    let g3 = b.reshape(g, &[pre, count, post])?;
+    let gt = b.transpose(g3, &[0, 2, 1])?; // [pre, post, count]
+    let scattered = b.op(&crate::MATMUL, &[gt, onehot], &crate::OpAttrs::new())?; // [pre, post, depth]
+    let back = b.transpose(scattered, &[0, 2, 1])?; // [pre, depth, post]
+    Ok(smallvec::smallvec![
+        Some(b.reshape(back, xm.shape.dims())?),
+        None
+    ])
+}
+
+fn pad_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let shape = b.meta(ctx.inputs[0]).shape;
+    let pads = ctx.attrs.ints("pads")?;
+    let mut g = ctx.grad()?;
+    for axis in 0..shape.rank() {
+        g = slice_of(b, g, axis, pads[2 * axis] as usize, shape[axis])?;
+    }
+    crate::grad::only(g)
 }
 
 #[cfg(test)]
@@ -492,131 +640,4 @@ mod tests {
         assert!(PAD.infer(&[f(&[2, 2])], &p).is_err());
         let _ = Scalar::F32(0.0);
     }
-}
-
-// ---------------------------------------------------------------------------
-// Gradients.
-
-fn reshape_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let dims = b.meta(ctx.inputs[0]).shape;
-    crate::grad::only(b.reshape(ctx.grad()?, dims.dims())?)
-}
-
-fn transpose_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let rank = b.meta(ctx.inputs[0]).shape.rank();
-    let perm = resolve_perm(ctx.attrs.ints("perm")?, rank)?;
-    let mut inverse: SmallVec<[usize; 4]> = SmallVec::from_elem(0, rank);
-    for (i, &p) in perm.iter().enumerate() {
-        inverse[p] = i;
-    }
-    crate::grad::only(b.transpose(ctx.grad()?, &inverse)?)
-}
-
-fn broadcast_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let shape = b.meta(ctx.inputs[0]).shape;
-    crate::grad::only(b.unbroadcast(ctx.grad()?, &shape)?)
-}
-
-fn slice_of(b: &mut dyn GradBuilder, g: G, axis: usize, start: usize, len: usize) -> Result<G> {
-    let dims = b.meta(g).shape;
-    let starts: SmallVec<[i64; 4]> = (0..dims.rank()).map(|a| if a == axis { start as i64 } else { 0 }).collect();
-    let ends: SmallVec<[i64; 4]> = (0..dims.rank())
-        .map(|a| if a == axis { (start + len) as i64 } else { dims[a] as i64 })
-        .collect();
-    let mut attrs = crate::OpAttrs::new();
-    attrs.set_ints("starts", &starts).set_ints("ends", &ends);
-    b.op(&SLICE, &[g], &attrs)
-}
-
-fn pad_axis(b: &mut dyn GradBuilder, g: G, axis: usize, before: usize, after: usize) -> Result<G> {
-    let rank = b.meta(g).shape.rank();
-    let pads: SmallVec<[i64; 8]> = (0..rank)
-        .flat_map(|a| if a == axis { [before as i64, after as i64] } else { [0, 0] })
-        .collect();
-    let mut attrs = crate::OpAttrs::new();
-    attrs.set_ints("pads", &pads);
-    b.op(&PAD, &[g], &attrs)
-}
-
-fn concat_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let g = ctx.grad()?;
-    let rank = b.meta(g).shape.rank();
-    let axis = normalize_axis(ctx.attrs.int("axis")? as isize, rank)?;
-    let mut offset = 0;
-    let mut out = InputGrads::new();
-    for &x in ctx.inputs {
-        let len = b.meta(x).shape[axis];
-        out.push(Some(slice_of(b, g, axis, offset, len)?));
-        offset += len;
-    }
-    Ok(out)
-}
-
-/// Scatters the gradient of a strided slice back: per axis, spread the
-/// taken elements `step` apart (interleaving zeros through a pad of a new
-/// axis), trim, and pad to the original extent.
-fn slice_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let shape = b.meta(ctx.inputs[0]).shape;
-    let slices = resolve_slice(&ctx.attrs, &shape)?;
-    let mut g = ctx.grad()?;
-    for (axis, s) in slices.iter().enumerate() {
-        let dim = shape[axis];
-        if s.len == 0 {
-            // Nothing was taken: the gradient is all zeros.
-            let meta = b.meta(ctx.inputs[0]);
-            return crate::grad::only(b.fill(0.0, &meta)?);
-        }
-        if s.step > 1 {
-            let dims = b.meta(g).shape;
-            let pre: usize = dims.dims()[..axis].iter().product();
-            let post: usize = dims.dims()[axis + 1..].iter().product();
-            let t = b.reshape(g, &[pre, s.len, 1, post])?;
-            let t = pad_axis(b, t, 2, 0, s.step - 1)?;
-            let t = b.reshape(t, &[pre, s.len * s.step, post])?;
-            let span = (s.len - 1) * s.step + 1;
-            let t = slice_of(b, t, 1, 0, span)?;
-            let mut back: Vec<usize> = dims.dims().to_vec();
-            back[axis] = span;
-            g = b.reshape(t, &back)?;
-        }
-        let span = (s.len - 1) * s.step + 1;
-        g = pad_axis(b, g, axis, s.start, dim - s.start - span)?;
-    }
-    crate::grad::only(g)
-}
-
-/// Scatter-add through a one-hot matrix: the gradient rows of repeated
-/// indices add up.
-fn gather_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let (x, idx, g) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
-    let xm = b.meta(x);
-    if !xm.dtype.is_float() {
-        return Ok(smallvec::smallvec![None, None]);
-    }
-    let rank = xm.shape.rank();
-    let axis = normalize_axis(ctx.attrs.int("axis")? as isize, rank)?;
-    let count = b.meta(idx).shape.numel();
-    let depth = xm.shape[axis];
-    let flat_idx = b.reshape(idx, &[count])?;
-    let mut attrs = crate::OpAttrs::new();
-    attrs.set_int("depth", depth as i64).set_dtype("dtype", xm.dtype);
-    let onehot = b.op(&ONE_HOT, &[flat_idx], &attrs)?; // [count, depth]
-    // g: x[..axis] ++ idx ++ x[axis+1..] → [pre, count, post]
-    let pre: usize = xm.shape.dims()[..axis].iter().product();
-    let post: usize = xm.shape.dims()[axis + 1..].iter().product();
-    let g3 = b.reshape(g, &[pre, count, post])?;
-    let gt = b.transpose(g3, &[0, 2, 1])?; // [pre, post, count]
-    let scattered = b.op(&crate::MATMUL, &[gt, onehot], &crate::OpAttrs::new())?; // [pre, post, depth]
-    let back = b.transpose(scattered, &[0, 2, 1])?; // [pre, depth, post]
-    Ok(smallvec::smallvec![Some(b.reshape(back, xm.shape.dims())?), None])
-}
-
-fn pad_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let shape = b.meta(ctx.inputs[0]).shape;
-    let pads = ctx.attrs.ints("pads")?;
-    let mut g = ctx.grad()?;
-    for axis in 0..shape.rank() {
-        g = slice_of(b, g, axis, pads[2 * axis] as usize, shape[axis])?;
-    }
-    crate::grad::only(g)
 }

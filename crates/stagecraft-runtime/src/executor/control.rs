@@ -32,10 +32,17 @@ fn truth(value: &HostTensor) -> Result<bool> {
 
 /// The kernel of a control-flow op on `device`; the functions it names are
 /// instantiated now, so a bad branch fails when the op is first run.
-pub(crate) fn control_kernel(op: &'static OpDef, attrs: &OpAttrs, device: Device) -> Result<Kernel> {
+pub(crate) fn control_kernel(
+    op: &'static OpDef,
+    attrs: &OpAttrs,
+    device: Device,
+) -> Result<Kernel> {
     let attrs = Attrs::new(attrs, op);
     let OpKind::Control(kind) = op.kind else {
-        return Err(Error::internal(format!("{} is not a control-flow op", op.name)));
+        return Err(Error::internal(format!(
+            "{} is not a control-flow op",
+            op.name
+        )));
     };
     Ok(match kind {
         ControlOp::If => {
@@ -97,4 +104,3 @@ fn run_while(
         iterations += 1;
     }
 }
-

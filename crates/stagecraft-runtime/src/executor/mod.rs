@@ -104,7 +104,9 @@ impl Schedule {
         }
         let big = steps
             .iter()
-            .filter(|s| s.metas.iter().map(|m| m.shape.numel()).sum::<usize>() >= PARALLEL_STEP_ELEMENTS)
+            .filter(|s| {
+                s.metas.iter().map(|m| m.shape.numel()).sum::<usize>() >= PARALLEL_STEP_ELEMENTS
+            })
             .count();
         let forced = std::env::var("STAGECRAFT_EXECUTOR").ok();
         // A partition that sends or receives runs its steps in order on
@@ -176,7 +178,11 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
     let mut stack: Vec<Value> = function.results.clone();
     // Side effects (prints, sends) run whether or not a result needs them.
     for (index, node) in function.nodes.iter().enumerate() {
-        if node.op.def().is_some_and(|d| d.effect == stagecraft_ops::Effect::SideEffecting) {
+        if node
+            .op
+            .def()
+            .is_some_and(|d| d.effect == stagecraft_ops::Effect::SideEffecting)
+        {
             needed[index] = true;
             stack.extend(node.inputs.iter().copied());
         }
@@ -290,7 +296,10 @@ pub fn instantiate_library(id: FuncId, device: Device) -> Result<Arc<Executable>
         return Ok(hit.clone());
     }
     let function = Function::lookup(id).ok_or_else(|| {
-        Error::internal(format!("function {} is not a graph function of the library", id.0))
+        Error::internal(format!(
+            "function {} is not a graph function of the library",
+            id.0
+        ))
     })?;
     let exe = Arc::new(instantiate(function, device)?);
     library_cache()
@@ -414,12 +423,18 @@ impl Executable {
         }
         impl Run<'_> {
             fn read(&self, slot: Slot) -> Result<HostTensor> {
-                let mut guard = self.slots[slot as usize].lock().unwrap_or_else(|p| p.into_inner());
+                let mut guard = self.slots[slot as usize]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
                 let (value, readers) = &mut *guard;
                 *readers -= 1;
                 // The last reader takes the value, so a kernel can reuse the
                 // buffer; earlier readers (in whatever order they run) clone.
-                let v = if *readers == 0 { value.take() } else { value.clone() };
+                let v = if *readers == 0 {
+                    value.take()
+                } else {
+                    value.clone()
+                };
                 v.ok_or_else(|| Error::internal("an input was never computed"))
             }
 
@@ -449,12 +464,17 @@ impl Executable {
                         Err(e) => return self.fail(e),
                     };
                     for (slot, value) in step.outputs.iter().zip(produced) {
-                        self.slots[*slot as usize].lock().unwrap_or_else(|p| p.into_inner()).0 = Some(value);
+                        self.slots[*slot as usize]
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .0 = Some(value);
                         for &c in &self.exe.schedule.consumers[*slot as usize] {
                             if self.waits[c as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
                                 match next {
                                     None => next = Some(c as usize),
-                                    Some(_) => scope.spawn(move |scope| self.run_from(scope, c as usize)),
+                                    Some(_) => {
+                                        scope.spawn(move |scope| self.run_from(scope, c as usize))
+                                    }
                                 }
                             }
                         }
@@ -466,7 +486,11 @@ impl Executable {
         let mut slots: Vec<Mutex<(Option<HostTensor>, u32)>> = Vec::with_capacity(self.slots);
         let mut args = args.into_iter();
         for slot in 0..self.slots {
-            let value = if slot < self.function.params.len() { args.next() } else { None };
+            let value = if slot < self.function.params.len() {
+                args.next()
+            } else {
+                None
+            };
             slots.push(Mutex::new((value, schedule.readers[slot])));
         }
         let run = Run {
@@ -476,7 +500,9 @@ impl Executable {
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
         };
-        let ready: Vec<usize> = (0..self.steps.len()).filter(|&s| schedule.waits[s] == 0).collect();
+        let ready: Vec<usize> = (0..self.steps.len())
+            .filter(|&s| schedule.waits[s] == 0)
+            .collect();
         rayon::in_place_scope(|scope| {
             let run = &run;
             for s in ready {

@@ -45,7 +45,11 @@ pub(crate) fn place(function: &Function, default: Device) -> Result<Vec<Device>>
                 function.nodes[i + 1..]
                     .iter()
                     .zip(&explicit[i + 1..])
-                    .find(|(n, _)| n.inputs.iter().any(|v| matches!(v, Value::Output { node, .. } if *node as usize == i)))
+                    .find(|(n, _)| {
+                        n.inputs
+                            .iter()
+                            .any(|v| matches!(v, Value::Output { node, .. } if *node as usize == i))
+                    })
                     .and_then(|(_, d)| *d)
             })
             .unwrap_or(default);
@@ -61,7 +65,10 @@ pub(crate) fn device_pool(device: Device) -> Option<&'static rayon::ThreadPool> 
         return None;
     }
     static POOLS: OnceLock<Mutex<HashMap<usize, &'static rayon::ThreadPool>>> = OnceLock::new();
-    let mut pools = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let mut pools = POOLS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     let index = device.index();
     let pool = pools.entry(index).or_insert_with(|| {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -139,12 +146,21 @@ impl Rendezvous {
     }
 
     fn first_error(&self) -> Option<Error> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).aborted.clone()
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .aborted
+            .clone()
     }
 }
 
 pub(super) fn rendezvous(r: Option<&Rendezvous>) -> Result<&Rendezvous> {
-    r.ok_or_else(|| Error::new(ErrorKind::Internal, "a Send or Recv outside a partitioned run"))
+    r.ok_or_else(|| {
+        Error::new(
+            ErrorKind::Internal,
+            "a Send or Recv outside a partitioned run",
+        )
+    })
 }
 
 /// A function split into one executable per device.
@@ -211,7 +227,11 @@ pub(super) fn instantiate_partitioned(
         .iter()
         .enumerate()
         .map(|(i, d)| {
-            let params = if i == 0 { function.params.clone() } else { Vec::new() };
+            let params = if i == 0 {
+                function.params.clone()
+            } else {
+                Vec::new()
+            };
             Function::new(format!("{}@{}", function.name, d), params)
         })
         .collect();
@@ -245,7 +265,9 @@ pub(super) fn instantiate_partitioned(
         parts[from].add_op(&SEND, &send, &[source], location)?;
         let mut recv = OpAttrs::new();
         let dims: SmallVec<[usize; 4]> = meta.shape.dims().iter().copied().collect();
-        recv.set_str("key", &key).set_dtype("dtype", meta.dtype).set_dims("shape", &dims);
+        recv.set_str("key", &key)
+            .set_dtype("dtype", meta.dtype)
+            .set_dims("shape", &dims);
         let got = Value::node(parts[to].add_op(&RECV, &recv, &[], location)?);
         local.insert((v, to), got);
         Ok(got)
@@ -279,7 +301,10 @@ pub(super) fn instantiate_partitioned(
             );
         }
     }
-    let location = function.nodes.first().map_or_else(Location::caller, |n| n.location);
+    let location = function
+        .nodes
+        .first()
+        .map_or_else(Location::caller, |n| n.location);
     let results = function
         .results
         .iter()
@@ -296,7 +321,13 @@ pub(super) fn instantiate_partitioned(
         main: main_exe,
         others: executables,
     };
-    let mut shell = instantiate_on(Arc::new(Function::new(function.name.clone(), function.params.clone())), main)?;
+    let mut shell = instantiate_on(
+        Arc::new(Function::new(
+            function.name.clone(),
+            function.params.clone(),
+        )),
+        main,
+    )?;
     shell.function = function;
     shell.partitions = Some(Box::new(partitions));
     Ok(shell)

@@ -20,7 +20,9 @@
 
 mod trace;
 
-pub use trace::{mark_step, metrics, reset_metrics, set_trace_limit, trace_dot, trace_text, LazyMetrics, Trigger};
+pub use trace::{
+    mark_step, metrics, reset_metrics, set_trace_limit, trace_dot, trace_text, LazyMetrics, Trigger,
+};
 pub(crate) use trace::{materialize_handle, LazyRef};
 
 use crate::device::Device;

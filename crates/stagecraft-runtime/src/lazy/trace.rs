@@ -342,7 +342,11 @@ fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
     let mut inside_uses: HashMap<(usize, u32), u32> = HashMap::new();
 
     // Iterative DFS: (op, visited-children?).
-    let mut stack: Vec<(Arc<LazyOp>, bool)> = roots.iter().rev().map(|(op, _)| (op.clone(), false)).collect();
+    let mut stack: Vec<(Arc<LazyOp>, bool)> = roots
+        .iter()
+        .rev()
+        .map(|(op, _)| (op.clone(), false))
+        .collect();
     while let Some((op, expanded)) = stack.pop() {
         let key = key_of(&op);
         if position.contains_key(&key) {
@@ -356,7 +360,9 @@ fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
             let children: Vec<Arc<LazyOp>> = inputs
                 .iter()
                 .filter_map(|i| match i {
-                    Input::Op(child, _) if child.is_pending() && !position.contains_key(&key_of(child)) => {
+                    Input::Op(child, _)
+                        if child.is_pending() && !position.contains_key(&key_of(child)) =>
+                    {
                         Some(child.clone())
                     }
                     _ => None,
@@ -386,15 +392,24 @@ fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
                             Some(id) => *id,
                             None => {
                                 let value = match &*child.lock() {
-                                    State::Done(values) => values.get(*index as usize).cloned().flatten().unwrap_or_else(
-                                        || Err(Error::internal("a materialized value was dropped")),
-                                    ),
-                                    State::Pending(_) => Err(Error::internal("a pending input escaped the trace")),
+                                    State::Done(values) => values
+                                        .get(*index as usize)
+                                        .cloned()
+                                        .flatten()
+                                        .unwrap_or_else(|| {
+                                            Err(Error::internal("a materialized value was dropped"))
+                                        }),
+                                    State::Pending(_) => {
+                                        Err(Error::internal("a pending input escaped the trace"))
+                                    }
                                 };
                                 // The producing trace failed: this one fails the same way.
                                 let value = value?;
                                 params.push(child.outputs[*index as usize].clone());
-                                leaves.push(Leaf { value, bakeable: false });
+                                leaves.push(Leaf {
+                                    value,
+                                    bakeable: false,
+                                });
                                 let id = (leaves.len() - 1) as u32;
                                 leaf_ids.insert(leaf_key, id);
                                 id
@@ -505,7 +520,9 @@ fn fingerprint(skeleton: &Skeleton) -> u64 {
 fn same_value(a: &HostTensor, b: &HostTensor) -> bool {
     match (a, b) {
         (HostTensor::Scalar(x), HostTensor::Scalar(y)) => {
-            x.metadata() == y.metadata() && x.value().to_bits() == y.value().to_bits() && x.value().dtype() == y.value().dtype()
+            x.metadata() == y.metadata()
+                && x.value().to_bits() == y.value().to_bits()
+                && x.value().dtype() == y.value().dtype()
         }
         (HostTensor::Dense(x), HostTensor::Dense(y)) => {
             x.metadata() == y.metadata() && x.buffer().bytes() == y.buffer().bytes()
@@ -530,7 +547,10 @@ fn miss_reason(skeleton: &Skeleton, cache: &HashMap<u64, Vec<Entry>>) -> String 
             return format!("op {i} changed");
         }
         if a.attrs != b.attrs {
-            return format!("an attribute of op {i} changed ({} vs {})", &*a.attrs, &*b.attrs);
+            return format!(
+                "an attribute of op {i} changed ({} vs {})",
+                &*a.attrs, &*b.attrs
+            );
         }
         if a.inputs != b.inputs {
             return format!("the inputs of op {i} are wired differently");
@@ -554,7 +574,13 @@ fn miss_reason(skeleton: &Skeleton, cache: &HashMap<u64, Vec<Entry>>) -> String 
 }
 
 /// Builds the graph function for `skeleton` with baked leaves as constants.
-fn build_function(name: String, skeleton: &Skeleton, modes: &[Mode], collected_ops: &[Arc<LazyOp>], locations: &[Location]) -> Function {
+fn build_function(
+    name: String,
+    skeleton: &Skeleton,
+    modes: &[Mode],
+    collected_ops: &[Arc<LazyOp>],
+    locations: &[Location],
+) -> Function {
     let args: Vec<TensorMetadata> = skeleton
         .params
         .iter()
@@ -579,7 +605,10 @@ fn build_function(name: String, skeleton: &Skeleton, modes: &[Mode], collected_o
     let base = f.nodes.len() as u32;
     let remap = |v: Value| match v {
         Value::Param(i) => leaf_value[i as usize],
-        Value::Output { node, output } => Value::Output { node: node + base, output },
+        Value::Output { node, output } => Value::Output {
+            node: node + base,
+            output,
+        },
     };
     for (i, node) in skeleton.nodes.iter().enumerate() {
         let op = &collected_ops[i];
@@ -619,7 +648,8 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
             return Ok((exe.clone(), arguments(&modes, leaves)));
         }
         Some((mut modes, _, widened)) => {
-            let reason = format!("the values of constants {widened:?} changed: promoting them to arguments");
+            let reason =
+                format!("the values of constants {widened:?} changed: promoting them to arguments");
             debug_log(&format!("trace cache miss: {reason}"));
             with_runtime(|rt| rt.metrics.last_miss_reason = Some(reason));
             for i in widened {
@@ -633,13 +663,25 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
             with_runtime(|rt| rt.metrics.last_miss_reason = Some(reason));
             leaves
                 .iter()
-                .map(|l| if l.bakeable { Mode::Baked(l.value.clone()) } else { Mode::Argument })
+                .map(|l| {
+                    if l.bakeable {
+                        Mode::Baked(l.value.clone())
+                    } else {
+                        Mode::Argument
+                    }
+                })
                 .collect()
         }
     };
     let start = Instant::now();
     let name = format!("lazyTrace_{}", TRACE_NUMBER.fetch_add(1, Ordering::Relaxed));
-    let function = build_function(name, &collected.skeleton, &modes, &collected.ops, &collected.locations);
+    let function = build_function(
+        name,
+        &collected.skeleton,
+        &modes,
+        &collected.ops,
+        &collected.locations,
+    );
     let function = stagecraft_graph::passes::optimize(&function);
     let exe = Arc::new(instantiate(Arc::new(function), collected.target)?);
     let args = arguments(&modes, leaves);
@@ -685,7 +727,12 @@ fn fail(ops: &[Arc<LazyOp>], error: &Error) {
         let mut state = op.lock();
         if let State::Pending(inputs) = &*state {
             LazyOp::release_inputs(inputs);
-            *state = State::Done(op.outputs.iter().map(|_| Some(Err(error.clone()))).collect());
+            *state = State::Done(
+                op.outputs
+                    .iter()
+                    .map(|_| Some(Err(error.clone())))
+                    .collect(),
+            );
         }
     }
 }
@@ -693,7 +740,11 @@ fn fail(ops: &[Arc<LazyOp>], error: &Error) {
 /// Runs the trace that computes `roots` (plus live outputs) and memoizes
 /// every produced value in its op.
 fn run_trace(roots: &[(Arc<LazyOp>, u32)], trigger: Trigger) {
-    let pending: Vec<(Arc<LazyOp>, u32)> = roots.iter().filter(|(op, _)| op.is_pending()).cloned().collect();
+    let pending: Vec<(Arc<LazyOp>, u32)> = roots
+        .iter()
+        .filter(|(op, _)| op.is_pending())
+        .cloned()
+        .collect();
     if pending.is_empty() {
         return;
     }
@@ -743,11 +794,13 @@ fn run_trace(roots: &[(Arc<LazyOp>, u32)], trigger: Trigger) {
 
 /// Gives a lazy handle its value, running a trace if its op has not run.
 pub(crate) fn materialize_handle(handle: &TensorHandle, trigger: Trigger) {
-    let Some(lazy) = handle.lazy_ref() else { return };
+    let Some(lazy) = handle.lazy_ref() else {
+        return;
+    };
     let root = (lazy.op.clone(), lazy.index);
     {
         let _one_at_a_time = MATERIALIZE.lock().unwrap_or_else(|p| p.into_inner());
-        run_trace(&[root.clone()], trigger);
+        run_trace(std::slice::from_ref(&root), trigger);
     }
     let value = match &*root.0.lock() {
         State::Done(values) => values
@@ -771,7 +824,9 @@ fn live_roots() -> Vec<(Arc<LazyOp>, u32)> {
         rt.recorded_since_step = 0;
         let mut roots = Vec::new();
         rt.pending.retain(|weak| {
-            let Some(op) = weak.upgrade() else { return false };
+            let Some(op) = weak.upgrade() else {
+                return false;
+            };
             if !op.is_pending() {
                 return false;
             }
@@ -793,7 +848,11 @@ fn materialize_live(trigger: Trigger) {
     let mut targets: Vec<Device> = roots.iter().map(|(op, _)| op.target).collect();
     targets.dedup();
     for target in targets {
-        let for_target: Vec<_> = roots.iter().filter(|(op, _)| op.target == target).cloned().collect();
+        let for_target: Vec<_> = roots
+            .iter()
+            .filter(|(op, _)| op.target == target)
+            .cloned()
+            .collect();
         run_trace(&for_target, trigger);
     }
 }
@@ -810,7 +869,9 @@ fn describe(handle: &TensorHandle) -> Result<(Collected, Vec<Mode>)> {
         .lazy_ref()
         .ok_or_else(|| Error::invalid("the tensor is not a pending lazy tensor"))?;
     if !lazy.op.is_pending() {
-        return Err(Error::invalid("the tensor is already materialized: its trace has run"));
+        return Err(Error::invalid(
+            "the tensor is already materialized: its trace has run",
+        ));
     }
     let collected = collect(&[(lazy.op.clone(), lazy.index)])?;
     let key = fingerprint(&collected.skeleton);
@@ -824,7 +885,13 @@ fn describe(handle: &TensorHandle) -> Result<(Collected, Vec<Mode>)> {
         collected
             .leaves
             .iter()
-            .map(|l| if l.bakeable { Mode::Baked(l.value.clone()) } else { Mode::Argument })
+            .map(|l| {
+                if l.bakeable {
+                    Mode::Baked(l.value.clone())
+                } else {
+                    Mode::Argument
+                }
+            })
             .collect()
     });
     Ok((collected, modes))
@@ -835,7 +902,13 @@ fn describe(handle: &TensorHandle) -> Result<(Collected, Vec<Mode>)> {
 pub fn trace_text(handle: &TensorHandle) -> Result<String> {
     let (collected, modes) = describe(handle)?;
     let name = format!("lazyTrace_{}", collected.ops.len());
-    let f = build_function(name, &collected.skeleton, &modes, &collected.ops, &collected.locations);
+    let f = build_function(
+        name,
+        &collected.skeleton,
+        &modes,
+        &collected.ops,
+        &collected.locations,
+    );
     let printed = text::print(&f);
     let mut out = String::new();
     for line in printed.lines() {
@@ -857,7 +930,15 @@ pub fn trace_text(handle: &TensorHandle) -> Result<String> {
         .filter(|i| !collected.requested.contains(i))
         .map(|i| text::value_name(&f, f.results[i]))
         .collect();
-    out.push_str(&format!("// requested: {}; live: {}\n", requested.join(", "), if live.is_empty() { "none".to_string() } else { live.join(", ") }));
+    out.push_str(&format!(
+        "// requested: {}; live: {}\n",
+        requested.join(", "),
+        if live.is_empty() {
+            "none".to_string()
+        } else {
+            live.join(", ")
+        }
+    ));
     Ok(out)
 }
 
@@ -865,6 +946,12 @@ pub fn trace_text(handle: &TensorHandle) -> Result<String> {
 pub fn trace_dot(handle: &TensorHandle) -> Result<String> {
     let (collected, modes) = describe(handle)?;
     let name = format!("lazyTrace_{}", collected.ops.len());
-    let f = build_function(name, &collected.skeleton, &modes, &collected.ops, &collected.locations);
+    let f = build_function(
+        name,
+        &collected.skeleton,
+        &modes,
+        &collected.ops,
+        &collected.locations,
+    );
     Ok(stagecraft_graph::dot::to_dot(&f))
 }
