@@ -6,6 +6,9 @@ use stagecraft::{grad, lazy, value_and_grad, where_, Device, Rng, Tensor};
 
 type T = Tensor<f64>;
 
+/// Tests that read the process-wide lazy metrics run one at a time.
+static LAZY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn cpu() -> Device {
     Device::cpu()
 }
@@ -256,6 +259,7 @@ fn second_derivative_of_a_small_mlp_loss() {
 
 #[test]
 fn tape_api_on_eager_and_lazy_agree() {
+    let _serial = LAZY.lock().unwrap_or_else(|p| p.into_inner());
     let run = |d: &Device| {
         let mut rng = Rng::new(3);
         let w = Tensor::<f32>::rand_normal(&[4, 3], 0.0, 0.5, &mut rng, d).requires_grad();
@@ -304,4 +308,44 @@ fn errors() {
     assert_eq!(err.op(), Some("Conv2d"), "{err}");
     assert_eq!(err.location().unwrap().line(), line);
     let _ = lazy::metrics();
+}
+
+/// An MLP trained with `backward` and SGD on the lazy device: forward,
+/// backward and update are one trace per step, compiled once and then hit
+/// in the cache; the losses equal eager training and go down.
+#[test]
+fn lazy_training_step_is_one_cached_trace() {
+    fn train(d: &Device, steps: usize) -> (Vec<f32>, Vec<u64>) {
+        let mut rng = Rng::new(11);
+        let mut w1 = Tensor::<f32>::rand_normal(&[8, 16], 0.0, 0.3, &mut rng, d);
+        let mut w2 = Tensor::<f32>::rand_normal(&[16, 3], 0.0, 0.3, &mut rng, d);
+        lazy::mark_step();
+        let x = Tensor::<f32>::from_vec((0..64).map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0).collect(), &[8, 8], d)
+            .unwrap();
+        let y = Tensor::<f32>::from_vec((0..24).map(|i| if i % 3 == (i / 3) % 3 { 1.0 } else { 0.0 }).collect(), &[8, 3], d)
+            .unwrap();
+        let mut losses = Vec::new();
+        let mut compiled = Vec::new();
+        for _ in 0..steps {
+            let (a, b) = (w1.requires_grad(), w2.requires_grad());
+            let logits = x.matmul(&a).tanh().matmul(&b);
+            let loss = -(logits.log_softmax(-1) * &y).sum(&[-1], false).mean(&[0], false);
+            let grads = loss.backward().unwrap();
+            w1 = &a - &(grads.get(&a).unwrap() * 0.5);
+            w2 = &b - &(grads.get(&b).unwrap() * 0.5);
+            lazy::mark_step();
+            losses.push(loss);
+            compiled.push(lazy::metrics().traces_compiled);
+        }
+        (losses.iter().map(|l| l.item().unwrap()).collect(), compiled)
+    }
+    let _serial = LAZY.lock().unwrap_or_else(|p| p.into_inner());
+    let (eager, _) = train(&Device::cpu(), 8);
+    lazy::reset_metrics();
+    let (lazy_losses, compiled) = train(&Device::lazy(&Device::cpu()), 8);
+    assert_eq!(lazy_losses, eager);
+    assert!(eager.last() < eager.first(), "{eager:?}");
+    assert!(compiled[1..].iter().all(|&c| c == compiled[0]), "recompiled: {compiled:?}");
+    let m = lazy::metrics();
+    assert!(m.cache_hits >= 7, "{m:?}");
 }
