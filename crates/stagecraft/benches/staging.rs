@@ -155,6 +155,49 @@ fn mlp_step(c: &mut Criterion) {
     g.finish();
 }
 
+/// The same step with gradients from `backward` instead of by hand.
+fn autodiff_step(model: &mut Mlp, x: &Tensor<f32>, y: &Tensor<f32>, lr: f32) -> Tensor<f32> {
+    let w: Vec<Tensor<f32>> = model.w.iter().map(|t| t.requires_grad()).collect();
+    let b: Vec<Tensor<f32>> = model.b.iter().map(|t| t.requires_grad()).collect();
+    let h1 = (x.matmul(&w[0]) + &b[0]).relu();
+    let h2 = (h1.matmul(&w[1]) + &b[1]).relu();
+    let logits = h2.matmul(&w[2]) + &b[2];
+    let loss = -(logits.log_softmax(-1) * y)
+        .sum(&[-1], false)
+        .mean(&[0], false);
+    let grads = loss.backward().expect("differentiable");
+    for i in 0..3 {
+        model.w[i] = &w[i] - &(grads.get(&w[i]).expect("tracked") * lr);
+        model.b[i] = &b[i] - &(grads.get(&b[i]).expect("tracked") * lr);
+    }
+    loss
+}
+
+fn mlp_autodiff(c: &mut Criterion) {
+    let mut g = c.benchmark_group("mlp_autodiff_784_256_256_10_b128");
+    g.sample_size(30);
+    for (name, d) in [
+        ("eager", Device::cpu()),
+        ("lazy", Device::lazy(&Device::cpu())),
+    ] {
+        let mut model = Mlp::new(&d);
+        let x = Tensor::<f32>::rand_uniform(&[128, 784], 0.0, 1.0, &mut Rng::new(1), &d);
+        let labels: Vec<f32> = (0..1280)
+            .map(|i| if i % 10 == (i / 10) % 10 { 1.0 } else { 0.0 })
+            .collect();
+        let y = Tensor::<f32>::from_vec(labels, &[128, 10], &d).unwrap();
+        lazy::mark_step();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let loss = autodiff_step(&mut model, &x, &y, 0.01);
+                lazy::mark_step();
+                loss.wait().unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
 fn staged_functions(c: &mut Criterion) {
     let cpu = Device::cpu();
     let mut g = c.benchmark_group("function");
@@ -199,6 +242,7 @@ criterion_group!(
     lazy_traces,
     elementwise_chain,
     mlp_step,
+    mlp_autodiff,
     staged_functions
 );
 criterion_main!(benches);

@@ -320,16 +320,28 @@ fn lazy_training_step_is_one_cached_trace() {
         let mut w1 = Tensor::<f32>::rand_normal(&[8, 16], 0.0, 0.3, &mut rng, d);
         let mut w2 = Tensor::<f32>::rand_normal(&[16, 3], 0.0, 0.3, &mut rng, d);
         lazy::mark_step();
-        let x = Tensor::<f32>::from_vec((0..64).map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0).collect(), &[8, 8], d)
-            .unwrap();
-        let y = Tensor::<f32>::from_vec((0..24).map(|i| if i % 3 == (i / 3) % 3 { 1.0 } else { 0.0 }).collect(), &[8, 3], d)
-            .unwrap();
+        let x = Tensor::<f32>::from_vec(
+            (0..64).map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0).collect(),
+            &[8, 8],
+            d,
+        )
+        .unwrap();
+        let y = Tensor::<f32>::from_vec(
+            (0..24)
+                .map(|i| if i % 3 == (i / 3) % 3 { 1.0 } else { 0.0 })
+                .collect(),
+            &[8, 3],
+            d,
+        )
+        .unwrap();
         let mut losses = Vec::new();
         let mut compiled = Vec::new();
         for _ in 0..steps {
             let (a, b) = (w1.requires_grad(), w2.requires_grad());
             let logits = x.matmul(&a).tanh().matmul(&b);
-            let loss = -(logits.log_softmax(-1) * &y).sum(&[-1], false).mean(&[0], false);
+            let loss = -(logits.log_softmax(-1) * &y)
+                .sum(&[-1], false)
+                .mean(&[0], false);
             let grads = loss.backward().unwrap();
             w1 = &a - &(grads.get(&a).unwrap() * 0.5);
             w2 = &b - &(grads.get(&b).unwrap() * 0.5);
@@ -345,7 +357,10 @@ fn lazy_training_step_is_one_cached_trace() {
     let (lazy_losses, compiled) = train(&Device::lazy(&Device::cpu()), 8);
     assert_eq!(lazy_losses, eager);
     assert!(eager.last() < eager.first(), "{eager:?}");
-    assert!(compiled[1..].iter().all(|&c| c == compiled[0]), "recompiled: {compiled:?}");
+    assert!(
+        compiled[1..].iter().all(|&c| c == compiled[0]),
+        "recompiled: {compiled:?}"
+    );
     let m = lazy::metrics();
     assert!(m.cache_hits >= 7, "{m:?}");
 }

@@ -148,9 +148,12 @@ fn slot_of(value: Value, node_base: &[Slot]) -> Slot {
     }
 }
 
-/// Instantiates `function` for `device`: runs the optimization passes and
-/// resolves every node's kernel on the device's kernel cache.
+/// Instantiates `function` for `device`: runs the optimization passes
+/// (inlining, constant folding, CSE, dead-code elimination), places and
+/// partitions the nodes, and resolves every node's kernel on its device's
+/// kernel cache.
 pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable> {
+    let function = Arc::new(stagecraft_graph::passes::optimize(&function));
     let placement = partition::place(&function, device)?;
     if placement.iter().any(|d| *d != device) {
         return partition::instantiate_partitioned(function, device, &placement);

@@ -682,7 +682,6 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
         &collected.ops,
         &collected.locations,
     );
-    let function = stagecraft_graph::passes::optimize(&function);
     let exe = Arc::new(instantiate(Arc::new(function), collected.target)?);
     let args = arguments(&modes, leaves);
     with_runtime(|rt| {
