@@ -31,6 +31,9 @@ struct Frame {
     /// declared ones.
     captures: Vec<TensorHandle>,
     declared: usize,
+    /// Outside tensors that must stay parameters even when small (the
+    /// caller's autodiff tracks them, so their identity matters).
+    keep_as_param: Option<fn(&TensorHandle) -> bool>,
 }
 
 thread_local! {
@@ -66,6 +69,16 @@ pub fn tracer_device() -> Device {
 /// `params`; returns one symbolic handle per parameter. Every op this thread
 /// places until [`end`] is recorded into the frame.
 pub fn begin(name: &str, params: &[TensorMetadata]) -> Vec<TensorHandle> {
+    begin_with(name, params, None)
+}
+
+/// [`begin`], with a predicate naming outside tensors that must become
+/// parameters rather than baked constants.
+pub fn begin_with(
+    name: &str,
+    params: &[TensorMetadata],
+    keep_as_param: Option<fn(&TensorHandle) -> bool>,
+) -> Vec<TensorHandle> {
     let id = NEXT_FRAME.fetch_add(1, Ordering::Relaxed);
     let device = tracer_device();
     let handles = params
@@ -88,6 +101,7 @@ pub fn begin(name: &str, params: &[TensorMetadata]) -> Vec<TensorHandle> {
             function: Function::new(name, params.to_vec()),
             captures: Vec::new(),
             declared: params.len(),
+            keep_as_param,
         })
     });
     handles
@@ -139,7 +153,8 @@ fn value_of(frame: &mut Frame, handle: &TensorHandle, location: Location) -> Res
     let meta = handle.metadata().clone();
     let small_concrete = handle.traced_value().is_none()
         && handle.is_resolved()
-        && meta.shape.numel() <= CONST_CAPTURE_LIMIT;
+        && meta.shape.numel() <= CONST_CAPTURE_LIMIT
+        && !frame.keep_as_param.is_some_and(|keep| keep(handle));
     if small_concrete {
         let value: HostTensor = handle.wait()?.clone();
         let node = frame.function.add_const(value, location);

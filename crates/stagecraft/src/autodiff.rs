@@ -50,6 +50,15 @@ pub(crate) fn is_recording() -> bool {
     TAPES.with(|t| t.borrow().iter().any(|tape| !tape.tracked.is_empty()))
 }
 
+/// True when a tape on this thread tracks `handle`.
+pub(crate) fn is_tracked(handle: &TensorHandle) -> bool {
+    TAPES.with(|t| {
+        t.borrow()
+            .iter()
+            .any(|tape| tape.tracked.contains(&handle.addr()))
+    })
+}
+
 /// Records an op on every tape that tracks one of its arguments.
 pub(crate) fn record(
     def: &'static OpDef,

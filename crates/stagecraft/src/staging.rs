@@ -98,7 +98,7 @@ fn trace(
     location: Location,
     body: impl FnOnce(Vec<TensorHandle>) -> Vec<TensorHandle>,
 ) -> Result<tracing::Traced> {
-    let placeholders = tracing::begin(name, params);
+    let placeholders = tracing::begin_with(name, params, Some(crate::autodiff::is_tracked));
     let mut guard = FrameGuard(false);
     let results = body(placeholders);
     guard.0 = true;

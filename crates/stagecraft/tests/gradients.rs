@@ -210,6 +210,47 @@ fn shape_ops() {
 }
 
 #[test]
+fn convolution_and_pooling() {
+    use stagecraft::{Conv2dOptions, Pool2dOptions};
+    let x = tensor(&[2, 4, 6, 5], 26, -1.0, 1.0);
+    let w = tensor(&[6, 2, 3, 2], 27, -0.5, 0.5);
+    let opts = Conv2dOptions {
+        stride: [2, 1],
+        padding: [1, 1],
+        dilation: [1, 2],
+        groups: 2,
+    };
+    let ww = w.clone();
+    check("conv2d input", move |x| weighted(x.conv2d(&ww, opts)), &x);
+    let xx = x.clone();
+    check("conv2d filter", move |w| weighted(xx.conv2d(w, opts)), &w);
+    let plain = Conv2dOptions::default();
+    let w1 = tensor(&[3, 4, 3, 3], 28, -0.5, 0.5);
+    let xx = x.clone();
+    check(
+        "conv2d filter, plain",
+        move |w| weighted(xx.conv2d(w, plain)),
+        &w1,
+    );
+    let pool = Pool2dOptions {
+        kernel: [2, 3],
+        stride: Some([2, 2]),
+        padding: [1, 1],
+    };
+    check("max_pool2d", move |x| weighted(x.max_pool2d(pool)), &x);
+    check(
+        "avg_pool2d with pad",
+        move |x| weighted(x.avg_pool2d(pool, true)),
+        &x,
+    );
+    check(
+        "avg_pool2d without pad",
+        move |x| weighted(x.avg_pool2d(pool, false)),
+        &x,
+    );
+}
+
+#[test]
 fn second_derivatives() {
     let x = tensor(&[3], 17, -1.0, 1.0);
     let xs = x.to_vec().unwrap();
@@ -300,12 +341,12 @@ fn errors() {
         "{err}"
     );
     // An op without a gradient rule names itself and its line.
-    let w = tensor(&[1, 1, 3, 3], 24, 0.0, 1.0).requires_grad();
-    let img = tensor(&[1, 1, 4, 4], 25, 0.0, 1.0);
+    let w = tensor(&[2], 24, 0.0, 1.0).requires_grad();
+    let p = Tensor::<bool>::scalar(true, &cpu());
     let line = line!() + 1;
-    let y = img.conv2d(&w, Default::default()).sum(&[], false);
+    let y = stagecraft::cond(&p, || &w * 2.0, || w.clone()).sum(&[0], false);
     let err = y.backward().unwrap_err();
-    assert_eq!(err.op(), Some("Conv2d"), "{err}");
+    assert_eq!(err.op(), Some("If"), "{err}");
     assert_eq!(err.location().unwrap().line(), line);
     let _ = lazy::metrics();
 }

@@ -14,6 +14,16 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
     registry.add(&stagecraft_ops::CONV2D, conv2d_factory);
     registry.add(&stagecraft_ops::MAX_POOL2D, max_pool_factory);
     registry.add(&stagecraft_ops::AVG_POOL2D, avg_pool_factory);
+    registry.add(
+        &stagecraft_ops::CONV2D_BACKPROP_INPUT,
+        backprop_input_factory,
+    );
+    registry.add(
+        &stagecraft_ops::CONV2D_BACKPROP_FILTER,
+        backprop_filter_factory,
+    );
+    registry.add(&stagecraft_ops::MAX_POOL2D_GRAD, max_pool_grad_factory);
+    registry.add(&stagecraft_ops::AVG_POOL2D_GRAD, avg_pool_grad_factory);
 }
 
 /// Runs `f` on f32 copies of half-precision inputs and rounds the result
@@ -310,6 +320,319 @@ fn avg_pool_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kern
             }])
         },
     ))
+}
+
+// ---------------------------------------------------------------------------
+// Backward kernels.
+
+/// Adds the im2col matrix `cols` of one image and channel group back into
+/// the image (the adjoint of [`im2col`]: overlapping taps accumulate).
+fn col2im<T: Element + std::ops::AddAssign>(
+    cols: &[T],
+    g: &ConvGeometry,
+    group: usize,
+    x: &mut [T],
+) {
+    let cg = g.c / g.groups;
+    let (kh, kw) = (g.win.kernel[0], g.win.kernel[1]);
+    let pixels = g.oh * g.ow;
+    for ci in 0..cg {
+        let plane = &mut x[(group * cg + ci) * g.h * g.w..][..g.h * g.w];
+        for ki in 0..kh {
+            for kj in 0..kw {
+                let row = &cols[((ci * kh + ki) * kw + kj) * pixels..][..pixels];
+                for oy in 0..g.oh {
+                    let iy = (oy * g.win.stride[0] + ki * g.win.dilation[0]) as isize
+                        - g.win.padding[0] as isize;
+                    if iy < 0 || iy >= g.h as isize {
+                        continue;
+                    }
+                    let dst = &mut plane[iy as usize * g.w..][..g.w];
+                    for (ox, v) in row[oy * g.ow..(oy + 1) * g.ow].iter().enumerate() {
+                        let ix = (ox * g.win.stride[1] + kj * g.win.dilation[1]) as isize
+                            - g.win.padding[1] as isize;
+                        if ix >= 0 && ix < g.w as isize {
+                            dst[ix as usize] += *v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn transposed<T: Copy + Default>(m: &[T], rows: usize, cols: usize) -> Vec<T> {
+    let mut t = vec![T::default(); m.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = m[r * cols + c];
+        }
+    }
+    t
+}
+
+fn geometry(
+    x_shape: &[usize],
+    w_shape: &[usize],
+    g_shape: &[usize],
+    win: Window2d,
+    groups: usize,
+) -> ConvGeometry {
+    ConvGeometry {
+        n: x_shape[0],
+        c: x_shape[1],
+        h: x_shape[2],
+        w: x_shape[3],
+        o: w_shape[0],
+        oh: g_shape[2],
+        ow: g_shape[3],
+        groups,
+        win,
+    }
+}
+
+/// dx = col2im(wᵀ g), image by image and group by group.
+fn backprop_input_typed<T: GemmElement + Send + Sync + std::ops::AddAssign>(
+    gt: &DenseHostTensor,
+    w: &DenseHostTensor,
+    meta: &TensorMetadata,
+    win: Window2d,
+    groups: usize,
+) -> Result<DenseHostTensor> {
+    let g = geometry(
+        meta.shape.dims(),
+        w.shape().dims(),
+        gt.shape().dims(),
+        win,
+        groups,
+    );
+    let mut out = DenseHostTensor::zeros(meta.clone())?;
+    let (gv, wv) = (gt.as_slice::<T>()?, w.as_slice::<T>()?);
+    let pixels = g.oh * g.ow;
+    let (cg, og) = (g.c / groups, g.o / groups);
+    let patch = cg * win.kernel[0] * win.kernel[1];
+    let image_in = g.c * g.h * g.w;
+    if image_in == 0 || pixels == 0 || og == 0 {
+        return Ok(out);
+    }
+    let w_t: Vec<Vec<T>> = (0..groups)
+        .map(|group| transposed(&wv[group * og * patch..][..og * patch], og, patch))
+        .collect();
+    let per_image = |(image, dx): (usize, &mut [T])| {
+        let g_img = &gv[image * g.o * pixels..][..g.o * pixels];
+        let mut cols = vec![T::default(); patch * pixels];
+        for group in 0..groups {
+            let g_g = &g_img[group * og * pixels..][..og * pixels];
+            gemm_into(patch, pixels, og, &w_t[group], g_g, &mut cols, false);
+            col2im(&cols, &g, group, dx);
+        }
+    };
+    let dx = out.as_mut_slice::<T>()?;
+    if g.n > 1 && g.n * image_in * og >= crate::PARALLEL_THRESHOLD {
+        dx.par_chunks_mut(image_in).enumerate().for_each(per_image);
+    } else {
+        dx.chunks_mut(image_in).enumerate().for_each(per_image);
+    }
+    Ok(out)
+}
+
+/// dw = Σ over images of g im2col(x)ᵀ, group by group.
+fn backprop_filter_typed<T: GemmElement + Send + Sync + std::ops::AddAssign>(
+    x: &DenseHostTensor,
+    gt: &DenseHostTensor,
+    meta: &TensorMetadata,
+    win: Window2d,
+    groups: usize,
+) -> Result<DenseHostTensor> {
+    let g = geometry(
+        x.shape().dims(),
+        meta.shape.dims(),
+        gt.shape().dims(),
+        win,
+        groups,
+    );
+    let mut out = DenseHostTensor::zeros(meta.clone())?;
+    let (xv, gv) = (x.as_slice::<T>()?, gt.as_slice::<T>()?);
+    let pixels = g.oh * g.ow;
+    let (cg, og) = (g.c / groups, g.o / groups);
+    let patch = cg * win.kernel[0] * win.kernel[1];
+    if pixels == 0 || patch == 0 || og == 0 {
+        return Ok(out);
+    }
+    let dw = out.as_mut_slice::<T>()?;
+    let mut cols = vec![T::default(); patch * pixels];
+    let mut part = vec![T::default(); og * patch];
+    for image in 0..g.n {
+        let x_img = &xv[image * g.c * g.h * g.w..][..g.c * g.h * g.w];
+        let g_img = &gv[image * g.o * pixels..][..g.o * pixels];
+        for group in 0..groups {
+            im2col(x_img, &g, group, &mut cols);
+            let cols_t = transposed(&cols, patch, pixels);
+            gemm_into(
+                og,
+                patch,
+                pixels,
+                &g_img[group * og * pixels..][..og * pixels],
+                &cols_t,
+                &mut part,
+                true,
+            );
+            for (d, p) in dw[group * og * patch..][..og * patch].iter_mut().zip(&part) {
+                *d += *p;
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn conv_backprop_window(attrs: &Attrs<'_>, filter: &[usize]) -> Result<(Window2d, usize)> {
+    Ok((
+        conv2d_window(attrs, [filter[2], filter[3]])?,
+        attrs.int("groups")? as usize,
+    ))
+}
+
+fn backprop_input_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let (win, groups) = conv_backprop_window(attrs, inputs[1].shape.dims())?;
+    let dtype = inputs[0].dtype;
+    Ok(Arc::new(
+        move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+            let (g, w, meta) = (&inputs[0], &inputs[1], &ctx.outputs[0]);
+            Ok(smallvec![match dtype {
+                DType::F32 => backprop_input_typed::<f32>(g, w, meta, win, groups)?,
+                DType::F64 => backprop_input_typed::<f64>(g, w, meta, win, groups)?,
+                _ => via_f32(&[g, w], meta, |t, m| backprop_input_typed::<f32>(
+                    t[0], t[1], m, win, groups
+                ))?,
+            }])
+        },
+    ))
+}
+
+fn backprop_filter_factory(attrs: &Attrs<'_>, _: &[TensorMetadata]) -> Result<Kernel> {
+    let filter = attrs.dims("shape")?;
+    let (win, groups) = conv_backprop_window(attrs, &filter)?;
+    Ok(Arc::new(
+        move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+            let (x, g, meta) = (&inputs[0], &inputs[1], &ctx.outputs[0]);
+            Ok(smallvec![match meta.dtype {
+                DType::F32 => backprop_filter_typed::<f32>(x, g, meta, win, groups)?,
+                DType::F64 => backprop_filter_typed::<f64>(x, g, meta, win, groups)?,
+                _ => via_f32(&[x, g], meta, |t, m| backprop_filter_typed::<f32>(
+                    t[0], t[1], m, win, groups
+                ))?,
+            }])
+        },
+    ))
+}
+
+/// Visits every pooling window of every plane: `visit(plane, window taps as
+/// flat indices into the plane, output index)`.
+fn for_each_window(
+    planes: usize,
+    h: usize,
+    w: usize,
+    oh: usize,
+    ow: usize,
+    win: Window2d,
+    mut visit: impl FnMut(usize, &mut dyn Iterator<Item = usize>, usize, usize),
+) {
+    for p in 0..planes {
+        for oy in 0..oh {
+            let y0 = (oy * win.stride[0]) as isize - win.padding[0] as isize;
+            let (ys, ye) = (
+                y0.max(0) as usize,
+                ((y0 + win.kernel[0] as isize).min(h as isize)).max(0) as usize,
+            );
+            for ox in 0..ow {
+                let x0 = (ox * win.stride[1]) as isize - win.padding[1] as isize;
+                let (xs, xe) = (
+                    x0.max(0) as usize,
+                    ((x0 + win.kernel[1] as isize).min(w as isize)).max(0) as usize,
+                );
+                let count = ye.saturating_sub(ys) * xe.saturating_sub(xs);
+                let mut taps = (ys..ye).flat_map(move |iy| (xs..xe).map(move |ix| iy * w + ix));
+                visit(p, &mut taps, p * oh * ow + oy * ow + ox, count);
+            }
+        }
+    }
+}
+
+fn pool_grad_typed<
+    T: Element + num_like::Float + std::ops::AddAssign + std::ops::Div<Output = T>,
+>(
+    x: &DenseHostTensor,
+    gt: &DenseHostTensor,
+    win: Window2d,
+    mode: Option<bool>,
+) -> Result<DenseHostTensor> {
+    let xs = x.shape();
+    let (h, w) = (xs[2], xs[3]);
+    let (oh, ow) = (gt.shape()[2], gt.shape()[3]);
+    let mut out = DenseHostTensor::zeros(x.metadata().clone())?;
+    let (xv, gv) = (x.as_slice::<T>()?, gt.as_slice::<T>()?);
+    let dx = out.as_mut_slice::<T>()?;
+    let full = win.kernel[0] * win.kernel[1];
+    for_each_window(xs[0] * xs[1], h, w, oh, ow, win, |p, taps, o, count| {
+        let base = p * h * w;
+        match mode {
+            // Max: the first maximum (or first NaN) takes the gradient.
+            None => {
+                let mut best: Option<(usize, T)> = None;
+                for t in taps {
+                    let v = xv[base + t];
+                    best = match best {
+                        None => Some((t, v)),
+                        Some((_, b)) if b.is_nan() => best,
+                        Some(_) if v.is_nan() => Some((t, v)),
+                        Some((_, b)) if v > b => Some((t, v)),
+                        keep => keep,
+                    };
+                }
+                if let Some((t, _)) = best {
+                    dx[base + t] += gv[o];
+                }
+            }
+            // Average: spread over the divisor the forward op used.
+            Some(include_pad) => {
+                let divisor = if include_pad { full } else { count.max(1) };
+                let share = gv[o] / <T as num_like::Float>::from_f64(divisor as f64);
+                for t in taps {
+                    dx[base + t] += share;
+                }
+            }
+        }
+    });
+    Ok(out)
+}
+
+fn pool_grad_factory(
+    attrs: &Attrs<'_>,
+    inputs: &[TensorMetadata],
+    mode: Option<bool>,
+) -> Result<Kernel> {
+    let win = pool_window(attrs)?;
+    let dtype = inputs[0].dtype;
+    Ok(Arc::new(
+        move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+            let (x, g, meta) = (&inputs[0], &inputs[1], &ctx.outputs[0]);
+            Ok(smallvec![match dtype {
+                DType::F32 => pool_grad_typed::<f32>(x, g, win, mode)?,
+                DType::F64 => pool_grad_typed::<f64>(x, g, win, mode)?,
+                _ => via_f32(&[x, g], meta, |t, _| pool_grad_typed::<f32>(
+                    t[0], t[1], win, mode
+                ))?,
+            }])
+        },
+    ))
+}
+
+fn max_pool_grad_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    pool_grad_factory(attrs, inputs, None)
+}
+
+fn avg_pool_grad_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    pool_grad_factory(attrs, inputs, Some(attrs.bool("count_include_pad")?))
 }
 
 #[cfg(test)]

@@ -90,6 +90,10 @@ pub static ALL_OPS: &[&OpDef] = &[
     &CONV2D,
     &MAX_POOL2D,
     &AVG_POOL2D,
+    &CONV2D_BACKPROP_INPUT,
+    &CONV2D_BACKPROP_FILTER,
+    &MAX_POOL2D_GRAD,
+    &AVG_POOL2D_GRAD,
     // side effects
     &PRINT,
     // control flow

@@ -2,8 +2,9 @@
 
 use super::{one, require_float, require_same_dtype};
 use crate::attrs::AttrKind;
+use crate::grad::{GradBuilder, GradContext, InputGrads};
 use crate::op::*;
-use stagecraft_tensor::{Error, Result, TensorMetadata};
+use stagecraft_tensor::{Error, Result, Shape, TensorMetadata};
 
 /// 2-D convolution (cross-correlation) of `x: [N, C, H, W]` with
 /// `w: [O, C/groups, KH, KW]`, giving `[N, O, OH, OW]`.
@@ -22,7 +23,7 @@ pub static CONV2D: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: conv2d_meta,
-    grad: None,
+    grad: Some(conv2d_grad),
 };
 
 /// Resolved 2-D window parameters (height, width pairs).
@@ -133,7 +134,7 @@ pub static MAX_POOL2D: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: pool_meta,
-    grad: None,
+    grad: Some(max_pool_grad),
 };
 
 /// Mean over `kernel` windows of `x: [N, C, H, W]`; `stride` defaults to
@@ -148,7 +149,7 @@ pub static AVG_POOL2D: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: pool_meta,
-    grad: None,
+    grad: Some(avg_pool_grad),
 };
 
 /// Reads and checks the window attributes of a pooling op.
@@ -191,6 +192,164 @@ fn pool_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas
         x.dtype,
         [x.shape[0], x.shape[1], oh, ow],
     ))
+}
+
+// ---------------------------------------------------------------------------
+// Backward ops of convolution and pooling, and the gradient rules that use
+// them.
+
+const CONV_BACKPROP_ATTRS: &[AttrSpec] = &[
+    AttrSpec::required("shape", AttrKind::Ints),
+    AttrSpec::optional("stride", AttrKind::Ints, AttrDefault::Ints(&[1, 1])),
+    AttrSpec::optional("padding", AttrKind::Ints, AttrDefault::Ints(&[0, 0])),
+    AttrSpec::optional("dilation", AttrKind::Ints, AttrDefault::Ints(&[1, 1])),
+    AttrSpec::optional("groups", AttrKind::Int, AttrDefault::Int(1)),
+];
+
+/// Checks that convolving an input of `x_shape` with a filter of `w_shape`
+/// under `attrs` gives `g`'s shape.
+fn check_conv_geometry(
+    x_shape: &Shape,
+    w_shape: &Shape,
+    g: &TensorMetadata,
+    attrs: &Attrs<'_>,
+) -> Result<()> {
+    let x = TensorMetadata::new(g.dtype, x_shape.clone());
+    let w = TensorMetadata::new(g.dtype, w_shape.clone());
+    let out = conv2d_meta(&[x, w], attrs)?;
+    if out[0].shape != g.shape {
+        return Err(Error::shape(format!(
+            "the output gradient {} does not match the convolution output {}",
+            g.shape, out[0].shape
+        )));
+    }
+    Ok(())
+}
+
+fn backprop_input_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let (g, w) = (&inputs[0], &inputs[1]);
+    require_same_dtype(g, w)?;
+    let x_shape = Shape::new(&attrs.dims("shape")?);
+    check_conv_geometry(&x_shape, &w.shape, g, attrs)?;
+    one(TensorMetadata::new(g.dtype, x_shape))
+}
+
+fn backprop_filter_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let (x, g) = (&inputs[0], &inputs[1]);
+    require_same_dtype(x, g)?;
+    let w_shape = Shape::new(&attrs.dims("shape")?);
+    check_conv_geometry(&x.shape, &w_shape, g, attrs)?;
+    one(TensorMetadata::new(g.dtype, w_shape))
+}
+
+/// The gradient of `Conv2d` with respect to its input: `(g, w)` with the
+/// forward window attributes and the input `shape`.
+pub static CONV2D_BACKPROP_INPUT: OpDef = OpDef {
+    name: "Conv2dBackpropInput",
+    inputs: &["g", "w"],
+    variadic: false,
+    outputs: 1,
+    attrs: CONV_BACKPROP_ATTRS,
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: backprop_input_meta,
+    grad: None,
+};
+
+/// The gradient of `Conv2d` with respect to its filter: `(x, g)` with the
+/// forward window attributes and the filter `shape`.
+pub static CONV2D_BACKPROP_FILTER: OpDef = OpDef {
+    name: "Conv2dBackpropFilter",
+    inputs: &["x", "g"],
+    variadic: false,
+    outputs: 1,
+    attrs: CONV_BACKPROP_ATTRS,
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: backprop_filter_meta,
+    grad: None,
+};
+
+fn pool_grad_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let (x, g) = (&inputs[0], &inputs[1]);
+    require_same_dtype(x, g)?;
+    let out = pool_meta(&inputs[..1], attrs)?;
+    if out[0].shape != g.shape {
+        return Err(Error::shape(format!(
+            "the output gradient {} does not match the pooling output {}",
+            g.shape, out[0].shape
+        )));
+    }
+    one(x.clone())
+}
+
+/// The gradient of `MaxPool2d`: `(x, g)`; each window's gradient goes to
+/// its (first) maximum.
+pub static MAX_POOL2D_GRAD: OpDef = OpDef {
+    name: "MaxPool2dGrad",
+    inputs: &["x", "g"],
+    variadic: false,
+    outputs: 1,
+    attrs: POOL_ATTRS_MAX,
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: pool_grad_meta,
+    grad: None,
+};
+
+/// The gradient of `AvgPool2d`: `(x, g)`; each window's gradient is spread
+/// evenly over the taps its average divided by.
+pub static AVG_POOL2D_GRAD: OpDef = OpDef {
+    name: "AvgPool2dGrad",
+    inputs: &["x", "g"],
+    variadic: false,
+    outputs: 1,
+    attrs: POOL_ATTRS_AVG,
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: pool_grad_meta,
+    grad: None,
+};
+
+/// Copies the forward attributes and adds the other operand's `shape`.
+fn backprop_attrs(attrs: &Attrs<'_>, shape: &Shape) -> Result<crate::OpAttrs> {
+    let mut out = crate::OpAttrs::new();
+    out.set_dims("shape", shape.dims())
+        .set_ints("stride", attrs.ints("stride")?)
+        .set_ints("padding", attrs.ints("padding")?)
+        .set_ints("dilation", attrs.ints("dilation")?)
+        .set_int("groups", attrs.int("groups")?);
+    Ok(out)
+}
+
+fn conv2d_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, w, g) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
+    let (xs, ws) = (b.meta(x).shape, b.meta(w).shape);
+    let dx = b.op(
+        &CONV2D_BACKPROP_INPUT,
+        &[g, w],
+        &backprop_attrs(&ctx.attrs, &xs)?,
+    )?;
+    let dw = b.op(
+        &CONV2D_BACKPROP_FILTER,
+        &[x, g],
+        &backprop_attrs(&ctx.attrs, &ws)?,
+    )?;
+    Ok(smallvec::smallvec![Some(dx), Some(dw)])
+}
+
+fn max_pool_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, g) = (ctx.inputs[0], ctx.grad()?);
+    crate::grad::only(b.op(&MAX_POOL2D_GRAD, &[x, g], ctx.attrs.raw())?)
+}
+
+fn avg_pool_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, g) = (ctx.inputs[0], ctx.grad()?);
+    crate::grad::only(b.op(&AVG_POOL2D_GRAD, &[x, g], ctx.attrs.raw())?)
 }
 
 #[cfg(test)]
