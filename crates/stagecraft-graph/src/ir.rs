@@ -195,6 +195,8 @@ impl Function {
     /// Adds the function to the process-wide library so that ops can name
     /// it in attributes.
     pub fn register(self) -> FuncId {
+        // Functions named by If/Call ops can be differentiated from here on.
+        stagecraft_ops::grad::set_gradient_transform(crate::autodiff::gradient_of_library_function);
         let signature = self.signature();
         let name = self.name.clone();
         func::register_function(name, signature, Arc::new(Arc::new(self)))

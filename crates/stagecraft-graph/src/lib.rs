@@ -7,6 +7,7 @@
 //! Graphviz form ([`dot`]), the verifier ([`verify`]) and the optimization
 //! passes ([`passes`]).
 
+pub mod autodiff;
 pub mod dot;
 mod ir;
 pub mod passes;

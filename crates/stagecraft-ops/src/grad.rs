@@ -17,6 +17,13 @@ pub struct G(pub u32);
 pub trait GradBuilder {
     /// Applies a single-output op.
     fn op(&mut self, def: &'static OpDef, inputs: &[G], attrs: &OpAttrs) -> Result<G>;
+    /// Applies an op with any number of outputs (control flow).
+    fn op_multi(
+        &mut self,
+        def: &'static OpDef,
+        inputs: &[G],
+        attrs: &OpAttrs,
+    ) -> Result<SmallVec<[G; 4]>>;
     /// The metadata of a value.
     fn meta(&self, value: G) -> TensorMetadata;
     /// A tensor of `meta` whose elements all equal `value`.
@@ -165,4 +172,24 @@ impl dyn GradBuilder + '_ {
 /// One gradient for a single-input op.
 pub(crate) fn only(g: G) -> Result<InputGrads> {
     Ok(smallvec![Some(g)])
+}
+
+/// Turns a library function `f(params) -> results` into its gradient
+/// function `f'(params, result grads) -> param grads`; registered by the
+/// graph layer, which owns the IR (the ops layer sits below it).
+pub type GradientTransform = fn(crate::func::FuncId) -> Result<crate::func::FuncId>;
+
+static GRADIENT_TRANSFORM: std::sync::OnceLock<GradientTransform> = std::sync::OnceLock::new();
+
+/// Installs the gradient transform of library functions (once).
+pub fn set_gradient_transform(transform: GradientTransform) {
+    let _ = GRADIENT_TRANSFORM.set(transform);
+}
+
+/// The gradient function of a library function.
+pub fn gradient_function(id: crate::func::FuncId) -> Result<crate::func::FuncId> {
+    let transform = GRADIENT_TRANSFORM.get().ok_or_else(|| {
+        Error::internal("no gradient transform for library functions is installed")
+    })?;
+    transform(id)
 }

@@ -139,6 +139,20 @@ impl GradBuilder for Builder {
         Ok(self.push(out))
     }
 
+    fn op_multi(
+        &mut self,
+        def: &'static OpDef,
+        inputs: &[G],
+        attrs: &OpAttrs,
+    ) -> Result<SmallVec<[G; 4]>> {
+        let args: Args = inputs.iter().map(|g| self.handle(*g).clone()).collect();
+        let outs = crate::tensor::run_handles(def, args, attrs, self.location);
+        if let Some(e) = outs.first().and_then(|h| h.resolved_error()) {
+            return Err(e.clone());
+        }
+        Ok(outs.into_iter().map(|h| self.push(h)).collect())
+    }
+
     fn meta(&self, value: G) -> TensorMetadata {
         self.handle(value).metadata().clone()
     }

@@ -255,13 +255,23 @@ pub(crate) fn run_handle(
     attrs: &OpAttrs,
     location: Location,
 ) -> TensorHandle {
+    run_handles(op, args, attrs, location).swap_remove(0)
+}
+
+/// [`run_handle`] returning every output.
+pub(crate) fn run_handles(
+    op: &'static OpDef,
+    args: Args,
+    attrs: &OpAttrs,
+    location: Location,
+) -> runtime::Results {
     let device = runtime::place(&args);
     let recorded = crate::autodiff::is_recording().then(|| args.clone());
-    let mut results = runtime::execute(op, device, location, args, attrs.into());
+    let results = runtime::execute(op, device, location, args, attrs.into());
     if let Some(args) = recorded {
         crate::autodiff::record(op, attrs, location, &args, &results);
     }
-    results.swap_remove(0)
+    results
 }
 
 /// Runs `op` on `args`, placed by the eager rules, returning its first

@@ -250,6 +250,52 @@ fn convolution_and_pooling() {
     );
 }
 
+/// The gradient of an If is an If over the branches' gradient functions;
+/// checked against finite differences on both branches, nested, and inside
+/// a staged function.
+#[test]
+fn gradients_through_cond_and_functions() {
+    let f = |x: &T| {
+        let p = x.sum(&[0], false).gt(&Tensor::scalar(0.0, &cpu()));
+        let y = stagecraft::cond(&p, || (x * x).tanh(), || x.sin() * 3.0);
+        weighted(y)
+    };
+    check("cond, then branch", f, &tensor(&[3], 30, 0.1, 1.0));
+    check("cond, else branch", f, &tensor(&[3], 31, -1.0, -0.1));
+    let nested = |x: &T| {
+        let s = x.sum(&[0], false);
+        let outer = s.gt(&Tensor::scalar(0.0, &cpu()));
+        let y = stagecraft::cond(
+            &outer,
+            || {
+                let inner = s.gt(&Tensor::scalar(1.0, &cpu()));
+                stagecraft::cond(&inner, || x.exp(), || x * x * x)
+            },
+            || -x,
+        );
+        weighted(y)
+    };
+    check("nested cond, big", nested, &tensor(&[3], 32, 0.5, 1.0));
+    check("nested cond, small", nested, &tensor(&[3], 33, 0.01, 0.1));
+    let staged = std::sync::Arc::new(stagecraft::function(|x: T| {
+        (x.matmul(&x.transpose(0, 1)) + 1.0).log()
+    }));
+    let through_function = move |x: &T| weighted(staged.call(x.clone()));
+    check("function", through_function, &tensor(&[2, 3], 34, 0.1, 1.0));
+    // Second order through a cond.
+    let d = |x: &T| {
+        grad(|x: &T| {
+            stagecraft::cond(&Tensor::scalar(true, &cpu()), || x.tanh(), || x.clone())
+                .sum(&[0], false)
+        })(x)
+    };
+    check(
+        "cond, second order",
+        move |x| weighted(d(x)),
+        &tensor(&[2], 35, -1.0, 1.0),
+    );
+}
+
 #[test]
 fn second_derivatives() {
     let x = tensor(&[3], 17, -1.0, 1.0);
@@ -342,11 +388,14 @@ fn errors() {
     );
     // An op without a gradient rule names itself and its line.
     let w = tensor(&[2], 24, 0.0, 1.0).requires_grad();
-    let p = Tensor::<bool>::scalar(true, &cpu());
     let line = line!() + 1;
-    let y = stagecraft::cond(&p, || &w * 2.0, || w.clone()).sum(&[0], false);
-    let err = y.backward().unwrap_err();
-    assert_eq!(err.op(), Some("If"), "{err}");
+    let y = stagecraft::while_loop(
+        w.clone(),
+        |w| w.sum(&[0], false).lt(&Tensor::scalar(3.0, &cpu())),
+        |w| w * 2.0,
+    );
+    let err = y.sum(&[0], false).backward().unwrap_err();
+    assert_eq!(err.op(), Some("While"), "{err}");
     assert_eq!(err.location().unwrap().line(), line);
     let _ = lazy::metrics();
 }

@@ -5,6 +5,7 @@
 
 use crate::attrs::AttrKind;
 use crate::func::{function_name, function_signature, FuncId, FunctionSignature};
+use crate::grad::{gradient_function, GradBuilder, GradContext, InputGrads, G};
 use crate::op::*;
 use stagecraft_tensor::{DType, Error, Result, TensorMetadata};
 
@@ -122,7 +123,7 @@ pub static IF: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: if_meta,
-    grad: None,
+    grad: Some(if_grad),
 };
 
 /// `While(state...)`: `state = body(state)` while `cond(state)` holds; the
@@ -155,5 +156,54 @@ pub static CALL: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: call_meta,
-    grad: None,
+    grad: Some(call_grad),
 };
+
+/// The incoming gradient of every output, zeros where none flows (a
+/// gradient function takes one per result).
+fn all_grads(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<Vec<G>> {
+    ctx.outputs
+        .iter()
+        .zip(ctx.grads)
+        .map(|(out, g)| match g {
+            Some(g) => Ok(*g),
+            None => {
+                let meta = b.meta(*out);
+                b.fill(0.0, &meta)
+            }
+        })
+        .collect()
+}
+
+/// The gradient of an If is an If on the same predicate whose branches are
+/// the gradient functions of the forward branches (each recomputes its
+/// branch's forward values from the inputs rather than receiving them as
+/// optional outputs).
+fn if_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let then_g = gradient_function(ctx.attrs.func("then_branch")?)?;
+    let else_g = gradient_function(ctx.attrs.func("else_branch")?)?;
+    let mut inputs: Vec<G> = ctx.inputs.to_vec();
+    inputs.extend(all_grads(b, ctx)?);
+    let mut attrs = crate::OpAttrs::new();
+    attrs
+        .set_func("then_branch", then_g)
+        .set_func("else_branch", else_g);
+    let grads = b.op_multi(&IF, &inputs, &attrs)?;
+    let mut out = InputGrads::new();
+    out.push(None);
+    out.extend(grads.into_iter().map(Some));
+    Ok(out)
+}
+
+/// The gradient of a Call is a Call of the callee's gradient function.
+fn call_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let f_g = gradient_function(ctx.attrs.func("f")?)?;
+    let mut inputs: Vec<G> = ctx.inputs.to_vec();
+    inputs.extend(all_grads(b, ctx)?);
+    let mut attrs = crate::OpAttrs::new();
+    attrs.set_func("f", f_g);
+    Ok(b.op_multi(&CALL, &inputs, &attrs)?
+        .into_iter()
+        .map(Some)
+        .collect())
+}
