@@ -201,3 +201,169 @@ pub fn gradient_of_library_function(id: FuncId) -> Result<FuncId> {
         .insert(id, grad);
     Ok(grad)
 }
+
+/// Builds the loops of a While's gradient (see the `While` rule in
+/// `stagecraft-ops`): over `n` loop values `s` with condition `C` and body
+/// `B`,
+/// - count: `(s, i)` while `C(s)`: `(B(s), i + 1)`, giving the trip count;
+/// - reverse: `(s0, k, g)` while `k > 0`: recompute `s` entering iteration
+///   `k - 1` by running `B` `k - 1` times from `s0`, then
+///   `g = B'(s, g)`, `k = k - 1`.
+pub fn while_gradient_loops(
+    cond: FuncId,
+    body: FuncId,
+) -> Result<stagecraft_ops::grad::WhileGradient> {
+    use stagecraft_ops::grad::WhileGradient;
+    use stagecraft_ops::{CALL, GREATER, LESS, SUB, WHILE};
+    static CACHE: OnceLock<Mutex<HashMap<(FuncId, FuncId), WhileGradient>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(found) = cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&(cond, body))
+    {
+        return Ok(*found);
+    }
+    let b = Function::lookup(body)
+        .ok_or_else(|| Error::internal("a While body is not a graph function"))?;
+    let body_grad = gradient_of_library_function(body)?;
+    let all = b.params.clone();
+    let n = all.len();
+    let index = TensorMetadata::new(
+        stagecraft_tensor::DType::I64,
+        stagecraft_tensor::Shape::scalar(),
+    );
+    let location = b
+        .nodes
+        .first()
+        .map_or_else(Location::caller, |node| node.location);
+    let params = |extra: &[TensorMetadata], more: &[TensorMetadata]| -> Vec<TensorMetadata> {
+        all.iter().chain(extra).chain(more).cloned().collect()
+    };
+    let state =
+        |from: usize| -> Vec<Value> { (from..from + n).map(|i| Value::Param(i as u32)).collect() };
+    let call = |f: &mut Function, id: FuncId, args: &[Value]| -> Result<Vec<Value>> {
+        let mut attrs = OpAttrs::new();
+        attrs.set_func("f", id);
+        let node = f.add_op(&CALL, &attrs, args, location)?;
+        Ok((0..f.nodes[node].outputs.len() as u32)
+            .map(|output| Value::Output {
+                node: node as u32,
+                output,
+            })
+            .collect())
+    };
+    let int = |f: &mut Function, v: i64| -> Value {
+        Value::node(f.add_const(
+            HostTensor::Scalar(ScalarHostTensor::new(
+                Scalar::I64(v),
+                stagecraft_tensor::Shape::scalar(),
+            )),
+            location,
+        ))
+    };
+    let binary = |f: &mut Function, def: &'static OpDef, a: Value, c: Value| -> Result<Value> {
+        Ok(Value::node(f.add_op(
+            def,
+            &OpAttrs::new(),
+            &[a, c],
+            location,
+        )?))
+    };
+
+    // Counting loop.
+    let mut count_cond = Function::new(
+        "while_count_cond",
+        params(std::slice::from_ref(&index), &[]),
+    );
+    count_cond.results = call(&mut count_cond, cond, &state(0))?;
+    let mut count_body = Function::new(
+        "while_count_body",
+        params(std::slice::from_ref(&index), &[]),
+    );
+    let mut next = call(&mut count_body, body, &state(0))?;
+    let one = int(&mut count_body, 1);
+    next.push(binary(
+        &mut count_body,
+        &stagecraft_ops::ADD,
+        Value::Param(n as u32),
+        one,
+    )?);
+    count_body.results = next;
+
+    // Recomputation loop: (s, j, limit) while j < limit: (B(s), j + 1, limit).
+    let pair = [index.clone(), index.clone()];
+    let mut again_cond = Function::new("while_recompute_cond", params(&pair, &[]));
+    again_cond.results = vec![binary(
+        &mut again_cond,
+        &LESS,
+        Value::Param(n as u32),
+        Value::Param(n as u32 + 1),
+    )?];
+    let mut again_body = Function::new("while_recompute_body", params(&pair, &[]));
+    let mut next = call(&mut again_body, body, &state(0))?;
+    let one = int(&mut again_body, 1);
+    next.push(binary(
+        &mut again_body,
+        &stagecraft_ops::ADD,
+        Value::Param(n as u32),
+        one,
+    )?);
+    next.push(Value::Param(n as u32 + 1));
+    again_body.results = next;
+    let (again_cond, again_body) = (again_cond.register(), again_body.register());
+
+    // Reverse loop over (s0, k, g).
+    let mut reverse_cond = Function::new(
+        "while_reverse_cond",
+        params(std::slice::from_ref(&index), &all),
+    );
+    let zero = int(&mut reverse_cond, 0);
+    reverse_cond.results = vec![binary(
+        &mut reverse_cond,
+        &GREATER,
+        Value::Param(n as u32),
+        zero,
+    )?];
+    let mut reverse_body = Function::new(
+        "while_reverse_body",
+        params(std::slice::from_ref(&index), &all),
+    );
+    let k = Value::Param(n as u32);
+    let one = int(&mut reverse_body, 1);
+    let k_before = binary(&mut reverse_body, &SUB, k, one)?;
+    let start = int(&mut reverse_body, 0);
+    let mut loop_in = state(0);
+    loop_in.push(start);
+    loop_in.push(k_before);
+    let mut attrs = OpAttrs::new();
+    attrs
+        .set_func("cond", again_cond)
+        .set_func("body", again_body);
+    let node = reverse_body.add_op(&WHILE, &attrs, &loop_in, location)?;
+    let entering: Vec<Value> = (0..n as u32)
+        .map(|output| Value::Output {
+            node: node as u32,
+            output,
+        })
+        .collect();
+    let mut grad_in = entering;
+    grad_in.extend(state(n + 1));
+    let grads = call(&mut reverse_body, body_grad, &grad_in)?;
+    let mut results = state(0);
+    results.push(k_before);
+    results.extend(grads);
+    reverse_body.results = results;
+
+    let plan = WhileGradient {
+        count_cond: count_cond.register(),
+        count_body: count_body.register(),
+        reverse_cond: reverse_cond.register(),
+        reverse_body: reverse_body.register(),
+    };
+    cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert((cond, body), plan);
+    Ok(plan)
+}

@@ -197,6 +197,7 @@ impl Function {
     pub fn register(self) -> FuncId {
         // Functions named by If/Call ops can be differentiated from here on.
         stagecraft_ops::grad::set_gradient_transform(crate::autodiff::gradient_of_library_function);
+        stagecraft_ops::grad::set_while_transform(crate::autodiff::while_gradient_loops);
         let signature = self.signature();
         let name = self.name.clone();
         func::register_function(name, signature, Arc::new(Arc::new(self)))

@@ -193,3 +193,39 @@ pub fn gradient_function(id: crate::func::FuncId) -> Result<crate::func::FuncId>
     })?;
     transform(id)
 }
+
+/// The functions the gradient of a `While` runs, built by the graph layer:
+/// a loop that counts the forward trip count, and a reverse loop that runs
+/// the body's gradient that many times (see `stagecraft_graph::autodiff`).
+#[derive(Clone, Copy, Debug)]
+pub struct WhileGradient {
+    /// Condition of the counting loop over `(state.., i)`.
+    pub count_cond: crate::func::FuncId,
+    /// Body of the counting loop.
+    pub count_body: crate::func::FuncId,
+    /// Condition of the reverse loop over `(state0.., k, grads..)`.
+    pub reverse_cond: crate::func::FuncId,
+    /// Body of the reverse loop.
+    pub reverse_body: crate::func::FuncId,
+}
+
+/// Builds the [`WhileGradient`] of a loop's condition and body.
+pub type WhileTransform = fn(crate::func::FuncId, crate::func::FuncId) -> Result<WhileGradient>;
+
+static WHILE_TRANSFORM: std::sync::OnceLock<WhileTransform> = std::sync::OnceLock::new();
+
+/// Installs the While gradient builder (once).
+pub fn set_while_transform(transform: WhileTransform) {
+    let _ = WHILE_TRANSFORM.set(transform);
+}
+
+/// The gradient loops of a While.
+pub fn while_gradient(
+    cond: crate::func::FuncId,
+    body: crate::func::FuncId,
+) -> Result<WhileGradient> {
+    let transform = WHILE_TRANSFORM
+        .get()
+        .ok_or_else(|| Error::internal("no While gradient builder is installed"))?;
+    transform(cond, body)
+}

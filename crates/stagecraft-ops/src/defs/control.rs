@@ -5,7 +5,7 @@
 
 use crate::attrs::AttrKind;
 use crate::func::{function_name, function_signature, FuncId, FunctionSignature};
-use crate::grad::{gradient_function, GradBuilder, GradContext, InputGrads, G};
+use crate::grad::{gradient_function, while_gradient, GradBuilder, GradContext, InputGrads, G};
 use crate::op::*;
 use stagecraft_tensor::{DType, Error, Result, TensorMetadata};
 
@@ -142,7 +142,7 @@ pub static WHILE: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: while_meta,
-    grad: None,
+    grad: Some(while_grad),
 };
 
 /// `Call(args...)`: runs the function `f`.
@@ -206,4 +206,41 @@ fn call_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrad
         .into_iter()
         .map(Some)
         .collect())
+}
+
+/// Reverse mode through a While with a data-dependent trip count: a
+/// counting loop finds the trip count `n`, then a reverse loop runs the
+/// body's gradient `n` times, from the last iteration back to the first.
+/// Instead of stacking every iteration's state, the reverse loop recomputes
+/// the state entering iteration `k` from the initial state: memory stays
+/// that of one state, at the price of O(n²) body evaluations.
+fn while_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    if ctx.attrs.int("max_iterations")? >= 0 {
+        return Err(Error::invalid(
+            "the gradient of a While with max_iterations is not supported",
+        ));
+    }
+    let plan = while_gradient(ctx.attrs.func("cond")?, ctx.attrs.func("body")?)?;
+    let n_all = ctx.inputs.len();
+    let zero = b.fill(
+        0.0,
+        &TensorMetadata::new(DType::I64, stagecraft_tensor::Shape::scalar()),
+    )?;
+    let mut count_in: Vec<G> = ctx.inputs.to_vec();
+    count_in.push(zero);
+    let mut attrs = crate::OpAttrs::new();
+    attrs
+        .set_func("cond", plan.count_cond)
+        .set_func("body", plan.count_body);
+    let counted = b.op_multi(&WHILE, &count_in, &attrs)?;
+    let trips = counted[n_all];
+    let mut reverse_in: Vec<G> = ctx.inputs.to_vec();
+    reverse_in.push(trips);
+    reverse_in.extend(all_grads(b, ctx)?);
+    let mut attrs = crate::OpAttrs::new();
+    attrs
+        .set_func("cond", plan.reverse_cond)
+        .set_func("body", plan.reverse_body);
+    let reversed = b.op_multi(&WHILE, &reverse_in, &attrs)?;
+    Ok(reversed[n_all + 1..].iter().map(|g| Some(*g)).collect())
 }
