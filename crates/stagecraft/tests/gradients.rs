@@ -492,3 +492,39 @@ fn lazy_training_step_is_one_cached_trace() {
     let m = lazy::metrics();
     assert!(m.cache_hits >= 7, "{m:?}");
 }
+
+/// The same gradient computed eagerly, on the lazy device, and through a
+/// staged function (whose Call is differentiated at the IR level).
+#[test]
+fn gradients_agree_across_eager_lazy_and_function() {
+    let _serial = LAZY.lock().unwrap_or_else(|p| p.into_inner());
+    let body = |x: &T, w: &T| {
+        let h = x.matmul(w).tanh();
+        let p = h.sum(&[], false).gt(&Tensor::scalar(0.0, &x.device()));
+        stagecraft::cond(&p, || h.softmax(-1), || h.sigmoid())
+            .log()
+            .sum(&[], false)
+    };
+    let grad_on = |d: &Device, staged: bool| {
+        let x = Tensor::<f64>::from_vec(values(6, 50, -1.0, 1.0), &[2, 3], d).unwrap();
+        let w = Tensor::<f64>::from_vec(values(12, 51, -1.0, 1.0), &[3, 4], d)
+            .unwrap()
+            .requires_grad();
+        let loss = if staged {
+            let f = stagecraft::function(move |(x, w): (T, T)| body(&x, &w));
+            f.call((x.clone(), w.clone()))
+        } else {
+            body(&x, &w)
+        };
+        loss.backward().unwrap().get(&w).unwrap().to_vec().unwrap()
+    };
+    let eager = grad_on(&cpu(), false);
+    assert_eq!(grad_on(&Device::lazy(&cpu()), false), eager, "lazy");
+    let staged = grad_on(&cpu(), true);
+    for (a, b) in staged.iter().zip(&eager) {
+        assert!(
+            (a - b).abs() <= 1e-12 * (1.0 + b.abs()),
+            "function: {a} vs {b}"
+        );
+    }
+}
