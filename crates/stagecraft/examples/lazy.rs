@@ -1,0 +1,43 @@
+//! The lazy device: the seed's w/x/y/z program, its trace with live outputs,
+//! and a training loop whose every step is one cached trace.
+
+use stagecraft::{lazy, Device, Rng, Tensor};
+
+fn main() -> stagecraft::Result<()> {
+    let dev = Device::lazy(&Device::cpu());
+    let a = Tensor::<f32>::scalar(10.0, &dev);
+    let b = Tensor::<f32>::scalar(2.0, &dev);
+    let c = Tensor::<f32>::scalar(3.0, &dev);
+    let w = &a + &b;
+    let x = &w - &c;
+    let y = &(&x + &x) + &w;
+    let z = &y + &y;
+    println!("z has shape {:?} before anything ran", z.dims());
+    println!("{}", lazy::trace_text(&z)?);
+    drop((w, x, y));
+    println!("after dropping w, x, y:\n{}", lazy::trace_text(&z)?);
+    println!("z = {}", z.item()?);
+
+    // A small regression trained with backward(): one trace per step.
+    lazy::reset_metrics();
+    let mut rng = Rng::new(0);
+    let mut weights = Tensor::<f32>::rand_normal(&[4, 1], 0.0, 0.1, &mut rng, &dev);
+    let inputs = Tensor::<f32>::rand_uniform(&[32, 4], -1.0, 1.0, &mut rng, &dev);
+    let truth = Tensor::<f32>::from_vec(vec![1.0, -2.0, 0.5, 3.0], &[4, 1], &dev)?;
+    let targets = inputs.matmul(&truth);
+    lazy::mark_step();
+    for step in 0..50 {
+        let w = weights.requires_grad();
+        let err = inputs.matmul(&w) - &targets;
+        let loss = (&err * &err).mean(&[], false);
+        let grads = loss.backward()?;
+        weights = &w - &(grads.get(&w).expect("w is tracked") * 0.3);
+        lazy::mark_step();
+        if step % 10 == 9 {
+            println!("step {:2}: loss {:.6}", step + 1, loss.item()?);
+        }
+    }
+    println!("learned {}", weights.reshape(&[4]));
+    println!("{:#?}", lazy::metrics());
+    Ok(())
+}
