@@ -59,9 +59,9 @@ mod pool {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Mutex;
 
-    /// Only blocks of at least this many bytes are pooled; smaller ones are
-    /// cheap for the system allocator and live in its own caches.
-    pub(super) const MIN_POOLED: usize = 256 * 1024;
+    /// Blocks of at least this many bytes go to the shared pool; smaller
+    /// ones to a per-thread cache.
+    pub(super) const MIN_POOLED: usize = 4096;
     /// The pool holds at most this many bytes; beyond it freed blocks go
     /// back to the OS.
     pub(super) const MAX_CACHED: usize = 1 << 30;
@@ -84,22 +84,34 @@ mod pool {
 
     /// Takes a cached block of exactly `len` bytes (its contents are stale).
     pub(super) fn take(len: usize) -> Option<NonNull<u8>> {
-        if len < MIN_POOLED {
-            return None;
+        let local = if len < MIN_POOLED {
+            local::take(len)
+        } else {
+            None
+        };
+        let found = local.or_else(|| {
+            let mut guard = POOL.lock().unwrap_or_else(|p| p.into_inner());
+            let pool = guard.get_or_insert_with(Pool::default);
+            let block = pool.free.get_mut(&len).and_then(Vec::pop);
+            if block.is_some() {
+                pool.cached -= len;
+            }
+            block.map(|b| b.0)
+        });
+        if found.is_some() {
+            HITS.fetch_add(1, Ordering::Relaxed);
         }
-        let mut guard = POOL.lock().unwrap_or_else(|p| p.into_inner());
-        let pool = guard.get_or_insert_with(Pool::default);
-        let block = pool.free.get_mut(&len)?.pop()?;
-        pool.cached -= len;
-        HITS.fetch_add(1, Ordering::Relaxed);
-        Some(block.0)
+        found
     }
 
     /// Offers a freed block to the pool; false when the caller must free it.
+    /// Small blocks go to this thread's cache first; what it cannot keep
+    /// spills to the shared pool, so a block freed on one thread (the
+    /// caller) reaches the thread that allocates that size (a worker).
     pub(super) fn give_back(ptr: NonNull<u8>, len: usize) -> bool {
         LIVE_BYTES.fetch_sub(len as u64, Ordering::Relaxed);
-        if len < MIN_POOLED {
-            return false;
+        if len < MIN_POOLED && local::give_back(ptr, len) {
+            return true;
         }
         let mut guard = POOL.lock().unwrap_or_else(|p| p.into_inner());
         let pool = guard.get_or_insert_with(Pool::default);
@@ -111,8 +123,106 @@ mod pool {
         true
     }
 
-    /// Frees every cached block.
+    /// Small blocks are cached per thread, without a lock: a training step
+    /// frees and requests the same small sizes (biases, scalars, per-row
+    /// statistics) every time, and the global allocator's lock-free fast
+    /// path is about as costly as this lookup.
+    mod local {
+        use super::super::layout;
+        use super::Block;
+        use std::cell::RefCell;
+        use std::collections::HashMap;
+        use std::hash::{BuildHasherDefault, Hasher};
+        use std::ptr::NonNull;
+
+        /// At most this many bytes per thread, and this many blocks per size
+        /// (few, so that blocks freed here keep flowing to other threads
+        /// through the shared pool).
+        const MAX_BYTES: usize = 16 << 20;
+        const MAX_PER_SIZE: usize = 8;
+
+        /// Block lengths are already well spread; hashing them is wasted work.
+        #[derive(Default)]
+        struct LenHasher(u64);
+
+        impl Hasher for LenHasher {
+            fn write(&mut self, bytes: &[u8]) {
+                for b in bytes {
+                    self.0 = (self.0 << 8) | *b as u64;
+                }
+            }
+            fn write_usize(&mut self, v: usize) {
+                self.0 = (v as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            }
+            fn finish(&self) -> u64 {
+                self.0
+            }
+        }
+
+        #[derive(Default)]
+        struct Cache {
+            free: HashMap<usize, Vec<Block>, BuildHasherDefault<LenHasher>>,
+            bytes: usize,
+        }
+
+        impl Drop for Cache {
+            fn drop(&mut self) {
+                for (len, blocks) in self.free.drain() {
+                    for block in blocks {
+                        // SAFETY: cached blocks were allocated with
+                        // `layout(len)` and are owned by this cache alone.
+                        unsafe { std::alloc::dealloc(block.0.as_ptr(), layout(len)) }
+                    }
+                }
+            }
+        }
+
+        thread_local! {
+            static CACHE: RefCell<Cache> = RefCell::new(Cache::default());
+        }
+
+        pub(super) fn take(len: usize) -> Option<NonNull<u8>> {
+            CACHE
+                .try_with(|c| {
+                    let mut c = c.borrow_mut();
+                    let block = c.free.get_mut(&len).and_then(Vec::pop)?;
+                    c.bytes -= len;
+                    Some(block.0)
+                })
+                .ok()
+                .flatten()
+        }
+
+        pub(super) fn give_back(ptr: NonNull<u8>, len: usize) -> bool {
+            CACHE
+                .try_with(|c| {
+                    let mut c = c.borrow_mut();
+                    if c.bytes + len > MAX_BYTES {
+                        return false;
+                    }
+                    let slot = c.free.entry(len).or_default();
+                    if slot.len() >= MAX_PER_SIZE {
+                        return false;
+                    }
+                    slot.push(Block(ptr));
+                    c.bytes += len;
+                    true
+                })
+                .unwrap_or(false)
+        }
+
+        pub(super) fn cached_bytes() -> usize {
+            CACHE.try_with(|c| c.borrow().bytes).unwrap_or(0)
+        }
+
+        pub(super) fn trim() {
+            let _ = CACHE.try_with(|c| *c.borrow_mut() = Cache::default());
+        }
+    }
+
+    /// Frees every cached block (the shared pool's and this thread's).
     pub(super) fn trim() {
+        local::trim();
         let mut guard = POOL.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(pool) = guard.as_mut() {
             for (len, blocks) in pool.free.drain() {
@@ -126,9 +236,10 @@ mod pool {
         }
     }
 
+    /// Bytes cached in the shared pool plus this thread's small-block cache.
     pub(super) fn cached_bytes() -> usize {
         let guard = POOL.lock().unwrap_or_else(|p| p.into_inner());
-        guard.as_ref().map_or(0, |p| p.cached)
+        guard.as_ref().map_or(0, |p| p.cached) + local::cached_bytes()
     }
 
     pub(super) fn note_live(len: usize) {
@@ -175,10 +286,10 @@ impl Buffer {
     /// Zeroing is nearly free: small blocks are cleared in cache, and large
     /// ones come from the OS as zero pages.
     pub fn zeroed(len: usize) -> Buffer {
-        let mut buffer = Buffer::for_overwrite(len);
-        if buffer.0.len >= pool::MIN_POOLED {
+        let (mut buffer, reused) = Buffer::allocate(len);
+        if reused {
             let raw = Arc::get_mut(&mut buffer.0).expect("a fresh buffer is unique");
-            // SAFETY: unique, valid for `len` bytes; a pooled block may hold
+            // SAFETY: unique, valid for `len` bytes; a pooled block holds
             // stale bytes, so clear it (fresh blocks are already zero).
             unsafe { std::ptr::write_bytes(raw.ptr.as_ptr(), 0, raw.len) };
         }
@@ -190,22 +301,32 @@ impl Buffer {
     /// that overwrites every element. Only for dtypes valid for any bit
     /// pattern: bool buffers must come from [`Buffer::zeroed`].
     pub fn for_overwrite(len: usize) -> Buffer {
-        let ptr = if len == 0 {
+        Buffer::allocate(len).0
+    }
+
+    /// A buffer of `len` bytes, and whether it is a reused pooled block
+    /// (stale contents) rather than fresh zeroed memory.
+    fn allocate(len: usize) -> (Buffer, bool) {
+        let (ptr, reused) = if len == 0 {
             // A dangling but aligned pointer: zero-length slices need no memory.
-            NonNull::new(SMALL_ALIGN as *mut u8).expect("non-null constant")
+            (
+                NonNull::new(SMALL_ALIGN as *mut u8).expect("non-null constant"),
+                false,
+            )
         } else if let Some(ptr) = pool::take(len) {
-            ptr
+            (ptr, true)
         } else {
             ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
             ALLOCATED_BYTES.fetch_add(len as u64, Ordering::Relaxed);
             // SAFETY: the layout has a non-zero size.
             let raw = unsafe { alloc::alloc_zeroed(layout(len)) };
-            NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout(len)))
+            let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout(len)));
+            (ptr, false)
         };
         if len > 0 {
             pool::note_live(len);
         }
-        Buffer(Arc::new(RawBuffer { ptr, len }))
+        (Buffer(Arc::new(RawBuffer { ptr, len })), reused)
     }
 
     /// Allocation statistics so far.
@@ -390,5 +511,20 @@ mod tests {
         drop(b);
         Buffer::trim_pool();
         assert_eq!(Buffer::stats().cached_bytes, 0);
+    }
+
+    #[test]
+    fn small_blocks_come_back_from_the_thread_cache_and_are_zeroed_on_request() {
+        let mut a = Buffer::zeroed(96);
+        a.typed_mut::<f32>().unwrap().fill(3.0);
+        let addr = a.bytes().as_ptr() as usize;
+        drop(a);
+        let b = Buffer::zeroed(96);
+        assert_eq!(
+            b.bytes().as_ptr() as usize,
+            addr,
+            "reused from this thread's cache"
+        );
+        assert!(b.bytes().iter().all(|&x| x == 0));
     }
 }

@@ -1,0 +1,45 @@
+//! A steady-state training step on the lazy device allocates no new
+//! buffers: after warm-up every buffer comes from the pools (its own binary:
+//! the allocation counters are process-wide).
+
+use stagecraft::layers::tensor::Buffer;
+use stagecraft::{lazy, Device, Rng, Tensor};
+
+#[test]
+fn steady_state_lazy_training_allocates_no_buffers() {
+    let d = Device::lazy(&Device::cpu());
+    let mut rng = Rng::new(1);
+    let mut w1 = Tensor::<f32>::rand_normal(&[64, 128], 0.0, 0.1, &mut rng, &d);
+    let mut w2 = Tensor::<f32>::rand_normal(&[128, 10], 0.0, 0.1, &mut rng, &d);
+    let x = Tensor::<f32>::rand_uniform(&[128, 64], 0.0, 1.0, &mut rng, &d);
+    let y = Tensor::<f32>::from_vec(
+        (0..1280)
+            .map(|i| if i % 10 == (i / 10) % 10 { 1.0 } else { 0.0 })
+            .collect(),
+        &[128, 10],
+        &d,
+    )
+    .unwrap();
+    lazy::mark_step();
+    let mut per_step = Vec::new();
+    for _ in 0..40 {
+        let before = Buffer::stats().allocations;
+        let (a, b) = (w1.requires_grad(), w2.requires_grad());
+        let logits = x.matmul(&a).relu().matmul(&b);
+        let loss = -(logits.log_softmax(-1) * &y)
+            .sum(&[-1], false)
+            .mean(&[0], false);
+        let grads = loss.backward().unwrap();
+        w1 = &a - &(grads.get(&a).unwrap() * 0.1);
+        w2 = &b - &(grads.get(&b).unwrap() * 0.1);
+        lazy::mark_step();
+        drop(loss);
+        per_step.push(Buffer::stats().allocations - before);
+    }
+    // Thread caches fill first (a few blocks per size), then blocks flow
+    // between threads through the shared pool.
+    assert!(
+        per_step[32..].iter().all(|&n| n == 0),
+        "fresh buffer allocations per step: {per_step:?}"
+    );
+}
