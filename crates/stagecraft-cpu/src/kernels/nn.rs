@@ -175,6 +175,14 @@ fn conv2d_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
     ))
 }
 
+/// The in-bounds input range `[start, end)` of output position `o` along
+/// spatial `axis` (of size `size`): padding taps fall outside it.
+fn window_span(o: usize, axis: usize, size: usize, win: Window2d) -> (usize, usize) {
+    let start = (o * win.stride[axis]) as isize - win.padding[axis] as isize;
+    let end = (start + win.kernel[axis] as isize).min(size as isize);
+    (start.max(0) as usize, end.max(0) as usize)
+}
+
 /// Applies `reduce` to every pooling window of every (image, channel)
 /// plane; `reduce(window values, count of in-bounds taps)`.
 fn pool<T: Element + Send + Sync>(
@@ -194,17 +202,9 @@ fn pool<T: Element + Send + Sync>(
     let plane_job = |(p, y): (usize, &mut [T])| {
         let plane = &xv[p * h * w..][..h * w];
         for oy in 0..oh {
-            let y0 = (oy * win.stride[0]) as isize - win.padding[0] as isize;
-            let (ys, ye) = (
-                y0.max(0) as usize,
-                ((y0 + win.kernel[0] as isize).min(h as isize)).max(0) as usize,
-            );
+            let (ys, ye) = window_span(oy, 0, h, win);
             for ox in 0..ow {
-                let x0 = (ox * win.stride[1]) as isize - win.padding[1] as isize;
-                let (xs_, xe) = (
-                    x0.max(0) as usize,
-                    ((x0 + win.kernel[1] as isize).min(w as isize)).max(0) as usize,
-                );
+                let (xs_, xe) = window_span(ox, 1, w, win);
                 let count = ye.saturating_sub(ys) * xe.saturating_sub(xs_);
                 let mut taps =
                     (ys..ye).flat_map(|iy| plane[iy * w + xs_..iy * w + xe].iter().copied());
@@ -539,17 +539,9 @@ fn for_each_window(
 ) {
     for p in 0..planes {
         for oy in 0..oh {
-            let y0 = (oy * win.stride[0]) as isize - win.padding[0] as isize;
-            let (ys, ye) = (
-                y0.max(0) as usize,
-                ((y0 + win.kernel[0] as isize).min(h as isize)).max(0) as usize,
-            );
+            let (ys, ye) = window_span(oy, 0, h, win);
             for ox in 0..ow {
-                let x0 = (ox * win.stride[1]) as isize - win.padding[1] as isize;
-                let (xs, xe) = (
-                    x0.max(0) as usize,
-                    ((x0 + win.kernel[1] as isize).min(w as isize)).max(0) as usize,
-                );
+                let (xs, xe) = window_span(ox, 1, w, win);
                 let count = ye.saturating_sub(ys) * xe.saturating_sub(xs);
                 let mut taps = (ys..ye).flat_map(move |iy| (xs..xe).map(move |ix| iy * w + ix));
                 visit(p, &mut taps, p * oh * ow + oy * ow + ox, count);
