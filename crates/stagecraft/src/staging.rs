@@ -306,6 +306,7 @@ pub fn while_loop<S: TensorGroup>(
     run_control(&stagecraft_ops::WHILE, args, &attrs, location, &init)
 }
 
+#[derive(Clone)]
 struct Traced<R> {
     id: FuncId,
     captures: Vec<TensorHandle>,
@@ -361,44 +362,57 @@ where
         let location = Location::caller();
         let arg_handles = handles_of(&args);
         let signature = metas(&arg_handles);
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if !cache.contains_key(&signature) {
-            let mut template = None;
-            let traced = trace("function", &signature, location, |params| {
-                match args.rebuild(&mut params.into_iter()) {
-                    Ok(symbolic) => {
-                        let r = (self.f)(symbolic);
-                        let h = handles_of(&r);
-                        template = Some(r);
-                        h
+        // The lock is not held while tracing: the closure may call this
+        // staged function itself with another signature (recursion on
+        // smaller shapes), which must not deadlock.
+        let cached = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&signature)
+            .cloned();
+        let entry = match cached {
+            Some(entry) => entry,
+            None => {
+                let mut template = None;
+                let traced = trace("function", &signature, location, |params| {
+                    match args.rebuild(&mut params.into_iter()) {
+                        Ok(symbolic) => {
+                            let r = (self.f)(symbolic);
+                            let h = handles_of(&r);
+                            template = Some(r);
+                            h
+                        }
+                        Err(e) => vec![TensorHandle::error(
+                            runtime::place(&[]),
+                            signature[0].clone(),
+                            e,
+                        )],
                     }
-                    Err(e) => vec![TensorHandle::error(
-                        runtime::place(&[]),
-                        signature[0].clone(),
-                        e,
-                    )],
-                }
-            });
-            let traced = match (traced, template) {
-                (Ok(t), Some(template)) => (t, template),
-                (Err(e), Some(template)) => return error_like(&template, e, location),
-                (_, None) => {
-                    let e = Error::internal("the staged closure did not run").at(location);
-                    panic!("{e}")
-                }
-            };
-            let (t, template) = traced;
-            let id = t.function.register();
-            cache.insert(
-                signature.clone(),
-                Traced {
-                    id,
+                });
+                let (t, template) = match (traced, template) {
+                    (Ok(t), Some(template)) => (t, template),
+                    (Err(e), Some(template)) => return error_like(&template, e, location),
+                    (_, None) => {
+                        let e = Error::internal("the staged closure did not run").at(location);
+                        panic!("{e}")
+                    }
+                };
+                let entry = Traced {
+                    id: t.function.register(),
                     captures: t.captures,
                     template,
-                },
-            );
-        }
-        let entry = &cache[&signature];
+                };
+                // Another thread may have traced the same signature meanwhile;
+                // the first one stored wins, so every call uses one function.
+                self.cache
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(signature.clone())
+                    .or_insert(entry)
+                    .clone()
+            }
+        };
         let mut attrs = OpAttrs::new();
         attrs.set_func("f", entry.id);
         let mut call_args: Args = arg_handles.into_iter().collect();

@@ -249,3 +249,28 @@ fn an_error_in_a_parallel_run_names_the_failing_node() {
     assert_eq!(err.op(), Some("Div"), "{err}");
     assert!(err.to_string().contains("division by zero"), "{err}");
 }
+
+type Recursive = stagecraft::StagedFunction<
+    Tensor<f32>,
+    Tensor<f32>,
+    Box<dyn Fn(Tensor<f32>) -> Tensor<f32> + Send + Sync>,
+>;
+
+/// A staged function may call itself on smaller shapes while it is being
+/// traced (each shape is its own signature) without deadlocking.
+#[test]
+fn staged_functions_can_recurse_on_smaller_shapes() {
+    static HALVES: std::sync::OnceLock<Recursive> = std::sync::OnceLock::new();
+    let f = HALVES.get_or_init(|| {
+        function(Box::new(|x: Tensor<f32>| {
+            let n = x.dims()[0];
+            if n == 1 {
+                return x.sum(&[0], false);
+            }
+            let me = HALVES.get().expect("initialized before the first call");
+            me.call(x.narrow(0, 0, n / 2)) + me.call(x.narrow(0, n / 2, n - n / 2))
+        }))
+    });
+    let x = f32s(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+    assert_eq!(f.call(x).item().unwrap(), 36.0);
+}
