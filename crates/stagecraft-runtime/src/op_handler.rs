@@ -43,6 +43,18 @@ pub struct OpInvocation<'a> {
     pub chain: Option<(Chain, Chain)>,
 }
 
+impl OpInvocation<'_> {
+    /// Marks the op's side-effect chain done at once, for handlers that
+    /// order side effects themselves (the tracer and the lazy device, whose
+    /// functions run them in their own order): the eager chain must not
+    /// wait for them.
+    pub fn release_chain(&mut self) {
+        if let Some((_, done)) = self.chain.take() {
+            done.set(Ok(()));
+        }
+    }
+}
+
 /// Executes op invocations. Implementations must be thread-safe: several
 /// threads call `execute` at once.
 pub trait OpHandler: Send + Sync {

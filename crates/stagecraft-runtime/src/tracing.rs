@@ -176,7 +176,9 @@ impl OpHandler for TracerHandler {
         true
     }
 
-    fn execute(&self, inv: OpInvocation<'_>) -> Results {
+    fn execute(&self, mut inv: OpInvocation<'_>) -> Results {
+        // Staged side effects are ordered by the function's own execution.
+        inv.release_chain();
         let OpInvocation {
             op,
             device,
@@ -184,14 +186,8 @@ impl OpHandler for TracerHandler {
             args,
             attrs,
             outputs,
-            chain,
             ..
         } = inv;
-        // Staged side effects are ordered by the function's own execution;
-        // the eager chain must not wait for them.
-        if let Some((_, done)) = chain {
-            done.set(Ok(()));
-        }
         let recorded = FRAMES.with(|frames| -> Result<Results> {
             let mut frames = frames.borrow_mut();
             let frame = frames

@@ -231,3 +231,21 @@ fn dot_form_has_every_op() {
         "{dot}"
     );
 }
+
+/// A side-effecting op recorded on the lazy device (or in a traced branch)
+/// runs inside its trace; it must not hold up eager side effects.
+#[test]
+fn lazy_side_effects_do_not_block_eager_ones() {
+    let _g = serial();
+    let x = Tensor::<f32>::ones(&[2], &dev()).print("lazy");
+    let p = Tensor::<bool>::scalar(true, &Device::cpu());
+    let c = cond(
+        &p,
+        || Tensor::<f32>::ones(&[2], &Device::cpu()).print("traced"),
+        || Tensor::zeros(&[2], &Device::cpu()),
+    );
+    let y = Tensor::<f32>::ones(&[2], &Device::cpu()).print("eager");
+    assert_eq!(y.to_vec().unwrap(), vec![1.0, 1.0]);
+    assert_eq!(c.to_vec().unwrap(), vec![1.0, 1.0]);
+    assert_eq!(x.to_vec().unwrap(), vec![1.0, 1.0]);
+}

@@ -190,7 +190,9 @@ fn debug_log(message: &str) {
 // ---------------------------------------------------------------------------
 // Recording.
 
-pub(super) fn record(target: Device, inv: OpInvocation<'_>) -> Results {
+pub(super) fn record(target: Device, mut inv: OpInvocation<'_>) -> Results {
+    // The trace orders side effects by its own execution order.
+    inv.release_chain();
     let OpInvocation {
         op,
         device,
@@ -198,13 +200,8 @@ pub(super) fn record(target: Device, inv: OpInvocation<'_>) -> Results {
         args,
         attrs,
         outputs,
-        chain,
         ..
     } = inv;
-    // The trace orders side effects by its own execution order.
-    if let Some((_, done)) = chain {
-        done.set(Ok(()));
-    }
     let inputs: SmallVec<[Input; 4]> = args
         .into_iter()
         .map(|arg| match arg.lazy_ref() {
@@ -254,19 +251,16 @@ pub(super) fn record(target: Device, inv: OpInvocation<'_>) -> Results {
 
 /// `STAGECRAFT_LAZY_EAGER=1`: run each op on the target at once and keep
 /// the results as concrete lazy tensors.
-pub(super) fn execute_eagerly(target: Device, inv: OpInvocation<'_>) -> Results {
+pub(super) fn execute_eagerly(target: Device, mut inv: OpInvocation<'_>) -> Results {
+    inv.release_chain();
     let OpInvocation {
         op,
         device,
         location,
         args,
         attrs,
-        chain,
         ..
     } = inv;
-    if let Some((_, done)) = chain {
-        done.set(Ok(()));
-    }
     let moved: crate::Args = args
         .iter()
         .map(|a| match a.wait() {
