@@ -4,7 +4,7 @@
 //! A kernel receives dense host inputs (owned, so it may reuse a buffer it
 //! holds the last reference to) and the output metadata that the op's
 //! metadata function already computed; it never re-validates shapes. The
-//! [`reference`] module holds slow, obviously correct versions of the same
+//! [`reference`](mod@reference) module holds slow, obviously correct versions of the same
 //! ops that the tests compare against.
 
 mod kernel;

@@ -115,7 +115,7 @@ impl Function {
     /// The metadata of a value.
     ///
     /// # Panics
-    /// If the value does not exist in this function (run [`crate::verify`]
+    /// If the value does not exist in this function (run [`crate::verify()`]
     /// on functions of unknown origin first).
     pub fn meta(&self, value: Value) -> &TensorMetadata {
         match value {

@@ -4,7 +4,7 @@
 //! ([`Function::register`]) so that control-flow ops can name them.
 //!
 //! Around the IR: a text form that prints and parses back ([`text`]), a
-//! Graphviz form ([`dot`]), the verifier ([`verify`]) and the optimization
+//! Graphviz form ([`dot`]), the verifier ([`verify()`]) and the optimization
 //! passes ([`passes`]).
 
 pub mod autodiff;
