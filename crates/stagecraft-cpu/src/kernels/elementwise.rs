@@ -268,7 +268,7 @@ impl Real for bf16 {
 /// Arithmetic of a numeric element type, in its own precision: integers
 /// wrap, floats round once (f16 and bf16 go through f32, whose extra
 /// precision makes the double rounding of `+ - * /` harmless).
-trait Arith: Element {
+pub(crate) trait Arith: Element {
     /// True for the integer types, whose division needs a zero check.
     const INT: bool;
     fn add(self, other: Self) -> Self;
@@ -445,7 +445,7 @@ int_unary_impl!(i64);
 /// Logistic sigmoid without overflow: `e^x` is only formed for `x < 0`,
 /// where it is below 1.
 #[inline(always)]
-fn sigmoid(x: f64) -> f64 {
+pub(crate) fn sigmoid(x: f64) -> f64 {
     if x >= 0.0 {
         1.0 / (1.0 + (-x).exp())
     } else {
@@ -458,7 +458,7 @@ fn sigmoid(x: f64) -> f64 {
 /// `(1 + erf(x/√2))/2` but keeps its relative accuracy for large negative
 /// `x`, where `1 + erf` cancels to 0.
 #[inline(always)]
-fn gelu(x: f64) -> f64 {
+pub(crate) fn gelu(x: f64) -> f64 {
     if x == f64::NEG_INFINITY {
         // The limit; the formula would give -inf · 0 = NaN.
         return -0.0;
@@ -467,7 +467,7 @@ fn gelu(x: f64) -> f64 {
 }
 
 #[inline(always)]
-fn relu(x: f64) -> f64 {
+pub(crate) fn relu(x: f64) -> f64 {
     if x > 0.0 || x.is_nan() {
         x
     } else {
@@ -476,7 +476,7 @@ fn relu(x: f64) -> f64 {
 }
 
 #[inline(always)]
-fn sign(x: f64) -> f64 {
+pub(crate) fn sign(x: f64) -> f64 {
     if x > 0.0 {
         1.0
     } else if x < 0.0 {
@@ -532,7 +532,7 @@ fn float_unary<T: Real>(op: UnaryOp) -> Option<Kernel> {
         UnaryOp::Exp => via_f64::<T>(f64::exp),
         UnaryOp::Log => via_f64::<T>(f64::ln),
         UnaryOp::Sqrt => via_f64::<T>(f64::sqrt),
-        UnaryOp::Rsqrt => via_f64::<T>(|x| 1.0 / x.sqrt()),
+        UnaryOp::Rsqrt => via_f64::<T>(rsqrt),
         UnaryOp::Tanh => via_f64::<T>(f64::tanh),
         UnaryOp::Sigmoid => via_f64::<T>(sigmoid),
         UnaryOp::Relu => via_f64::<T>(relu),
@@ -542,6 +542,10 @@ fn float_unary<T: Real>(op: UnaryOp) -> Option<Kernel> {
         UnaryOp::Sign => via_f64::<T>(sign),
         UnaryOp::Not => return None,
     })
+}
+
+pub(crate) fn rsqrt(x: f64) -> f64 {
+    1.0 / x.sqrt()
 }
 
 fn unary_kernel<T, F>(f: F) -> Kernel

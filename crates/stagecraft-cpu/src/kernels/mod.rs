@@ -5,6 +5,7 @@ use crate::KernelRegistry;
 mod creation;
 pub(crate) mod effects;
 mod elementwise;
+mod fused;
 mod linalg;
 mod nn;
 mod reduce;
@@ -14,6 +15,7 @@ pub(crate) fn register_all(registry: &mut KernelRegistry) {
     creation::register(registry);
     effects::register(registry);
     elementwise::register(registry);
+    fused::register(registry);
     linalg::register(registry);
     nn::register(registry);
     reduce::register(registry);

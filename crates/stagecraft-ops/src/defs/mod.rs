@@ -5,6 +5,7 @@ mod control;
 mod creation;
 mod effects;
 mod elementwise;
+mod fused;
 mod linalg;
 mod nn;
 mod reduce;
@@ -15,6 +16,7 @@ pub use control::*;
 pub use creation::*;
 pub use effects::*;
 pub use elementwise::*;
+pub use fused::*;
 pub use linalg::*;
 pub use nn::*;
 pub use reduce::*;
@@ -59,6 +61,7 @@ pub static ALL_OPS: &[&OpDef] = &[
     &GREATER_EQUAL,
     &SELECT,
     &CAST,
+    &FUSED_ELEMENTWISE,
     // creation
     &FILL,
     &ARANGE,

@@ -330,6 +330,19 @@ impl Executable {
         self.partitions.as_ref().map_or(1, |p| p.partition_count())
     }
 
+    /// The number of kernels a run launches (constants and transfers
+    /// excluded), summed over partitions.
+    pub fn kernel_count(&self) -> usize {
+        match &self.partitions {
+            Some(p) => p.kernel_count(),
+            None => self
+                .steps
+                .iter()
+                .filter(|s| matches!(s.kind, StepKind::Kernel { .. }))
+                .count(),
+        }
+    }
+
     /// The number of kernel and constant steps after pruning.
     pub fn step_count(&self) -> usize {
         self.steps.len()

@@ -338,4 +338,14 @@ impl Partitioned {
     pub fn partition_count(&self) -> usize {
         1 + self.others.len()
     }
+
+    /// Kernels launched per run, over all partitions.
+    pub fn kernel_count(&self) -> usize {
+        self.main.kernel_count()
+            + self
+                .others
+                .iter()
+                .map(Executable::kernel_count)
+                .sum::<usize>()
+    }
 }
