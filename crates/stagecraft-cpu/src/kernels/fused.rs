@@ -28,20 +28,15 @@ enum Src<'a, T> {
     Scalar(T),
 }
 
-impl<T: Copy> Src<'_, T> {
-    #[inline(always)]
-    fn get(&self, i: usize) -> T {
-        match self {
-            Src::Slice(s) => s[i],
-            Src::Scalar(v) => *v,
-        }
-    }
-}
-
 #[inline(always)]
 fn unary_loop<T: Real>(dst: &mut [T], a: Src<'_, T>, f: impl Fn(f64) -> f64) {
-    for (i, d) in dst.iter_mut().enumerate() {
-        *d = T::narrow(f(a.get(i).wide()));
+    match a {
+        Src::Slice(x) => {
+            for (d, &v) in dst.iter_mut().zip(x) {
+                *d = T::narrow(f(v.wide()));
+            }
+        }
+        Src::Scalar(v) => dst.fill(T::narrow(f(v.wide()))),
     }
 }
 
@@ -53,11 +48,17 @@ fn binary_loop<T: Copy>(dst: &mut [T], a: Src<'_, T>, b: Src<'_, T>, f: impl Fn(
                 *d = f(p, q);
             }
         }
-        _ => {
-            for (i, d) in dst.iter_mut().enumerate() {
-                *d = f(a.get(i), b.get(i));
+        (Src::Slice(x), Src::Scalar(q)) => {
+            for (d, &p) in dst.iter_mut().zip(x) {
+                *d = f(p, q);
             }
         }
+        (Src::Scalar(p), Src::Slice(y)) => {
+            for (d, &q) in dst.iter_mut().zip(y) {
+                *d = f(p, q);
+            }
+        }
+        (Src::Scalar(p), Src::Scalar(q)) => dst.fill(f(p, q)),
     }
 }
 
@@ -95,59 +96,130 @@ fn run_binary<T: Real + Arith>(op: BinaryOp, dst: &mut [T], a: Src<'_, T>, b: Sr
     }
 }
 
-/// Register `r` within the block `start..start + n`: an input's slice (or
-/// scalar), or an earlier instruction's result.
+/// Where an operand lives: an input tensor, or a register slot.
+#[derive(Clone, Copy, Debug)]
+enum Operand {
+    Input(usize),
+    Slot(usize),
+}
+
+/// An instruction over physical register slots.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    Unary(UnaryOp, Operand, usize),
+    Binary(BinaryOp, Operand, Operand, usize),
+}
+
+/// Assigns register slots so that a slot is reused once its value is dead:
+/// a chain of any length needs two slots, so registers stay in L1.
+/// Returns the steps, the slot count and the result's slot.
+fn allocate_registers(program: &[FusedInstr], inputs: usize) -> (Vec<Step>, usize, usize) {
+    let n = program.len();
+    let mut last_use = vec![0usize; n];
+    for (i, instr) in program.iter().enumerate() {
+        let reads: [Option<usize>; 2] = match *instr {
+            FusedInstr::Unary(_, a) => [Some(a), None],
+            FusedInstr::Binary(_, a, b) => [Some(a), Some(b)],
+        };
+        for r in reads.into_iter().flatten() {
+            if r >= inputs {
+                last_use[r - inputs] = i;
+            }
+        }
+    }
+    let mut slot_of = vec![0usize; n];
+    let mut free: Vec<usize> = Vec::new();
+    let mut slots = 0;
+    let mut steps = Vec::with_capacity(n);
+    for (i, instr) in program.iter().enumerate() {
+        let dst = free.pop().unwrap_or_else(|| {
+            slots += 1;
+            slots - 1
+        });
+        let operand = |r: usize| {
+            if r < inputs {
+                Operand::Input(r)
+            } else {
+                Operand::Slot(slot_of[r - inputs])
+            }
+        };
+        let step = match *instr {
+            FusedInstr::Unary(op, a) => Step::Unary(op, operand(a), dst),
+            FusedInstr::Binary(op, a, b) => Step::Binary(op, operand(a), operand(b), dst),
+        };
+        steps.push(step);
+        slot_of[i] = dst;
+        // Operands whose last reader this is free their slots for later
+        // steps (not this one: a step never writes a slot it reads).
+        let reads: [Option<usize>; 2] = match *instr {
+            FusedInstr::Unary(_, a) => [Some(a), None],
+            FusedInstr::Binary(_, a, b) => [Some(a), if b == a { None } else { Some(b) }],
+        };
+        for r in reads.into_iter().flatten() {
+            if r >= inputs && last_use[r - inputs] == i {
+                free.push(slot_of[r - inputs]);
+            }
+        }
+    }
+    (steps, slots, slot_of[n - 1])
+}
+
+/// Operand `op` within the block `start..start + n`.
 fn operand<'b, T: Copy>(
-    r: usize,
+    op: Operand,
     inputs: &[Src<'b, T>],
     regs: &'b [Vec<T>],
     start: usize,
     n: usize,
 ) -> Src<'b, T> {
-    if r < inputs.len() {
-        match inputs[r] {
+    match op {
+        Operand::Input(k) => match inputs[k] {
             Src::Slice(s) => Src::Slice(&s[start..start + n]),
             scalar => scalar,
-        }
-    } else {
-        Src::Slice(&regs[r - inputs.len()][..n])
+        },
+        Operand::Slot(r) => Src::Slice(&regs[r][..n]),
     }
 }
 
 /// Runs the program over elements `start..start + out.len()`.
 fn run_block<T: Real + Arith>(
-    program: &[FusedInstr],
+    steps: &[Step],
+    result: usize,
     inputs: &[Src<'_, T>],
     start: usize,
     out: &mut [T],
     regs: &mut [Vec<T>],
 ) {
     let n = out.len();
-    for (i, instr) in program.iter().enumerate() {
-        let (done, rest) = regs.split_at_mut(i);
-        let dst = &mut rest[0][..n];
-        match *instr {
-            FusedInstr::Unary(op, a) => {
-                let a = operand(a, inputs, done, start, n);
-                run_unary(op, dst, a)
+    for step in steps {
+        let dst_slot = match *step {
+            Step::Unary(_, _, d) | Step::Binary(_, _, _, d) => d,
+        };
+        // The destination is never an operand of its own step, so it can be
+        // taken out while the operands are borrowed.
+        let mut dst = std::mem::take(&mut regs[dst_slot]);
+        match *step {
+            Step::Unary(op, a, _) => {
+                run_unary(op, &mut dst[..n], operand(a, inputs, regs, start, n))
             }
-            FusedInstr::Binary(op, a, b) => {
-                let (a, b) = (
-                    operand(a, inputs, done, start, n),
-                    operand(b, inputs, done, start, n),
-                );
-                run_binary(op, dst, a, b)
-            }
+            Step::Binary(op, a, b, _) => run_binary(
+                op,
+                &mut dst[..n],
+                operand(a, inputs, regs, start, n),
+                operand(b, inputs, regs, start, n),
+            ),
         }
+        regs[dst_slot] = dst;
     }
-    out.copy_from_slice(&regs[program.len() - 1][..n]);
+    out.copy_from_slice(&regs[result][..n]);
 }
 
 fn fused_typed<T: Real + Arith + Send + Sync>(
-    program: &[FusedInstr],
+    program: &(Vec<Step>, usize, usize),
     inputs: &[DenseHostTensor],
     meta: &TensorMetadata,
 ) -> Result<DenseHostTensor> {
+    let (steps, slots, result) = program;
     let srcs: Vec<Src<'_, T>> = inputs
         .iter()
         .map(|t| {
@@ -162,26 +234,37 @@ fn fused_typed<T: Real + Arith + Send + Sync>(
     let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
     let total = meta.shape.numel();
     let y = out.as_mut_slice::<T>()?;
-    let fresh = || vec![vec![T::default(); BLOCK]; program.len()];
+    let width = BLOCK.min(total.max(1));
+    let fresh = || vec![vec![T::default(); width]; *slots];
     if total >= crate::PARALLEL_THRESHOLD {
         y.par_chunks_mut(BLOCK * 16)
             .enumerate()
             .for_each_init(fresh, |regs, (c, chunk)| {
                 for (b, block) in chunk.chunks_mut(BLOCK).enumerate() {
-                    run_block(program, &srcs, c * BLOCK * 16 + b * BLOCK, block, regs);
+                    run_block(
+                        steps,
+                        *result,
+                        &srcs,
+                        c * BLOCK * 16 + b * BLOCK,
+                        block,
+                        regs,
+                    );
                 }
             });
     } else {
         let mut regs = fresh();
         for (b, block) in y.chunks_mut(BLOCK).enumerate() {
-            run_block(program, &srcs, b * BLOCK, block, &mut regs);
+            run_block(steps, *result, &srcs, b * BLOCK, block, &mut regs);
         }
     }
     Ok(out)
 }
 
 fn fused_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let program = decode_fused(attrs.ints("program")?, inputs.len())?;
+    let program = allocate_registers(
+        &decode_fused(attrs.ints("program")?, inputs.len())?,
+        inputs.len(),
+    );
     let dtype = inputs[0].dtype;
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
