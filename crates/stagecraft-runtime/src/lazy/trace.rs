@@ -655,16 +655,7 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
             let reason = with_runtime(|rt| miss_reason(&collected.skeleton, &rt.cache));
             debug_log(&format!("trace cache miss: {reason}"));
             with_runtime(|rt| rt.metrics.last_miss_reason = Some(reason));
-            leaves
-                .iter()
-                .map(|l| {
-                    if l.bakeable {
-                        Mode::Baked(l.value.clone())
-                    } else {
-                        Mode::Argument
-                    }
-                })
-                .collect()
+            first_modes(leaves)
         }
     };
     let start = Instant::now();
@@ -691,6 +682,22 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
         });
     });
     Ok((exe, args))
+}
+
+/// How a trace seen for the first time treats its leaves: small constants
+/// are baked in (until widening promotes them), everything else is an
+/// argument.
+fn first_modes(leaves: &[Leaf]) -> Vec<Mode> {
+    leaves
+        .iter()
+        .map(|l| {
+            if l.bakeable {
+                Mode::Baked(l.value.clone())
+            } else {
+                Mode::Argument
+            }
+        })
+        .collect()
 }
 
 fn arguments(modes: &[Mode], leaves: &[Leaf]) -> Vec<HostTensor> {
@@ -874,19 +881,7 @@ fn describe(handle: &TensorHandle) -> Result<(Collected, Vec<Mode>)> {
             .and_then(|es| es.iter().find(|e| e.skeleton == collected.skeleton))
             .map(|e| e.modes.clone())
     })
-    .unwrap_or_else(|| {
-        collected
-            .leaves
-            .iter()
-            .map(|l| {
-                if l.bakeable {
-                    Mode::Baked(l.value.clone())
-                } else {
-                    Mode::Argument
-                }
-            })
-            .collect()
-    });
+    .unwrap_or_else(|| first_modes(&collected.leaves));
     Ok((collected, modes))
 }
 
