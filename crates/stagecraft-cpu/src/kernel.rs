@@ -2,7 +2,7 @@
 
 use smallvec::SmallVec;
 use stagecraft_ops::{Attrs, OpDef};
-use stagecraft_tensor::{DenseHostTensor, Result, TensorMetadata};
+use stagecraft_tensor::{DenseHostTensor, HostTensor, Result, TensorMetadata};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
@@ -30,10 +30,37 @@ pub type Kernel = Arc<dyn Fn(Inputs, &KernelContext<'_>) -> Result<Outputs> + Se
 /// runtime caches the result per (op, attrs, input dtypes, device).
 pub type KernelFactory = fn(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel>;
 
+/// Inputs of a value kernel: host values of any kind (dense, broadcast
+/// scalar, list), as they are.
+pub type ValueInputs = SmallVec<[HostTensor; 4]>;
+
+/// Outputs of a value kernel.
+pub type ValueOutputs = SmallVec<[HostTensor; 1]>;
+
+/// A kernel over host values of any kind rather than dense buffers: for
+/// ops that pass values on without reading their elements (control flow
+/// hands them to functions) or whose values are not dense (lists).
+pub type ValueKernel =
+    Arc<dyn Fn(ValueInputs, &KernelContext<'_>) -> Result<ValueOutputs> + Send + Sync>;
+
+/// Instantiates a value kernel.
+pub type ValueKernelFactory =
+    fn(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<ValueKernel>;
+
+/// Either kind of kernel, as the runtime caches it.
+#[derive(Clone)]
+pub enum AnyKernel {
+    /// Reads and writes dense buffers.
+    Dense(Kernel),
+    /// Takes host values as they are.
+    Value(ValueKernel),
+}
+
 /// Maps op definitions to kernel factories.
 #[derive(Default)]
 pub struct KernelRegistry {
     factories: HashMap<usize, KernelFactory>,
+    value_factories: HashMap<usize, ValueKernelFactory>,
 }
 
 impl KernelRegistry {
@@ -50,6 +77,25 @@ impl KernelRegistry {
     /// The factory for `op`, if the CPU has a kernel for it.
     pub fn get(&self, op: &OpDef) -> Option<KernelFactory> {
         self.factories.get(&(op as *const OpDef as usize)).copied()
+    }
+
+    /// Registers the value-kernel factory of `op`.
+    pub fn add_value(&mut self, op: &'static OpDef, factory: ValueKernelFactory) {
+        let previous = self
+            .value_factories
+            .insert(op as *const OpDef as usize, factory);
+        assert!(
+            previous.is_none(),
+            "two CPU value kernels registered for {}",
+            op.name
+        );
+    }
+
+    /// The value-kernel factory for `op`, if it has one.
+    pub fn get_value(&self, op: &OpDef) -> Option<ValueKernelFactory> {
+        self.value_factories
+            .get(&(op as *const OpDef as usize))
+            .copied()
     }
 }
 
@@ -76,7 +122,9 @@ mod tests {
                     stagecraft_ops::OpKind::Control(_) | stagecraft_ops::OpKind::Transfer
                 )
             })
-            .filter(|op| super::registry().get(op).is_none())
+            .filter(|op| {
+                super::registry().get(op).is_none() && super::registry().get_value(op).is_none()
+            })
             .map(|op| op.name)
             .collect();
         assert!(missing.is_empty(), "ops without a CPU kernel: {missing:?}");

@@ -12,7 +12,10 @@ mod kernels;
 pub mod numeric;
 pub mod reference;
 
-pub use kernel::{registry, Inputs, Kernel, KernelContext, KernelFactory, KernelRegistry, Outputs};
+pub use kernel::{
+    registry, AnyKernel, Inputs, Kernel, KernelContext, KernelFactory, KernelRegistry, Outputs,
+    ValueInputs, ValueKernel, ValueKernelFactory, ValueOutputs,
+};
 pub use kernels::effects::{set_print_sink, PrintSink};
 
 /// Below this many elements a kernel runs on the calling thread: forking

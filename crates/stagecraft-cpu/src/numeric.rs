@@ -63,8 +63,15 @@ macro_rules! with_any_type {
                 type $T = f64;
                 $body
             }
+            stagecraft_tensor::DType::List => return Err($crate::numeric::list_operand()),
         }
     };
+}
+
+/// The error of a numeric kernel handed a list of tensors (only the list
+/// ops take lists).
+pub fn list_operand() -> stagecraft_tensor::Error {
+    stagecraft_tensor::Error::dtype("this op does not take a list of tensors")
 }
 
 /// Element strides of `input` viewed as broadcast to `output` (NumPy

@@ -112,6 +112,7 @@ fn write_edge(out: &mut String, f: &Function, from: Value, to: &str) -> std::fmt
 fn const_summary(tensor: &HostTensor) -> String {
     match tensor {
         HostTensor::Scalar(t) => format!("value: {}", t.value()),
+        HostTensor::List(list) => format!("list of {} items", list.len()),
         HostTensor::Dense(t) => {
             let mut text = String::from("values: [");
             let shown = t.numel().min(MAX_CONST_VALUES);

@@ -143,6 +143,11 @@ fn write_attrs(out: &mut String, attrs: &OpAttrs) -> fmt::Result {
 
 fn write_const_attrs(out: &mut String, tensor: &HostTensor) -> fmt::Result {
     match tensor {
+        // Only the empty list has a text form (the one a graph needs: the
+        // start of a stack); a list with items prints its length and does
+        // not parse back.
+        HostTensor::List(list) if list.is_empty() => out.push_str("dtype: list"),
+        HostTensor::List(list) => write!(out, "dtype: list, items: {}", list.len())?,
         HostTensor::Scalar(t) => {
             write!(out, "dtype: {}, value: {}", t.metadata().dtype, t.value())?;
             if t.metadata().shape.rank() > 0 {
@@ -161,6 +166,7 @@ fn write_const_attrs(out: &mut String, tensor: &HostTensor) -> fmt::Result {
                 DType::BF16 => write_list::<bf16>(out, t)?,
                 DType::F32 => write_list::<f32>(out, t)?,
                 DType::F64 => write_list::<f64>(out, t)?,
+                DType::List => out.push('?'),
             }
             out.push(']');
         }
@@ -658,6 +664,7 @@ fn parse_scalar(token: &str, dtype: DType) -> Option<Scalar> {
         // Parsed at the dtype's own precision: through f64 would round twice.
         DType::F32 => Scalar::F32(token.parse().ok()?),
         DType::F64 => Scalar::F64(token.parse().ok()?),
+        DType::List => return None,
     })
 }
 
@@ -679,6 +686,13 @@ fn parse_const_attrs(c: &mut Cursor<'_>) -> Result<HostTensor> {
     }
     c.expect(":", "`:` after `dtype`")?;
     let dtype = c.dtype()?;
+    if dtype == DType::List {
+        c.expect(
+            "]",
+            "`]`: a list constant is the empty list, `Const[dtype: list]`",
+        )?;
+        return Ok(HostTensor::List(stagecraft_tensor::TensorList::empty()));
+    }
     let mut shape: Option<Shape> = None;
     let mut value: Option<Scalar> = None;
     let mut dense: Option<(usize, Vec<Scalar>)> = None;
@@ -748,6 +762,9 @@ fn dense_tensor(dtype: DType, values: &[Scalar], shape: Shape) -> Result<DenseHo
         DType::BF16 => build::<bf16>(values, shape),
         DType::F32 => build::<f32>(values, shape),
         DType::F64 => build::<f64>(values, shape),
+        DType::List => Err(stagecraft_tensor::Error::dtype(
+            "a list constant has no values",
+        )),
     }
 }
 

@@ -7,7 +7,7 @@ use crate::handle::{MetadataState, TensorHandle};
 use crate::op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
 use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
 use smallvec::SmallVec;
-use stagecraft_cpu::{Inputs, Kernel, KernelContext};
+use stagecraft_cpu::{AnyKernel, Inputs, KernelContext, ValueInputs};
 use stagecraft_ops::{Attrs, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
 use stagecraft_tensor::{
     DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,
@@ -50,7 +50,7 @@ struct CacheEntry {
     op: usize,
     attrs: FrozenOpAttrs,
     dtypes: SmallVec<[DType; 4]>,
-    kernel: Kernel,
+    kernel: AnyKernel,
 }
 
 /// Instantiated kernels, keyed by (op, attributes, input dtypes) for one
@@ -96,7 +96,7 @@ impl KernelCache {
         op: &'static OpDef,
         attrs: &OpAttrs,
         inputs: &[TensorMetadata],
-    ) -> Result<Kernel> {
+    ) -> Result<AnyKernel> {
         let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|m| m.dtype).collect();
         let key = Self::fingerprint(op, attrs, &dtypes);
         let op_id = op as *const OpDef as usize;
@@ -112,17 +112,19 @@ impl KernelCache {
             }
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
+        let registry = stagecraft_cpu::registry();
         let kernel = if let stagecraft_ops::OpKind::Control(_) = op.kind {
             let device = crate::Device::parse(&format!("cpu:{}", self.device_index))?;
-            crate::executor::control::control_kernel(op, attrs, device)?
+            AnyKernel::Value(crate::executor::control::control_kernel(op, attrs, device)?)
+        } else if let Some(factory) = registry.get(op) {
+            AnyKernel::Dense(factory(&Attrs::new(attrs, op), inputs)?)
+        } else if let Some(factory) = registry.get_value(op) {
+            AnyKernel::Value(factory(&Attrs::new(attrs, op), inputs)?)
         } else {
-            let factory = stagecraft_cpu::registry().get(op).ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Device,
-                    format!("the CPU has no kernel for {}", op.name),
-                )
-            })?;
-            factory(&Attrs::new(attrs, op), inputs)?
+            return Err(Error::new(
+                ErrorKind::Device,
+                format!("the CPU has no kernel for {}", op.name),
+            ));
         };
         let mut buckets = self.buckets.write().unwrap_or_else(|p| p.into_inner());
         let bucket = buckets.entry(key).or_default();
@@ -192,7 +194,7 @@ fn run_kernel(
     args: Args,
     inputs: &InputMetas,
     outputs: &OutputMetas,
-) -> std::result::Result<SmallVec<[DenseHostTensor; 1]>, Failure> {
+) -> std::result::Result<SmallVec<[HostTensor; 1]>, Failure> {
     if is_cancelled() {
         return Err(Failure::Raised(Error::cancelled()));
     }
@@ -202,6 +204,24 @@ fn run_kernel(
         }
     }
     let kernel = cache.get(op, attrs, inputs).map_err(Failure::Raised)?;
+    let ctx = KernelContext {
+        attrs: Attrs::new(attrs, op),
+        outputs,
+    };
+    let kernel = match kernel {
+        AnyKernel::Dense(kernel) => kernel,
+        AnyKernel::Value(kernel) => {
+            let mut values = ValueInputs::new();
+            for arg in args {
+                values.push(arg.into_value().map_err(Failure::Propagated)?);
+            }
+            count_kernel_launch();
+            let produced = kernel(values, &ctx).map_err(Failure::Raised)?;
+            check_produced(op, produced.iter().map(HostTensor::metadata), outputs)
+                .map_err(Failure::Raised)?;
+            return Ok(produced);
+        }
+    };
     // A plain loop: collecting through `Result` costs several hundred
     // instructions per op, which matters for tiny tensors.
     let mut dense = Inputs::new();
@@ -209,34 +229,43 @@ fn run_kernel(
         match arg.into_value() {
             Ok(HostTensor::Dense(t)) => dense.push(t),
             Ok(HostTensor::Scalar(t)) => dense.push(t.to_dense().map_err(Failure::Raised)?),
+            Ok(list @ HostTensor::List(_)) => {
+                dense.push(list.into_dense().map_err(Failure::Raised)?)
+            }
             Err(e) => return Err(Failure::Propagated(e)),
         }
     }
     let inputs = dense;
     count_kernel_launch();
-    let ctx = KernelContext {
-        attrs: Attrs::new(attrs, op),
-        outputs,
-    };
     let produced = kernel(inputs, &ctx).map_err(Failure::Raised)?;
+    check_produced(op, produced.iter().map(DenseHostTensor::metadata), outputs)
+        .map_err(Failure::Raised)?;
+    Ok(produced.into_iter().map(HostTensor::Dense).collect())
+}
+
+/// Checks a kernel's outputs against what the metadata function promised.
+fn check_produced<'a>(
+    op: &OpDef,
+    produced: impl ExactSizeIterator<Item = &'a TensorMetadata>,
+    outputs: &OutputMetas,
+) -> Result<()> {
     if produced.len() != outputs.len() {
-        return Err(Failure::Raised(Error::internal(format!(
+        return Err(Error::internal(format!(
             "the kernel returned {} outputs, the op has {}",
             produced.len(),
             outputs.len()
-        ))));
+        )));
     }
     if op.shape_kind == ShapeKind::Static {
-        for (got, want) in produced.iter().zip(outputs.iter()) {
-            if got.metadata() != want {
-                return Err(Failure::Raised(Error::internal(format!(
-                    "the kernel produced {} where the metadata function promised {want}",
-                    got.metadata()
-                ))));
+        for (got, want) in produced.zip(outputs.iter()) {
+            if got != want {
+                return Err(Error::internal(format!(
+                    "the kernel produced {got} where the metadata function promised {want}"
+                )));
             }
         }
     }
-    Ok(produced)
+    Ok(())
 }
 
 fn failure_error(failure: Failure, op: &OpDef, location: Location) -> Error {
@@ -292,7 +321,7 @@ fn execute_now(cache: &KernelCache, inv: OpInvocation<'_>) -> Results {
     match result {
         Ok(produced) => produced
             .into_iter()
-            .map(|t| TensorHandle::available(device, t.into()))
+            .map(|t| TensorHandle::available(device, t))
             .collect(),
         Err(failure) => {
             let e = failure_error(failure, op, location);
@@ -397,7 +426,7 @@ impl Task {
         match run_kernel(&cache, op, &attrs, args, &inputs, &outputs) {
             Ok(produced) => {
                 for (handle, value) in results.iter().zip(produced) {
-                    handle.resolve(Ok(value.into()));
+                    handle.resolve(Ok(value));
                 }
             }
             Err(failure) => {

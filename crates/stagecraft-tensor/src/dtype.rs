@@ -22,6 +22,10 @@ pub enum DType {
     F32,
     /// IEEE double precision.
     F64,
+    /// A list of tensors, always of rank 0 (the stacks in which a While's
+    /// gradient keeps per-iteration values). Only the list ops accept it;
+    /// it has no [`Element`] type, so typed code never sees one.
+    List,
 }
 
 impl DType {
@@ -43,6 +47,8 @@ impl DType {
             DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,
+            // A list owns its items; a list tensor itself holds no elements.
+            DType::List => 0,
         }
     }
 
@@ -56,9 +62,9 @@ impl DType {
         matches!(self, DType::I32 | DType::I64)
     }
 
-    /// True for numbers (everything but bool).
+    /// True for numbers (everything but bool and list).
     pub const fn is_numeric(self) -> bool {
-        !matches!(self, DType::Bool)
+        !matches!(self, DType::Bool | DType::List)
     }
 
     /// The short name used in messages and in the text form of traces.
@@ -71,12 +77,16 @@ impl DType {
             DType::BF16 => "bf16",
             DType::F32 => "f32",
             DType::F64 => "f64",
+            DType::List => "list",
         }
     }
 
     /// Parses a short name such as `"f32"`.
     pub fn parse(name: &str) -> Option<DType> {
-        DType::ALL.into_iter().find(|d| d.name() == name)
+        DType::ALL
+            .into_iter()
+            .chain([DType::List])
+            .find(|d| d.name() == name)
     }
 }
 
@@ -161,7 +171,9 @@ impl Scalar {
                 Scalar::I64(v) => v as f32,
                 other => other.to_f64() as f32,
             }),
-            DType::F64 => Scalar::F64(self.to_f64()),
+            // No scalar has the list dtype: a value cast to it keeps its own
+            // dtype, and the ops that would use it reject a list operand.
+            DType::F64 | DType::List => Scalar::F64(self.to_f64()),
         }
     }
 
@@ -187,7 +199,7 @@ impl Scalar {
             DType::F16 => Scalar::F16(f16::from_bits(bits as u16)),
             DType::BF16 => Scalar::BF16(bf16::from_bits(bits as u16)),
             DType::F32 => Scalar::F32(f32::from_bits(bits as u32)),
-            DType::F64 => Scalar::F64(f64::from_bits(bits)),
+            DType::F64 | DType::List => Scalar::F64(f64::from_bits(bits)),
         }
     }
 }

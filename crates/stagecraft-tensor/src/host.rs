@@ -182,6 +182,7 @@ impl DenseHostTensor {
             DType::BF16 => get::<half::bf16>(self, index),
             DType::F32 => get::<f32>(self, index),
             DType::F64 => get::<f64>(self, index),
+            DType::List => None,
         }
     }
 }
@@ -229,6 +230,7 @@ impl ScalarHostTensor {
             DType::BF16 => fill::<half::bf16>(&self.meta, self.value),
             DType::F32 => fill::<f32>(&self.meta, self.value),
             DType::F64 => fill::<f64>(&self.meta, self.value),
+            DType::List => Err(list_is_not_dense()),
         }
     }
 }
@@ -240,6 +242,73 @@ pub enum HostTensor {
     Dense(DenseHostTensor),
     /// One value repeated over a shape.
     Scalar(ScalarHostTensor),
+    /// A list of tensors (dtype [`DType::List`], rank 0).
+    List(TensorList),
+}
+
+/// An immutable list of tensors, the value a While's gradient stacks
+/// per-iteration values in. Pushing to a list nobody else holds reuses its
+/// storage, so a loop that threads one list through its iterations pushes
+/// in amortized O(1); the items themselves are shared, never copied.
+#[derive(Clone, Debug)]
+pub struct TensorList {
+    items: std::sync::Arc<Vec<HostTensor>>,
+}
+
+static LIST_META: std::sync::OnceLock<TensorMetadata> = std::sync::OnceLock::new();
+
+impl TensorList {
+    /// The empty list (also the zero of a list's gradient).
+    pub fn empty() -> TensorList {
+        TensorList {
+            items: std::sync::Arc::new(Vec::new()),
+        }
+    }
+
+    /// The metadata every list has: dtype list, rank 0.
+    pub fn metadata() -> &'static TensorMetadata {
+        LIST_META.get_or_init(|| TensorMetadata::new(DType::List, Shape::scalar()))
+    }
+
+    /// An identity of the items' storage: two lists with the same identity
+    /// hold the same items (used to deduplicate constants).
+    pub fn identity(&self) -> usize {
+        std::sync::Arc::as_ptr(&self.items) as usize
+    }
+
+    /// The number of items.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// True when the list has no items.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// The list with `item` appended.
+    pub fn push(mut self, item: HostTensor) -> TensorList {
+        std::sync::Arc::make_mut(&mut self.items).push(item);
+        self
+    }
+
+    /// The list without its last item, and that item (`None` when empty).
+    pub fn pop(mut self) -> (TensorList, Option<HostTensor>) {
+        let item = std::sync::Arc::make_mut(&mut self.items).pop();
+        (self, item)
+    }
+
+    /// The bytes held by the items' buffers (shared buffers count fully).
+    pub fn item_bytes(&self) -> usize {
+        self.items
+            .iter()
+            .map(|t| match t {
+                HostTensor::Dense(d) => d.buffer().len(),
+                HostTensor::Scalar(_) => 0,
+                HostTensor::List(l) => l.item_bytes(),
+            })
+            .sum()
+    }
 }
 
 impl HostTensor {
@@ -248,7 +317,20 @@ impl HostTensor {
         match self {
             HostTensor::Dense(t) => t.metadata(),
             HostTensor::Scalar(t) => t.metadata(),
+            HostTensor::List(_) => TensorList::metadata(),
         }
+    }
+
+    /// A tensor of `meta` whose elements all equal `value`, owning no
+    /// buffer; for the list dtype, the empty list.
+    pub fn filled(value: Scalar, meta: &TensorMetadata) -> HostTensor {
+        if meta.dtype == DType::List {
+            return HostTensor::List(TensorList::empty());
+        }
+        HostTensor::Scalar(ScalarHostTensor::new(
+            value.cast(meta.dtype),
+            meta.shape.clone(),
+        ))
     }
 
     /// The values as a dense tensor (free for dense, one fill for scalar).
@@ -256,6 +338,7 @@ impl HostTensor {
         match self {
             HostTensor::Dense(t) => Ok(t.clone()),
             HostTensor::Scalar(t) => t.to_dense(),
+            HostTensor::List(_) => Err(list_is_not_dense()),
         }
     }
 
@@ -264,8 +347,13 @@ impl HostTensor {
         match self {
             HostTensor::Dense(t) => Ok(t),
             HostTensor::Scalar(t) => t.to_dense(),
+            HostTensor::List(_) => Err(list_is_not_dense()),
         }
     }
+}
+
+fn list_is_not_dense() -> Error {
+    Error::dtype("a list of tensors has no elements of its own; only list ops take it")
 }
 
 impl From<DenseHostTensor> for HostTensor {

@@ -13,7 +13,7 @@ mod shape;
 pub use buffer::{Buffer, BufferStats};
 pub use dtype::{DType, Element, FloatElement, IndexElement, NumElement, Scalar};
 pub use error::{Error, ErrorKind, Location, Result};
-pub use host::{DenseHostTensor, HostTensor, ScalarHostTensor};
+pub use host::{DenseHostTensor, HostTensor, ScalarHostTensor, TensorList};
 pub use shape::{broadcast_shapes, normalize_axis, Shape, TensorMetadata};
 
 pub use half::{bf16, f16};

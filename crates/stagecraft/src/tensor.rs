@@ -184,6 +184,7 @@ impl<T: Element> Tensor<T> {
             HostTensor::Scalar(s) => {
                 Ok(vec![T::from_scalar(s.value()); s.metadata().shape.numel()])
             }
+            list @ HostTensor::List(_) => list.to_dense()?.to_vec(),
         }
     }
 
@@ -209,6 +210,7 @@ impl<T: Element> Tensor<T> {
         match value {
             HostTensor::Dense(d) => Ok(d.as_slice::<T>()?[0]),
             HostTensor::Scalar(s) => Ok(T::from_scalar(s.value())),
+            list @ HostTensor::List(_) => Ok(list.to_dense()?.as_slice::<T>()?[0]),
         }
     }
 

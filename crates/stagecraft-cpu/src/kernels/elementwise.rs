@@ -499,7 +499,7 @@ fn unary_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel>
         .dtype;
     let kernel = match dtype {
         DType::Bool if op == UnaryOp::Not => Some(unary_kernel(|x: bool| !x)),
-        DType::Bool => None,
+        DType::Bool | DType::List => None,
         DType::I32 => int_unary::<i32>(op),
         DType::I64 => int_unary::<i64>(op),
         DType::F16 => float_unary::<f16>(op),
@@ -774,7 +774,7 @@ fn binary_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
     let kernel = match (dtype, op) {
         (DType::Bool, BinaryOp::And) => Some(binary_kernel(|a: bool, b: bool| a & b)),
         (DType::Bool, BinaryOp::Or) => Some(binary_kernel(|a: bool, b: bool| a | b)),
-        (DType::Bool, _) => None,
+        (DType::Bool | DType::List, _) => None,
         (DType::I32, _) => arith_binary::<i32>(op),
         (DType::I64, _) => arith_binary::<i64>(op),
         (DType::F16, _) => float_binary::<f16>(op),
@@ -1252,10 +1252,13 @@ pub(crate) mod tests {
 
     /// A tensor of `dtype` holding `values` converted with the `Cast` rules.
     pub(crate) fn tensor(dtype: DType, values: &[f64], dims: &[usize]) -> DenseHostTensor {
-        crate::with_any_type!(dtype, T => {
-            let v: Vec<T> = values.iter().map(|&x| T::from_scalar(Scalar::F64(x))).collect();
-            DenseHostTensor::from_slice(&v, dims).unwrap()
-        })
+        let build = || -> stagecraft_tensor::Result<DenseHostTensor> {
+            crate::with_any_type!(dtype, T => {
+                let v: Vec<T> = values.iter().map(|&x| T::from_scalar(Scalar::F64(x))).collect();
+                DenseHostTensor::from_slice(&v, dims)
+            })
+        };
+        build().unwrap()
     }
 
     /// The values of `t` as f64.

@@ -236,6 +236,7 @@ fn matmul_factory(_: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
             DType::I32 => matmul_int::<i32>,
             DType::I64 => matmul_int::<i64>,
             DType::Bool => return Err(Error::dtype("matmul is not defined for bool")),
+            DType::List => return Err(crate::numeric::list_operand()),
         };
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {

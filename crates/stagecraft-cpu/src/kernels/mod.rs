@@ -7,6 +7,7 @@ pub(crate) mod effects;
 mod elementwise;
 mod fused;
 mod linalg;
+mod list;
 mod nn;
 mod reduce;
 mod shape;
@@ -17,6 +18,7 @@ pub(crate) fn register_all(registry: &mut KernelRegistry) {
     elementwise::register(registry);
     fused::register(registry);
     linalg::register(registry);
+    list::register(registry);
     nn::register(registry);
     reduce::register(registry);
     shape::register(registry);

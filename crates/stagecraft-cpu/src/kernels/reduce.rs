@@ -88,7 +88,7 @@ fn reduce_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
         DType::F64 => Some(float_reduce::<f64>(op, axes)),
         DType::I32 => int_reduce::<i32>(op, axes),
         DType::I64 => int_reduce::<i64>(op, axes),
-        DType::Bool => None,
+        DType::Bool | DType::List => None,
     };
     kernel.ok_or_else(|| no_kernel(attrs, dtype))
 }
@@ -377,7 +377,7 @@ fn arg_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
         DType::BF16 => arg_for::<bf16>(axis, max),
         DType::F32 => arg_for::<f32>(axis, max),
         DType::F64 => arg_for::<f64>(axis, max),
-        DType::Bool => return Err(no_kernel(attrs, dtype)),
+        DType::Bool | DType::List => return Err(no_kernel(attrs, dtype)),
     })
 }
 

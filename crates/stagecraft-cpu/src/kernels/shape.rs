@@ -819,10 +819,13 @@ mod tests {
 
     /// A tensor of `dtype` from f64 values (cast with the `Cast` rules).
     fn tensor(dtype: DType, values: &[f64], dims: &[usize]) -> DenseHostTensor {
-        with_any_type!(dtype, T => {
-            let v: Vec<T> = values.iter().map(|&x| T::from_scalar(Scalar::F64(x))).collect();
-            DenseHostTensor::from_slice(&v, dims).unwrap()
-        })
+        let build = || -> stagecraft_tensor::Result<DenseHostTensor> {
+            with_any_type!(dtype, T => {
+                let v: Vec<T> = values.iter().map(|&x| T::from_scalar(Scalar::F64(x))).collect();
+                DenseHostTensor::from_slice(&v, dims)
+            })
+        };
+        build().unwrap()
     }
 
     fn values(t: &DenseHostTensor) -> Vec<f64> {

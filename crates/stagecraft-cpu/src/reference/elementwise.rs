@@ -221,7 +221,7 @@ pub fn cast(x: &[f64], from: DType, to: DType) -> Vec<f64> {
                 DType::F16 => Scalar::F16(half::f16::from_f64(v)),
                 DType::BF16 => Scalar::BF16(half::bf16::from_f64(v)),
                 DType::F32 => Scalar::F32(v as f32),
-                DType::F64 => Scalar::F64(v),
+                DType::F64 | DType::List => Scalar::F64(v),
             };
             source.cast(to).to_f64()
         })

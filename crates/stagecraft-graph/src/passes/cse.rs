@@ -76,6 +76,10 @@ enum Key {
         bytes: Bytes,
         device: Option<String>,
     },
+    List {
+        identity: usize,
+        device: Option<String>,
+    },
     Scalar {
         meta: TensorMetadata,
         bits: u64,
@@ -96,6 +100,10 @@ impl Key {
             NodeOp::Const(HostTensor::Dense(t)) => Key::Dense {
                 meta: t.metadata().clone(),
                 bytes: Bytes(t.buffer().clone()),
+                device,
+            },
+            NodeOp::Const(HostTensor::List(list)) => Key::List {
+                identity: list.identity(),
                 device,
             },
             NodeOp::Const(HostTensor::Scalar(t)) => Key::Scalar {

@@ -7,6 +7,7 @@ mod effects;
 mod elementwise;
 mod fused;
 mod linalg;
+mod list;
 mod nn;
 mod reduce;
 mod shape;
@@ -18,6 +19,7 @@ pub use effects::*;
 pub use elementwise::*;
 pub use fused::*;
 pub use linalg::*;
+pub use list::*;
 pub use nn::*;
 pub use reduce::*;
 pub use shape::*;
@@ -106,6 +108,9 @@ pub static ALL_OPS: &[&OpDef] = &[
     // cross-device transfer
     &SEND,
     &RECV,
+    // lists (the stacks of While gradients)
+    &LIST_PUSH,
+    &LIST_POP,
 ];
 
 /// One output.

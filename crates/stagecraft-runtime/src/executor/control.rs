@@ -5,20 +5,15 @@
 use super::{instantiate_library, Executable};
 use crate::device::Device;
 use crate::runtime::is_cancelled;
-use stagecraft_cpu::{Inputs, Kernel, KernelContext, Outputs};
+use stagecraft_cpu::{KernelContext, ValueInputs, ValueKernel};
 use stagecraft_ops::{Attrs, ControlOp, OpAttrs, OpDef, OpKind};
-use stagecraft_tensor::{DenseHostTensor, Error, HostTensor, Result};
+use stagecraft_tensor::{Error, HostTensor, Result};
 use std::sync::Arc;
 
-fn host(inputs: impl IntoIterator<Item = DenseHostTensor>) -> Vec<HostTensor> {
-    inputs.into_iter().map(HostTensor::Dense).collect()
-}
-
-fn dense(values: Vec<HostTensor>) -> Result<Outputs> {
-    values.into_iter().map(HostTensor::into_dense).collect()
-}
-
 fn truth(value: &HostTensor) -> Result<bool> {
+    if let HostTensor::Scalar(s) = value {
+        return Ok(s.value().to_f64() != 0.0);
+    }
     let dense = value.to_dense()?;
     let flags = dense.as_slice::<bool>()?;
     match flags {
@@ -36,7 +31,7 @@ pub(crate) fn control_kernel(
     op: &'static OpDef,
     attrs: &OpAttrs,
     device: Device,
-) -> Result<Kernel> {
+) -> Result<ValueKernel> {
     let attrs = Attrs::new(attrs, op);
     let OpKind::Control(kind) = op.kind else {
         return Err(Error::internal(format!(
@@ -48,29 +43,29 @@ pub(crate) fn control_kernel(
         ControlOp::If => {
             let then_exe = instantiate_library(attrs.func("then_branch")?, device)?;
             let else_exe = instantiate_library(attrs.func("else_branch")?, device)?;
-            Arc::new(move |inputs: Inputs, _: &KernelContext<'_>| {
+            Arc::new(move |inputs: ValueInputs, _: &KernelContext<'_>| {
                 let mut inputs = inputs.into_iter();
                 let pred = inputs
                     .next()
                     .ok_or_else(|| Error::internal("If without a predicate"))?;
-                let exe = if truth(&HostTensor::Dense(pred))? {
-                    &then_exe
-                } else {
-                    &else_exe
-                };
-                dense(exe.run(host(inputs))?)
+                let exe = if truth(&pred)? { &then_exe } else { &else_exe };
+                Ok(exe.run(inputs.collect())?.into_iter().collect())
             })
         }
         ControlOp::Call => {
             let exe = instantiate_library(attrs.func("f")?, device)?;
-            Arc::new(move |inputs: Inputs, _: &KernelContext<'_>| dense(exe.run(host(inputs))?))
+            Arc::new(move |inputs: ValueInputs, _: &KernelContext<'_>| {
+                Ok(exe.run(inputs.into_vec())?.into_iter().collect())
+            })
         }
         ControlOp::While => {
             let cond = instantiate_library(attrs.func("cond")?, device)?;
             let body = instantiate_library(attrs.func("body")?, device)?;
             let limit = attrs.int("max_iterations")?;
-            Arc::new(move |inputs: Inputs, _: &KernelContext<'_>| {
-                dense(run_while(&cond, &body, limit, host(inputs))?)
+            Arc::new(move |inputs: ValueInputs, _: &KernelContext<'_>| {
+                Ok(run_while(&cond, &body, limit, inputs.into_vec())?
+                    .into_iter()
+                    .collect())
             })
         }
     })

@@ -13,7 +13,7 @@ pub mod partition;
 use crate::device::Device;
 use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
 use smallvec::SmallVec;
-use stagecraft_cpu::{Inputs, Kernel, KernelContext};
+use stagecraft_cpu::{AnyKernel, Inputs, KernelContext, ValueInputs};
 use stagecraft_graph::{Function, NodeOp, Value};
 use stagecraft_ops::{Attrs, FrozenOpAttrs, FuncId, OpDef, OutputMetas, ShapeKind};
 use stagecraft_tensor::{Error, ErrorKind, HostTensor, Location, Result};
@@ -26,7 +26,7 @@ enum StepKind {
     Kernel {
         def: &'static OpDef,
         attrs: FrozenOpAttrs,
-        kernel: Kernel,
+        kernel: AnyKernel,
     },
     Const(HostTensor),
     /// Hands the input to the run's rendezvous under this key.
@@ -399,7 +399,7 @@ impl Executable {
                 }
                 _ => {}
             }
-            let mut inputs = Inputs::new();
+            let mut inputs = ValueInputs::new();
             for (slot, last) in step.inputs.iter().zip(&step.last_use) {
                 let value = if *last {
                     slots[*slot as usize].take()
@@ -407,7 +407,7 @@ impl Executable {
                     slots[*slot as usize].clone()
                 };
                 let value = value.ok_or_else(|| Error::internal("an input was never computed"))?;
-                inputs.push(value.into_dense()?);
+                inputs.push(value);
             }
             for (slot, value) in step.outputs.iter().zip(self.execute_step(step, inputs)?) {
                 slots[*slot as usize] = Some(value);
@@ -470,11 +470,8 @@ impl Executable {
                     if is_cancelled() {
                         return self.fail(Error::cancelled().at(step.location));
                     }
-                    let inputs: Result<Inputs> = step
-                        .inputs
-                        .iter()
-                        .map(|slot| self.read(*slot)?.into_dense())
-                        .collect();
+                    let inputs: Result<ValueInputs> =
+                        step.inputs.iter().map(|slot| self.read(*slot)).collect();
                     let produced = match inputs.and_then(|i| self.exe.execute_step(step, i)) {
                         Ok(p) => p,
                         Err(e) => return self.fail(e),
@@ -541,9 +538,9 @@ impl Executable {
             .collect()
     }
 
-    /// Runs one step on its (dense) inputs and checks its outputs against
-    /// the metadata the graph promised.
-    fn execute_step(&self, step: &Step, inputs: Inputs) -> Result<SmallVec<[HostTensor; 1]>> {
+    /// Runs one step and checks its outputs against the metadata the graph
+    /// promised. A dense kernel gets its inputs as dense tensors.
+    fn execute_step(&self, step: &Step, inputs: ValueInputs) -> Result<SmallVec<[HostTensor; 1]>> {
         let (def, attrs, kernel) = match &step.kind {
             StepKind::Const(value) => return Ok(smallvec::smallvec![value.clone()]),
             StepKind::Kernel { def, attrs, kernel } => (*def, attrs, kernel),
@@ -556,7 +553,16 @@ impl Executable {
             attrs: Attrs::new(attrs, def),
             outputs: &step.metas,
         };
-        let produced = kernel(inputs, &ctx).map_err(|e| {
+        let produced: Result<SmallVec<[HostTensor; 1]>> = match kernel {
+            AnyKernel::Dense(kernel) => inputs
+                .into_iter()
+                .map(HostTensor::into_dense)
+                .collect::<Result<Inputs>>()
+                .and_then(|inputs| kernel(inputs, &ctx))
+                .map(|out| out.into_iter().map(HostTensor::Dense).collect()),
+            AnyKernel::Value(kernel) => kernel(inputs, &ctx),
+        };
+        let produced = produced.map_err(|e| {
             // An error from inside a nested function already names its op
             // and was reported there.
             let raised_here = e.op().is_none();
@@ -587,7 +593,7 @@ impl Executable {
                     ))
                     .at(step.location));
                 }
-                Ok(HostTensor::Dense(value))
+                Ok(value)
             })
             .collect()
     }
