@@ -4,6 +4,7 @@ use smallvec::SmallVec;
 use stagecraft_ops::func::{self, FuncId, FunctionSignature};
 use stagecraft_ops::{AttrValue, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas};
 use stagecraft_tensor::{Error, HostTensor, Location, Result, TensorMetadata};
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 /// A value in a function: a parameter, or one output of a node.
@@ -85,6 +86,78 @@ pub struct Node {
     pub device: Option<String>,
     /// The user's source line that created the node.
     pub location: Location,
+}
+
+/// Registered functions by [`structural_hash`].
+static INTERNED: std::sync::OnceLock<
+    std::sync::Mutex<std::collections::HashMap<u64, SmallVec<[FuncId; 1]>>>,
+> = std::sync::OnceLock::new();
+
+fn hash_const(value: &HostTensor, h: &mut impl Hasher) {
+    value.metadata().hash(h);
+    match value {
+        HostTensor::Dense(t) => t.buffer().bytes().hash(h),
+        HostTensor::Scalar(t) => t.value().to_bits().hash(h),
+        HostTensor::List(l) => l.len().hash(h),
+    }
+}
+
+fn same_const(a: &HostTensor, b: &HostTensor) -> bool {
+    match (a, b) {
+        (HostTensor::Dense(x), HostTensor::Dense(y)) => {
+            x.metadata() == y.metadata() && x.buffer().bytes() == y.buffer().bytes()
+        }
+        (HostTensor::Scalar(x), HostTensor::Scalar(y)) => {
+            x.metadata() == y.metadata() && x.value().to_bits() == y.value().to_bits()
+        }
+        (HostTensor::List(x), HostTensor::List(y)) => {
+            x.identity() == y.identity() || (x.is_empty() && y.is_empty())
+        }
+        _ => false,
+    }
+}
+
+/// A hash of everything that makes two functions the same: name,
+/// signature, nodes (ops, attributes, wiring, constants, devices and source
+/// locations) and results.
+fn structural_hash(f: &Function) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    f.name.hash(&mut h);
+    f.params.hash(&mut h);
+    f.results.hash(&mut h);
+    for node in &f.nodes {
+        match &node.op {
+            NodeOp::Op(def, attrs) => {
+                (*def as *const OpDef as usize).hash(&mut h);
+                attrs.hash(&mut h);
+            }
+            NodeOp::Const(value) => hash_const(value, &mut h),
+        }
+        node.inputs.hash(&mut h);
+        node.outputs.hash(&mut h);
+        node.device.hash(&mut h);
+        node.location.hash(&mut h);
+    }
+    h.finish()
+}
+
+fn same_structure(a: &Function, b: &Function) -> bool {
+    a.name == b.name
+        && a.params == b.params
+        && a.results == b.results
+        && a.nodes.len() == b.nodes.len()
+        && a.nodes.iter().zip(&b.nodes).all(|(x, y)| {
+            let same_op = match (&x.op, &y.op) {
+                (NodeOp::Op(d1, a1), NodeOp::Op(d2, a2)) => std::ptr::eq(*d1, *d2) && a1 == a2,
+                (NodeOp::Const(c1), NodeOp::Const(c2)) => same_const(c1, c2),
+                _ => false,
+            };
+            same_op
+                && x.inputs == y.inputs
+                && x.outputs == y.outputs
+                && x.device == y.device
+                && x.location == y.location
+        })
 }
 
 /// A graph function: parameters, nodes in a topological order (every input
@@ -198,9 +271,28 @@ impl Function {
         // Functions named by If/Call ops can be differentiated from here on.
         stagecraft_ops::grad::set_gradient_transform(crate::autodiff::gradient_of_library_function);
         stagecraft_ops::grad::set_while_transform(crate::autodiff::while_gradient_loops);
+        stagecraft_ops::grad::set_residual_hooks(crate::autodiff::residual_hooks());
+        // An identical function registered before is reused: a `cond` in a
+        // loop traces the same branches every iteration, and one id keeps
+        // the library from growing and lazy traces and executables cached.
+        let key = structural_hash(&self);
+        let mut interned = INTERNED
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let same = interned.get(&key).and_then(|ids| {
+            ids.iter()
+                .copied()
+                .find(|id| Function::lookup(*id).is_some_and(|f| same_structure(&f, &self)))
+        });
+        if let Some(id) = same {
+            return id;
+        }
         let signature = self.signature();
         let name = self.name.clone();
-        func::register_function(name, signature, Arc::new(Arc::new(self)))
+        let id = func::register_function(name, signature, Arc::new(Arc::new(self)));
+        interned.entry(key).or_default().push(id);
+        id
     }
 
     /// A library function, if `id` names a graph function.
@@ -242,5 +334,41 @@ impl Function {
         }
         self.results.iter().for_each(&mut count);
         (params, outputs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stagecraft_tensor::{DType, Scalar, ScalarHostTensor};
+
+    fn scaled(by: f32) -> Function {
+        let meta = TensorMetadata::new(DType::F32, [2]);
+        let mut f = Function::new("scaled_for_interning", vec![meta]);
+        let at = Location::new("src/ir_test.rs", 1, 1);
+        let k = f.add_const(
+            HostTensor::Scalar(ScalarHostTensor::new(Scalar::F32(by), [])),
+            at,
+        );
+        let y = f
+            .add_op(
+                &stagecraft_ops::MUL,
+                &OpAttrs::new(),
+                &[Value::Param(0), Value::node(k)],
+                at,
+            )
+            .unwrap();
+        f.results = vec![Value::node(y)];
+        f
+    }
+
+    #[test]
+    fn registering_an_identical_function_reuses_its_id() {
+        let a = scaled(2.0).register();
+        assert_eq!(scaled(2.0).register(), a);
+        assert_ne!(scaled(3.0).register(), a);
+        let mut renamed = scaled(2.0);
+        renamed.name = "another_name".into();
+        assert_ne!(renamed.register(), a);
     }
 }

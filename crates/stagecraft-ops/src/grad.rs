@@ -229,3 +229,99 @@ pub fn while_gradient(
         .ok_or_else(|| Error::internal("no While gradient builder is installed"))?;
     transform(cond, body)
 }
+
+/// The form a control-flow op takes when it is recorded for
+/// differentiation: the same op with other attributes whose extra outputs
+/// (after the first `results`) are residuals, the values its gradient needs
+/// (the cond_v2 design: intermediates as extra outputs). `extra_inputs`
+/// are appended to the op's inputs, each a zero of its type (for a list,
+/// the empty list).
+#[derive(Clone, Debug)]
+pub struct ResidualForm {
+    /// The attributes of the augmented op.
+    pub attrs: crate::OpAttrs,
+    /// How many leading outputs are the op's own.
+    pub results: usize,
+    /// The types of the zero-valued inputs to append.
+    pub extra_inputs: Vec<TensorMetadata>,
+}
+
+/// How the gradient of an augmented `If` reads its residuals. The forward
+/// `If`'s outputs are `results ++ then residuals ++ else residuals`; the
+/// branch that ran fills its own residuals, the other one's are
+/// placeholders that own no memory (optionals that are none).
+#[derive(Clone, Copy, Debug)]
+pub struct IfResiduals {
+    /// How many outputs the original `If` has.
+    pub results: usize,
+    /// `(args.., residuals.., result grads..) -> arg grads` when `then` ran.
+    pub then_backward: crate::func::FuncId,
+    /// The same when `else` ran.
+    pub else_backward: crate::func::FuncId,
+}
+
+/// How the gradient of an augmented `While` reads its stacks. The forward
+/// loop's state is `state ++ lists ++ trip count`: each iteration pushes
+/// the values the body's gradient needs onto one list per value (values
+/// that do not change across iterations are not stacked). The reverse loop
+/// runs over `(lists.., k, grads.., invariants..)`.
+#[derive(Clone, Debug)]
+pub struct WhileResiduals {
+    /// The original loop state's length.
+    pub state: usize,
+    /// How many lists the forward loop fills.
+    pub lists: usize,
+    /// The state positions whose (unchanging) values the reverse loop
+    /// needs, passed as its trailing values.
+    pub invariants: Vec<usize>,
+    /// Condition of the reverse loop: `k > 0`.
+    pub reverse_cond: crate::func::FuncId,
+    /// Body: pops one iteration's values, runs the body's gradient.
+    pub reverse_body: crate::func::FuncId,
+}
+
+/// The residual transforms, built by the graph layer.
+#[derive(Clone, Copy)]
+pub struct ResidualHooks {
+    /// The residual form of an op, `None` for ops that have none.
+    pub form: fn(&'static OpDef, &crate::OpAttrs) -> Result<Option<ResidualForm>>,
+    /// The plan of an augmented `If`, by its branches.
+    pub if_plan: fn(crate::func::FuncId, crate::func::FuncId) -> Option<IfResiduals>,
+    /// The plan of an augmented `While`, by its condition and body.
+    pub while_plan:
+        fn(crate::func::FuncId, crate::func::FuncId) -> Option<std::sync::Arc<WhileResiduals>>,
+}
+
+static RESIDUAL_HOOKS: std::sync::OnceLock<ResidualHooks> = std::sync::OnceLock::new();
+
+/// Installs the residual transforms (once).
+pub fn set_residual_hooks(hooks: ResidualHooks) {
+    let _ = RESIDUAL_HOOKS.set(hooks);
+}
+
+/// The form `op` takes when recorded for differentiation, `None` when it
+/// is recorded as it is.
+pub fn residual_form(op: &'static OpDef, attrs: &crate::OpAttrs) -> Result<Option<ResidualForm>> {
+    match RESIDUAL_HOOKS.get() {
+        Some(hooks) => (hooks.form)(op, attrs),
+        None => Ok(None),
+    }
+}
+
+pub(crate) fn if_residuals(
+    then_branch: crate::func::FuncId,
+    else_branch: crate::func::FuncId,
+) -> Option<IfResiduals> {
+    RESIDUAL_HOOKS
+        .get()
+        .and_then(|h| (h.if_plan)(then_branch, else_branch))
+}
+
+pub(crate) fn while_residuals(
+    cond: crate::func::FuncId,
+    body: crate::func::FuncId,
+) -> Option<std::sync::Arc<WhileResiduals>> {
+    RESIDUAL_HOOKS
+        .get()
+        .and_then(|h| (h.while_plan)(cond, body))
+}

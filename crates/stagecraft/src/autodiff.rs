@@ -59,8 +59,56 @@ pub(crate) fn is_tracked(handle: &TensorHandle) -> bool {
     })
 }
 
+/// Executes `op` while some tape records: when a tape tracks one of its
+/// arguments, it runs in its residual form if it has one (an `If` or
+/// `While` that also returns what its gradient needs), is recorded, and
+/// the caller gets the op's own outputs.
+pub(crate) fn execute_recorded(
+    op: &'static OpDef,
+    device: stagecraft_runtime::Device,
+    location: Location,
+    args: Args,
+    attrs: &OpAttrs,
+) -> Results {
+    let tracked = TAPES.with(|tapes| {
+        tapes
+            .borrow()
+            .iter()
+            .any(|tape| args.iter().any(|a| tape.tracked.contains(&a.addr())))
+    });
+    if !tracked {
+        return stagecraft_runtime::execute(op, device, location, args, attrs.into());
+    }
+    // An op whose residual form cannot be built (a branch with an op that
+    // has no gradient rule) runs as it is; its gradient then reports the
+    // problem, naming the op, if it is ever asked for.
+    let form = stagecraft_ops::grad::residual_form(op, attrs)
+        .ok()
+        .flatten();
+    let Some(form) = form else {
+        let results = stagecraft_runtime::execute(op, device, location, args.clone(), attrs.into());
+        record(op, attrs, location, &args, &results);
+        return results;
+    };
+    let mut full_args = args;
+    for meta in &form.extra_inputs {
+        let zero = HostTensor::filled(Scalar::F64(0.0), meta);
+        full_args.push(TensorHandle::available(device, zero));
+    }
+    let mut results = stagecraft_runtime::execute(
+        op,
+        device,
+        location,
+        full_args.clone(),
+        (&form.attrs).into(),
+    );
+    record(op, &form.attrs, location, &full_args, &results);
+    results.truncate(form.results);
+    results
+}
+
 /// Records an op on every tape that tracks one of its arguments.
-pub(crate) fn record(
+fn record(
     def: &'static OpDef,
     attrs: &OpAttrs,
     location: Location,
@@ -163,8 +211,7 @@ impl GradBuilder for Builder {
             .first()
             .map(|h| h.device())
             .unwrap_or_else(|| stagecraft_runtime::place(&[]));
-        let scalar = ScalarHostTensor::new(Scalar::F64(value).cast(meta.dtype), meta.shape.clone());
-        let handle = TensorHandle::available(device, HostTensor::Scalar(scalar));
+        let handle = TensorHandle::available(device, HostTensor::filled(Scalar::F64(value), meta));
         Ok(self.push(handle))
     }
 }

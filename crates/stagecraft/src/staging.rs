@@ -147,11 +147,11 @@ fn run_control<S: TensorGroup>(
 ) -> S {
     let expected = handles_of(template);
     let device = runtime::place(&args);
-    let recorded = crate::autodiff::is_recording().then(|| args.clone());
-    let results = runtime::execute(op, device, location, args, attrs.into());
-    if let Some(args) = recorded {
-        crate::autodiff::record(op, attrs, location, &args, &results);
-    }
+    let results = if crate::autodiff::is_recording() {
+        crate::autodiff::execute_recorded(op, device, location, args, attrs)
+    } else {
+        runtime::execute(op, device, location, args, attrs.into())
+    };
     let failed = results.first().and_then(|h| h.resolved_error().cloned());
     let handles: Vec<TensorHandle> = match failed {
         Some(err)

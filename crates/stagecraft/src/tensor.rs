@@ -268,12 +268,10 @@ pub(crate) fn run_handles(
     location: Location,
 ) -> runtime::Results {
     let device = runtime::place(&args);
-    let recorded = crate::autodiff::is_recording().then(|| args.clone());
-    let results = runtime::execute(op, device, location, args, attrs.into());
-    if let Some(args) = recorded {
-        crate::autodiff::record(op, attrs, location, &args, &results);
+    if crate::autodiff::is_recording() {
+        return crate::autodiff::execute_recorded(op, device, location, args, attrs);
     }
-    results
+    runtime::execute(op, device, location, args, attrs.into())
 }
 
 /// Runs `op` on `args`, placed by the eager rules, returning its first

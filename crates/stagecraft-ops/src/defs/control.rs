@@ -5,7 +5,10 @@
 
 use crate::attrs::AttrKind;
 use crate::func::{function_name, function_signature, FuncId, FunctionSignature};
-use crate::grad::{gradient_function, while_gradient, GradBuilder, GradContext, InputGrads, G};
+use crate::grad::{
+    gradient_function, if_residuals, while_gradient, while_residuals, GradBuilder, GradContext,
+    InputGrads, G,
+};
 use crate::op::*;
 use stagecraft_tensor::{DType, Error, Result, TensorMetadata};
 
@@ -159,10 +162,10 @@ pub static CALL: OpDef = OpDef {
     grad: Some(call_grad),
 };
 
-/// The incoming gradient of every output, zeros where none flows (a
-/// gradient function takes one per result).
-fn all_grads(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<Vec<G>> {
-    ctx.outputs
+/// The incoming gradient of each of the first `count` outputs, zeros where
+/// none flows (a gradient function takes one per result).
+fn grads_of(b: &mut dyn GradBuilder, ctx: &GradContext<'_>, count: usize) -> Result<Vec<G>> {
+    ctx.outputs[..count]
         .iter()
         .zip(ctx.grads)
         .map(|(out, g)| match g {
@@ -175,13 +178,47 @@ fn all_grads(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<Vec<G>> {
         .collect()
 }
 
+/// The incoming gradient of every output.
+fn all_grads(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<Vec<G>> {
+    grads_of(b, ctx, ctx.outputs.len())
+}
+
+/// True when no gradient flows into the outputs from `from` on (the
+/// residuals), which is every first-order use.
+fn residuals_get_no_gradient(ctx: &GradContext<'_>, from: usize) -> bool {
+    ctx.grads.iter().skip(from).all(Option::is_none)
+}
+
 /// The gradient of an If is an If on the same predicate whose branches are
-/// the gradient functions of the forward branches (each recomputes its
-/// branch's forward values from the inputs rather than receiving them as
-/// optional outputs).
+/// the backward halves of the forward branches. The forward If, augmented
+/// when it was recorded, returned the intermediates those halves need as
+/// extra outputs (the branch that did not run returns placeholders), so
+/// nothing is recomputed. An If that was not augmented, or whose residuals
+/// receive gradients themselves (higher order), differentiates its branches
+/// whole: the gradient branches recompute the forward values.
 fn if_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let then_g = gradient_function(ctx.attrs.func("then_branch")?)?;
-    let else_g = gradient_function(ctx.attrs.func("else_branch")?)?;
+    let (then_f, else_f) = (
+        ctx.attrs.func("then_branch")?,
+        ctx.attrs.func("else_branch")?,
+    );
+    if let Some(plan) = if_residuals(then_f, else_f) {
+        if residuals_get_no_gradient(ctx, plan.results) {
+            let mut inputs: Vec<G> = ctx.inputs.to_vec();
+            inputs.extend_from_slice(&ctx.outputs[plan.results..]);
+            inputs.extend(grads_of(b, ctx, plan.results)?);
+            let mut attrs = crate::OpAttrs::new();
+            attrs
+                .set_func("then_branch", plan.then_backward)
+                .set_func("else_branch", plan.else_backward);
+            let grads = b.op_multi(&IF, &inputs, &attrs)?;
+            let mut out = InputGrads::new();
+            out.push(None);
+            out.extend(grads.into_iter().map(Some));
+            return Ok(out);
+        }
+    }
+    let then_g = gradient_function(then_f)?;
+    let else_g = gradient_function(else_f)?;
     let mut inputs: Vec<G> = ctx.inputs.to_vec();
     inputs.extend(all_grads(b, ctx)?);
     let mut attrs = crate::OpAttrs::new();
@@ -208,13 +245,41 @@ fn call_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrad
         .collect())
 }
 
-/// Reverse mode through a While with a data-dependent trip count: a
-/// counting loop finds the trip count `n`, then a reverse loop runs the
-/// body's gradient `n` times, from the last iteration back to the first.
-/// Instead of stacking every iteration's state, the reverse loop recomputes
-/// the state entering iteration `k` from the initial state: memory stays
-/// that of one state, at the price of O(n²) body evaluations.
+/// Reverse mode through a While with a data-dependent trip count. The
+/// forward loop, augmented when it was recorded, pushed the values the
+/// body's gradient needs onto one list per value and counted its trips
+/// `n`; the gradient is a While that runs `n` times, popping one
+/// iteration's values and running the body's backward half, from the last
+/// iteration to the first. Memory: `n` times the stacked values' size
+/// (values that do not change across iterations are not stacked); compute:
+/// one backward body per iteration.
+///
+/// A loop that was not augmented, or whose lists receive gradients (higher
+/// order), takes the fallback: a counting loop finds `n`, and the reverse
+/// loop recomputes the state entering iteration `k` from the initial
+/// state, which keeps memory at one state for O(n²) body runs.
 fn while_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (cond, body) = (ctx.attrs.func("cond")?, ctx.attrs.func("body")?);
+    if let Some(plan) = while_residuals(cond, body) {
+        if residuals_get_no_gradient(ctx, plan.state) {
+            let n = plan.state;
+            let mut reverse_in: Vec<G> = ctx.outputs[n..n + plan.lists + 1].to_vec();
+            reverse_in.extend(grads_of(b, ctx, n)?);
+            reverse_in.extend(plan.invariants.iter().map(|&i| ctx.inputs[i]));
+            let mut attrs = crate::OpAttrs::new();
+            attrs
+                .set_func("cond", plan.reverse_cond)
+                .set_func("body", plan.reverse_body);
+            let reversed = b.op_multi(&WHILE, &reverse_in, &attrs)?;
+            let first = plan.lists + 1;
+            let mut out: InputGrads = reversed[first..first + n]
+                .iter()
+                .map(|g| Some(*g))
+                .collect();
+            out.extend((n..ctx.inputs.len()).map(|_| None));
+            return Ok(out);
+        }
+    }
     if ctx.attrs.int("max_iterations")? >= 0 {
         return Err(Error::invalid(
             "the gradient of a While with max_iterations is not supported",
