@@ -6,6 +6,7 @@ mod creation;
 mod effects;
 mod elementwise;
 mod fused;
+mod host;
 mod linalg;
 mod nn;
 mod reduce;
@@ -17,6 +18,7 @@ pub use creation::*;
 pub use effects::*;
 pub use elementwise::*;
 pub use fused::*;
+pub use host::*;
 pub use linalg::*;
 pub use nn::*;
 pub use reduce::*;
@@ -99,6 +101,7 @@ pub static ALL_OPS: &[&OpDef] = &[
     &AVG_POOL2D_GRAD,
     // side effects
     &PRINT,
+    &HOST_CALL,
     // control flow
     &IF,
     &WHILE,
