@@ -131,7 +131,9 @@ fn expand_stage(f: &ItemFn) -> syn::Result<TokenStream2> {
         #[track_caller]
         #vis fn #ident(#(#outer_inputs),*) #output {
             // The user's body, desugared; traced once per signature.
-            #[allow(unused_mut, unused_parens, clippy::all)]
+            // SSA form assigns every carried variable back after its `if`/`while`,
+            // also where the user's code reads it no more.
+            #[allow(unused_mut, unused_assignments)]
             fn #inner(#inputs) #output #body
             static #cache: ::stagecraft::__stage::StageCache =
                 ::stagecraft::__stage::StageCache::new(#name);

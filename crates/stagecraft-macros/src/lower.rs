@@ -368,28 +368,53 @@ impl Lowerer {
             }
         }
         self.check_no_try(&[&then_block, &else_b])?;
-        let assigned = assigned_in([&then_block, &else_b]);
+        let mut assigned = assigned_in([&then_block, &else_b]);
         self.check_initialized(&assigned, "an `if` that #[stage] lowers")?;
+        // A `break`/`continue` in a branch assigns its loop's flag.
+        if let Some(flags) = &ctx.flags {
+            let (mut breaks, mut continues) = (false, false);
+            for b in [&then_block, &else_b] {
+                let e = exits_of_block(b);
+                breaks |= !e.breaks.is_empty();
+                continues |= !e.continues.is_empty();
+            }
+            let cont = flags.cont.as_ref().unwrap_or(&flags.brk);
+            for (used, flag) in [(breaks, &flags.brk), (continues, cont)] {
+                if used && !assigned.iter().any(|a| a == flag) {
+                    assigned.push(flag.clone());
+                }
+            }
+        }
         let inner = ctx.branch();
         let then_l = self.lower_block(then_block, &inner)?;
         let else_l = self.lower_block(else_b, &inner)?;
         let (c, r, v) = (self.fresh("c"), self.fresh("r"), self.fresh("v"));
+        let (state, f, sel) = (self.fresh("s"), self.fresh("f"), self.fresh("then"));
         let rt = rt();
         let a = &assigned;
         let then_span = then_l.brace_token.span.join();
         let else_span = else_l.brace_token.span.join();
         let then_ret = quote_spanned!(then_span=> (#v, (#(#a,)*)));
         let else_ret = quote_spanned!(else_span=> (#v, (#(#a,)*)));
+        // One closure for both branches, so a branch that consumes an
+        // outer value does not conflict with the other borrowing it.
         let call = quote_spanned! {span=>
-            #rt::StageIf::stage_if(
-                #c,
-                (#(#a,)*),
-                |(#(mut #a,)*)| { let #v = #then_l; #then_ret },
-                |(#(mut #a,)*)| { let #v = #else_l; #else_ret },
-            )
+            #rt::StageIf::stage_if(#c, #state, #f)
         };
         let mut stmts: Vec<Stmt> = vec![
             parse_quote!(let #c = #rt::StageCond::stage_cond(&(#cond));),
+            parse_quote!(let #state = (#(#a,)*);),
+            parse_quote!(
+                let #f = #rt::branches(&#state, |#sel: bool, (#(mut #a,)*)| {
+                    if #sel {
+                        let #v = #then_l;
+                        #then_ret
+                    } else {
+                        let #v = #else_l;
+                        #else_ret
+                    }
+                });
+            ),
             parse_quote!(let #r = #call;),
         ];
         if !assigned.is_empty() {

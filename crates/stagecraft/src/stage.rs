@@ -361,39 +361,47 @@ pub mod __stage {
     }
 
     /// `if`: ordinary Rust on `bool`, one `If` op on `Tensor<bool>`. `S`
-    /// holds the variables a branch assigns (SSA renaming), `R` is the
-    /// branches' value and `S` back.
-    pub trait StageIf<S, R>: Sized {
+    /// holds the variables a branch assigns (SSA renaming); `F` runs the
+    /// then (`true`) or else (`false`) branch on them and returns the
+    /// branch's value and them (`R`).
+    ///
+    /// Staging traces both branches, each with its own copy of `F`, so on
+    /// `Tensor<bool>` `F` must be `Clone`: a branch may borrow outer values
+    /// or consume tensors, but not mutate captured host values.
+    pub trait StageIf<S, R, F>: Sized {
         /// Runs (or stages) the branch `self` selects.
-        fn stage_if(self, state: S, then: impl FnOnce(S) -> R, otherwise: impl FnOnce(S) -> R)
-            -> R;
+        fn stage_if(self, state: S, branches: F) -> R;
     }
 
-    impl<S, R> StageIf<S, R> for bool {
-        fn stage_if(
-            self,
-            state: S,
-            then: impl FnOnce(S) -> R,
-            otherwise: impl FnOnce(S) -> R,
-        ) -> R {
-            if self {
-                then(state)
-            } else {
-                otherwise(state)
-            }
+    /// Gives the branch closure its signature before the condition's type
+    /// picks the impl.
+    pub fn branches<S, R, F: FnOnce(bool, S) -> R>(_: &S, f: F) -> F {
+        f
+    }
+
+    impl<S, R, F: FnOnce(bool, S) -> R> StageIf<S, R, F> for bool {
+        fn stage_if(self, state: S, branches: F) -> R {
+            branches(self, state)
         }
     }
 
-    impl<S: TensorGroup, R: TensorGroup> StageIf<S, R> for Tensor<bool> {
+    impl<S, R, F> StageIf<S, R, F> for Tensor<bool>
+    where
+        S: TensorGroup,
+        R: TensorGroup,
+        F: FnOnce(bool, S) -> R + Clone,
+    {
         #[track_caller]
-        fn stage_if(
-            self,
-            state: S,
-            then: impl FnOnce(S) -> R,
-            otherwise: impl FnOnce(S) -> R,
-        ) -> R {
+        fn stage_if(self, state: S, branches: F) -> R {
+            // A copy of the closure per traced branch: its captures are
+            // references or tensors (cheap clones).
             let other = state.clone();
-            crate::cond(&self, || then(state), || otherwise(other))
+            let else_branches = branches.clone();
+            crate::cond(
+                &self,
+                || branches(true, state),
+                || else_branches(false, other),
+            )
         }
     }
 
