@@ -312,7 +312,7 @@ fn errors_inside_staged_code_name_the_op_and_the_line() {
         }
         y
     }
-    let line = line!() - 6;
+    let line = line!() - 4;
     let err = bad(f32s(&[1.0, 2.0])).to_vec().unwrap_err();
     assert_eq!(err.op(), Some("Reshape"), "{err}");
     assert_eq!(err.location().unwrap().line(), line, "{err}");
