@@ -27,7 +27,30 @@ use syn::{parse_macro_input, FnArg, Ident, ItemFn, Pat};
 /// the function into the branches, and `for` loops over host ranges stay
 /// host loops, unrolled into the trace.
 ///
-/// See the `stagecraft` crate documentation of `stage` for an example.
+/// ```text
+/// use stagecraft::{Device, Tensor};
+///
+/// #[stagecraft::stage]
+/// fn shrink(x: Tensor<f32>, limit: Tensor<f32>, rounds: usize) -> Tensor<f32> {
+///     let mut x = x;
+///     for _ in 0..rounds {                        // host loop: unrolled
+///         while x.sum(&[0], false).gt(&limit) {   // Tensor<bool>: one While op
+///             x = &x * 0.5;
+///         }
+///         if rounds > 2 {                         // bool: plain Rust
+///             x = &x + 1.0;
+///         }
+///     }
+///     x
+/// }
+/// ```
+///
+/// Diagnostics: a variable a lowered branch or loop assigns that has no
+/// value before it, `loop` with a `break` value, labelled loops, early
+/// `return` inside a loop and `?` inside a branch are `compile_error!`s at
+/// the offending token; a host value assigned in a staged branch or
+/// branches of different types fail type checking with a message saying
+/// what to change.
 #[proc_macro_attribute]
 pub fn stage(attr: TokenStream, item: TokenStream) -> TokenStream {
     if !attr.is_empty() {
@@ -208,4 +231,71 @@ fn expand_derive(input: &syn::DeriveInput) -> syn::Result<TokenStream2> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expand(src: &str) -> String {
+        let f: ItemFn = syn::parse_str(src).unwrap();
+        match expand_stage(&f) {
+            Ok(t) => t.to_string(),
+            Err(e) => format!("error: {e}"),
+        }
+    }
+
+    #[test]
+    fn branches_carry_what_they_assign_and_nothing_local() {
+        let out = expand(
+            "fn f(x: T) -> T { let mut y = x; let z = 1; \
+             if c { let w = y; y = w; } else { z2(); } y }",
+        );
+        assert!(out.contains("StageIf :: stage_if"), "{out}");
+        // `y` is the state; `w` is the branch's own.
+        assert!(out.contains("(y ,) = __stage_r_"), "{out}");
+        assert!(!out.contains("(w ,)"), "{out}");
+    }
+
+    #[test]
+    fn loops_carry_assigned_variables_and_flags() {
+        let out = expand(
+            "fn f(x: T) -> T { let mut y = x; let mut i = 0; \
+             while c(&i) { i = i + 1; if d { continue; } y = g(y); if e { break; } } y }",
+        );
+        assert!(out.contains("StageWhile :: stage_while"), "{out}");
+        assert!(out.contains("Flag :: and_not"), "{out}");
+        assert!(out.contains("Flag :: neither"), "{out}");
+        assert!(out.contains("(i , y , __stage_break_"), "{out}");
+    }
+
+    #[test]
+    fn for_loops_stay_rust_loops() {
+        let out = expand("fn f(x: T, k: usize) -> T { let mut y = x; for _ in 0..k { y = g(y); } y }");
+        assert!(out.contains("for _ in 0 .. k"), "{out}");
+        assert!(!out.contains("stage_while"), "{out}");
+    }
+
+    #[test]
+    fn early_return_moves_the_rest_into_the_branches() {
+        let out = expand("fn f(x: T) -> T { if c { return a(x); } let y = b(&x); y }");
+        assert!(!out.contains("return"), "{out}");
+        assert!(out.contains("let y = b (& x)"), "{out}");
+    }
+
+    #[test]
+    fn unstageable_code_is_rejected_with_a_reason() {
+        for (src, says) in [
+            ("fn f(x: T) -> T { let y; if c { y = x; } else { y = x; } y }", "has no value before it"),
+            ("fn f(x: T) -> T { let v = loop { break x; }; v }", "`break` with a value"),
+            ("fn f(x: T) -> T { while c { if d { return x; } } x }", "inside a loop"),
+            ("fn f(x: T) -> T { 'a: while c { break 'a; } x }", "labelled"),
+            ("fn f(x: T) -> T { if c { g()?; } x }", "`?`"),
+            ("fn f<U>(x: U) -> U { x }", "generic"),
+            ("fn f((a, b): (T, T)) -> T { a }", "plain name"),
+        ] {
+            let out = expand(src);
+            assert!(out.starts_with("error:") && out.contains(says), "{src}: {out}");
+        }
+    }
 }

@@ -660,6 +660,21 @@ impl VisitMut for ExprLowerer<'_> {
                      `if` branch in it); rewrite this expression with an `if`",
                 ));
             }
+            Expr::Loop(l)
+                if exits_of_block(&l.body)
+                    .breaks
+                    .iter()
+                    .any(|b| b.expr.is_some()) =>
+            {
+                let b = exits_of_block(&l.body)
+                    .breaks
+                    .into_iter()
+                    .find(|b| b.expr.is_some())
+                    .cloned();
+                if let Some(b) = b {
+                    self.error = check_break(&b).err();
+                }
+            }
             Expr::While(_) | Expr::ForLoop(_) | Expr::Loop(_) => {
                 // Loops inside expressions keep their own `break`s.
                 let saved = self.ctx.flags.take();
