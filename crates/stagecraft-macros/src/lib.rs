@@ -95,7 +95,10 @@ fn nest(items: &[TokenStream2]) -> TokenStream2 {
 fn expand_stage(f: &ItemFn) -> syn::Result<TokenStream2> {
     let sig = &f.sig;
     if let Some(a) = &sig.asyncness {
-        return Err(syn::Error::new(a.span(), "#[stage] functions cannot be `async`"));
+        return Err(syn::Error::new(
+            a.span(),
+            "#[stage] functions cannot be `async`",
+        ));
     }
     if !sig.generics.params.is_empty() {
         return Err(syn::Error::new(
@@ -271,7 +274,8 @@ mod tests {
 
     #[test]
     fn for_loops_stay_rust_loops() {
-        let out = expand("fn f(x: T, k: usize) -> T { let mut y = x; for _ in 0..k { y = g(y); } y }");
+        let out =
+            expand("fn f(x: T, k: usize) -> T { let mut y = x; for _ in 0..k { y = g(y); } y }");
         assert!(out.contains("for _ in 0 .. k"), "{out}");
         assert!(!out.contains("stage_while"), "{out}");
     }
@@ -286,16 +290,31 @@ mod tests {
     #[test]
     fn unstageable_code_is_rejected_with_a_reason() {
         for (src, says) in [
-            ("fn f(x: T) -> T { let y; if c { y = x; } else { y = x; } y }", "has no value before it"),
-            ("fn f(x: T) -> T { let v = loop { break x; }; v }", "`break` with a value"),
-            ("fn f(x: T) -> T { while c { if d { return x; } } x }", "inside a loop"),
-            ("fn f(x: T) -> T { 'a: while c { break 'a; } x }", "labelled"),
+            (
+                "fn f(x: T) -> T { let y; if c { y = x; } else { y = x; } y }",
+                "has no value before it",
+            ),
+            (
+                "fn f(x: T) -> T { let v = loop { break x; }; v }",
+                "`break` with a value",
+            ),
+            (
+                "fn f(x: T) -> T { while c { if d { return x; } } x }",
+                "inside a loop",
+            ),
+            (
+                "fn f(x: T) -> T { 'a: while c { break 'a; } x }",
+                "labelled",
+            ),
             ("fn f(x: T) -> T { if c { g()?; } x }", "`?`"),
             ("fn f<U>(x: U) -> U { x }", "generic"),
             ("fn f((a, b): (T, T)) -> T { a }", "plain name"),
         ] {
             let out = expand(src);
-            assert!(out.starts_with("error:") && out.contains(says), "{src}: {out}");
+            assert!(
+                out.starts_with("error:") && out.contains(says),
+                "{src}: {out}"
+            );
         }
     }
 }

@@ -238,7 +238,10 @@ impl Lowerer {
                     }
                     Stmt::Expr(Expr::Continue(c), _) => {
                         if let Some(label) = &c.label {
-                            return err(label.span(), "labelled `continue` is not supported in #[stage] code");
+                            return err(
+                                label.span(),
+                                "labelled `continue` is not supported in #[stage] code",
+                            );
                         }
                         let cont = flags.cont.as_ref().unwrap_or(&flags.brk);
                         out.push(parse_quote!(#cont = #rt::Flag::raised(&#cont);));
@@ -303,10 +306,7 @@ impl Lowerer {
                     }
                     Ok(prefix)
                 }
-                Expr::If(i) => Ok(vec![Stmt::Expr(
-                    Expr::If(self.lower_if_let(i, ctx)?),
-                    semi,
-                )]),
+                Expr::If(i) => Ok(vec![Stmt::Expr(Expr::If(self.lower_if_let(i, ctx)?), semi)]),
                 Expr::While(w) => self.lower_while(w, ctx),
                 Expr::ForLoop(f) => self.lower_for(f, ctx),
                 Expr::Loop(l) => self.lower_loop(l, ctx),
@@ -425,7 +425,10 @@ impl Lowerer {
 
     fn lower_while(&mut self, w: syn::ExprWhile, ctx: &Ctx) -> syn::Result<Vec<Stmt>> {
         if let Some(label) = &w.label {
-            return err(label.span(), "labelled loops are not supported in #[stage] code");
+            return err(
+                label.span(),
+                "labelled loops are not supported in #[stage] code",
+            );
         }
         if matches!(&*w.cond, Expr::Let(_)) {
             // `while let` matches host values: a Rust loop, like `for`.
@@ -493,7 +496,10 @@ impl Lowerer {
 
     fn lower_loop(&mut self, l: syn::ExprLoop, ctx: &Ctx) -> syn::Result<Vec<Stmt>> {
         if let Some(label) = &l.label {
-            return err(label.span(), "labelled loops are not supported in #[stage] code");
+            return err(
+                label.span(),
+                "labelled loops are not supported in #[stage] code",
+            );
         }
         // `loop` has no condition to stage on: it is `while true`, a host
         // loop (a staged loop needs a `Tensor<bool>` condition).
@@ -509,7 +515,10 @@ impl Lowerer {
 
     fn lower_for(&mut self, f: syn::ExprForLoop, ctx: &Ctx) -> syn::Result<Vec<Stmt>> {
         if let Some(label) = &f.label {
-            return err(label.span(), "labelled loops are not supported in #[stage] code");
+            return err(
+                label.span(),
+                "labelled loops are not supported in #[stage] code",
+            );
         }
         self.lower_host_loop(Expr::ForLoop(f), ctx)
     }
@@ -580,7 +589,10 @@ impl Lowerer {
 
 fn check_break(b: &syn::ExprBreak) -> syn::Result<()> {
     if let Some(label) = &b.label {
-        return err(label.span(), "labelled `break` is not supported in #[stage] code");
+        return err(
+            label.span(),
+            "labelled `break` is not supported in #[stage] code",
+        );
     }
     if let Some(value) = &b.expr {
         return err(

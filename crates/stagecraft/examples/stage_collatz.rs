@@ -41,6 +41,9 @@ fn main() -> stagecraft::Result<()> {
     let steps = transfer_guard(TransferGuard::Log, || {
         collatz_steps(Tensor::scalar(9, &cpu)).item()
     })?;
-    println!("collatz(9) takes {steps} steps; transfers so far: {:?}", transfer_stats());
+    println!(
+        "collatz(9) takes {steps} steps; transfers so far: {:?}",
+        transfer_stats()
+    );
     Ok(())
 }

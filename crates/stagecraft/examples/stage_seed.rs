@@ -78,7 +78,12 @@ fn show(name: &str) {
 
 fn main() -> stagecraft::Result<()> {
     let v = |values: &[f32]| Tensor::from_vec(values.to_vec(), &[values.len()], &cpu());
-    let (a, b, c, d) = (v(&[1.0, 2.0])?, v(&[3.0, -4.0])?, v(&[10.0, 10.0])?, v(&[1.0, 1.0])?);
+    let (a, b, c, d) = (
+        v(&[1.0, 2.0])?,
+        v(&[3.0, -4.0])?,
+        v(&[10.0, 10.0])?,
+        v(&[1.0, 1.0])?,
+    );
     println!("conditional_code = {}", conditional_code(a, b, c, d));
     show("conditional_code");
 

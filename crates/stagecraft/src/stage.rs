@@ -714,9 +714,9 @@ pub mod __stage {
                         // Only a broken invariant gets here (rebuilding the
                         // arguments' own structure failed): there is no
                         // result of type `R` to hold the error.
-                        let e = traced.err().unwrap_or_else(|| {
-                            Error::internal("the staged body did not run")
-                        });
+                        let e = traced
+                            .err()
+                            .unwrap_or_else(|| Error::internal("the staged body did not run"));
                         panic!("{}", e.with_op(self.name).at(location));
                     };
                     let traced = match traced {
@@ -729,7 +729,9 @@ pub mod __stage {
                             let device = runtime::place(&[]);
                             let errors: Vec<TensorHandle> = handles
                                 .iter()
-                                .map(|h| TensorHandle::error(device, h.metadata().clone(), e.clone()))
+                                .map(|h| {
+                                    TensorHandle::error(device, h.metadata().clone(), e.clone())
+                                })
                                 .collect();
                             return template
                                 .stage_rebuild(&mut errors.into_iter())

@@ -37,7 +37,10 @@ fn staged_host_call_goes_through_the_host_partition() {
     assert_eq!(out.to_vec().unwrap(), vec![8.0, 18.0]);
     let text = stagecraft::staged_graphs("squares_on_host").join("\n");
     assert!(text.contains("HostCall"), "{text}");
-    assert!(text.contains("host"), "the node is placed on the host: {text}");
+    assert!(
+        text.contains("host"),
+        "the node is placed on the host: {text}"
+    );
 }
 
 #[stagecraft::stage]
@@ -93,7 +96,9 @@ fn graph_work_overlaps_a_slow_host_call() {
     let x = f32s(&[1.0, 2.0]);
     let w = Tensor::<f32>::full(&[384, 384], 0.001, &cpu());
     let run = |sleep: u64, work: usize| {
-        overlapped(x.clone(), w.clone(), sleep, work).wait().unwrap();
+        overlapped(x.clone(), w.clone(), sleep, work)
+            .wait()
+            .unwrap();
     };
     // Find a graph workload of roughly the host call's length.
     let host = Duration::from_millis(300);

@@ -255,7 +255,10 @@ fn early_return_matches_eager() {
         vec![3.0, 4.0],
         vec![30.0, 40.0],
     ] {
-        same(&staged::early_return(f32s(&x)), &eager::early_return(f32s(&x)));
+        same(
+            &staged::early_return(f32s(&x)),
+            &eager::early_return(f32s(&x)),
+        );
     }
 }
 

@@ -1,7 +1,9 @@
 //! Transfer guards: implicit device-to-host copies are counted, logged
 //! with their source line or refused; explicit copies always pass.
 
-use stagecraft::{take_transfer_log, transfer_guard, transfer_stats, Device, Tensor, TransferGuard};
+use stagecraft::{
+    take_transfer_log, transfer_guard, transfer_stats, Device, Tensor, TransferGuard,
+};
 
 fn f32s(values: &[f32]) -> Tensor<f32> {
     Tensor::from_vec(values.to_vec(), &[values.len()], &Device::cpu()).unwrap()
@@ -16,8 +18,14 @@ fn log_names_the_copy_and_the_line() {
     assert_eq!(values, vec![1.0, 2.0]);
     let log = take_transfer_log();
     assert_eq!(log.len(), 1, "{log:?}");
-    assert!(log[0].contains("to_vec") && log[0].contains("f32[2]"), "{log:?}");
-    assert!(log[0].contains(&format!("transfer_guard.rs:{line}:")), "{log:?}");
+    assert!(
+        log[0].contains("to_vec") && log[0].contains("f32[2]"),
+        "{log:?}"
+    );
+    assert!(
+        log[0].contains(&format!("transfer_guard.rs:{line}:")),
+        "{log:?}"
+    );
     let after = transfer_stats();
     assert!(after.implicit > before.implicit && after.logged > before.logged);
 }
@@ -29,9 +37,15 @@ fn disallow_refuses_implicit_copies_with_an_error_naming_them() {
     let err = transfer_guard(TransferGuard::Disallow, || x.item()).unwrap_err();
     assert_eq!(err.op(), Some("item"), "{err}");
     assert_eq!(err.location().unwrap().line(), line, "{err}");
-    assert!(err.to_string().contains("to_host"), "says what to do: {err}");
+    assert!(
+        err.to_string().contains("to_host"),
+        "says what to do: {err}"
+    );
     let printed = transfer_guard(TransferGuard::Disallow, || format!("{x}"));
-    assert!(printed.contains("Display") && printed.contains("disallowed"), "{printed}");
+    assert!(
+        printed.contains("Display") && printed.contains("disallowed"),
+        "{printed}"
+    );
     // Guards nest and end with their scope.
     transfer_guard(TransferGuard::Disallow, || {
         transfer_guard(TransferGuard::Allow, || assert!(x.to_vec().is_ok()));
@@ -48,7 +62,11 @@ fn explicit_copies_always_pass() {
         let host = x.to_host();
         assert_eq!(host.device(), Device::host());
         assert_eq!(host.to_vec().unwrap(), vec![3.0]);
-        assert_eq!((&host * 2.0).item().unwrap(), 6.0, "ops run on the host too");
+        assert_eq!(
+            (&host * 2.0).item().unwrap(),
+            6.0,
+            "ops run on the host too"
+        );
         let other = x.to_device(&Device::parse("cpu:1").unwrap());
         assert_eq!(other.to_host().item().unwrap(), 3.0);
     });

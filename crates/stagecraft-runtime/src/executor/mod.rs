@@ -303,7 +303,10 @@ fn sends_early(steps: Vec<Step>) -> Vec<Step> {
     let mut after: HashMap<Option<usize>, Vec<usize>> = HashMap::new();
     for (i, step) in steps.iter().enumerate() {
         if matches!(step.kind, StepKind::Send(_)) {
-            let from = step.inputs.first().and_then(|slot| producer.get(slot).copied());
+            let from = step
+                .inputs
+                .first()
+                .and_then(|slot| producer.get(slot).copied());
             after.entry(from).or_default().push(i);
         }
     }
@@ -316,10 +319,7 @@ fn sends_early(steps: Vec<Step>) -> Vec<Step> {
         order.extend(after.remove(&Some(i)).unwrap_or_default());
     }
     let mut slots: Vec<Option<Step>> = steps.into_iter().map(Some).collect();
-    order
-        .into_iter()
-        .filter_map(|i| slots[i].take())
-        .collect()
+    order.into_iter().filter_map(|i| slots[i].take()).collect()
 }
 
 type CacheKey = (FuncId, Device);
