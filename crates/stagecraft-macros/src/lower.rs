@@ -9,8 +9,8 @@
 //! - Every `while c { .. }` becomes `StageWhile::stage_while(c0, state,
 //!   cond, body)` over the variables the body assigns.
 //! - `break`/`continue` of a lowered loop become flags (`bool` or
-//!   `Tensor<bool>`, the loop condition's kind): the loop condition gets
-//!   `&& !break`, and the statements after one that may exit run under
+//!   `Tensor<bool>`, the loop condition's kind): the loop condition becomes
+//!   `!break && cond`, and the statements after one that may exit run under
 //!   `if !break && !continue`.
 //! - An early `return` inside an `if` moves the rest of the block into the
 //!   branches that do not return (continuation passing), so the `if`
@@ -398,11 +398,14 @@ impl Lowerer {
         let else_ret = quote_spanned!(else_span=> (#v, (#(#a,)*)));
         // One closure for both branches, so a branch that consumes an
         // outer value does not conflict with the other borrowing it.
+        // Spelled out (not `#rt`) so that trait-bound errors point at the
+        // user's `if` and condition.
         let call = quote_spanned! {span=>
-            #rt::StageIf::stage_if(#c, #state, #f)
+            ::stagecraft::__stage::StageIf::stage_if(#c, #state, #f)
         };
+        let cond_call = cond_value(&cond);
         let mut stmts: Vec<Stmt> = vec![
-            parse_quote!(let #c = #rt::StageCond::stage_cond(&(#cond));),
+            parse_quote!(let #c = #cond_call;),
             parse_quote!(let #state = (#(#a,)*);),
             parse_quote!(
                 let #f = #rt::branches(&#state, |#sel: bool, (#(mut #a,)*)| {
@@ -443,15 +446,22 @@ impl Lowerer {
             check_break(b)?;
         }
         let rt = rt();
-        let mut stmts: Vec<Stmt> = Vec::new();
+        let (c, r) = (self.fresh("c"), self.fresh("r"));
+        // The condition runs once before the loop (its type picks the impl)
+        // and then once per iteration inside the `cond` closure.
+        let cond_call = cond_value(&cond);
+        let mut stmts: Vec<Stmt> = vec![parse_quote!(let #c = #cond_call;)];
+        // Variables the condition assigns are loop state too.
+        let cond_block = Block {
+            brace_token: Default::default(),
+            stmts: vec![Stmt::Expr(cond.clone(), None)],
+        };
         let flags = if exits.breaks.is_empty() && exits.continues.is_empty() {
             None
         } else {
             let brk = self.fresh("break");
             let cont = (!exits.continues.is_empty()).then(|| self.fresh("continue"));
-            stmts.push(parse_quote!(
-                let mut #brk = #rt::Flag::lowered(&#rt::StageCond::stage_cond(&(#cond)));
-            ));
+            stmts.push(parse_quote!(let mut #brk = #rt::Flag::lowered(&#c);));
             if let Some(cont) = &cont {
                 body.stmts
                     .insert(0, parse_quote!(let mut #cont = #rt::Flag::lowered(&#brk);));
@@ -461,11 +471,12 @@ impl Lowerer {
         let full_cond: Expr = match &flags {
             Some(f) => {
                 let brk = &f.brk;
-                parse_quote!(#rt::Flag::and_not(#rt::StageCond::stage_cond(&(#cond)), &#brk))
+                let value = cond_value(&cond);
+                parse_quote!(#rt::Flag::unless(&#brk, || #value))
             }
             None => cond,
         };
-        let mut carried = assigned_in([&body]);
+        let mut carried = assigned_in([&cond_block, &body]);
         self.check_initialized(&carried, "a `while` loop that #[stage] lowers")?;
         if let Some(f) = &flags {
             carried.push(f.brk.clone());
@@ -476,17 +487,16 @@ impl Lowerer {
             in_loop: true,
         };
         let body_l = self.lower_block(body, &inner)?;
-        let (c, r) = (self.fresh("c"), self.fresh("r"));
         let a = &carried;
+        let again = cond_value(&full_cond);
         let call = quote_spanned! {span=>
-            #rt::StageWhile::stage_while(
+            ::stagecraft::__stage::StageWhile::stage_while(
                 #c,
                 (#(#a,)*),
-                |(#(#a,)*)| (#rt::StageCond::stage_cond(&(#full_cond)), (#(#a,)*)),
+                |(#(mut #a,)*)| (#again, (#(#a,)*)),
                 |(#(mut #a,)*)| { #body_l; (#(#a,)*) },
             )
         };
-        stmts.push(parse_quote!(let #c = #rt::StageCond::stage_cond(&(#full_cond));));
         stmts.push(parse_quote!(let #r = #call;));
         if !carried.is_empty() {
             stmts.push(parse_quote!((#(#a,)*) = #r;));
@@ -585,6 +595,13 @@ impl Lowerer {
             None => Ok(expr),
         }
     }
+}
+
+/// `StageCond::stage_cond(&(cond))`, spanned at the condition so a
+/// condition of the wrong type is reported there.
+fn cond_value(cond: &Expr) -> TokenStream {
+    let span = cond.span();
+    quote_spanned!(span=> ::stagecraft::__stage::StageCond::stage_cond(&(#cond)))
 }
 
 fn check_break(b: &syn::ExprBreak) -> syn::Result<()> {

@@ -462,8 +462,9 @@ pub mod __stage {
         fn lowered(&self) -> Self;
         /// A raised flag of the same kind as `self`.
         fn raised(&self) -> Self;
-        /// `self && !flag`: a loop condition that stops after a `break`.
-        fn and_not(self, flag: &Self) -> Self;
+        /// `!self && cond()`: a loop condition that stops after a `break`
+        /// (on `bool`, without evaluating `cond` again).
+        fn unless(&self, cond: impl FnOnce() -> Self) -> Self;
         /// `!self && !other`: whether the rest of a loop body runs.
         fn neither(&self, other: &Self) -> Self;
     }
@@ -475,8 +476,8 @@ pub mod __stage {
         fn raised(&self) -> bool {
             true
         }
-        fn and_not(self, flag: &bool) -> bool {
-            self && !flag
+        fn unless(&self, cond: impl FnOnce() -> bool) -> bool {
+            !*self && cond()
         }
         fn neither(&self, other: &bool) -> bool {
             !self && !other
@@ -495,8 +496,10 @@ pub mod __stage {
             self.or(&self.not())
         }
         #[track_caller]
-        fn and_not(self, flag: &Tensor<bool>) -> Tensor<bool> {
-            self.and(&flag.not())
+        fn unless(&self, cond: impl FnOnce() -> Tensor<bool>) -> Tensor<bool> {
+            // Staged, the condition is one more node in the loop's cond
+            // function; it runs either way, its value is masked.
+            cond().and(&self.not())
         }
         #[track_caller]
         fn neither(&self, other: &Tensor<bool>) -> Tensor<bool> {

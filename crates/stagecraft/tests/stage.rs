@@ -181,7 +181,19 @@ programs! {
             }
             y = &y * 2.0;
         }
-        y
+        // A condition with a side effect runs exactly as often as in Rust,
+        // also after a `break`.
+        let mut polls = 0usize;
+        while {
+            polls += 1;
+            polls < 10
+        } {
+            if polls == n + 2 {
+                break;
+            }
+            y = &y + 0.5;
+        }
+        &y + polls as f32
     }
 }
 
