@@ -389,7 +389,12 @@ impl Lowerer {
         let then_l = self.lower_block(then_block, &inner)?;
         let else_l = self.lower_block(else_b, &inner)?;
         let (c, r, v) = (self.fresh("c"), self.fresh("r"), self.fresh("v"));
-        let (state, f, sel) = (self.fresh("s"), self.fresh("f"), self.fresh("then"));
+        let (mut state, f, sel) = (self.fresh("s"), self.fresh("f"), self.fresh("then"));
+        if let Some(first) = assigned.first() {
+            // A state that cannot be staged is reported at the assignment
+            // that put the variable into it.
+            state.set_span(Span::mixed_site().located_at(first.span()));
+        }
         let rt = rt();
         let a = &assigned;
         let then_span = then_l.brace_token.span.join();
