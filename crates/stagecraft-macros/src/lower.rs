@@ -284,13 +284,13 @@ impl Lowerer {
                 match &*init.expr {
                     Expr::If(i) if !matches!(&*i.cond, Expr::Let(_)) => {
                         let (mut prefix, value) = self.lower_if(i.clone(), ctx, false)?;
-                        init.expr = Box::new(value);
+                        *init.expr = value;
                         prefix.push(Stmt::Local(local));
                         Ok(prefix)
                     }
                     _ => {
                         let expr = self.lower_expr((*init.expr).clone(), ctx)?;
-                        init.expr = Box::new(expr);
+                        *init.expr = expr;
                         if let Some((_, diverge)) = init.diverge.as_mut() {
                             **diverge = self.lower_expr((**diverge).clone(), ctx)?;
                         }
