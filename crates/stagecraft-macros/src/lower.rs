@@ -1,11 +1,12 @@
 //! The desugaring of a `#[stage]` body.
 //!
 //! - Every `if c { .. } else { .. }` becomes a call of
-//!   `StageIf::stage_if(cond, state, then, else)`, where `state` is the
-//!   tuple of outer variables either branch assigns: each branch closure
-//!   takes them, runs, and returns its value and them (SSA renaming: a
-//!   variable only one branch assigns passes through the other), and the
-//!   call site assigns them back.
+//!   `StageIf::stage_if(cond, state, branches)`, where `state` is the
+//!   tuple of outer variables either branch assigns and `branches` one
+//!   closure `|then, state| if then { .. } else { .. }` that runs a branch
+//!   and returns its value and the state (SSA renaming: a variable only one
+//!   branch assigns passes through the other); the call site assigns the
+//!   state back.
 //! - Every `while c { .. }` becomes `StageWhile::stage_while(c0, state,
 //!   cond, body)` over the variables the body assigns.
 //! - `break`/`continue` of a lowered loop become flags (`bool` or
@@ -26,7 +27,7 @@ use proc_macro2::{Span, TokenStream};
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
-use syn::{parse_quote, Block, Expr, Ident, Stmt};
+use syn::{parse_quote, parse_quote_spanned, Block, Expr, Ident, Stmt};
 
 /// The path of the runtime support module.
 fn rt() -> TokenStream {
@@ -40,12 +41,13 @@ struct Flags {
 }
 
 impl Flags {
-    /// `!break && !continue`: whether the rest of the body runs.
-    fn go_on(&self) -> Expr {
-        let rt = rt();
+    /// `!break && !continue`: whether the rest of the body runs. Flag
+    /// ops are spanned at the user's code (`span`), so that staged nodes
+    /// name its line.
+    fn go_on(&self, span: Span) -> Expr {
         let brk = &self.brk;
         let cont = self.cont.as_ref().unwrap_or(brk);
-        parse_quote!(#rt::Flag::neither(&#brk, &#cont))
+        parse_quote_spanned!(span=> ::stagecraft::__stage::Flag::neither(&#brk, &#cont))
     }
 }
 
@@ -228,12 +230,14 @@ impl Lowerer {
                 // an ordinary return.
             }
             if let Some(flags) = ctx.flags.clone() {
-                let rt = rt();
                 match &stmt {
                     Stmt::Expr(Expr::Break(b), _) => {
                         check_break(b)?;
                         let brk = &flags.brk;
-                        out.push(parse_quote!(#brk = #rt::Flag::raised(&#brk);));
+                        let span = b.break_token.span;
+                        out.push(parse_quote_spanned!(span=>
+                            #brk = ::stagecraft::__stage::Flag::raised(&#brk);
+                        ));
                         break;
                     }
                     Stmt::Expr(Expr::Continue(c), _) => {
@@ -244,13 +248,17 @@ impl Lowerer {
                             );
                         }
                         let cont = flags.cont.as_ref().unwrap_or(&flags.brk);
-                        out.push(parse_quote!(#cont = #rt::Flag::raised(&#cont);));
+                        let span = c.continue_token.span;
+                        out.push(parse_quote_spanned!(span=>
+                            #cont = ::stagecraft::__stage::Flag::raised(&#cont);
+                        ));
                         break;
                     }
                     _ => {}
                 }
                 let exits = exits_of_stmt(&stmt);
                 if !exits.breaks.is_empty() || !exits.continues.is_empty() {
+                    let stmt_span = stmt.span();
                     let last = stmts.is_empty();
                     out.extend(self.lower_stmt(stmt, ctx, last)?);
                     if !stmts.is_empty() {
@@ -258,7 +266,7 @@ impl Lowerer {
                             brace_token: Default::default(),
                             stmts: stmts.drain(..).collect(),
                         };
-                        let cond = flags.go_on();
+                        let cond = flags.go_on(stmt_span);
                         let guard: syn::ExprIf = parse_quote!(if #cond #rest);
                         let (prefix, _) = self.lower_if(guard, ctx, false)?;
                         out.extend(prefix);
@@ -450,7 +458,6 @@ impl Lowerer {
         for b in &exits.breaks {
             check_break(b)?;
         }
-        let rt = rt();
         let (c, r) = (self.fresh("c"), self.fresh("r"));
         // The condition runs once before the loop (its type picks the impl)
         // and then once per iteration inside the `cond` closure.
@@ -466,10 +473,16 @@ impl Lowerer {
         } else {
             let brk = self.fresh("break");
             let cont = (!exits.continues.is_empty()).then(|| self.fresh("continue"));
-            stmts.push(parse_quote!(let mut #brk = #rt::Flag::lowered(&#c);));
+            stmts.push(parse_quote_spanned!(span=>
+                let mut #brk = ::stagecraft::__stage::Flag::lowered(&#c);
+            ));
             if let Some(cont) = &cont {
-                body.stmts
-                    .insert(0, parse_quote!(let mut #cont = #rt::Flag::lowered(&#brk);));
+                body.stmts.insert(
+                    0,
+                    parse_quote_spanned!(span=>
+                        let mut #cont = ::stagecraft::__stage::Flag::lowered(&#brk);
+                    ),
+                );
             }
             Some(Flags { brk, cont })
         };
@@ -477,7 +490,7 @@ impl Lowerer {
             Some(f) => {
                 let brk = &f.brk;
                 let value = cond_value(&cond);
-                parse_quote!(#rt::Flag::unless(&#brk, || #value))
+                parse_quote_spanned!(span=> ::stagecraft::__stage::Flag::unless(&#brk, || #value))
             }
             None => cond,
         };
