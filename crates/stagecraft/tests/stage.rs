@@ -332,3 +332,23 @@ fn errors_inside_staged_code_name_the_op_and_the_line() {
     assert_eq!(err.op(), Some("Reshape"), "{err}");
     assert_eq!(err.location().unwrap().line(), line, "{err}");
 }
+
+#[test]
+fn staged_functions_run_on_lazy_devices_and_differentiate() {
+    let lazy = Device::lazy(&cpu());
+    let x = Tensor::<i64>::scalar(27, &lazy);
+    assert_eq!(staged::collatz(x).item().unwrap(), 111);
+
+    // The gradient flows through the Call, If and While the macro built.
+    let x = f32s(&[0.5, 1.5]);
+    let limit = Tensor::scalar(3.0f32, &cpu());
+    let g = stagecraft::grad(|x: &Tensor<f32>| {
+        let (y, _) = staged::nested(x.clone(), limit.clone());
+        total(&y)
+    })(&x);
+    let e = stagecraft::grad(|x: &Tensor<f32>| {
+        let (y, _) = eager::nested(x.clone(), limit.clone());
+        total(&y)
+    })(&x);
+    same(&g, &e);
+}
