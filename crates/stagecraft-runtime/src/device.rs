@@ -16,6 +16,10 @@ pub enum DeviceKind {
     /// A lazy device: ops are recorded and run as traces on a target device
     /// when values are needed.
     Lazy,
+    /// The host program (`host`): where staged code runs Rust closures
+    /// (`HostCall`). It runs CPU kernels on its own partition thread, so a
+    /// host closure overlaps with the graph work that does not wait for it.
+    Host,
     /// A device whose handler was registered by a library or the user (for
     /// example a logging wrapper).
     Custom,
@@ -75,6 +79,23 @@ impl Device {
         *CPU0.get_or_init(|| Device::cpu_n(0))
     }
 
+    /// The host program's device, `host`. Staged code places `HostCall`
+    /// nodes here; partitioning then joins them to the graph with
+    /// Send/Recv pairs through the run's rendezvous.
+    pub fn host() -> Device {
+        static HOST: OnceLock<Device> = OnceLock::new();
+        *HOST.get_or_init(|| {
+            intern(
+                "host".to_string(),
+                DeviceKind::Host,
+                0,
+                || Arc::new(CpuOpHandler::new(0)),
+                false,
+            )
+            .expect("interning the host device cannot fail")
+        })
+    }
+
     fn cpu_n(index: usize) -> Device {
         intern(
             format!("cpu:{index}"),
@@ -96,6 +117,9 @@ impl Device {
         };
         if let Some(target) = name.strip_prefix("lazy:") {
             return Ok(Device::lazy(&Device::parse(target)?));
+        }
+        if name == "host" {
+            return Ok(Device::host());
         }
         if kind == "cpu" {
             let index = match index {
@@ -156,10 +180,10 @@ impl Device {
 
     /// Registers a device with its own op handler under a new name.
     pub fn register(name: &str, handler: Arc<dyn OpHandler>) -> Result<Device> {
-        if name.starts_with("cpu") {
+        if name.starts_with("cpu") || name == "host" {
             return Err(Error::new(
                 ErrorKind::Device,
-                "device names starting with `cpu` are reserved",
+                "`host` and device names starting with `cpu` are reserved",
             ));
         }
         intern(name.to_string(), DeviceKind::Custom, 0, || handler, true)
@@ -225,6 +249,8 @@ mod tests {
         assert_eq!(d1, Device::parse(" cpu:1 ").unwrap());
         assert_eq!(d1.index(), 1);
         assert_eq!(d1.to_string(), "cpu:1");
+        assert_eq!(Device::parse("host").unwrap(), Device::host());
+        assert_eq!(Device::host().kind(), DeviceKind::Host);
         for bad in ["gpu:0", "cpu:x", "cpu:-1", "", "cpu:99999999999999999999"] {
             let err = Device::parse(bad).unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Device, "{bad}: {err}");

@@ -30,12 +30,18 @@ pub mod lazy;
 mod operators;
 mod ops;
 mod random;
+mod stage;
 mod staging;
 mod tensor;
 
 pub use autodiff::{grad, value_and_grad, Gradients};
 pub use ops::{where_, Conv2dOptions, Pool2dOptions};
 pub use random::Rng;
+pub use stage::{
+    __stage, current_transfer_guard, host_call, host_call_with, staged_graphs, take_transfer_log,
+    transfer_guard, transfer_stats, TransferGuard, TransferStats,
+};
+pub use stagecraft_macros::{stage, TensorGroup};
 pub use staging::{cond, function, while_loop, StagedFunction, TensorGroup};
 pub use tensor::Tensor;
 

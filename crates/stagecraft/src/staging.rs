@@ -16,6 +16,16 @@ use std::marker::PhantomData;
 use std::sync::Mutex;
 
 /// A tensor or a tuple of tensors: what staged closures take and return.
+///
+/// For a struct of tensors, `#[derive(stagecraft::TensorGroup)]` (with
+/// `Clone`) lists its fields in order; it also makes the struct a valid
+/// argument and result of `#[stage]` functions.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a tensor or a group of tensors",
+    label = "staged control flow (an `if`/`while` on a `Tensor<bool>`) can only carry tensors here",
+    note = "every variable a staged `if`/`while` assigns (and the flag of a `break`/`continue` under it) becomes an input and output of an If/While op, so it must be a tensor, a tuple of them or a `#[derive(TensorGroup)]` struct",
+    note = "to keep a host value, assign it outside the staged branch, or branch on a `bool` instead"
+)]
 pub trait TensorGroup: Clone {
     /// Appends the handles, in order.
     fn handles(&self, out: &mut Vec<TensorHandle>);
@@ -44,6 +54,15 @@ impl<G: TensorGroup> TensorGroup for Vec<G> {
 
     fn rebuild(&self, handles: &mut dyn Iterator<Item = TensorHandle>) -> Result<Self> {
         self.iter().map(|g| g.rebuild(handles)).collect()
+    }
+}
+
+/// No tensors: the value of a staged `if` used as a statement.
+impl TensorGroup for () {
+    fn handles(&self, _: &mut Vec<TensorHandle>) {}
+
+    fn rebuild(&self, _: &mut dyn Iterator<Item = TensorHandle>) -> Result<Self> {
+        Ok(())
     }
 }
 
@@ -92,7 +111,7 @@ impl Drop for FrameGuard {
 }
 
 /// Traces `body` over symbolic parameters of the given metadata.
-fn trace(
+pub(crate) fn trace(
     name: &str,
     params: &[TensorMetadata],
     location: Location,
@@ -138,7 +157,7 @@ fn unify_captures(fixed: usize, traced: &mut [&mut tracing::Traced]) -> Vec<Tens
 
 /// Runs a control-flow op and rebuilds `template`'s structure from its
 /// first outputs; an op that failed fills every output with its error.
-fn run_control<S: TensorGroup>(
+pub(crate) fn run_control<S: TensorGroup>(
     op: &'static OpDef,
     args: Args,
     attrs: &OpAttrs,

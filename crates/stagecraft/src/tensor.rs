@@ -172,14 +172,20 @@ impl<T: Element> Tensor<T> {
         self.handle.wait().map(|_| ())
     }
 
-    fn host_value(&self) -> Result<&HostTensor> {
+    /// The value, for a read by the user: an implicit device-to-host copy
+    /// unless the tensor is on the host device, so the thread's transfer
+    /// guard may log or refuse it.
+    fn host_value(&self, what: &str, location: Option<Location>) -> Result<&HostTensor> {
+        crate::stage::implicit_copy(what, self.device(), self.handle.metadata(), location)?;
         runtime::count_host_read();
         self.handle.wait()
     }
 
-    /// The values in row-major order.
+    /// The values in row-major order. Outside the host device this is an
+    /// implicit device-to-host copy (see [`crate::transfer_guard`]).
+    #[track_caller]
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        match self.host_value()? {
+        match self.host_value("to_vec", Some(Location::caller()))? {
             HostTensor::Dense(d) => d.to_vec(),
             HostTensor::Scalar(s) => {
                 Ok(vec![T::from_scalar(s.value()); s.metadata().shape.numel()])
@@ -188,7 +194,8 @@ impl<T: Element> Tensor<T> {
         }
     }
 
-    /// The single value of a one-element tensor.
+    /// The single value of a one-element tensor (an implicit
+    /// device-to-host copy, like [`Tensor::to_vec`]).
     #[track_caller]
     pub fn item(&self) -> Result<T> {
         let location = Location::caller();
@@ -197,7 +204,7 @@ impl<T: Element> Tensor<T> {
             self.handle
                 .materialize(stagecraft_runtime::lazy::Trigger::HostControlFlow);
         }
-        let value = self.host_value()?;
+        let value = self.host_value("item", Some(location))?;
         let numel = value.metadata().shape.numel();
         if numel != 1 {
             return Err(Error::shape(format!(
@@ -218,11 +225,22 @@ impl<T: Element> Tensor<T> {
     /// copy is counted in the runtime stats).
     #[track_caller]
     pub fn to_device(&self, device: &Device) -> Tensor<T> {
+        if self.device() != *device {
+            crate::stage::count_explicit_copy();
+        }
         Tensor::from_handle(runtime::copy_to_device(
             &self.handle,
             *device,
             Location::caller(),
         ))
+    }
+
+    /// An explicit copy to the host device ([`Device::host`]): reading
+    /// the copy's values is never an implicit transfer, so transfer guards
+    /// let it pass. The way to say "this copy is intended".
+    #[track_caller]
+    pub fn to_host(&self) -> Tensor<T> {
+        self.to_device(&Device::host())
     }
 
     pub(crate) fn unary<U: Element>(
@@ -308,7 +326,7 @@ pub(crate) fn run<U: Element>(
 impl<T: Element> fmt::Display for Tensor<T> {
     /// The values (eliding long axes), or the error the tensor holds.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.host_value() {
+        match self.host_value("Display", None) {
             Ok(value) => match stagecraft_runtime::format::format_values(value, 3) {
                 Ok(text) => write!(f, "{text}"),
                 Err(e) => write!(f, "<error: {e}>"),

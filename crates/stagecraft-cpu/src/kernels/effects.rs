@@ -1,5 +1,6 @@
 //! Side-effecting kernels: `Print`, which writes one line describing its
-//! input to the process-wide print sink and passes the input through.
+//! input to the process-wide print sink and passes the input through, and
+//! `HostCall`, which runs a registered host closure on its input.
 
 use super::elementwise::take;
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry};
@@ -68,6 +69,28 @@ pub fn format_line(label: &str, x: &DenseHostTensor) -> String {
 
 pub(crate) fn register(registry: &mut KernelRegistry) {
     registry.add(&stagecraft_ops::PRINT, print_factory);
+    registry.add(&stagecraft_ops::HOST_CALL, host_call_factory);
+}
+
+fn host_call_factory(attrs: &Attrs<'_>, _: &[TensorMetadata]) -> Result<Kernel> {
+    // The closure is resolved once per kernel, not per run.
+    let callback = stagecraft_ops::host_callback(attrs.int("callback")?)?;
+    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
+        let [x] = take(inputs)?;
+        let out = callback(x)?;
+        // The graph promised this metadata to every consumer; a closure
+        // returning something else is the user's error, reported as such.
+        if Some(out.metadata()) != ctx.outputs.first() {
+            return Err(stagecraft_tensor::Error::shape(format!(
+                "the host closure returned {} where {} was declared",
+                out.metadata(),
+                ctx.outputs
+                    .first()
+                    .map_or_else(|| "nothing".to_string(), |m| m.to_string())
+            )));
+        }
+        Ok(smallvec![out])
+    }))
 }
 
 fn print_factory(attrs: &Attrs<'_>, _: &[TensorMetadata]) -> Result<Kernel> {

@@ -6,6 +6,7 @@ mod creation;
 mod effects;
 mod elementwise;
 mod fused;
+mod host;
 mod linalg;
 mod list;
 mod nn;
@@ -18,6 +19,7 @@ pub use creation::*;
 pub use effects::*;
 pub use elementwise::*;
 pub use fused::*;
+pub use host::*;
 pub use linalg::*;
 pub use list::*;
 pub use nn::*;
@@ -101,6 +103,7 @@ pub static ALL_OPS: &[&OpDef] = &[
     &AVG_POOL2D_GRAD,
     // side effects
     &PRINT,
+    &HOST_CALL,
     // control flow
     &IF,
     &WHILE,

@@ -247,6 +247,7 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
             location: node.location,
         });
     }
+    let mut steps = sends_early(steps);
     let results: Vec<Slot> = function
         .results
         .iter()
@@ -279,6 +280,46 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
         schedule,
         partitions: None,
     })
+}
+
+/// Moves every `Send` right behind the step producing its value. A
+/// partition with transfers runs its steps in order, and partitioning adds
+/// a `Send` only where the consumer on the other device appears; sending
+/// early lets the other device (a host closure, say) start while this one
+/// goes on with work that does not wait for it. `Recv`s already sit right
+/// before their first consumer.
+fn sends_early(steps: Vec<Step>) -> Vec<Step> {
+    if !steps.iter().any(|s| matches!(s.kind, StepKind::Send(_))) {
+        return steps;
+    }
+    let mut producer: HashMap<Slot, usize> = HashMap::new();
+    for (i, step) in steps.iter().enumerate() {
+        for out in &step.outputs {
+            producer.insert(*out, i);
+        }
+    }
+    // For each step, the sends that follow it; `None` for sends of
+    // parameters, which go first.
+    let mut after: HashMap<Option<usize>, Vec<usize>> = HashMap::new();
+    for (i, step) in steps.iter().enumerate() {
+        if matches!(step.kind, StepKind::Send(_)) {
+            let from = step
+                .inputs
+                .first()
+                .and_then(|slot| producer.get(slot).copied());
+            after.entry(from).or_default().push(i);
+        }
+    }
+    let mut order: Vec<usize> = after.remove(&None).unwrap_or_default();
+    for (i, step) in steps.iter().enumerate() {
+        if matches!(step.kind, StepKind::Send(_)) {
+            continue;
+        }
+        order.push(i);
+        order.extend(after.remove(&Some(i)).unwrap_or_default());
+    }
+    let mut slots: Vec<Option<Step>> = steps.into_iter().map(Some).collect();
+    order.into_iter().filter_map(|i| slots[i].take()).collect()
 }
 
 type CacheKey = (FuncId, Device);

@@ -1,7 +1,8 @@
 //! Placement and partitioning of a function over several devices.
 //!
 //! Placement follows the eager rules: a node's explicit device, else the
-//! device of its first input's producer, else (for nodes without inputs)
+//! device of its first input's producer (unless that is the host device:
+//! host placement never spreads), else (for nodes without inputs)
 //! the explicit device of a consumer, else the function's device. There are
 //! no resource (variable) handles yet, so resource affinity has nothing to
 //! pin. Each device gets a partition; every edge between devices becomes a
@@ -35,7 +36,12 @@ pub(crate) fn place(function: &Function, default: Device) -> Result<Vec<Device>>
     for (i, node) in function.nodes.iter().enumerate() {
         let device = explicit[i]
             .or_else(|| match node.inputs.first() {
-                Some(Value::Output { node, .. }) => Some(placed[*node as usize]),
+                // Host placement never spreads: what consumes a host
+                // closure's result is graph work again, on the function's
+                // device, so it can overlap with the next host call.
+                Some(Value::Output { node, .. }) => Some(placed[*node as usize])
+                    .filter(|d| d.kind() != DeviceKind::Host)
+                    .or(Some(default)),
                 Some(Value::Param(_)) => Some(default),
                 None => None,
             })
