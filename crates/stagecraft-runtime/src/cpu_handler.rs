@@ -218,7 +218,11 @@ fn run_kernel(
         attrs: Attrs::new(attrs, op),
         outputs,
     };
+    let span = crate::profile::begin();
     let produced = kernel(inputs, &ctx).map_err(Failure::Raised)?;
+    if let Some(span) = span {
+        span.end(crate::profile::OP, op.name, Vec::new());
+    }
     if produced.len() != outputs.len() {
         return Err(Failure::Raised(Error::internal(format!(
             "the kernel returned {} outputs, the op has {}",

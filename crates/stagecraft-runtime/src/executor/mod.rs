@@ -556,6 +556,7 @@ impl Executable {
             attrs: Attrs::new(attrs, def),
             outputs: &step.metas,
         };
+        let span = crate::profile::begin();
         let produced = kernel(inputs, &ctx).map_err(|e| {
             // An error from inside a nested function already names its op
             // and was reported there.
@@ -566,6 +567,9 @@ impl Executable {
             }
             e
         })?;
+        if let Some(span) = span {
+            span.end(crate::profile::KERNEL, def.name, Vec::new());
+        }
         if produced.len() != step.outputs.len() {
             return Err(Error::internal(format!(
                 "{} returned {} outputs, expected {}",
