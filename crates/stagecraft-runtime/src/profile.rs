@@ -114,14 +114,22 @@ impl Span {
     }
 }
 
-/// Records an instant event (a cache hit, say) when profiling is on.
+/// Records an instant event (a cache hit, say; duration 0) when profiling
+/// is on.
 pub fn instant(
     category: &'static str,
     name: impl Into<Cow<'static, str>>,
     args: Vec<(&'static str, String)>,
 ) {
-    if let Some(span) = begin() {
-        span.end(category, name, args);
+    if is_enabled() {
+        push(Event {
+            name: name.into(),
+            category,
+            start_us: epoch().elapsed().as_secs_f64() * 1e6,
+            duration_us: 0.0,
+            thread: 0,
+            args,
+        });
     }
 }
 
