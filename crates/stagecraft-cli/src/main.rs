@@ -50,13 +50,13 @@ struct TrainArgs {
     /// Where training runs: op by op, or one cached trace per step.
     #[arg(long, value_enum, default_value_t = DeviceKind::Lazy)]
     device: DeviceKind,
-    /// Passes over the training set [default: 3 for mlp, 2 for cnn].
+    /// Passes over the training set [default: 4 for mlp, 3 for cnn].
     #[arg(long)]
     epochs: Option<usize>,
     /// Examples per step.
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
-    /// SGD step size [default: 0.01 for mlp, 0.02 for cnn].
+    /// SGD step size [default: 0.02 for mlp and cnn].
     #[arg(long)]
     lr: Option<f32>,
     /// SGD momentum.
@@ -107,8 +107,8 @@ struct TraceArgs {
 /// and the convnet 98.5% test accuracy.
 fn defaults(model: ModelKind) -> (usize, f32) {
     match model {
-        ModelKind::Mlp => (3, 0.01),
-        ModelKind::Cnn => (2, 0.02),
+        ModelKind::Mlp => (4, 0.02),
+        ModelKind::Cnn => (3, 0.02),
     }
 }
 

@@ -277,6 +277,14 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     if options.batch_size == 0 {
         return Err(CliError::new("--batch-size must be at least 1"));
     }
+    for (set, images) in [("training", &data.train_images), ("test", &data.test_images)] {
+        if (images.rows, images.cols) != (28, 28) {
+            return Err(CliError::new(format!(
+                "the {set} images are {}x{}; the models take 28x28 MNIST digits",
+                images.rows, images.cols
+            )));
+        }
+    }
     if options.profile.is_some() {
         profile::start();
     }
