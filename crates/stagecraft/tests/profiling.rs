@@ -61,8 +61,10 @@ fn every_hook_records_its_kind_of_event() {
 fn step_trace_shows_the_pending_step_without_running_it() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let dev = Device::lazy(&Device::cpu());
-    let x = Tensor::<f32>::ones(&[2, 3], &dev);
-    let w = Tensor::<f32>::full(&[3, 2], 0.5, &dev);
+    // Larger than the bake limit, so the inputs stay arguments and
+    // constant folding cannot fold the whole step away.
+    let x = Tensor::<f32>::ones(&[8, 16], &dev);
+    let w = Tensor::<f32>::full(&[16, 8], 0.5, &dev);
     lazy::mark_step();
     let (next, loss) = pending_step(&w, &x);
     let before = lazy::metrics().materializations;
@@ -81,7 +83,7 @@ fn step_trace_shows_the_pending_step_without_running_it() {
     // The step still runs as usual, and afterwards nothing is pending.
     lazy::mark_step();
     assert!(loss.item().unwrap().is_finite());
-    assert_eq!(next.dims(), &[3, 2]);
+    assert_eq!(next.dims(), &[16, 8]);
     let e = lazy::step_trace().unwrap_err().to_string();
     assert!(e.contains("no live lazy tensor is pending"), "{e}");
 }
