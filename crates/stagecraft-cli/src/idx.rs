@@ -84,7 +84,12 @@ fn read(path: &Path) -> Result<Vec<u8>, IdxError> {
 
 /// Parses the header: checks the magic number and the rank it implies,
 /// and returns the dimensions and where the data starts.
-fn header(path: &Path, bytes: &[u8], magic: u32, what: &str) -> Result<(Vec<usize>, usize), IdxError> {
+fn header(
+    path: &Path,
+    bytes: &[u8],
+    magic: u32,
+    what: &str,
+) -> Result<(Vec<usize>, usize), IdxError> {
     if bytes.len() < 4 {
         return Err(IdxError::new(
             path,
@@ -239,18 +244,28 @@ mod tests {
     fn bad_magic_names_the_file_and_both_numbers() {
         let bytes = encode_labels(&[1, 2]);
         let e = parse_images(p(), &bytes).unwrap_err().to_string();
-        assert!(e.starts_with("data/x-idx: bad magic number 0x00000801"), "{e}");
+        assert!(
+            e.starts_with("data/x-idx: bad magic number 0x00000801"),
+            "{e}"
+        );
         assert!(e.contains("0x00000803"), "{e}");
         // A gzip file's first bytes.
-        let e = parse_labels(p(), &[0x1f, 0x8b, 8, 0, 0, 0]).unwrap_err().to_string();
+        let e = parse_labels(p(), &[0x1f, 0x8b, 8, 0, 0, 0])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("bad magic number 0x1f8b0800"), "{e}");
     }
 
     #[test]
     fn truncation_is_reported_with_sizes() {
         let bytes = encode_images(&images());
-        let e = parse_images(p(), &bytes[..bytes.len() - 1]).unwrap_err().to_string();
-        assert!(e.contains("truncated") && e.contains("[2, 2, 3] (28 bytes)"), "{e}");
+        let e = parse_images(p(), &bytes[..bytes.len() - 1])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("truncated") && e.contains("[2, 2, 3] (28 bytes)"),
+            "{e}"
+        );
         assert!(e.contains("has 27 bytes"), "{e}");
         let e = parse_images(p(), &bytes[..10]).unwrap_err().to_string();
         assert!(e.contains("header of a rank-3 IDX file needs 16"), "{e}");
@@ -264,7 +279,9 @@ mod tests {
         bytes.push(0);
         let e = parse_labels(p(), &bytes).unwrap_err().to_string();
         assert!(e.contains("1 bytes of trailing data"), "{e}");
-        let e = parse_labels(p(), &encode_labels(&[])).unwrap_err().to_string();
+        let e = parse_labels(p(), &encode_labels(&[]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no labels"), "{e}");
     }
 
@@ -278,7 +295,12 @@ mod tests {
 
     #[test]
     fn a_missing_file_says_so() {
-        let e = read_labels(Path::new("/nonexistent/labels")).unwrap_err().to_string();
-        assert!(e.starts_with("/nonexistent/labels: cannot read the file"), "{e}");
+        let e = read_labels(Path::new("/nonexistent/labels"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("/nonexistent/labels: cannot read the file"),
+            "{e}"
+        );
     }
 }

@@ -228,16 +228,24 @@ fn extract(tgz: &Path, dir: &Path) -> Result<()> {
             continue;
         };
         let mut bytes = Vec::with_capacity(expected.size as usize);
-        entry
-            .read_to_end(&mut bytes)
-            .map_err(|e| CliError::new(format!("{}: cannot read {}: {e}", tgz.display(), path.display())))?;
+        entry.read_to_end(&mut bytes).map_err(|e| {
+            CliError::new(format!(
+                "{}: cannot read {}: {e}",
+                tgz.display(),
+                path.display()
+            ))
+        })?;
         verify(expected, &bytes)?;
         let part = dir.join(format!("{}.part", expected.name));
         std::fs::write(&part, &bytes)
             .map_err(|e| CliError::new(format!("cannot write {}: {e}", part.display())))?;
         std::fs::rename(&part, dir.join(expected.name))
             .map_err(|e| CliError::new(format!("cannot rename {}: {e}", part.display())))?;
-        eprintln!("  wrote {} ({} bytes)", dir.join(expected.name).display(), bytes.len());
+        eprintln!(
+            "  wrote {} ({} bytes)",
+            dir.join(expected.name).display(),
+            bytes.len()
+        );
         found += 1;
     }
     if found != FILES.len() {
@@ -292,7 +300,8 @@ mod tests {
 
     #[test]
     fn missing_data_dir_files_are_named() {
-        let dir = std::env::temp_dir().join(format!("stagecraft-mnist-missing-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("stagecraft-mnist-missing-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let err = load(Some(&dir)).unwrap_err().to_string();
         assert!(err.contains("missing train-images-idx3-ubyte"), "{err}");

@@ -183,7 +183,12 @@ impl Sgd {
 
     /// One training step on a batch: forward, backward, update. Returns the
     /// loss (on a lazy device still pending until `mark_step`).
-    pub fn step(&mut self, model: &mut Model, x: &Tensor<f32>, y: &Tensor<f32>) -> Result<Tensor<f32>> {
+    pub fn step(
+        &mut self,
+        model: &mut Model,
+        x: &Tensor<f32>,
+        y: &Tensor<f32>,
+    ) -> Result<Tensor<f32>> {
         let tracked: Vec<Tensor<f32>> = model.params.iter().map(|p| p.requires_grad()).collect();
         let loss = cross_entropy(&Model::forward(model.kind, &tracked, x), y);
         let grads = loss.backward()?;

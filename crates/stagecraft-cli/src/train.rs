@@ -230,14 +230,24 @@ pub fn evaluate(model: &Model, images: &Images, labels: &[u8]) -> Result<f64> {
         start = end;
     }
     if let Some(span) = span {
-        span.end(profile::EVALUATE, "evaluate", vec![("examples", images.count.to_string())]);
+        span.end(
+            profile::EVALUATE,
+            "evaluate",
+            vec![("examples", images.count.to_string())],
+        );
     }
     Ok(correct as f64 / images.count as f64)
 }
 
 /// Mean milliseconds per step of `steps` SGD steps of a copy of `model` on
 /// `device`, after warm-up steps (which compile the lazy trace).
-fn time_steps(model: &Model, data: &Mnist, options: &TrainOptions, device: DeviceKind, steps: usize) -> Result<f64> {
+fn time_steps(
+    model: &Model,
+    data: &Mnist,
+    options: &TrainOptions,
+    device: DeviceKind,
+    steps: usize,
+) -> Result<f64> {
     const WARM_UP: usize = 3;
     let dev = device.device();
     let mut copy = model.copy_to(&dev)?;
@@ -277,7 +287,10 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     if options.batch_size == 0 {
         return Err(CliError::new("--batch-size must be at least 1"));
     }
-    for (set, images) in [("training", &data.train_images), ("test", &data.test_images)] {
+    for (set, images) in [
+        ("training", &data.train_images),
+        ("test", &data.test_images),
+    ] {
         if (images.rows, images.cols) != (28, 28) {
             return Err(CliError::new(format!(
                 "the {set} images are {}x{}; the models take 28x28 MNIST digits",
@@ -332,7 +345,11 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
             let value = finish_step(&loss)?;
             let took = start.elapsed();
             if let Some(span) = span {
-                span.end(profile::STEP, "train step", vec![("step", steps.to_string())]);
+                span.end(
+                    profile::STEP,
+                    "train step",
+                    vec![("step", steps.to_string())],
+                );
             }
             if !value.is_finite() {
                 bar.abandon();

@@ -50,10 +50,22 @@ fn tiny_mnist(dir: &Path, train: usize, test: usize) {
         }
     };
     let labels = |n: usize| (0..n).map(|i| (i % 10) as u8).collect::<Vec<_>>();
-    std::fs::write(dir.join("train-images-idx3-ubyte"), images_idx(train, pixel)).unwrap();
-    std::fs::write(dir.join("train-labels-idx1-ubyte"), labels_idx(&labels(train))).unwrap();
+    std::fs::write(
+        dir.join("train-images-idx3-ubyte"),
+        images_idx(train, pixel),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("train-labels-idx1-ubyte"),
+        labels_idx(&labels(train)),
+    )
+    .unwrap();
     std::fs::write(dir.join("t10k-images-idx3-ubyte"), images_idx(test, pixel)).unwrap();
-    std::fs::write(dir.join("t10k-labels-idx1-ubyte"), labels_idx(&labels(test))).unwrap();
+    std::fs::write(
+        dir.join("t10k-labels-idx1-ubyte"),
+        labels_idx(&labels(test)),
+    )
+    .unwrap();
 }
 
 fn run(args: &[&str], cwd: &Path) -> Output {
@@ -84,7 +96,15 @@ fn train_json_reports_steps_accuracy_and_lazy_metrics() {
     tiny_mnist(&dir, 64, 20);
     let out = run(
         &[
-            "--data", ".", "--steps", "3", "--batch-size", "16", "--compare-steps", "2", "--json",
+            "--data",
+            ".",
+            "--steps",
+            "3",
+            "--batch-size",
+            "16",
+            "--compare-steps",
+            "2",
+            "--json",
         ],
         &dir,
     );
@@ -114,8 +134,20 @@ fn the_convnet_trains_eagerly_too() {
     tiny_mnist(&dir, 16, 10);
     let out = run(
         &[
-            "train", "--model", "cnn", "--device", "eager", "--data", ".", "--steps", "2",
-            "--batch-size", "4", "--compare-steps", "0", "--json",
+            "train",
+            "--model",
+            "cnn",
+            "--device",
+            "eager",
+            "--data",
+            ".",
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--compare-steps",
+            "0",
+            "--json",
         ],
         &dir,
     );
@@ -130,7 +162,15 @@ fn the_convnet_trains_eagerly_too() {
 fn a_loaded_checkpoint_gives_the_same_accuracy() {
     let dir = scratch("ckpt");
     tiny_mnist(&dir, 64, 30);
-    let common = ["--data", ".", "--batch-size", "16", "--compare-steps", "0", "--json"];
+    let common = [
+        "--data",
+        ".",
+        "--batch-size",
+        "16",
+        "--compare-steps",
+        "0",
+        "--json",
+    ];
     let mut first = vec!["--steps", "4", "--save", "m.safetensors"];
     first.extend(common);
     let trained = json_of(&run(&first, &dir));
@@ -156,8 +196,17 @@ fn the_profile_is_a_chrome_trace_with_every_event_kind() {
     tiny_mnist(&dir, 32, 10);
     let out = run(
         &[
-            "--data", ".", "--steps", "3", "--batch-size", "8", "--compare-steps", "1",
-            "--profile", "out/profile.json", "--json",
+            "--data",
+            ".",
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+            "--compare-steps",
+            "1",
+            "--profile",
+            "out/profile.json",
+            "--json",
         ],
         &dir,
     );
@@ -167,12 +216,22 @@ fn the_profile_is_a_chrome_trace_with_every_event_kind() {
     let events = doc["traceEvents"].as_array().unwrap();
     let has = |cat: &str| events.iter().any(|e| e["cat"] == cat);
     for cat in [
-        "op", "kernel", "compile", "cache", "materialize", "transfer", "step", "evaluate",
+        "op",
+        "kernel",
+        "compile",
+        "cache",
+        "materialize",
+        "transfer",
+        "step",
+        "evaluate",
     ] {
         assert!(has(cat), "no {cat} event");
     }
     for e in events.iter().filter(|e| e["ph"] == "X") {
-        assert!(e["ts"].is_number() && e["dur"].is_number() && e["tid"].is_number(), "{e}");
+        assert!(
+            e["ts"].is_number() && e["dur"].is_number() && e["tid"].is_number(),
+            "{e}"
+        );
         assert!(e["name"].is_string() && e["pid"].is_number(), "{e}");
     }
     assert!(events
@@ -196,7 +255,10 @@ fn trace_writes_text_and_svg_before_and_after_the_passes() {
     let read = |name: &str| std::fs::read_to_string(dir.join("pics").join(name)).unwrap();
     let recorded = read("trace.txt");
     let optimized = read("trace_optimized.txt");
-    assert!(recorded.contains("MatMul") && recorded.contains("LogSoftmax"), "{recorded}");
+    assert!(
+        recorded.contains("MatMul") && recorded.contains("LogSoftmax"),
+        "{recorded}"
+    );
     assert!(optimized.contains("FusedElementwise"), "{optimized}");
     assert!(optimized.lines().count() < recorded.lines().count());
     for svg in ["trace.svg", "trace_optimized.svg"] {
@@ -217,10 +279,7 @@ fn corrupt_and_missing_data_give_clear_errors() {
     let out = run(&["--data", ".", "--steps", "1"], &dir);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("t10k-labels-idx1-ubyte: truncated"),
-        "{err}"
-    );
+    assert!(err.contains("t10k-labels-idx1-ubyte: truncated"), "{err}");
     std::fs::remove_file(dir.join("train-images-idx3-ubyte")).unwrap();
     let out = run(&["--data", ".", "--steps", "1"], &dir);
     let err = String::from_utf8_lossy(&out.stderr);

@@ -144,10 +144,7 @@ fn push(mut event: Event) {
             (NEXT_THREAD.fetch_add(1, Ordering::Relaxed), buffer)
         });
         event.thread = *thread;
-        buffer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(event);
+        buffer.lock().unwrap_or_else(|p| p.into_inner()).push(event);
     });
 }
 
@@ -185,7 +182,9 @@ mod tests {
             .filter(|e| matches!(&*e.name, "cache hit" | "to host" | "ignored"))
             .collect();
         assert_eq!(events.len(), 2, "{events:?}");
-        assert!(events.iter().any(|e| e.category == CACHE && e.name == "cache hit"));
+        assert!(events
+            .iter()
+            .any(|e| e.category == CACHE && e.name == "cache hit"));
         assert!(events.iter().any(|e| e.category == TRANSFER));
         assert_ne!(events[0].thread, events[1].thread);
     }

@@ -20,8 +20,7 @@ use stagecraft_runtime::lazy as imp;
 use stagecraft_tensor::{Element, Result};
 
 pub use imp::{
-    mark_step, metrics, reset_metrics, set_trace_limit, step_trace, LazyMetrics, StepTrace,
-    Trigger,
+    mark_step, metrics, reset_metrics, set_trace_limit, step_trace, LazyMetrics, StepTrace, Trigger,
 };
 
 /// The trace that materializing `t` now would run, in the lazy-tensor text

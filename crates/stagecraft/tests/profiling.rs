@@ -69,7 +69,11 @@ fn step_trace_shows_the_pending_step_without_running_it() {
     let (next, loss) = pending_step(&w, &x);
     let before = lazy::metrics().materializations;
     let step = lazy::step_trace().unwrap();
-    assert_eq!(lazy::metrics().materializations, before, "step_trace ran a trace");
+    assert_eq!(
+        lazy::metrics().materializations,
+        before,
+        "step_trace ran a trace"
+    );
     // The live outputs: the new weights and the loss.
     assert_eq!(step.recorded.results.len(), 2);
     assert_eq!(step.optimized.results.len(), 2);
@@ -79,7 +83,11 @@ fn step_trace_shows_the_pending_step_without_running_it() {
         .nodes
         .iter()
         .any(|n| matches!(&n.op, NodeOp::Op(def, _) if def.name == "FusedElementwise"));
-    assert!(fused, "{}", stagecraft::layers::graph::text::print(&step.optimized));
+    assert!(
+        fused,
+        "{}",
+        stagecraft::layers::graph::text::print(&step.optimized)
+    );
     // The step still runs as usual, and afterwards nothing is pending.
     lazy::mark_step();
     assert!(loss.item().unwrap().is_finite());

@@ -651,7 +651,11 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
             let reason =
                 format!("the values of constants {widened:?} changed: promoting them to arguments");
             debug_log(&format!("trace cache miss: {reason}"));
-            profile::instant(profile::CACHE, "cache miss", vec![("reason", reason.clone())]);
+            profile::instant(
+                profile::CACHE,
+                "cache miss",
+                vec![("reason", reason.clone())],
+            );
             with_runtime(|rt| rt.metrics.last_miss_reason = Some(reason));
             for i in widened {
                 modes[i] = Mode::Argument;
@@ -661,7 +665,11 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
         None => {
             let reason = with_runtime(|rt| miss_reason(&collected.skeleton, &rt.cache));
             debug_log(&format!("trace cache miss: {reason}"));
-            profile::instant(profile::CACHE, "cache miss", vec![("reason", reason.clone())]);
+            profile::instant(
+                profile::CACHE,
+                "cache miss",
+                vec![("reason", reason.clone())],
+            );
             with_runtime(|rt| rt.metrics.last_miss_reason = Some(reason));
             first_modes(leaves)
         }
