@@ -56,7 +56,8 @@ struct TrainArgs {
     /// Examples per step.
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
-    /// SGD step size [default: 0.02 for mlp and cnn].
+    /// SGD step size at the first step; it decays linearly to zero over the
+    /// run [default: 0.02 for mlp and cnn].
     #[arg(long)]
     lr: Option<f32>,
     /// SGD momentum.

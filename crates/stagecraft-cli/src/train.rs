@@ -55,7 +55,7 @@ pub struct TrainOptions {
     pub epochs: usize,
     /// Examples per step.
     pub batch_size: usize,
-    /// SGD step size.
+    /// SGD step size at the first step (it decays linearly to zero).
     pub lr: f32,
     /// SGD momentum.
     pub momentum: f32,
@@ -321,6 +321,9 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     let batch_size = options.batch_size.min(train_count);
     let per_epoch = train_count / batch_size;
     let budget = options.steps.unwrap_or(usize::MAX);
+    // The step size decays linearly to zero over the run: the last steps
+    // average out minibatch noise, which constant steps never do.
+    let total_steps = (per_epoch * options.epochs).min(budget).max(1);
     let mut shuffler = Shuffler(options.seed ^ 0x5eed);
     let mut steps = 0usize;
     let mut epochs = 0usize;
@@ -339,6 +342,7 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         let mut loss_sum = 0.0f64;
         for (i, indices) in order.chunks_exact(batch_size).take(this_epoch).enumerate() {
             let (x, y) = batch(&data.train_images, &data.train_labels, indices, &device)?;
+            sgd.lr = options.lr * (1.0 - steps as f32 / total_steps as f32);
             let span = rt_profile::begin();
             let start = Instant::now();
             let loss = sgd.step(&mut model, &x, &y)?;
