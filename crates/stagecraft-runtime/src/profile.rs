@@ -114,6 +114,17 @@ impl Span {
     }
 }
 
+/// Runs `f` and records it as a span. Out of line and cold: callers test
+/// [`is_enabled`] first, so the code on their hot path stays as it was.
+#[cold]
+#[inline(never)]
+pub fn timed<R>(category: &'static str, name: &'static str, f: impl FnOnce() -> R) -> R {
+    let start = Instant::now();
+    let result = f();
+    Span { start }.end(category, name, Vec::new());
+    result
+}
+
 /// Records an instant event (a cache hit, say; duration 0) when profiling
 /// is on.
 pub fn instant(

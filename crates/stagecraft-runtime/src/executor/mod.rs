@@ -556,8 +556,12 @@ impl Executable {
             attrs: Attrs::new(attrs, def),
             outputs: &step.metas,
         };
-        let span = crate::profile::begin();
-        let produced = kernel(inputs, &ctx).map_err(|e| {
+        let produced = if crate::profile::is_enabled() {
+            crate::profile::timed(crate::profile::KERNEL, def.name, || kernel(inputs, &ctx))
+        } else {
+            kernel(inputs, &ctx)
+        };
+        let produced = produced.map_err(|e| {
             // An error from inside a nested function already names its op
             // and was reported there.
             let raised_here = e.op().is_none();
@@ -567,9 +571,6 @@ impl Executable {
             }
             e
         })?;
-        if let Some(span) = span {
-            span.end(crate::profile::KERNEL, def.name, Vec::new());
-        }
         if produced.len() != step.outputs.len() {
             return Err(Error::internal(format!(
                 "{} returned {} outputs, expected {}",
