@@ -273,11 +273,10 @@ fn progress_bar(options: &TrainOptions, len: u64) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
-    let style = ProgressStyle::with_template(
-        "epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
-    )
-    .map(|s| s.progress_chars("=> "))
-    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let style =
+        ProgressStyle::with_template("epoch {prefix} [{bar:20}] {pos}/{len} {msg} eta {eta}")
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
     bar.set_style(style);
     bar
 }
@@ -372,12 +371,12 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
                 took.as_secs_f64() * 1e3
             ));
             if steps >= budget {
-                bar.finish();
+                bar.finish_and_clear();
                 report_epoch(options, epoch, i + 1, loss_sum, epoch_time);
                 break 'epochs;
             }
         }
-        bar.finish();
+        bar.finish_and_clear();
         report_epoch(options, epoch, this_epoch, loss_sum, epoch_time);
     }
 
@@ -469,10 +468,10 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     })
 }
 
-/// One line per epoch on stderr when no progress bar is drawn (so logs and
-/// pipes still show progress).
+/// One line per epoch on stderr, which stays when the epoch's progress bar
+/// is cleared (and is all that logs and pipes see).
 fn report_epoch(options: &TrainOptions, epoch: usize, steps: usize, loss_sum: f64, time: Duration) {
-    if options.json || std::io::stderr().is_terminal() || steps == 0 {
+    if options.json || steps == 0 {
         return;
     }
     eprintln!(
