@@ -216,7 +216,12 @@ fn run_kernel(
                 values.push(arg.into_value().map_err(Failure::Propagated)?);
             }
             count_kernel_launch();
-            let produced = kernel(values, &ctx).map_err(Failure::Raised)?;
+            let produced = if crate::profile::is_enabled() {
+                crate::profile::timed(crate::profile::OP, op.name, || kernel(values, &ctx))
+            } else {
+                kernel(values, &ctx)
+            };
+            let produced = produced.map_err(Failure::Raised)?;
             check_produced(op, produced.iter().map(HostTensor::metadata), outputs)
                 .map_err(Failure::Raised)?;
             return Ok(produced);
@@ -237,7 +242,13 @@ fn run_kernel(
     }
     let inputs = dense;
     count_kernel_launch();
-    let produced = kernel(inputs, &ctx).map_err(Failure::Raised)?;
+    // The profiled call is out of line, so the hot path is one load.
+    let produced = if crate::profile::is_enabled() {
+        crate::profile::timed(crate::profile::OP, op.name, || kernel(inputs, &ctx))
+    } else {
+        kernel(inputs, &ctx)
+    };
+    let produced = produced.map_err(Failure::Raised)?;
     check_produced(op, produced.iter().map(DenseHostTensor::metadata), outputs)
         .map_err(Failure::Raised)?;
     Ok(produced.into_iter().map(HostTensor::Dense).collect())

@@ -17,6 +17,7 @@ mod handle;
 pub mod lazy;
 pub mod logging;
 mod op_handler;
+pub mod profile;
 mod runtime;
 pub mod tracing;
 

@@ -3,7 +3,7 @@
 
 use stagecraft::{Device, Rng, Tensor};
 
-fn main() -> stagecraft::Result<()> {
+pub fn main() -> stagecraft::Result<()> {
     let cpu = Device::cpu();
     let x = Tensor::<f32>::from_vec(vec![1.0, -2.0, 3.0, -4.0, 5.0, -6.0], &[2, 3], &cpu)?;
     let y = (&x * 2.0 + 1.0).relu();

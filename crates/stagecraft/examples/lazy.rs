@@ -3,7 +3,7 @@
 
 use stagecraft::{lazy, Device, Rng, Tensor};
 
-fn main() -> stagecraft::Result<()> {
+pub fn main() -> stagecraft::Result<()> {
     let dev = Device::lazy(&Device::cpu());
     let a = Tensor::<f32>::scalar(10.0, &dev);
     let b = Tensor::<f32>::scalar(2.0, &dev);

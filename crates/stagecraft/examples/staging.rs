@@ -4,7 +4,7 @@
 use stagecraft::layers::graph::text;
 use stagecraft::{cond, function, grad, while_loop, Device, Tensor};
 
-fn main() -> stagecraft::Result<()> {
+pub fn main() -> stagecraft::Result<()> {
     let cpu = Device::cpu();
     let one = Tensor::<f64>::scalar(1.0, &cpu);
 

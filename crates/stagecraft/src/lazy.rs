@@ -19,7 +19,9 @@ use crate::Tensor;
 use stagecraft_runtime::lazy as imp;
 use stagecraft_tensor::{Element, Result};
 
-pub use imp::{mark_step, metrics, reset_metrics, set_trace_limit, LazyMetrics, Trigger};
+pub use imp::{
+    mark_step, metrics, reset_metrics, set_trace_limit, step_trace, LazyMetrics, StepTrace, Trigger,
+};
 
 /// The trace that materializing `t` now would run, in the lazy-tensor text
 /// form (`lazyTrace_N(%0: f32[]) -> (...) { ... return (...) }`), followed

@@ -178,7 +178,17 @@ impl<T: Element> Tensor<T> {
     fn host_value(&self, what: &str, location: Option<Location>) -> Result<&HostTensor> {
         crate::stage::implicit_copy(what, self.device(), self.handle.metadata(), location)?;
         runtime::count_host_read();
-        self.handle.wait()
+        let span = runtime::profile::begin();
+        let value = self.handle.wait();
+        if let (Some(span), Ok(v)) = (span, &value) {
+            let bytes = v.metadata().shape.numel() * v.metadata().dtype.size_in_bytes();
+            span.end(
+                runtime::profile::TRANSFER,
+                "to host",
+                vec![("bytes", bytes.to_string())],
+            );
+        }
+        value
     }
 
     /// The values in row-major order. Outside the host device this is an

@@ -594,14 +594,25 @@ impl Executable {
             attrs: Attrs::new(attrs, def),
             outputs: &step.metas,
         };
-        let produced: Result<SmallVec<[HostTensor; 1]>> = match kernel {
-            AnyKernel::Dense(kernel) => inputs
-                .into_iter()
-                .map(HostTensor::into_dense)
-                .collect::<Result<Inputs>>()
-                .and_then(|inputs| kernel(inputs, &ctx))
-                .map(|out| out.into_iter().map(HostTensor::Dense).collect()),
-            AnyKernel::Value(kernel) => kernel(inputs, &ctx),
+        let run = move || -> Result<SmallVec<[HostTensor; 1]>> {
+            match kernel {
+                AnyKernel::Dense(kernel) => {
+                    let inputs = inputs
+                        .into_iter()
+                        .map(HostTensor::into_dense)
+                        .collect::<Result<Inputs>>()?;
+                    Ok(kernel(inputs, &ctx)?
+                        .into_iter()
+                        .map(HostTensor::Dense)
+                        .collect())
+                }
+                AnyKernel::Value(kernel) => kernel(inputs, &ctx),
+            }
+        };
+        let produced = if crate::profile::is_enabled() {
+            crate::profile::timed(crate::profile::KERNEL, def.name, run)
+        } else {
+            run()
         };
         let produced = produced.map_err(|e| {
             // An error from inside a nested function already names its op

@@ -21,7 +21,8 @@
 mod trace;
 
 pub use trace::{
-    mark_step, metrics, reset_metrics, set_trace_limit, trace_dot, trace_text, LazyMetrics, Trigger,
+    mark_step, metrics, reset_metrics, set_trace_limit, step_trace, trace_dot, trace_text,
+    LazyMetrics, StepTrace, Trigger,
 };
 pub(crate) use trace::{materialize_handle, LazyRef};
 

@@ -4,6 +4,7 @@ use crate::device::Device;
 use crate::executor::{instantiate, Executable};
 use crate::handle::TensorHandle;
 use crate::op_handler::{OpInvocation, Results};
+use crate::profile;
 use smallvec::SmallVec;
 use stagecraft_graph::{text, Function, Node, NodeOp, Value};
 use stagecraft_ops::{FrozenOpAttrs, OpDef, OutputMetas};
@@ -641,12 +642,22 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
     let modes = match found {
         Some((modes, exe, widened)) if widened.is_empty() => {
             with_runtime(|rt| rt.metrics.cache_hits += 1);
+            profile::instant(
+                profile::CACHE,
+                "cache hit",
+                vec![("ops", collected.ops.len().to_string())],
+            );
             return Ok((exe.clone(), arguments(&modes, leaves)));
         }
         Some((mut modes, _, widened)) => {
             let reason =
                 format!("the values of constants {widened:?} changed: promoting them to arguments");
             debug_log(&format!("trace cache miss: {reason}"));
+            profile::instant(
+                profile::CACHE,
+                "cache miss",
+                vec![("reason", reason.clone())],
+            );
             with_runtime(|rt| rt.metrics.last_miss_reason = Some(reason));
             for i in widened {
                 modes[i] = Mode::Argument;
@@ -656,20 +667,30 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
         None => {
             let reason = with_runtime(|rt| miss_reason(&collected.skeleton, &rt.cache));
             debug_log(&format!("trace cache miss: {reason}"));
+            profile::instant(
+                profile::CACHE,
+                "cache miss",
+                vec![("reason", reason.clone())],
+            );
             with_runtime(|rt| rt.metrics.last_miss_reason = Some(reason));
             first_modes(leaves)
         }
     };
     let start = Instant::now();
+    let span = profile::begin();
     let name = format!("lazyTrace_{}", TRACE_NUMBER.fetch_add(1, Ordering::Relaxed));
     let function = build_function(
-        name,
+        name.clone(),
         &collected.skeleton,
         &modes,
         &collected.ops,
         &collected.locations,
     );
     let exe = Arc::new(instantiate(Arc::new(function), collected.target)?);
+    if let Some(span) = span {
+        let ops = collected.ops.len().to_string();
+        span.end(profile::COMPILE, name, vec![("ops", ops)]);
+    }
     let args = arguments(&modes, leaves);
     with_runtime(|rt| {
         rt.metrics.cache_misses += 1;
@@ -750,8 +771,21 @@ fn run_trace(roots: &[(Arc<LazyOp>, u32)], trigger: Trigger) {
     if pending.is_empty() {
         return;
     }
+    let span = profile::begin();
+    run_collected(&pending, trigger);
+    if let Some(span) = span {
+        span.end(
+            profile::MATERIALIZE,
+            "materialize",
+            vec![("trigger", format!("{trigger:?}"))],
+        );
+    }
+}
+
+/// [`run_trace`] for roots known to be pending.
+fn run_collected(pending: &[(Arc<LazyOp>, u32)], trigger: Trigger) {
     let start = Instant::now();
-    let collected = match collect(&pending) {
+    let collected = match collect(pending) {
         Ok(c) => c,
         Err(e) => {
             let ops: Vec<Arc<LazyOp>> = pending.iter().map(|(op, _)| op.clone()).collect();
@@ -876,15 +910,72 @@ fn describe(handle: &TensorHandle) -> Result<(Collected, Vec<Mode>)> {
         ));
     }
     let collected = collect(&[(lazy.op.clone(), lazy.index)])?;
+    let modes = cached_modes(&collected);
+    Ok((collected, modes))
+}
+
+/// How the trace cache would treat `collected`'s leaves: as its cached
+/// entry does, else as a first trace.
+fn cached_modes(collected: &Collected) -> Vec<Mode> {
     let key = fingerprint(&collected.skeleton);
-    let modes = with_runtime(|rt| {
+    with_runtime(|rt| {
         rt.cache
             .get(&key)
             .and_then(|es| es.iter().find(|e| e.skeleton == collected.skeleton))
             .map(|e| e.modes.clone())
     })
-    .unwrap_or_else(|| first_modes(&collected.leaves));
-    Ok((collected, modes))
+    .unwrap_or_else(|| first_modes(&collected.leaves))
+}
+
+/// The trace [`mark_step`] would run now, as a graph function, before and
+/// after the optimization passes that compiling it runs.
+#[derive(Clone, Debug)]
+pub struct StepTrace {
+    /// The trace as recorded (what [`trace_text`] prints for one tensor).
+    pub recorded: Function,
+    /// The same function after `stagecraft_graph::passes::optimize`: what
+    /// the executor instantiates.
+    pub optimized: Function,
+}
+
+/// The trace that [`mark_step`] would run now for the live tensors on the
+/// first target device holding pending work, without running it (the
+/// pending ops stay pending and the next `mark_step` runs them as usual).
+/// An error when nothing is pending.
+pub fn step_trace() -> Result<StepTrace> {
+    let mut roots: Vec<(Arc<LazyOp>, u32)> = with_runtime(|rt| {
+        let mut roots = Vec::new();
+        for op in rt.pending.iter().filter_map(Weak::upgrade) {
+            if !op.is_pending() {
+                continue;
+            }
+            for (i, live) in op.live.iter().enumerate() {
+                if live.load(Ordering::Relaxed) > 0 {
+                    roots.push((op.clone(), i as u32));
+                }
+            }
+        }
+        roots
+    });
+    let target = roots
+        .first()
+        .map(|(op, _)| op.target)
+        .ok_or_else(|| Error::invalid("no live lazy tensor is pending: there is no step trace"))?;
+    roots.retain(|(op, _)| op.target == target);
+    let collected = collect(&roots)?;
+    let modes = cached_modes(&collected);
+    let recorded = build_function(
+        "lazyTrace_step".to_string(),
+        &collected.skeleton,
+        &modes,
+        &collected.ops,
+        &collected.locations,
+    );
+    let optimized = stagecraft_graph::passes::optimize(&recorded);
+    Ok(StepTrace {
+        recorded,
+        optimized,
+    })
 }
 
 /// The trace that materializing `handle` now would run, in the lazy-tensor

@@ -1,0 +1,566 @@
+//! `stagecraft train`: minibatch SGD on MNIST with a progress bar, test
+//! accuracy, and a summary of what the runtime did (eager vs lazy step
+//! time on the same model, traces compiled, cache hit rate,
+//! materializations, bytes read back to the host).
+
+use crate::checkpoint;
+use crate::error::{CliError, Result};
+use crate::idx::{Images, CLASSES};
+use crate::mnist::Mnist;
+use crate::model::{predictions, Model, ModelKind, Sgd};
+use crate::profile;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use stagecraft::layers::runtime::profile as rt_profile;
+use stagecraft::{lazy, Device, Tensor};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Where training runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// Op by op on the CPU.
+    Eager,
+    /// Recorded and run as one compiled, cached trace per step.
+    Lazy,
+}
+
+impl DeviceKind {
+    /// The device.
+    pub fn device(self) -> Device {
+        match self {
+            DeviceKind::Eager => Device::cpu(),
+            DeviceKind::Lazy => Device::lazy(&Device::cpu()),
+        }
+    }
+
+    fn other(self) -> DeviceKind {
+        match self {
+            DeviceKind::Eager => DeviceKind::Lazy,
+            DeviceKind::Lazy => DeviceKind::Eager,
+        }
+    }
+}
+
+/// Everything `train` was asked to do.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    /// Which network.
+    pub model: ModelKind,
+    /// Where training runs.
+    pub device: DeviceKind,
+    /// Passes over the training set.
+    pub epochs: usize,
+    /// Examples per step.
+    pub batch_size: usize,
+    /// SGD step size at the first step (it decays linearly to zero).
+    pub lr: f32,
+    /// SGD momentum.
+    pub momentum: f32,
+    /// Seeds initialization and shuffling.
+    pub seed: u64,
+    /// Stop after this many steps in all (quick runs).
+    pub steps: Option<usize>,
+    /// Steps timed on each device for the eager-vs-lazy comparison (0
+    /// skips it).
+    pub compare_steps: usize,
+    /// Print the summary as JSON (and no progress bar).
+    pub json: bool,
+    /// Write a Chrome trace-event profile here.
+    pub profile: Option<PathBuf>,
+    /// Save the trained parameters here (safetensors).
+    pub save: Option<PathBuf>,
+    /// Start from these parameters (safetensors).
+    pub load: Option<PathBuf>,
+}
+
+/// Mean time per step on each device, measured on the same model.
+#[derive(Clone, Debug, Serialize)]
+pub struct Comparison {
+    /// Steps timed on each device (after warm-up steps).
+    pub steps: usize,
+    /// Eager milliseconds per step.
+    pub eager_ms_per_step: f64,
+    /// Lazy milliseconds per step (cached trace).
+    pub lazy_ms_per_step: f64,
+    /// `eager / lazy`: above 1 when the lazy device is faster.
+    pub lazy_speedup: f64,
+}
+
+/// What the lazy runtime did during training and evaluation.
+#[derive(Clone, Debug, Serialize)]
+pub struct LazySummary {
+    /// Ops recorded on the lazy device.
+    pub ops_recorded: u64,
+    /// Traces compiled (cache misses).
+    pub traces_compiled: u64,
+    /// Trace-cache lookups that found a compiled trace.
+    pub cache_hits: u64,
+    /// Lookups that compiled.
+    pub cache_misses: u64,
+    /// `hits / (hits + misses)`.
+    pub cache_hit_rate: f64,
+    /// Traces run.
+    pub materializations: u64,
+    /// Bytes of values read back to the host.
+    pub bytes_to_host: u64,
+    /// Milliseconds spent building and compiling traces.
+    pub compile_ms: f64,
+    /// Milliseconds spent running traces.
+    pub execute_ms: f64,
+}
+
+/// The run's results, printed at the end (as JSON with `--json`).
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    /// Which network.
+    pub model: ModelKind,
+    /// Where training ran.
+    pub device: DeviceKind,
+    /// Epochs started.
+    pub epochs: usize,
+    /// Training steps run.
+    pub steps: usize,
+    /// Examples per step.
+    pub batch_size: usize,
+    /// SGD step size.
+    pub lr: f32,
+    /// SGD momentum.
+    pub momentum: f32,
+    /// Seed.
+    pub seed: u64,
+    /// Training wall time in seconds (without evaluation).
+    pub train_seconds: f64,
+    /// Mean training step time in milliseconds.
+    pub ms_per_step: f64,
+    /// Loss of the last step.
+    pub final_loss: Option<f32>,
+    /// Fraction of the test set classified correctly.
+    pub test_accuracy: f64,
+    /// Test examples evaluated.
+    pub test_examples: usize,
+    /// Eager vs lazy step time on the same model.
+    pub comparison: Option<Comparison>,
+    /// The lazy runtime's counters over training and evaluation (`None`
+    /// when training ran eagerly).
+    pub lazy: Option<LazySummary>,
+    /// Where the profile went.
+    pub profile: Option<PathBuf>,
+    /// Where the checkpoint went.
+    pub saved: Option<PathBuf>,
+}
+
+/// Scaled pixels: MNIST's mean and standard deviation, so inputs are
+/// centred and of unit scale.
+fn scale(pixel: u8) -> f32 {
+    const MEAN: f32 = 0.1307;
+    const STD: f32 = 0.3081;
+    (pixel as f32 / 255.0 - MEAN) / STD
+}
+
+/// A batch of images `[n, rows*cols]` and one-hot labels `[n, 10]` on
+/// `device`.
+fn batch(
+    images: &Images,
+    labels: &[u8],
+    indices: &[usize],
+    device: &Device,
+) -> Result<(Tensor<f32>, Tensor<f32>)> {
+    let per = images.pixels_per_image();
+    let mut x = Vec::with_capacity(indices.len() * per);
+    let mut y = vec![0.0f32; indices.len() * CLASSES];
+    for (row, &i) in indices.iter().enumerate() {
+        x.extend(images.image(i).iter().map(|&p| scale(p)));
+        y[row * CLASSES + labels[i] as usize] = 1.0;
+    }
+    Ok((
+        Tensor::from_vec(x, &[indices.len(), per], device)?,
+        Tensor::from_vec(y, &[indices.len(), CLASSES], device)?,
+    ))
+}
+
+/// A small, seeded generator for shuffling (SplitMix64).
+struct Shuffler(u64);
+
+impl Shuffler {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A Fisher-Yates permutation of `0..n`.
+    fn permutation(&mut self, n: usize) -> Vec<usize> {
+        let mut p: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            p.swap(i, j);
+        }
+        p
+    }
+}
+
+/// Ends a step: on a lazy device runs its trace; reads the loss.
+fn finish_step(loss: &Tensor<f32>) -> Result<f32> {
+    lazy::mark_step();
+    Ok(loss.item()?)
+}
+
+/// Fraction of `images` that `model` classifies correctly.
+pub fn evaluate(model: &Model, images: &Images, labels: &[u8]) -> Result<f64> {
+    let span = rt_profile::begin();
+    let device = model.params[0].device();
+    let chunk = 1000.min(images.count);
+    let mut correct = 0usize;
+    let mut start = 0;
+    while start < images.count {
+        let end = (start + chunk).min(images.count);
+        let indices: Vec<usize> = (start..end).collect();
+        let (x, _) = batch(images, labels, &indices, &device)?;
+        let predicted = predictions(&Model::forward(model.kind, &model.params, &x))?;
+        correct += predicted
+            .iter()
+            .zip(&labels[start..end])
+            .filter(|(p, l)| **p == **l as i64)
+            .count();
+        start = end;
+    }
+    if let Some(span) = span {
+        span.end(
+            profile::EVALUATE,
+            "evaluate",
+            vec![("examples", images.count.to_string())],
+        );
+    }
+    Ok(correct as f64 / images.count as f64)
+}
+
+/// Mean milliseconds per step of `steps` SGD steps of a copy of `model` on
+/// `device`, after warm-up steps (which compile the lazy trace).
+fn time_steps(
+    model: &Model,
+    data: &Mnist,
+    options: &TrainOptions,
+    device: DeviceKind,
+    steps: usize,
+) -> Result<f64> {
+    const WARM_UP: usize = 3;
+    let dev = device.device();
+    let mut copy = model.copy_to(&dev)?;
+    let mut sgd = Sgd::new(&copy, options.lr, options.momentum);
+    lazy::mark_step();
+    let n = options.batch_size.min(data.train_images.count);
+    let indices: Vec<usize> = (0..n).collect();
+    let mut timed = Duration::ZERO;
+    for i in 0..WARM_UP + steps {
+        let (x, y) = batch(&data.train_images, &data.train_labels, &indices, &dev)?;
+        let start = Instant::now();
+        let loss = sgd.step(&mut copy, &x, &y)?;
+        finish_step(&loss)?;
+        if i >= WARM_UP {
+            timed += start.elapsed();
+        }
+    }
+    Ok(timed.as_secs_f64() * 1e3 / steps as f64)
+}
+
+fn progress_bar(options: &TrainOptions, len: u64) -> ProgressBar {
+    if options.json || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    let style =
+        ProgressStyle::with_template("epoch {prefix} [{bar:20}] {pos}/{len} {msg} eta {eta}")
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar
+}
+
+/// Trains, evaluates, compares devices and returns the summary.
+pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
+    if options.batch_size == 0 {
+        return Err(CliError::new("--batch-size must be at least 1"));
+    }
+    for (set, images) in [
+        ("training", &data.train_images),
+        ("test", &data.test_images),
+    ] {
+        if (images.rows, images.cols) != (28, 28) {
+            return Err(CliError::new(format!(
+                "the {set} images are {}x{}; the models take 28x28 MNIST digits",
+                images.rows, images.cols
+            )));
+        }
+    }
+    if options.profile.is_some() {
+        profile::start();
+    }
+    let device = options.device.device();
+    let mut model = match &options.load {
+        Some(path) => {
+            let m = checkpoint::load(options.model, path, &device)?;
+            if !options.json {
+                eprintln!("loaded {}", path.display());
+            }
+            m
+        }
+        None => Model::init(options.model, options.seed, &device),
+    };
+    let mut sgd = Sgd::new(&model, options.lr, options.momentum);
+    lazy::mark_step();
+    lazy::reset_metrics();
+
+    let train_count = data.train_images.count;
+    // Whole batches only: a short last batch would be a second trace shape.
+    let batch_size = options.batch_size.min(train_count);
+    let per_epoch = train_count / batch_size;
+    let budget = options.steps.unwrap_or(usize::MAX);
+    // The step size decays linearly to zero over the run: the last steps
+    // average out minibatch noise, which constant steps never do.
+    let total_steps = (per_epoch * options.epochs).min(budget).max(1);
+    let mut shuffler = Shuffler(options.seed ^ 0x5eed);
+    let mut steps = 0usize;
+    let mut epochs = 0usize;
+    let mut final_loss = None;
+    let mut train_time = Duration::ZERO;
+    'epochs: for epoch in 0..options.epochs {
+        if steps >= budget {
+            break;
+        }
+        epochs += 1;
+        let this_epoch = per_epoch.min(budget - steps);
+        let bar = progress_bar(options, this_epoch as u64);
+        bar.set_prefix(format!("{}/{}", epoch + 1, options.epochs));
+        let order = shuffler.permutation(train_count);
+        let mut epoch_time = Duration::ZERO;
+        let mut loss_sum = 0.0f64;
+        for (i, indices) in order.chunks_exact(batch_size).take(this_epoch).enumerate() {
+            let (x, y) = batch(&data.train_images, &data.train_labels, indices, &device)?;
+            sgd.lr = options.lr * (1.0 - steps as f32 / total_steps as f32);
+            let span = rt_profile::begin();
+            let start = Instant::now();
+            let loss = sgd.step(&mut model, &x, &y)?;
+            let value = finish_step(&loss)?;
+            let took = start.elapsed();
+            if let Some(span) = span {
+                span.end(
+                    profile::STEP,
+                    "train step",
+                    vec![("step", steps.to_string())],
+                );
+            }
+            if !value.is_finite() {
+                bar.abandon();
+                return Err(CliError::new(format!(
+                    "the loss diverged ({value}) at step {steps}: try a smaller --lr"
+                )));
+            }
+            epoch_time += took;
+            train_time += took;
+            loss_sum += value as f64;
+            final_loss = Some(value);
+            steps += 1;
+            bar.set_position(i as u64 + 1);
+            bar.set_message(format!(
+                "step {steps} loss {value:.4} {:.2} ms/step",
+                took.as_secs_f64() * 1e3
+            ));
+            if steps >= budget {
+                bar.finish_and_clear();
+                report_epoch(options, epoch, i + 1, loss_sum, epoch_time);
+                break 'epochs;
+            }
+        }
+        bar.finish_and_clear();
+        report_epoch(options, epoch, this_epoch, loss_sum, epoch_time);
+    }
+
+    let accuracy = evaluate(&model, &data.test_images, &data.test_labels)?;
+    let metrics = lazy::metrics();
+    let lazy_summary = (options.device == DeviceKind::Lazy).then(|| {
+        let lookups = metrics.cache_hits + metrics.cache_misses;
+        LazySummary {
+            ops_recorded: metrics.ops_recorded,
+            traces_compiled: metrics.traces_compiled,
+            cache_hits: metrics.cache_hits,
+            cache_misses: metrics.cache_misses,
+            cache_hit_rate: if lookups == 0 {
+                0.0
+            } else {
+                metrics.cache_hits as f64 / lookups as f64
+            },
+            materializations: metrics.materializations,
+            bytes_to_host: metrics.bytes_to_host,
+            compile_ms: metrics.compile_time.as_secs_f64() * 1e3,
+            execute_ms: metrics.execute_time.as_secs_f64() * 1e3,
+        }
+    });
+
+    let comparison = if options.compare_steps > 0 {
+        if !options.json {
+            eprintln!(
+                "timing {} steps of the same model on each device...",
+                options.compare_steps
+            );
+        }
+        let this = time_steps(&model, data, options, options.device, options.compare_steps)?;
+        let other = time_steps(
+            &model,
+            data,
+            options,
+            options.device.other(),
+            options.compare_steps,
+        )?;
+        let (eager, lazy_ms) = match options.device {
+            DeviceKind::Eager => (this, other),
+            DeviceKind::Lazy => (other, this),
+        };
+        Some(Comparison {
+            steps: options.compare_steps,
+            eager_ms_per_step: eager,
+            lazy_ms_per_step: lazy_ms,
+            lazy_speedup: eager / lazy_ms,
+        })
+    } else {
+        None
+    };
+
+    let saved = match &options.save {
+        Some(path) => {
+            checkpoint::save(&model, path)?;
+            Some(path.clone())
+        }
+        None => None,
+    };
+    if let Some(path) = &options.profile {
+        let events = profile::finish(path)?;
+        if !options.json {
+            eprintln!("wrote {} profile events to {}", events, path.display());
+        }
+    }
+    Ok(Summary {
+        model: options.model,
+        device: options.device,
+        epochs,
+        steps,
+        batch_size,
+        lr: options.lr,
+        momentum: options.momentum,
+        seed: options.seed,
+        train_seconds: train_time.as_secs_f64(),
+        ms_per_step: if steps == 0 {
+            0.0
+        } else {
+            train_time.as_secs_f64() * 1e3 / steps as f64
+        },
+        final_loss,
+        test_accuracy: accuracy,
+        test_examples: data.test_images.count,
+        comparison,
+        lazy: lazy_summary,
+        profile: options.profile.clone(),
+        saved,
+    })
+}
+
+/// One line per epoch on stderr, which stays when the epoch's progress bar
+/// is cleared (and is all that logs and pipes see).
+fn report_epoch(options: &TrainOptions, epoch: usize, steps: usize, loss_sum: f64, time: Duration) {
+    if options.json || steps == 0 {
+        return;
+    }
+    eprintln!(
+        "epoch {}/{}: {steps} steps, mean loss {:.4}, {:.2} ms/step",
+        epoch + 1,
+        options.epochs,
+        loss_sum / steps as f64,
+        time.as_secs_f64() * 1e3 / steps as f64
+    );
+}
+
+/// The summary for people.
+pub fn print_summary(s: &Summary) {
+    println!(
+        "{} on the {} device: {} steps in {} epochs ({:.1} s, {:.2} ms/step), final loss {}",
+        s.model.name(),
+        match s.device {
+            DeviceKind::Eager => "eager",
+            DeviceKind::Lazy => "lazy",
+        },
+        s.steps,
+        s.epochs,
+        s.train_seconds,
+        s.ms_per_step,
+        s.final_loss.map_or("-".to_string(), |l| format!("{l:.4}"))
+    );
+    println!(
+        "test accuracy: {:.2}% ({} examples)",
+        s.test_accuracy * 100.0,
+        s.test_examples
+    );
+    if let Some(c) = &s.comparison {
+        println!(
+            "step time, same model and batch: eager {:.2} ms, lazy {:.2} ms ({:.2}x)",
+            c.eager_ms_per_step, c.lazy_ms_per_step, c.lazy_speedup
+        );
+    }
+    if let Some(l) = &s.lazy {
+        println!(
+            "lazy runtime: {} traces compiled, cache hit rate {:.1}% ({} hits, {} misses), \
+             {} materializations, {} bytes to host, {} ops recorded, compile {:.1} ms, run {:.1} ms",
+            l.traces_compiled,
+            l.cache_hit_rate * 100.0,
+            l.cache_hits,
+            l.cache_misses,
+            l.materializations,
+            l.bytes_to_host,
+            l.ops_recorded,
+            l.compile_ms,
+            l.execute_ms
+        );
+    }
+    if let Some(p) = &s.saved {
+        println!("saved parameters to {}", p.display());
+    }
+    if let Some(p) = &s.profile {
+        println!("profile: {} (open in https://ui.perfetto.dev)", p.display());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permutations_are_permutations_and_seeded() {
+        let p = Shuffler(7).permutation(100);
+        let mut sorted = p.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..100).collect::<Vec<_>>());
+        assert_eq!(p, Shuffler(7).permutation(100));
+        assert_ne!(p, Shuffler(8).permutation(100));
+    }
+
+    #[test]
+    fn batches_are_scaled_and_one_hot() {
+        let images = Images {
+            count: 2,
+            rows: 1,
+            cols: 2,
+            pixels: vec![0, 255, 10, 20],
+        };
+        let (x, y) = batch(&images, &[3, 1], &[1, 0], &Device::cpu()).unwrap();
+        assert_eq!(x.dims(), &[2, 2]);
+        let xs = x.to_vec().unwrap();
+        assert!((xs[2] - scale(0)).abs() < 1e-6 && (xs[3] - scale(255)).abs() < 1e-6);
+        let ys = y.to_vec().unwrap();
+        assert_eq!(ys[1], 1.0);
+        assert_eq!(ys[10 + 3], 1.0);
+        assert_eq!(ys.iter().sum::<f32>(), 2.0);
+    }
+}

