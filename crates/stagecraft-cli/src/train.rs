@@ -110,6 +110,10 @@ pub struct LazySummary {
     pub compile_ms: f64,
     /// Milliseconds spent running traces.
     pub execute_ms: f64,
+    /// Fresh buffer allocations in the last step (0 once the pools are warm).
+    pub allocations_last_step: u64,
+    /// The most bytes of tensor buffers live at once.
+    pub peak_bytes: u64,
 }
 
 /// The run's results, printed at the end (as JSON with `--json`).
@@ -398,6 +402,8 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
             bytes_to_host: metrics.bytes_to_host,
             compile_ms: metrics.compile_time.as_secs_f64() * 1e3,
             execute_ms: metrics.execute_time.as_secs_f64() * 1e3,
+            allocations_last_step: metrics.allocations_last_step,
+            peak_bytes: metrics.peak_bytes,
         }
     });
 
@@ -512,7 +518,8 @@ pub fn print_summary(s: &Summary) {
     if let Some(l) = &s.lazy {
         println!(
             "lazy runtime: {} traces compiled, cache hit rate {:.1}% ({} hits, {} misses), \
-             {} materializations, {} bytes to host, {} ops recorded, compile {:.1} ms, run {:.1} ms",
+             {} materializations, {} bytes to host, {} ops recorded, compile {:.1} ms, run {:.1} ms, \
+             {} buffer allocations in the last step, peak {:.1} MiB of buffers",
             l.traces_compiled,
             l.cache_hit_rate * 100.0,
             l.cache_hits,
@@ -521,7 +528,9 @@ pub fn print_summary(s: &Summary) {
             l.bytes_to_host,
             l.ops_recorded,
             l.compile_ms,
-            l.execute_ms
+            l.execute_ms,
+            l.allocations_last_step,
+            l.peak_bytes as f64 / (1 << 20) as f64
         );
     }
     if let Some(p) = &s.saved {

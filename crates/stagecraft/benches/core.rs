@@ -71,5 +71,42 @@ fn big_add(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, tiny_add, matmul, big_add);
+/// The B3 chain: t=x*2; t=t+1; t=t*x; t=t-3; relu; t=t*0.5; t=t+x; t=t*t.
+fn b3(x: &Tensor<f32>) -> Tensor<f32> {
+    let t = x * 2.0;
+    let t = t + 1.0;
+    let t = t * x;
+    let t = t - 3.0;
+    let t = t.relu();
+    let t = t * 0.5;
+    let t = t + x;
+    &t * &t
+}
+
+/// B3 at the peers' size (16M f32): the lazy device fuses the chain into
+/// one kernel; side by side with eager and a plain copy of the same bytes.
+fn b3_chain(c: &mut Criterion) {
+    const N: usize = 16 << 20;
+    let mut group = c.benchmark_group("B3_chain_16M");
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes((2 * N * 4) as u64));
+    for (name, d) in [
+        ("stagecraft_lazy", Device::lazy(&Device::cpu())),
+        ("stagecraft_eager", Device::cpu()),
+    ] {
+        let x = Tensor::<f32>::from_vec(vec![0.5; N], &[N], &d).unwrap();
+        group.bench_function(name, |bench| bench.iter(|| b3(&x).wait().unwrap()));
+    }
+    let src = vec![1.0f32; N];
+    let mut dst = vec![0.0f32; N];
+    group.bench_function("baseline_copy_same_bytes", |bench| {
+        bench.iter(|| {
+            dst.copy_from_slice(black_box(&src));
+            black_box(&dst);
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, tiny_add, matmul, big_add, b3_chain);
 criterion_main!(benches);

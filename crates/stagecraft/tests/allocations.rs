@@ -27,6 +27,7 @@ fn steady_state_lazy_training_allocates_no_buffers() {
     .unwrap();
     lazy::mark_step();
     let mut per_step = Vec::new();
+    let mut metric_per_step = Vec::new();
     for _ in 0..40 {
         let before = Buffer::stats().allocations;
         let (a, b) = (w1.requires_grad(), w2.requires_grad());
@@ -40,6 +41,7 @@ fn steady_state_lazy_training_allocates_no_buffers() {
         lazy::mark_step();
         drop(loss);
         per_step.push(Buffer::stats().allocations - before);
+        metric_per_step.push(lazy::metrics().allocations_last_step);
     }
     // Thread caches fill first (a few blocks per size), then blocks flow
     // between threads through the shared pool.
@@ -47,4 +49,12 @@ fn steady_state_lazy_training_allocates_no_buffers() {
         per_step[32..].iter().all(|&n| n == 0),
         "fresh buffer allocations per step: {per_step:?}"
     );
+    // The lazy metrics report the same (each step is one mark_step).
+    assert!(
+        metric_per_step[32..].iter().all(|&n| n == 0),
+        "allocations_last_step: {metric_per_step:?}"
+    );
+    let m = lazy::metrics();
+    assert!(m.peak_bytes >= m.live_bytes && m.live_bytes > 0, "{m:?}");
+    assert!(m.buffer_pool_hits > 0, "{m:?}");
 }

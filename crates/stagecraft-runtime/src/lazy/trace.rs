@@ -134,6 +134,35 @@ pub struct LazyMetrics {
     pub by_trace_limit: u64,
     /// Why the last cache miss missed (which part of the key changed).
     pub last_miss_reason: Option<String>,
+    /// Buffers allocated fresh from the system (pool misses) since the
+    /// last reset. Buffers are process-wide, so eager work counts too.
+    pub buffer_allocations: u64,
+    /// Buffer requests the pool served since the last reset.
+    pub buffer_pool_hits: u64,
+    /// Fresh buffer allocations between the last two `mark_step`s: 0 in a
+    /// steady-state training loop.
+    pub allocations_last_step: u64,
+    /// Bytes held by live buffers now.
+    pub live_bytes: u64,
+    /// The most bytes live at once, over the process's life.
+    pub peak_bytes: u64,
+}
+
+/// Allocator counters at a point in time, to take differences from.
+#[derive(Clone, Copy, Default)]
+struct AllocMark {
+    allocations: u64,
+    pool_hits: u64,
+}
+
+impl AllocMark {
+    fn now() -> AllocMark {
+        let stats = stagecraft_tensor::Buffer::stats();
+        AllocMark {
+            allocations: stats.allocations,
+            pool_hits: stats.pool_hits,
+        }
+    }
 }
 
 struct Runtime {
@@ -142,6 +171,9 @@ struct Runtime {
     limit: usize,
     cache: HashMap<u64, Vec<Entry>>,
     metrics: LazyMetrics,
+    /// The allocator at the last reset, and at the last `mark_step`.
+    at_reset: AllocMark,
+    at_step: AllocMark,
 }
 
 static RUNTIME: Mutex<Option<Runtime>> = Mutex::new(None);
@@ -159,21 +191,32 @@ fn with_runtime<R>(f: impl FnOnce(&mut Runtime) -> R) -> R {
         limit: 10_000,
         cache: HashMap::new(),
         metrics: LazyMetrics::default(),
+        at_reset: AllocMark::now(),
+        at_step: AllocMark::now(),
     });
     f(rt)
 }
 
 /// The current counters.
 pub fn metrics() -> LazyMetrics {
-    let mut m = with_runtime(|rt| rt.metrics.clone());
+    let (mut m, base) = with_runtime(|rt| (rt.metrics.clone(), rt.at_reset));
     m.ops_recorded = OPS_RECORDED.load(Ordering::Relaxed);
+    let stats = stagecraft_tensor::Buffer::stats();
+    m.buffer_allocations = stats.allocations.saturating_sub(base.allocations);
+    m.buffer_pool_hits = stats.pool_hits.saturating_sub(base.pool_hits);
+    m.live_bytes = stats.live_bytes;
+    m.peak_bytes = stats.peak_bytes;
     m
 }
 
 /// Zeroes the counters (the trace cache is kept).
 pub fn reset_metrics() {
     OPS_RECORDED.store(0, Ordering::Relaxed);
-    with_runtime(|rt| rt.metrics = LazyMetrics::default());
+    with_runtime(|rt| {
+        rt.metrics = LazyMetrics::default();
+        rt.at_reset = AllocMark::now();
+        rt.at_step = rt.at_reset;
+    });
 }
 
 /// Sets how many ops may be pending before the lazy runtime materializes
@@ -898,6 +941,11 @@ fn materialize_live(trigger: Trigger) {
 /// is the same trace and hits the cache.
 pub fn mark_step() {
     materialize_live(Trigger::MarkStep);
+    let now = AllocMark::now();
+    with_runtime(|rt| {
+        rt.metrics.allocations_last_step = now.allocations.saturating_sub(rt.at_step.allocations);
+        rt.at_step = now;
+    });
 }
 
 fn describe(handle: &TensorHandle) -> Result<(Collected, Vec<Mode>)> {
