@@ -21,6 +21,8 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
 /// Elements per block: registers of a few instructions stay in L1.
 const BLOCK: usize = 1024;
 
+static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+
 /// An operand within one block.
 #[derive(Clone, Copy)]
 enum Src<'a, T> {
@@ -62,6 +64,7 @@ fn binary_loop<T: Copy>(dst: &mut [T], a: Src<'_, T>, b: Src<'_, T>, f: impl Fn(
     }
 }
 
+#[inline(always)]
 fn run_unary<T: Real>(op: UnaryOp, dst: &mut [T], a: Src<'_, T>) {
     match op {
         UnaryOp::Neg => unary_loop(dst, a, |x| -x),
@@ -82,6 +85,7 @@ fn run_unary<T: Real>(op: UnaryOp, dst: &mut [T], a: Src<'_, T>) {
     }
 }
 
+#[inline(always)]
 fn run_binary<T: Real + Arith>(op: BinaryOp, dst: &mut [T], a: Src<'_, T>, b: Src<'_, T>) {
     match op {
         BinaryOp::Add => binary_loop(dst, a, b, T::add),
@@ -182,6 +186,7 @@ fn operand<'b, T: Copy>(
 }
 
 /// Runs the program over elements `start..start + out.len()`.
+#[inline(always)]
 fn run_block<T: Real + Arith>(
     steps: &[Step],
     result: usize,
@@ -214,6 +219,81 @@ fn run_block<T: Real + Arith>(
     out.copy_from_slice(&regs[result][..n]);
 }
 
+/// Which instruction set the block loops are compiled for, chosen once from
+/// what the CPU supports: the default build targets baseline x86-64 (SSE2,
+/// 4 f32 lanes), while the machines we run on have AVX2 or AVX-512.
+#[derive(Clone, Copy)]
+enum Isa {
+    Baseline,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+fn detect_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Isa::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Baseline
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn run_block_avx2<T: Real + Arith>(
+    steps: &[Step],
+    result: usize,
+    inputs: &[Src<'_, T>],
+    start: usize,
+    out: &mut [T],
+    regs: &mut [Vec<T>],
+) {
+    run_block(steps, result, inputs, start, out, regs)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn run_block_avx512<T: Real + Arith>(
+    steps: &[Step],
+    result: usize,
+    inputs: &[Src<'_, T>],
+    start: usize,
+    out: &mut [T],
+    regs: &mut [Vec<T>],
+) {
+    run_block(steps, result, inputs, start, out, regs)
+}
+
+/// Runs one block with the loops compiled for `isa`. Vector widths change
+/// nothing in the results: every op is one IEEE operation per element
+/// either way (no reassociation, no fused multiply-add).
+fn run_block_on<T: Real + Arith>(
+    isa: Isa,
+    steps: &[Step],
+    result: usize,
+    inputs: &[Src<'_, T>],
+    start: usize,
+    out: &mut [T],
+    regs: &mut [Vec<T>],
+) {
+    match isa {
+        Isa::Baseline => run_block(steps, result, inputs, start, out, regs),
+        // SAFETY: `detect_isa` chose this variant only after the CPU
+        // reported AVX2, which is all `run_block_avx2` is compiled to use.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { run_block_avx2(steps, result, inputs, start, out, regs) },
+        // SAFETY: as above, for AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { run_block_avx512(steps, result, inputs, start, out, regs) },
+    }
+}
+
 fn fused_typed<T: Real + Arith + Send + Sync>(
     program: &(Vec<Step>, usize, usize),
     inputs: &[DenseHostTensor],
@@ -236,12 +316,14 @@ fn fused_typed<T: Real + Arith + Send + Sync>(
     let y = out.as_mut_slice::<T>()?;
     let width = BLOCK.min(total.max(1));
     let fresh = || vec![vec![T::default(); width]; *slots];
+    let isa = *ISA.get_or_init(detect_isa);
     if total >= crate::PARALLEL_THRESHOLD {
         y.par_chunks_mut(BLOCK * 16)
             .enumerate()
             .for_each_init(fresh, |regs, (c, chunk)| {
                 for (b, block) in chunk.chunks_mut(BLOCK).enumerate() {
-                    run_block(
+                    run_block_on(
+                        isa,
                         steps,
                         *result,
                         &srcs,
@@ -254,7 +336,7 @@ fn fused_typed<T: Real + Arith + Send + Sync>(
     } else {
         let mut regs = fresh();
         for (b, block) in y.chunks_mut(BLOCK).enumerate() {
-            run_block(steps, *result, &srcs, b * BLOCK, block, &mut regs);
+            run_block_on(isa, steps, *result, &srcs, b * BLOCK, block, &mut regs);
         }
     }
     Ok(out)
@@ -276,4 +358,53 @@ fn fused_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel>
             }])
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every instruction set this CPU has gives the baseline's bits, NaNs
+    /// and signed zeros included, on a block that is not a multiple of the
+    /// vector width.
+    #[test]
+    fn every_instruction_set_gives_the_same_bits() {
+        // x: input 0, k: scalar input 1.
+        let program = vec![
+            FusedInstr::Binary(BinaryOp::Mul, 0, 1),
+            FusedInstr::Unary(UnaryOp::Relu, 2),
+            FusedInstr::Binary(BinaryOp::Sub, 3, 0),
+            FusedInstr::Unary(UnaryOp::Tanh, 4),
+            FusedInstr::Binary(BinaryOp::Maximum, 5, 0),
+            FusedInstr::Binary(BinaryOp::Div, 6, 2),
+        ];
+        let program = allocate_registers(&program, 2);
+        let n = 1000;
+        let x: Vec<f32> = (0..n)
+            .map(|i| match i % 7 {
+                0 => f32::NAN,
+                1 => -0.0,
+                2 => f32::INFINITY,
+                _ => (i as f32 - 500.0) / 37.0,
+            })
+            .collect();
+        let inputs = [Src::Slice(&x[..]), Src::Scalar(-1.5f32)];
+        let run = |isa: Isa| {
+            let mut regs = vec![vec![0.0f32; n]; program.1];
+            let mut out = vec![0.0f32; n];
+            run_block_on(isa, &program.0, program.2, &inputs, 0, &mut out, &mut regs);
+            out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+        };
+        let baseline = run(Isa::Baseline);
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                assert_eq!(run(Isa::Avx2), baseline);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                assert_eq!(run(Isa::Avx512), baseline);
+            }
+        }
+        assert_eq!(run(detect_isa()), baseline);
+    }
 }
