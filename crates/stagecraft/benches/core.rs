@@ -2,10 +2,13 @@
 //! - eager dispatch of a tiny add ([4] + [4]) vs a plain Rust add into a
 //!   fresh Vec (the floor for an allocating op);
 //! - f32 matmul at 256³ and 1024³ (GFLOP/s = 2n³ / time);
-//! - a 16M-element f32 add vs a plain copy of the same 64 MiB.
+//! - a 16M-element f32 add, and the 8-op B3 chain at 16M on the lazy and
+//!   eager devices, each vs a plain copy of the same 64 MiB.
 //!
 //! Run with `scripts/bench.sh` for 2-thread and pinned 1-thread figures.
 
+mod common;
+use common::b3;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use stagecraft::{Device, Rng, Tensor};
 
@@ -69,18 +72,6 @@ fn big_add(c: &mut Criterion) {
         })
     });
     group.finish();
-}
-
-/// The B3 chain: t=x*2; t=t+1; t=t*x; t=t-3; relu; t=t*0.5; t=t+x; t=t*t.
-fn b3(x: &Tensor<f32>) -> Tensor<f32> {
-    let t = x * 2.0;
-    let t = t + 1.0;
-    let t = t * x;
-    let t = t - 3.0;
-    let t = t.relu();
-    let t = t * 0.5;
-    let t = t + x;
-    &t * &t
 }
 
 /// B3 at the peers' size (16M f32): the lazy device fuses the chain into

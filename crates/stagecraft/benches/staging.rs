@@ -10,6 +10,8 @@
 //! Run with `scripts/bench.sh staging` for 2-thread and pinned 1-thread
 //! figures.
 
+mod common;
+use common::b3;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use stagecraft::layers::graph::Function;
 use stagecraft::layers::runtime::executor;
@@ -54,18 +56,6 @@ fn lazy_traces(c: &mut Criterion) {
         })
     });
     g.finish();
-}
-
-/// The B3 chain: t=x*2; t=t+1; t=t*x; t=t-3; relu; t=t*0.5; t=t+x; t=t*t.
-fn b3(x: &Tensor<f32>) -> Tensor<f32> {
-    let t = x * 2.0;
-    let t = t + 1.0;
-    let t = t * x;
-    let t = t - 3.0;
-    let t = t.relu();
-    let t = t * 0.5;
-    let t = t + x;
-    &t * &t
 }
 
 fn elementwise_chain(c: &mut Criterion) {
