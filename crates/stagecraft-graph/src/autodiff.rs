@@ -125,10 +125,7 @@ fn differentiate(f: &Function) -> Result<Differentiated> {
     }
     let forward_nodes = g.nodes.len();
     let results: Vec<Value> = f.results.iter().map(|r| remap(*r, &map)).collect();
-    let location = f
-        .nodes
-        .first()
-        .map_or_else(Location::caller, |n| n.location);
+    let location = first_location(f);
     let mut grads: HashMap<Value, Value> = HashMap::new();
     let add = |g: &mut Function, a: Value, b: Value, loc: Location| -> Result<Value> {
         Ok(Value::node(g.add_op(
@@ -363,7 +360,7 @@ pub fn while_gradient_loops(
     body: FuncId,
 ) -> Result<stagecraft_ops::grad::WhileGradient> {
     use stagecraft_ops::grad::WhileGradient;
-    use stagecraft_ops::{CALL, GREATER, LESS, SUB, WHILE};
+    use stagecraft_ops::{GREATER, LESS, SUB, WHILE};
     static CACHE: OnceLock<Mutex<HashMap<(FuncId, FuncId), WhileGradient>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     if let Some(found) = cache
@@ -382,35 +379,14 @@ pub fn while_gradient_loops(
         stagecraft_tensor::DType::I64,
         stagecraft_tensor::Shape::scalar(),
     );
-    let location = b
-        .nodes
-        .first()
-        .map_or_else(Location::caller, |node| node.location);
+    let location = first_location(&b);
     let params = |extra: &[TensorMetadata], more: &[TensorMetadata]| -> Vec<TensorMetadata> {
         all.iter().chain(extra).chain(more).cloned().collect()
     };
     let state =
         |from: usize| -> Vec<Value> { (from..from + n).map(|i| Value::Param(i as u32)).collect() };
-    let call = |f: &mut Function, id: FuncId, args: &[Value]| -> Result<Vec<Value>> {
-        let mut attrs = OpAttrs::new();
-        attrs.set_func("f", id);
-        let node = f.add_op(&CALL, &attrs, args, location)?;
-        Ok((0..f.nodes[node].outputs.len() as u32)
-            .map(|output| Value::Output {
-                node: node as u32,
-                output,
-            })
-            .collect())
-    };
-    let int = |f: &mut Function, v: i64| -> Value {
-        Value::node(f.add_const(
-            HostTensor::Scalar(ScalarHostTensor::new(
-                Scalar::I64(v),
-                stagecraft_tensor::Shape::scalar(),
-            )),
-            location,
-        ))
-    };
+    let call = |f: &mut Function, id: FuncId, args: &[Value]| call_node(f, id, args, location);
+    let int = |f: &mut Function, v: i64| int_const(f, v, location);
     let binary = |f: &mut Function, def: &'static OpDef, a: Value, c: Value| -> Result<Value> {
         Ok(Value::node(f.add_op(
             def,
@@ -574,6 +550,12 @@ fn call_node(
         .collect())
 }
 
+/// An i64 scalar constant (loop counters).
+fn int_const(f: &mut Function, value: i64, location: Location) -> Value {
+    let scalar = ScalarHostTensor::new(Scalar::I64(value), stagecraft_tensor::Shape::scalar());
+    Value::node(f.add_const(HostTensor::Scalar(scalar), location))
+}
+
 fn first_location(f: &Function) -> Location {
     f.nodes
         .first()
@@ -671,15 +653,7 @@ fn while_form(cond_id: FuncId, body_id: FuncId) -> Result<WhileForm> {
         .collect();
     let m = split.residuals.len();
     let q = stacked.len() + m;
-    let int = |f: &mut Function, v: i64| {
-        Value::node(f.add_const(
-            HostTensor::Scalar(ScalarHostTensor::new(
-                Scalar::I64(v),
-                stagecraft_tensor::Shape::scalar(),
-            )),
-            location,
-        ))
-    };
+    let int = |f: &mut Function, v: i64| int_const(f, v, location);
     let param = |i: usize| Value::Param(i as u32);
 
     // Forward loop over (state.., lists.., count).

@@ -102,21 +102,6 @@ fn hash_const(value: &HostTensor, h: &mut impl Hasher) {
     }
 }
 
-fn same_const(a: &HostTensor, b: &HostTensor) -> bool {
-    match (a, b) {
-        (HostTensor::Dense(x), HostTensor::Dense(y)) => {
-            x.metadata() == y.metadata() && x.buffer().bytes() == y.buffer().bytes()
-        }
-        (HostTensor::Scalar(x), HostTensor::Scalar(y)) => {
-            x.metadata() == y.metadata() && x.value().to_bits() == y.value().to_bits()
-        }
-        (HostTensor::List(x), HostTensor::List(y)) => {
-            x.identity() == y.identity() || (x.is_empty() && y.is_empty())
-        }
-        _ => false,
-    }
-}
-
 /// A hash of everything that makes two functions the same: name,
 /// signature, nodes (ops, attributes, wiring, constants, devices and source
 /// locations) and results.
@@ -149,7 +134,7 @@ fn same_structure(a: &Function, b: &Function) -> bool {
         && a.nodes.iter().zip(&b.nodes).all(|(x, y)| {
             let same_op = match (&x.op, &y.op) {
                 (NodeOp::Op(d1, a1), NodeOp::Op(d2, a2)) => std::ptr::eq(*d1, *d2) && a1 == a2,
-                (NodeOp::Const(c1), NodeOp::Const(c2)) => same_const(c1, c2),
+                (NodeOp::Const(c1), NodeOp::Const(c2)) => c1.same_value(c2),
                 _ => false,
             };
             same_op

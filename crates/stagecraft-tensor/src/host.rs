@@ -333,6 +333,24 @@ impl HostTensor {
         ))
     }
 
+    /// True when both hold the same values of the same type, bit for bit
+    /// (NaN payloads and signed zeros included). Lists compare by identity,
+    /// and every empty list equals every other.
+    pub fn same_value(&self, other: &HostTensor) -> bool {
+        match (self, other) {
+            (HostTensor::Dense(x), HostTensor::Dense(y)) => {
+                x.metadata() == y.metadata() && x.buffer().bytes() == y.buffer().bytes()
+            }
+            (HostTensor::Scalar(x), HostTensor::Scalar(y)) => {
+                x.metadata() == y.metadata() && x.value().to_bits() == y.value().to_bits()
+            }
+            (HostTensor::List(x), HostTensor::List(y)) => {
+                x.identity() == y.identity() || (x.is_empty() && y.is_empty())
+            }
+            _ => false,
+        }
+    }
+
     /// The values as a dense tensor (free for dense, one fill for scalar).
     pub fn to_dense(&self) -> Result<DenseHostTensor> {
         match self {

@@ -597,11 +597,13 @@ impl Executable {
         let run = move || -> Result<SmallVec<[HostTensor; 1]>> {
             match kernel {
                 AnyKernel::Dense(kernel) => {
-                    let inputs = inputs
-                        .into_iter()
-                        .map(HostTensor::into_dense)
-                        .collect::<Result<Inputs>>()?;
-                    Ok(kernel(inputs, &ctx)?
+                    // A plain loop: collecting through `Result` costs more
+                    // than a tiny kernel.
+                    let mut dense = Inputs::new();
+                    for value in inputs {
+                        dense.push(value.into_dense()?);
+                    }
+                    Ok(kernel(dense, &ctx)?
                         .into_iter()
                         .map(HostTensor::Dense)
                         .collect())

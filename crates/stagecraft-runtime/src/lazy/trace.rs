@@ -555,22 +555,6 @@ fn fingerprint(skeleton: &Skeleton) -> u64 {
     h.finish()
 }
 
-fn same_value(a: &HostTensor, b: &HostTensor) -> bool {
-    match (a, b) {
-        (HostTensor::Scalar(x), HostTensor::Scalar(y)) => {
-            x.metadata() == y.metadata()
-                && x.value().to_bits() == y.value().to_bits()
-                && x.value().dtype() == y.value().dtype()
-        }
-        (HostTensor::Dense(x), HostTensor::Dense(y)) => {
-            x.metadata() == y.metadata() && x.buffer().bytes() == y.buffer().bytes()
-        }
-        // The empty lists a differentiated While starts its stacks with.
-        (HostTensor::List(x), HostTensor::List(y)) => x.is_empty() && y.is_empty(),
-        _ => false,
-    }
-}
-
 /// Explains a miss against the cached trace most like this one.
 fn miss_reason(skeleton: &Skeleton, cache: &HashMap<u64, Vec<Entry>>) -> String {
     let nearest = cache
@@ -675,7 +659,7 @@ fn lookup_or_compile(collected: &Collected) -> Result<(Arc<Executable>, Vec<Host
         let mut widened = Vec::new();
         for (i, (mode, leaf)) in entry.modes.iter().zip(leaves).enumerate() {
             if let Mode::Baked(v) = mode {
-                if !(leaf.bakeable && same_value(v, &leaf.value)) {
+                if !(leaf.bakeable && v.same_value(&leaf.value)) {
                     widened.push(i);
                 }
             }
