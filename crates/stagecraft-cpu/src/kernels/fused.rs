@@ -9,13 +9,20 @@ use super::elementwise::{gelu, relu, rsqrt, sigmoid, sign, Arith, Real};
 use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
 use crate::Inputs;
 use rayon::prelude::*;
-use smallvec::smallvec;
-use stagecraft_ops::{decode_fused, Attrs, BinaryOp, FusedInstr, UnaryOp};
-use stagecraft_tensor::{DType, DenseHostTensor, Error, Result, TensorMetadata};
+use smallvec::{smallvec, SmallVec};
+use super::linalg::{matmul_typed, GemmElement};
+use super::reduce::{float_fold, Source};
+use stagecraft_ops::{
+    decode_fused, fused_operand, fused_output, fused_reduce_op, reduction_axes, Attrs, BinaryOp,
+    FusedInstr, FusedOperand, ReduceOp, UnaryOp,
+};
+use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, TensorMetadata};
 use std::sync::Arc;
 
 pub(crate) fn register(registry: &mut KernelRegistry) {
     registry.add(&stagecraft_ops::FUSED_ELEMENTWISE, fused_factory);
+    registry.add(&stagecraft_ops::FUSED_REDUCE, fused_reduce_factory);
+    registry.add(&stagecraft_ops::FUSED_MATMUL, fused_matmul_factory);
 }
 
 /// Elements per block: registers of a few instructions stay in L1.
@@ -28,6 +35,64 @@ static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
 enum Src<'a, T> {
     Slice(&'a [T]),
     Scalar(T),
+}
+
+/// A whole input, read as [`FusedOperand`] says.
+#[derive(Clone, Copy)]
+enum Input<'a, T> {
+    Full(&'a [T]),
+    Scalar(T),
+    Tile(&'a [T]),
+    Repeat(&'a [T], usize),
+    /// Output elements `base..base + len` only (one block of a matmul's
+    /// product, copied aside while the epilogue overwrites it).
+    Offset(&'a [T], usize),
+}
+
+impl<'a, T: Copy> Input<'a, T> {
+    fn new(values: &'a [T], how: FusedOperand) -> Input<'a, T> {
+        match how {
+            FusedOperand::Scalar => Input::Scalar(values[0]),
+            FusedOperand::Full => Input::Full(values),
+            FusedOperand::Tile { .. } => Input::Tile(values),
+            FusedOperand::Repeat { run } => Input::Repeat(values, run.max(1)),
+        }
+    }
+
+    /// The operand for output elements `start..start + n`: a broadcast
+    /// input is first spread into `scratch` (in L1, like the registers).
+    fn block<'s>(&self, start: usize, n: usize, scratch: &'s mut [T]) -> Src<'s, T>
+    where
+        'a: 's,
+    {
+        match *self {
+            Input::Full(v) => Src::Slice(&v[start..start + n]),
+            Input::Offset(v, base) => Src::Slice(&v[start - base..start - base + n]),
+            Input::Scalar(v) => Src::Scalar(v),
+            Input::Tile(v) => {
+                let period = v.len();
+                let mut filled = 0;
+                let mut at = start % period;
+                while filled < n {
+                    let take = (period - at).min(n - filled);
+                    scratch[filled..filled + take].copy_from_slice(&v[at..at + take]);
+                    filled += take;
+                    at = 0;
+                }
+                Src::Slice(&scratch[..n])
+            }
+            Input::Repeat(v, run) => {
+                let mut filled = 0;
+                while filled < n {
+                    let i = start + filled;
+                    let take = (run - i % run).min(n - filled);
+                    scratch[filled..filled + take].fill(v[i / run]);
+                    filled += take;
+                }
+                Src::Slice(&scratch[..n])
+            }
+        }
+    }
 }
 
 #[inline(always)]
@@ -168,55 +233,74 @@ fn allocate_registers(program: &[FusedInstr], inputs: usize) -> (Vec<Step>, usiz
     (steps, slots, slot_of[n - 1])
 }
 
-/// Operand `op` within the block `start..start + n`.
-fn operand<'b, T: Copy>(
-    op: Operand,
-    inputs: &[Src<'b, T>],
-    regs: &'b [Vec<T>],
-    start: usize,
-    n: usize,
-) -> Src<'b, T> {
+/// Operand `op` within the current block.
+fn operand<'b, T: Copy>(op: Operand, inputs: &[Src<'b, T>], regs: &'b [Vec<T>], n: usize) -> Src<'b, T> {
     match op {
-        Operand::Input(k) => match inputs[k] {
-            Src::Slice(s) => Src::Slice(&s[start..start + n]),
-            scalar => scalar,
-        },
+        Operand::Input(k) => inputs[k],
         Operand::Slot(r) => Src::Slice(&regs[r][..n]),
     }
 }
 
-/// Runs the program over elements `start..start + out.len()`.
+/// Per-thread working memory of a fused kernel: the register slots and one
+/// block of spread values per broadcast input.
+struct Scratch<T> {
+    regs: Vec<Vec<T>>,
+    spread: Vec<Vec<T>>,
+}
+
+impl<T: Copy + Default> Scratch<T> {
+    fn new(slots: usize, inputs: usize, width: usize) -> Scratch<T> {
+        Scratch {
+            regs: vec![vec![T::default(); width]; slots],
+            spread: vec![vec![T::default(); width]; inputs],
+        }
+    }
+}
+
+/// Runs the program over output elements `start..start + out.len()`.
 #[inline(always)]
 fn run_block<T: Real + Arith>(
     steps: &[Step],
-    result: usize,
-    inputs: &[Src<'_, T>],
+    inputs: &[Input<'_, T>],
     start: usize,
     out: &mut [T],
-    regs: &mut [Vec<T>],
+    scratch: &mut Scratch<T>,
 ) {
     let n = out.len();
-    for step in steps {
+    let Scratch { regs, spread } = scratch;
+    let srcs: SmallVec<[Src<'_, T>; 8]> = inputs
+        .iter()
+        .zip(spread.iter_mut())
+        .map(|(input, buffer)| input.block(start, n, buffer))
+        .collect();
+    let Some((last, body)) = steps.split_last() else {
+        return;
+    };
+    for step in body {
         let dst_slot = match *step {
             Step::Unary(_, _, d) | Step::Binary(_, _, _, d) => d,
         };
         // The destination is never an operand of its own step, so it can be
         // taken out while the operands are borrowed.
         let mut dst = std::mem::take(&mut regs[dst_slot]);
-        match *step {
-            Step::Unary(op, a, _) => {
-                run_unary(op, &mut dst[..n], operand(a, inputs, regs, start, n))
-            }
-            Step::Binary(op, a, b, _) => run_binary(
-                op,
-                &mut dst[..n],
-                operand(a, inputs, regs, start, n),
-                operand(b, inputs, regs, start, n),
-            ),
-        }
+        run_step(step, &mut dst[..n], &srcs, regs, n);
         regs[dst_slot] = dst;
     }
-    out.copy_from_slice(&regs[result][..n]);
+    // The result goes straight to the output: no copy out of a register.
+    run_step(last, out, &srcs, regs, n);
+}
+
+#[inline(always)]
+fn run_step<T: Real + Arith>(step: &Step, dst: &mut [T], srcs: &[Src<'_, T>], regs: &[Vec<T>], n: usize) {
+    match *step {
+        Step::Unary(op, a, _) => run_unary(op, dst, operand(a, srcs, regs, n)),
+        Step::Binary(op, a, b, _) => run_binary(
+            op,
+            dst,
+            operand(a, srcs, regs, n),
+            operand(b, srcs, regs, n),
+        ),
+    }
 }
 
 /// Which instruction set the block loops are compiled for, chosen once from
@@ -248,26 +332,24 @@ fn detect_isa() -> Isa {
 #[target_feature(enable = "avx2")]
 fn run_block_avx2<T: Real + Arith>(
     steps: &[Step],
-    result: usize,
-    inputs: &[Src<'_, T>],
+    inputs: &[Input<'_, T>],
     start: usize,
     out: &mut [T],
-    regs: &mut [Vec<T>],
+    scratch: &mut Scratch<T>,
 ) {
-    run_block(steps, result, inputs, start, out, regs)
+    run_block(steps, inputs, start, out, scratch)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn run_block_avx512<T: Real + Arith>(
     steps: &[Step],
-    result: usize,
-    inputs: &[Src<'_, T>],
+    inputs: &[Input<'_, T>],
     start: usize,
     out: &mut [T],
-    regs: &mut [Vec<T>],
+    scratch: &mut Scratch<T>,
 ) {
-    run_block(steps, result, inputs, start, out, regs)
+    run_block(steps, inputs, start, out, scratch)
 }
 
 /// Runs one block with the loops compiled for `isa`. Vector widths change
@@ -276,77 +358,97 @@ fn run_block_avx512<T: Real + Arith>(
 fn run_block_on<T: Real + Arith>(
     isa: Isa,
     steps: &[Step],
-    result: usize,
-    inputs: &[Src<'_, T>],
+    inputs: &[Input<'_, T>],
     start: usize,
     out: &mut [T],
-    regs: &mut [Vec<T>],
+    scratch: &mut Scratch<T>,
 ) {
     match isa {
-        Isa::Baseline => run_block(steps, result, inputs, start, out, regs),
+        Isa::Baseline => run_block(steps, inputs, start, out, scratch),
         // SAFETY: `detect_isa` chose this variant only after the CPU
         // reported AVX2, which is all `run_block_avx2` is compiled to use.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { run_block_avx2(steps, result, inputs, start, out, regs) },
+        Isa::Avx2 => unsafe { run_block_avx2(steps, inputs, start, out, scratch) },
         // SAFETY: as above, for AVX-512F.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { run_block_avx512(steps, result, inputs, start, out, regs) },
+        Isa::Avx512 => unsafe { run_block_avx512(steps, inputs, start, out, scratch) },
+    }
+}
+
+/// A fused program ready to run: register-allocated steps and how many
+/// register slots they use.
+struct Program {
+    steps: Vec<Step>,
+    slots: usize,
+}
+
+impl Program {
+    fn new(program: &[i64], inputs: usize) -> Result<Program> {
+        let (steps, slots, _) = allocate_registers(&decode_fused(program, inputs)?, inputs);
+        Ok(Program { steps, slots })
+    }
+
+    /// The inputs as the program reads them for an output of `out` shape.
+    fn inputs<'a, T: Element>(
+        inputs: &'a [DenseHostTensor],
+        out: &stagecraft_tensor::Shape,
+    ) -> Result<SmallVec<[Input<'a, T>; 8]>> {
+        inputs
+            .iter()
+            .map(|t| {
+                let how = fused_operand(t.shape(), out).ok_or_else(|| {
+                    Error::internal(format!("a fused kernel cannot broadcast {} to {out}", t.shape()))
+                })?;
+                Ok(Input::new(t.as_slice::<T>()?, how))
+            })
+            .collect()
+    }
+
+    /// Runs the program over the output elements `start..start + out.len()`
+    /// in blocks, on the calling thread.
+    fn run_range<T: Real + Arith>(
+        &self,
+        isa: Isa,
+        inputs: &[Input<'_, T>],
+        start: usize,
+        out: &mut [T],
+        scratch: &mut Scratch<T>,
+    ) {
+        for (b, block) in out.chunks_mut(BLOCK).enumerate() {
+            run_block_on(isa, &self.steps, inputs, start + b * BLOCK, block, scratch);
+        }
+    }
+
+    fn scratch<T: Copy + Default>(&self, inputs: usize, total: usize) -> Scratch<T> {
+        Scratch::new(self.slots, inputs, BLOCK.min(total.max(1)))
     }
 }
 
 fn fused_typed<T: Real + Arith + Send + Sync>(
-    program: &(Vec<Step>, usize, usize),
+    program: &Program,
     inputs: &[DenseHostTensor],
     meta: &TensorMetadata,
 ) -> Result<DenseHostTensor> {
-    let (steps, slots, result) = program;
-    let srcs: Vec<Src<'_, T>> = inputs
-        .iter()
-        .map(|t| {
-            let v = t.as_slice::<T>()?;
-            Ok(if t.shape().rank() == 0 {
-                Src::Scalar(v[0])
-            } else {
-                Src::Slice(v)
-            })
-        })
-        .collect::<Result<_>>()?;
+    let srcs = Program::inputs::<T>(inputs, &meta.shape)?;
     let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
     let total = meta.shape.numel();
     let y = out.as_mut_slice::<T>()?;
-    let width = BLOCK.min(total.max(1));
-    let fresh = || vec![vec![T::default(); width]; *slots];
     let isa = *ISA.get_or_init(detect_isa);
+    let fresh = || program.scratch::<T>(srcs.len(), total);
     if total >= crate::PARALLEL_THRESHOLD {
         y.par_chunks_mut(BLOCK * 16)
             .enumerate()
-            .for_each_init(fresh, |regs, (c, chunk)| {
-                for (b, block) in chunk.chunks_mut(BLOCK).enumerate() {
-                    run_block_on(
-                        isa,
-                        steps,
-                        *result,
-                        &srcs,
-                        c * BLOCK * 16 + b * BLOCK,
-                        block,
-                        regs,
-                    );
-                }
+            .for_each_init(fresh, |scratch, (c, chunk)| {
+                program.run_range(isa, &srcs, c * BLOCK * 16, chunk, scratch)
             });
     } else {
-        let mut regs = fresh();
-        for (b, block) in y.chunks_mut(BLOCK).enumerate() {
-            run_block_on(isa, steps, *result, &srcs, b * BLOCK, block, &mut regs);
-        }
+        program.run_range(isa, &srcs, 0, y, &mut fresh());
     }
     Ok(out)
 }
 
 fn fused_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let program = allocate_registers(
-        &decode_fused(attrs.ints("program")?, inputs.len())?,
-        inputs.len(),
-    );
+    let program = Program::new(attrs.ints("program")?, inputs.len())?;
     let dtype = inputs[0].dtype;
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
@@ -355,6 +457,144 @@ fn fused_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel>
                 DType::F32 => fused_typed::<f32>(&program, &inputs, meta)?,
                 DType::F64 => fused_typed::<f64>(&program, &inputs, meta)?,
                 other => return Err(Error::internal(format!("a fused kernel for {other}"))),
+            }])
+        },
+    ))
+}
+
+/// A fused program as the source of a reduction: elements are computed on
+/// request, a short run at a time, into per-thread scratch memory.
+struct FusedSource<'a, T> {
+    program: &'a Program,
+    inputs: SmallVec<[Input<'a, T>; 8]>,
+    isa: Isa,
+}
+
+/// Scratch memory of a [`FusedSource`]: the program's registers and the
+/// computed run.
+struct FusedScratch<T> {
+    registers: Scratch<T>,
+    values: Vec<T>,
+}
+
+impl<T: Real + Arith + Send + Sync> Source<T> for FusedSource<'_, T> {
+    type Scratch = FusedScratch<T>;
+
+    fn scratch(&self) -> FusedScratch<T> {
+        FusedScratch {
+            registers: self.program.scratch(self.inputs.len(), BLOCK),
+            values: Vec::new(),
+        }
+    }
+
+    fn read<'s>(&'s self, scratch: &'s mut FusedScratch<T>, start: usize, len: usize) -> &'s [T] {
+        if scratch.values.len() < len {
+            scratch.values.resize(len, T::default());
+        }
+        let values = &mut scratch.values[..len];
+        self.program
+            .run_range(self.isa, &self.inputs, start, values, &mut scratch.registers);
+        values
+    }
+}
+
+fn fused_reduce_typed<T: Real + Arith + Send + Sync>(
+    program: &Program,
+    op: ReduceOp,
+    axes: &[usize],
+    values: &TensorMetadata,
+    inputs: &[DenseHostTensor],
+    meta: &TensorMetadata,
+) -> Result<DenseHostTensor> {
+    let source = FusedSource {
+        program,
+        inputs: Program::inputs::<T>(inputs, &values.shape)?,
+        isa: *ISA.get_or_init(detect_isa),
+    };
+    float_fold(op, &source, values.shape.dims(), axes, meta)
+}
+
+fn fused_reduce_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let program = Program::new(attrs.ints("program")?, inputs.len())?;
+    let values = fused_output(inputs)?;
+    let op = fused_reduce_op(attrs.int("reduce")?)?;
+    let axes = reduction_axes(attrs.ints("axes")?, values.shape.rank())?;
+    Ok(Arc::new(
+        move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+            let meta = &ctx.outputs[0];
+            Ok(smallvec![match values.dtype {
+                DType::F32 => fused_reduce_typed::<f32>(&program, op, &axes, &values, &inputs, meta)?,
+                DType::F64 => fused_reduce_typed::<f64>(&program, op, &axes, &values, &inputs, meta)?,
+                other => return Err(Error::internal(format!("a fused kernel for {other}"))),
+            }])
+        },
+    ))
+}
+
+/// Runs a matmul epilogue over `product` in place, block by block: each
+/// block of the product is copied aside (in L1) and the program writes the
+/// block back, so the product is read and written once, while in cache.
+fn epilogue_in_place<T: Real + Arith + Send + Sync>(
+    program: &Program,
+    mut product: DenseHostTensor,
+    rest: &[DenseHostTensor],
+) -> Result<DenseHostTensor> {
+    let shape = product.shape().clone();
+    let externals = Program::inputs::<T>(rest, &shape)?;
+    let total = shape.numel();
+    let isa = *ISA.get_or_init(detect_isa);
+    let run = |first: usize, chunk: &mut [T], state: &mut (Scratch<T>, Vec<T>)| {
+        let (scratch, aside) = state;
+        for (b, block) in chunk.chunks_mut(BLOCK).enumerate() {
+            let start = first + b * BLOCK;
+            let n = block.len();
+            aside[..n].copy_from_slice(block);
+            let mut inputs: SmallVec<[Input<'_, T>; 8]> =
+                smallvec![Input::Offset(&aside[..n], start)];
+            inputs.extend(externals.iter().copied());
+            run_block_on(isa, &program.steps, &inputs, start, block, scratch);
+        }
+    };
+    let fresh = || {
+        (
+            program.scratch::<T>(externals.len() + 1, total),
+            vec![T::default(); BLOCK.min(total.max(1))],
+        )
+    };
+    let y = product.as_mut_slice::<T>()?;
+    if total >= crate::PARALLEL_THRESHOLD {
+        y.par_chunks_mut(BLOCK * 16)
+            .enumerate()
+            .for_each_init(fresh, |state, (c, chunk)| run(c * BLOCK * 16, chunk, state));
+    } else {
+        run(0, y, &mut fresh());
+    }
+    Ok(product)
+}
+
+fn fused_matmul_typed<T: Real + Arith + GemmElement + Send + Sync>(
+    program: &Program,
+    inputs: &[DenseHostTensor],
+    meta: &TensorMetadata,
+) -> Result<DenseHostTensor> {
+    let [a, b, rest @ ..] = inputs else {
+        return Err(Error::internal("FusedMatMul without its operands"));
+    };
+    let product = matmul_typed::<T>(a, b, meta)?;
+    epilogue_in_place::<T>(program, product, rest)
+}
+
+fn fused_matmul_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    // Registers: the product, then the inputs after a and b.
+    let program = Program::new(attrs.ints("program")?, inputs.len().saturating_sub(1))?;
+    let dtype = inputs[0].dtype;
+    Ok(Arc::new(
+        move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
+            let meta = &ctx.outputs[0];
+            Ok(smallvec![match dtype {
+                DType::F32 => fused_matmul_typed::<f32>(&program, &inputs, meta)?,
+                DType::F64 => fused_matmul_typed::<f64>(&program, &inputs, meta)?,
+                other => return Err(Error::internal(format!("a fused matmul for {other}"))),
             }])
         },
     ))
@@ -388,11 +628,11 @@ mod tests {
                 _ => (i as f32 - 500.0) / 37.0,
             })
             .collect();
-        let inputs = [Src::Slice(&x[..]), Src::Scalar(-1.5f32)];
+        let inputs = [Input::Full(&x[..]), Input::Scalar(-1.5f32)];
         let run = |isa: Isa| {
-            let mut regs = vec![vec![0.0f32; n]; program.1];
+            let mut scratch = Scratch::new(program.1, inputs.len(), n);
             let mut out = vec![0.0f32; n];
-            run_block_on(isa, &program.0, program.2, &inputs, 0, &mut out, &mut regs);
+            run_block_on(isa, &program.0, &inputs, 0, &mut out, &mut scratch);
             out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
         };
         let baseline = run(Isa::Baseline);
@@ -406,5 +646,37 @@ mod tests {
             }
         }
         assert_eq!(run(detect_isa()), baseline);
+    }
+
+    /// A bias over rows (tile) and a value per row (repeat) are spread
+    /// correctly across block boundaries that do not line up with rows.
+    #[test]
+    fn broadcast_inputs_are_spread_per_block() {
+        let (rows, cols) = (37, 53); // 1961 elements: two blocks, misaligned
+        let x: Vec<f64> = (0..rows * cols).map(|i| i as f64 * 0.5).collect();
+        let bias: Vec<f64> = (0..cols).map(|j| j as f64 * 100.0).collect();
+        let per_row: Vec<f64> = (0..rows).map(|r| r as f64 * 10_000.0).collect();
+        let shape = |d: &[usize]| stagecraft_tensor::Shape::new(d);
+        let tensors = [
+            DenseHostTensor::from_slice(&x, shape(&[rows, cols])).unwrap(),
+            DenseHostTensor::from_slice(&bias, shape(&[cols])).unwrap(),
+            DenseHostTensor::from_slice(&per_row, shape(&[rows, 1])).unwrap(),
+        ];
+        // (x + bias) - per_row
+        let code = |op: BinaryOp| {
+            stagecraft_ops::FUSED_BINARY_BASE
+                + stagecraft_ops::FUSED_BINARY.iter().position(|b| *b == op).unwrap() as i64
+        };
+        let program =
+            Program::new(&[code(BinaryOp::Add), 0, 1, code(BinaryOp::Sub), 3, 2], 3).unwrap();
+        let meta = TensorMetadata::new(DType::F64, [rows, cols]);
+        let out = fused_typed::<f64>(&program, &tensors, &meta).unwrap();
+        let got = out.as_slice::<f64>().unwrap();
+        for r in 0..rows {
+            for c in 0..cols {
+                let want = (x[r * cols + c] + bias[c]) - per_row[r];
+                assert_eq!(got[r * cols + c], want, "row {r} col {c}");
+            }
+        }
     }
 }

@@ -164,13 +164,18 @@ fn batched<T: Element + Send + Sync>(
     }
 }
 
-fn matmul_typed<T: GemmElement + Send + Sync>(
+pub(crate) fn matmul_typed<T: GemmElement + Send + Sync>(
     x: &DenseHostTensor,
     y: &DenseHostTensor,
     meta: &TensorMetadata,
 ) -> Result<DenseHostTensor> {
     let plan = Plan::new(x.shape(), y.shape())?;
-    let mut out = DenseHostTensor::zeros(meta.clone())?;
+    // `Accum::Replace` writes every element of a product with k > 0.
+    let mut out = if plan.k > 0 {
+        DenseHostTensor::for_overwrite(meta.clone())?
+    } else {
+        DenseHostTensor::zeros(meta.clone())?
+    };
     let (k, n) = (plan.k, plan.n);
     let m = plan.m;
     batched(

@@ -99,27 +99,40 @@ fn float_reduce<T: Real>(op: ReduceOp, axes: SmallVec<[i64; 4]>) -> Kernel {
         let [x] = take(inputs)?;
         let dims = x.shape().dims();
         let axes = reduction_axes(&axes, dims.len())?;
-        let src = x.as_slice::<T>()?;
-        let acc = match op {
-            ReduceOp::Sum | ReduceOp::Mean => {
-                reduce_axes(src, dims, &axes, T::wide, 0.0, |a: f64, b: f64| a + b)
-            }
-            ReduceOp::Prod => reduce_axes(src, dims, &axes, T::wide, 1.0, |a: f64, b: f64| a * b),
-            ReduceOp::Max => reduce_axes(src, dims, &axes, T::wide, f64::NEG_INFINITY, nan_max),
-            ReduceOp::Min => reduce_axes(src, dims, &axes, T::wide, f64::INFINITY, nan_min),
-        };
-        let mut out = DenseHostTensor::zeros(out_meta(ctx)?.clone())?;
-        let o = out.as_mut_slice::<T>()?;
-        check_len(o.len(), acc.len())?;
-        if op == ReduceOp::Mean {
-            // 0/0 is NaN: the mean of no elements.
-            let count = axes.iter().map(|&a| dims[a]).product::<usize>() as f64;
-            map_into(o, &acc, |s| T::narrow(s / count));
-        } else {
-            map_into(o, &acc, T::narrow);
-        }
+        let out = float_fold(op, x.as_slice::<T>()?, dims, &axes, out_meta(ctx)?)?;
         Ok(smallvec![out])
     })
+}
+
+/// Reduces the elements `src` yields for a tensor of `dims` over `axes`
+/// into a new tensor of `meta`: the body of every float reduction, fused or
+/// not, so the two give the same bits.
+pub(crate) fn float_fold<T: Real, X: Source<T> + ?Sized>(
+    op: ReduceOp,
+    src: &X,
+    dims: &[usize],
+    axes: &[usize],
+    meta: &TensorMetadata,
+) -> Result<DenseHostTensor> {
+    let acc = match op {
+        ReduceOp::Sum | ReduceOp::Mean => {
+            reduce_axes(src, dims, axes, T::wide, 0.0, |a: f64, b: f64| a + b)
+        }
+        ReduceOp::Prod => reduce_axes(src, dims, axes, T::wide, 1.0, |a: f64, b: f64| a * b),
+        ReduceOp::Max => reduce_axes(src, dims, axes, T::wide, f64::NEG_INFINITY, nan_max),
+        ReduceOp::Min => reduce_axes(src, dims, axes, T::wide, f64::INFINITY, nan_min),
+    };
+    let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
+    let o = out.as_mut_slice::<T>()?;
+    check_len(o.len(), acc.len())?;
+    if op == ReduceOp::Mean {
+        // 0/0 is NaN: the mean of no elements.
+        let count = axes.iter().map(|&a| dims[a]).product::<usize>() as f64;
+        map_into(o, &acc, |s| T::narrow(s / count));
+    } else {
+        map_into(o, &acc, T::narrow);
+    }
+    Ok(out)
 }
 
 /// Integer element types: wrapping sums and products, exact max/min.
@@ -189,15 +202,45 @@ fn check_len(out: usize, computed: usize) -> Result<()> {
     }
 }
 
+/// Where a reduction reads its elements: a tensor's values, or (for a fused
+/// reduction) a program computing them block by block into scratch memory.
+/// Folds ask for short contiguous runs, so computed elements never leave
+/// the cache, and the fold order (hence every bit of the result) is the
+/// same whichever source it reads.
+pub(crate) trait Source<S>: Sync {
+    /// Per-thread working memory.
+    type Scratch: Send;
+    /// Fresh working memory for one thread.
+    fn scratch(&self) -> Self::Scratch;
+    /// Elements `start..start + len`.
+    fn read<'s>(&'s self, scratch: &'s mut Self::Scratch, start: usize, len: usize) -> &'s [S];
+}
+
+impl<S: Copy + Sync> Source<S> for [S] {
+    type Scratch = ();
+    fn scratch(&self) {}
+    fn read<'s>(&'s self, _: &'s mut (), start: usize, len: usize) -> &'s [S] {
+        &self[start..start + len]
+    }
+}
+
 /// Folds `src` (of `dims`) over the sorted `axes` with `f` (associative,
 /// identity `id`), converting elements with `cvt` on first read. Returns the
 /// kept elements in row-major order.
-fn reduce_axes<S, A, C, F>(src: &[S], dims: &[usize], axes: &[usize], cvt: C, id: A, f: F) -> Vec<A>
+pub(crate) fn reduce_axes<S, A, C, F, X>(
+    src: &X,
+    dims: &[usize],
+    axes: &[usize],
+    cvt: C,
+    id: A,
+    f: F,
+) -> Vec<A>
 where
     S: Copy + Sync,
     A: Copy + Send + Sync,
     C: Fn(S) -> A + Copy + Sync,
     F: Fn(A, A) -> A + Copy + Sync,
+    X: Source<S> + ?Sized,
 {
     // (size, reduced) runs, size-1 axes dropped: they change no index.
     let mut groups: SmallVec<[(usize, bool); 4]> = SmallVec::new();
@@ -213,7 +256,7 @@ where
     }
     let mut acc = fold_pass(src, cvt, split_last_reduced(&mut groups), id, f);
     while groups.iter().any(|&(_, r)| r) {
-        acc = fold_pass(&acc, |a| a, split_last_reduced(&mut groups), id, f);
+        acc = fold_pass(&acc[..], |a| a, split_last_reduced(&mut groups), id, f);
     }
     acc
 }
@@ -238,8 +281,8 @@ fn split_last_reduced(groups: &mut SmallVec<[(usize, bool); 4]>) -> (usize, usiz
 }
 
 /// One `[outer, red, inner] → [outer, inner]` fold.
-fn fold_pass<S, A, C, F>(
-    src: &[S],
+fn fold_pass<S, A, C, F, X>(
+    src: &X,
     cvt: C,
     (outer, red, inner): (usize, usize, usize),
     id: A,
@@ -250,115 +293,137 @@ where
     A: Copy + Send + Sync,
     C: Fn(S) -> A + Copy + Sync,
     F: Fn(A, A) -> A + Copy + Sync,
+    X: Source<S> + ?Sized,
 {
     let mut out = vec![id; outer * inner];
     if out.is_empty() {
         return out;
     }
+    let fold = Fold {
+        src,
+        cvt,
+        id,
+        f,
+        element: std::marker::PhantomData,
+    };
     let parallel = outer * red * inner > PARALLEL_THRESHOLD;
     if inner == 1 {
-        let row = |o: usize| fold_row(&src[o * red..(o + 1) * red], cvt, id, f, parallel);
         if parallel {
             out.par_iter_mut()
                 .enumerate()
                 .with_min_len((CHUNK / red.max(1)).max(1))
-                .for_each(|(o, v)| *v = row(o));
+                .for_each_init(
+                    || src.scratch(),
+                    |scratch, (o, v)| *v = fold.row(scratch, o * red, red, true),
+                );
         } else {
+            let mut scratch = src.scratch();
             for (o, v) in out.iter_mut().enumerate() {
-                *v = row(o);
+                *v = fold.row(&mut scratch, o * red, red, false);
             }
         }
     } else {
         let slab = red * inner;
-        let cols = |o: usize, j0: usize, acc: &mut [A]| {
-            fold_cols(&src[o * slab..(o + 1) * slab], inner, j0, acc, cvt, id, f)
-        };
         if parallel {
             out.par_chunks_mut(inner).enumerate().for_each(|(o, lane)| {
-                lane.par_chunks_mut(COL_BLOCK)
-                    .enumerate()
-                    .for_each(|(c, acc)| cols(o, c * COL_BLOCK, acc));
+                lane.par_chunks_mut(COL_BLOCK).enumerate().for_each_init(
+                    || src.scratch(),
+                    |scratch, (c, acc)| {
+                        fold.cols(scratch, o * slab + c * COL_BLOCK, red, inner, acc)
+                    },
+                );
             });
         } else {
+            let mut scratch = src.scratch();
             for (o, lane) in out.chunks_mut(inner).enumerate() {
-                cols(o, 0, lane);
+                fold.cols(&mut scratch, o * slab, red, inner, lane);
             }
         }
     }
     out
 }
 
-/// Folds a contiguous row: eight independent accumulators (which LLVM keeps
-/// in vector registers) for short rows, halves for long ones. The split
-/// points depend only on the length, so the result does not depend on the
-/// thread count.
-fn fold_row<S, A, C, F>(row: &[S], cvt: C, id: A, f: F, parallel: bool) -> A
-where
-    S: Copy + Sync,
-    A: Copy + Send + Sync,
-    C: Fn(S) -> A + Copy + Sync,
-    F: Fn(A, A) -> A + Copy + Sync,
-{
-    if row.len() > ROW_BLOCK {
-        let (left, right) = row.split_at(row.len() / 2);
-        let (a, b) = if parallel && row.len() > PARALLEL_THRESHOLD {
-            rayon::join(
-                || fold_row(left, cvt, id, f, true),
-                || fold_row(right, cvt, id, f, true),
-            )
-        } else {
-            (
-                fold_row(left, cvt, id, f, false),
-                fold_row(right, cvt, id, f, false),
-            )
-        };
-        return f(a, b);
-    }
-    let mut lanes = [id; 8];
-    let mut chunks = row.chunks_exact(8);
-    for chunk in &mut chunks {
-        for (lane, &x) in lanes.iter_mut().zip(chunk) {
-            *lane = f(*lane, cvt(x));
-        }
-    }
-    let mut tail = id;
-    for &x in chunks.remainder() {
-        tail = f(tail, cvt(x));
-    }
-    let [l0, l1, l2, l3, l4, l5, l6, l7] = lanes;
-    f(f(f(f(l0, l1), f(l2, l3)), f(f(l4, l5), f(l6, l7))), tail)
+/// A fold of a source's elements: conversion, identity and combining
+/// function.
+struct Fold<'x, S, X: ?Sized, C, A, F> {
+    src: &'x X,
+    cvt: C,
+    id: A,
+    f: F,
+    element: std::marker::PhantomData<fn(S)>,
 }
 
-/// Folds columns `j0..j0 + acc.len()` of a `[red, inner]` slab into `acc`
-/// (which holds the identity), flushing a partial accumulator every
-/// [`RED_BLOCK`] rows.
-fn fold_cols<S, A, C, F>(slab: &[S], inner: usize, j0: usize, acc: &mut [A], cvt: C, id: A, f: F)
+impl<S, X, C, A, F> Fold<'_, S, X, C, A, F>
 where
-    S: Copy,
-    A: Copy,
-    C: Fn(S) -> A,
-    F: Fn(A, A) -> A,
+    S: Copy + Sync,
+    X: Source<S> + ?Sized,
+    C: Fn(S) -> A + Copy + Sync,
+    A: Copy + Send + Sync,
+    F: Fn(A, A) -> A + Copy + Sync,
 {
-    let width = acc.len();
-    let red = slab.len() / inner;
-    let sweep = |target: &mut [A], rows: std::ops::Range<usize>| {
-        for r in rows {
-            let start = r * inner + j0;
-            for (t, &x) in target.iter_mut().zip(&slab[start..start + width]) {
-                *t = f(*t, cvt(x));
+    /// Folds the contiguous run `start..start + len`: eight independent
+    /// accumulators (which LLVM keeps in vector registers) for short runs,
+    /// halves for long ones. The split points depend only on the length, so
+    /// the result does not depend on the thread count.
+    fn row(&self, scratch: &mut X::Scratch, start: usize, len: usize, parallel: bool) -> A {
+        let f = self.f;
+        if len > ROW_BLOCK {
+            let half = len / 2;
+            let (a, b) = if parallel && len > PARALLEL_THRESHOLD {
+                rayon::join(
+                    || self.row(scratch, start, half, true),
+                    || self.row(&mut self.src.scratch(), start + half, len - half, true),
+                )
+            } else {
+                (
+                    self.row(scratch, start, half, false),
+                    self.row(scratch, start + half, len - half, false),
+                )
+            };
+            return f(a, b);
+        }
+        let (cvt, id) = (self.cvt, self.id);
+        let row = self.src.read(scratch, start, len);
+        let mut lanes = [id; 8];
+        let mut chunks = row.chunks_exact(8);
+        for chunk in &mut chunks {
+            for (lane, &x) in lanes.iter_mut().zip(chunk) {
+                *lane = f(*lane, cvt(x));
             }
         }
-    };
-    if red <= RED_BLOCK {
-        sweep(acc, 0..red);
-        return;
+        let mut tail = id;
+        for &x in chunks.remainder() {
+            tail = f(tail, cvt(x));
+        }
+        let [l0, l1, l2, l3, l4, l5, l6, l7] = lanes;
+        f(f(f(f(l0, l1), f(l2, l3)), f(f(l4, l5), f(l6, l7))), tail)
     }
-    let mut part = vec![id; width];
-    for block in (0..red).step_by(RED_BLOCK) {
-        part.fill(id);
-        sweep(&mut part, block..(block + RED_BLOCK).min(red));
-        for (a, &p) in acc.iter_mut().zip(&part) {
-            *a = f(*a, p);
+
+    /// Folds `acc.len()` columns of a `[red, inner]` slab whose first
+    /// column is element `start` into `acc` (which holds the identity),
+    /// flushing a partial accumulator every [`RED_BLOCK`] rows.
+    fn cols(&self, scratch: &mut X::Scratch, start: usize, red: usize, inner: usize, acc: &mut [A]) {
+        let (cvt, f) = (self.cvt, self.f);
+        let width = acc.len();
+        let mut sweep = |target: &mut [A], rows: std::ops::Range<usize>| {
+            for r in rows {
+                let row = self.src.read(scratch, start + r * inner, width);
+                for (t, &x) in target.iter_mut().zip(row) {
+                    *t = f(*t, cvt(x));
+                }
+            }
+        };
+        if red <= RED_BLOCK {
+            sweep(acc, 0..red);
+            return;
+        }
+        let mut part = vec![self.id; width];
+        for block in (0..red).step_by(RED_BLOCK) {
+            part.fill(self.id);
+            sweep(&mut part, block..(block + RED_BLOCK).min(red));
+            for (a, &p) in acc.iter_mut().zip(&part) {
+                *a = f(*a, p);
+            }
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Elementwise fusion: chains and trees of elementwise ops over one shape
-//! (scalars may join in) become one `FusedElementwise` node, so the
-//! executor runs one kernel that reads each input once and writes one
-//! output instead of materializing every intermediate.
+//! (scalars, row biases and per-row values broadcast in) become one
+//! `FusedElementwise` node, so the executor runs one kernel that reads each
+//! input once and writes one output instead of materializing every
+//! intermediate.
 //!
 //! A node joins the group of an input's producer when that producer is
 //! fusible, has one output, and this node is its only user, possibly
@@ -11,7 +12,8 @@
 use crate::{Function, Node, NodeOp, Value};
 use smallvec::SmallVec;
 use stagecraft_ops::{
-    OpAttrs, OpKind, FUSED_BINARY, FUSED_BINARY_BASE, FUSED_ELEMENTWISE, FUSED_UNARY,
+    fused_operand, Attrs, OpAttrs, OpKind, FUSED_BINARY, FUSED_BINARY_BASE, FUSED_ELEMENTWISE,
+    FUSED_MATMUL, FUSED_REDUCE, FUSED_REDUCE_OPS, FUSED_UNARY, MATMUL,
 };
 use stagecraft_tensor::{DType, TensorMetadata};
 
@@ -24,10 +26,11 @@ fn code(f: &Function, node: &Node) -> Option<i64> {
     if node.outputs.len() != 1 || !matches!(out.dtype, DType::F32 | DType::F64) {
         return None;
     }
-    // Same shape as the output, or a scalar: no other broadcasting.
+    // Broadcasts the kernel reads block by block: scalars, biases over
+    // rows, values per row.
     let shapes_fit = node.inputs.iter().all(|v| {
         let m = f.meta(*v);
-        m.dtype == out.dtype && (m.shape == out.shape || m.shape.rank() == 0)
+        m.dtype == out.dtype && fused_operand(&m.shape, &out.shape).is_some()
     });
     if !shapes_fit {
         return None;
@@ -76,75 +79,190 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
         }
         groups.push(members);
     }
+    // A reduction that is the only user of a group's root computes the
+    // group itself: its values are folded as they are made. `claims[i]`
+    // holds the group reduction `i` takes over and the attributes of the
+    // fused reduction, less the program.
+    let mut claims: Vec<Option<(usize, OpAttrs)>> = vec![None; f.nodes.len()];
+    let mut reduced: Vec<bool> = vec![false; groups.len()];
+    for (i, node) in f.nodes.iter().enumerate() {
+        let NodeOp::Op(def, given) = &node.op else {
+            continue;
+        };
+        let (OpKind::Reduce(op), [Value::Output { node: p, output: 0 }]) =
+            (def.kind, node.inputs.as_slice())
+        else {
+            continue;
+        };
+        let p = *p as usize;
+        let (Some(g), Some(_)) = (group_of[p], codes[p]) else {
+            continue;
+        };
+        let given = Attrs::new(given, def);
+        let (Ok(axes), Ok(keepdim), Some(code)) = (
+            given.ints("axes"),
+            given.bool("keepdim"),
+            FUSED_REDUCE_OPS.iter().position(|r| *r == op),
+        ) else {
+            continue;
+        };
+        if uses[p][0] == 1 && f.nodes[p].device == node.device {
+            let mut attrs = OpAttrs::new();
+            attrs
+                .set_int("reduce", code as i64)
+                .set_ints("axes", axes)
+                .set_bool("keepdim", keepdim);
+            claims[i] = Some((g, attrs));
+            reduced[g] = true;
+        }
+    }
+    // A matmul whose only user is a group member (the product read in full,
+    // not broadcast) runs with the group as its epilogue.
+    let mut epilogue_of: Vec<Option<usize>> = vec![None; groups.len()];
+    let mut in_epilogue: Vec<bool> = vec![false; f.nodes.len()];
+    for (c, node) in f.nodes.iter().enumerate() {
+        let Some(g) = group_of[c].filter(|&g| !reduced[g] && epilogue_of[g].is_none()) else {
+            continue;
+        };
+        for v in &node.inputs {
+            let Value::Output { node: mm, output: 0 } = *v else {
+                continue;
+            };
+            let mm = mm as usize;
+            let producer = &f.nodes[mm];
+            let is_matmul = matches!(&producer.op, NodeOp::Op(def, _) if std::ptr::eq(*def, &MATMUL));
+            if is_matmul
+                && uses[mm][0] == 1
+                && producer.device == node.device
+                && producer.outputs[0].shape == node.outputs[0].shape
+                && matches!(producer.outputs[0].dtype, DType::F32 | DType::F64)
+            {
+                epilogue_of[g] = Some(mm);
+                in_epilogue[mm] = true;
+                break;
+            }
+        }
+    }
     let mut out = Function::new(f.name.clone(), f.params.clone());
     let mut map: Vec<Option<Value>> = vec![None; f.nodes.len()];
-    let remap = |v: Value, map: &[Option<Value>]| match v {
+    let mut fused = 0;
+    for (i, node) in f.nodes.iter().enumerate() {
+        if let Some(g) = group_of[i] {
+            let members = &groups[g];
+            // A member other than the root is emitted inside the root's
+            // kernel, and a root a reduction takes over inside the
+            // reduction's.
+            let single = members.len() == 1 && !reduced[g] && epilogue_of[g].is_none();
+            if !single {
+                if *members.last().unwrap_or(&i) != i || reduced[g] {
+                    continue;
+                }
+                let first = epilogue_of[g].map(Value::node);
+                let (mut inputs, program) = group_program(f, members, &codes, &map, first);
+                let def = match epilogue_of[g] {
+                    Some(mm) => {
+                        // The product's register is 0; a and b come first.
+                        let operands = f.nodes[mm].inputs.iter().map(|v| remap(*v, &map));
+                        inputs = operands.chain(inputs.into_iter().skip(1)).collect();
+                        fused += 1;
+                        &FUSED_MATMUL
+                    }
+                    None => &FUSED_ELEMENTWISE,
+                };
+                let mut attrs = OpAttrs::new();
+                attrs.set_ints("program", &program);
+                let index = out.push(Node {
+                    op: NodeOp::Op(def, attrs.freeze()),
+                    inputs,
+                    outputs: node.outputs.clone(),
+                    device: node.device.clone(),
+                    location: node.location,
+                });
+                fused += members.len();
+                map[i] = Some(Value::node(index));
+                continue;
+            }
+        }
+        if let Some((g, attrs)) = &claims[i] {
+            let members = &groups[*g];
+            let (inputs, program) = group_program(f, members, &codes, &map, None);
+            let mut attrs = attrs.clone();
+            attrs.set_ints("program", &program);
+            let index = out.push(Node {
+                op: NodeOp::Op(&FUSED_REDUCE, attrs.freeze()),
+                inputs,
+                outputs: node.outputs.clone(),
+                device: node.device.clone(),
+                location: node.location,
+            });
+            fused += members.len() + 1;
+            map[i] = Some(Value::node(index));
+            continue;
+        }
+        if in_epilogue[i] {
+            // Emitted as its epilogue's FusedMatMul.
+            continue;
+        }
+        let mut copy = node.clone();
+        copy.inputs = node.inputs.iter().map(|v| remap(*v, &map)).collect();
+        map[i] = Some(Value::node(out.push(copy)));
+    }
+    out.results = f.results.iter().map(|v| remap(*v, &map)).collect();
+    (out, fused)
+}
+
+/// `v` in the new function.
+fn remap(v: Value, map: &[Option<Value>]) -> Value {
+    match v {
         Value::Param(i) => Value::Param(i),
         Value::Output { node, output } => match map[node as usize] {
             Some(Value::Output { node: n, .. }) => Value::Output { node: n, output },
             Some(other) => other,
             None => v,
         },
-    };
-    let mut fused = 0;
-    for (i, node) in f.nodes.iter().enumerate() {
-        let group = group_of[i].map(|g| &groups[g]).filter(|g| g.len() > 1);
-        match group {
-            // A member other than the root: emitted inside the root's kernel.
-            Some(g) if *g.last().unwrap_or(&i) != i => continue,
-            Some(g) => {
-                let mut externals: Vec<Value> = Vec::new();
-                let mut program: Vec<i64> = Vec::with_capacity(3 * g.len());
-                let register = |v: Value, externals: &mut Vec<Value>| -> i64 {
-                    if let Value::Output { node: p, .. } = v {
-                        if let Some(pos) = g.iter().position(|&m| m == p as usize) {
-                            return -1 - pos as i64; // a member: fixed up below
-                        }
-                    }
-                    match externals.iter().position(|e| *e == v) {
-                        Some(k) => k as i64,
-                        None => {
-                            externals.push(v);
-                            (externals.len() - 1) as i64
-                        }
-                    }
-                };
-                for &m in g {
-                    let n = &f.nodes[m];
-                    let a = register(n.inputs[0], &mut externals);
-                    let b = n.inputs.get(1).map_or(0, |v| register(*v, &mut externals));
-                    program.extend([codes[m].unwrap_or(0), a, b]);
-                }
-                // Members become registers after the external inputs.
-                let base = externals.len() as i64;
-                for (k, slot) in program.iter_mut().enumerate() {
-                    if k % 3 != 0 && *slot < 0 {
-                        *slot = base + (-1 - *slot);
-                    }
-                }
-                let inputs: SmallVec<[Value; 4]> =
-                    externals.iter().map(|v| remap(*v, &map)).collect();
-                let mut attrs = OpAttrs::new();
-                attrs.set_ints("program", &program);
-                let index = out.push(Node {
-                    op: NodeOp::Op(&FUSED_ELEMENTWISE, attrs.freeze()),
-                    inputs,
-                    outputs: node.outputs.clone(),
-                    device: node.device.clone(),
-                    location: node.location,
-                });
-                fused += g.len();
-                map[i] = Some(Value::node(index));
-            }
-            None => {
-                let mut copy = node.clone();
-                copy.inputs = node.inputs.iter().map(|v| remap(*v, &map)).collect();
-                map[i] = Some(Value::node(out.push(copy)));
+    }
+}
+
+/// The inputs (in the new function) and register program of a group;
+/// `first`, when given, is the first input.
+fn group_program(
+    f: &Function,
+    members: &[usize],
+    codes: &[Option<i64>],
+    map: &[Option<Value>],
+    first: Option<Value>,
+) -> (SmallVec<[Value; 4]>, Vec<i64>) {
+    let mut externals: Vec<Value> = first.into_iter().collect();
+    let mut program: Vec<i64> = Vec::with_capacity(3 * members.len());
+    let register = |v: Value, externals: &mut Vec<Value>| -> i64 {
+        if let Value::Output { node: p, .. } = v {
+            if let Some(pos) = members.iter().position(|&m| m == p as usize) {
+                return -1 - pos as i64; // a member: fixed up below
             }
         }
+        match externals.iter().position(|e| *e == v) {
+            Some(k) => k as i64,
+            None => {
+                externals.push(v);
+                (externals.len() - 1) as i64
+            }
+        }
+    };
+    for &m in members {
+        let n = &f.nodes[m];
+        let a = register(n.inputs[0], &mut externals);
+        let b = n.inputs.get(1).map_or(0, |v| register(*v, &mut externals));
+        program.extend([codes[m].unwrap_or(0), a, b]);
     }
-    out.results = f.results.iter().map(|v| remap(*v, &map)).collect();
-    (out, fused)
+    // Members become registers after the external inputs.
+    let base = externals.len() as i64;
+    for (k, slot) in program.iter_mut().enumerate() {
+        if k % 3 != 0 && *slot < 0 {
+            *slot = base + (-1 - *slot);
+        }
+    }
+    let inputs = externals.iter().map(|v| remap(*v, map)).collect();
+    (inputs, program)
 }
 
 /// Fuses elementwise chains and trees into `FusedElementwise` nodes.
@@ -156,7 +274,8 @@ pub fn fuse_elementwise(f: &Function) -> Function {
 mod tests {
     use super::*;
     use crate::passes::optimize;
-    use stagecraft_ops::{ADD, MUL, RELU, SUB};
+    use crate::passes::testing::run_bits;
+    use stagecraft_ops::{OpDef, ADD, MUL, RELU, SUB};
     use stagecraft_tensor::{HostTensor, Location, Scalar, ScalarHostTensor, Shape};
 
     fn scalar(f: &mut Function, v: f32) -> Value {
@@ -205,5 +324,175 @@ mod tests {
         let g = fuse_elementwise(&f);
         crate::verify(&g).unwrap();
         assert_eq!(g.nodes.len(), 3, "tanh is shared, so nothing fuses");
+    }
+
+    fn kernels(g: &Function) -> Vec<&'static str> {
+        g.nodes
+            .iter()
+            .filter(|n| !matches!(n.op, NodeOp::Const(_)))
+            .map(|n| n.op.name())
+            .collect()
+    }
+
+    fn values(dims: &[usize], seed: usize) -> HostTensor {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919 + seed * 104_729) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        HostTensor::Dense(stagecraft_tensor::DenseHostTensor::from_slice(&v, Shape::new(dims)).unwrap())
+    }
+
+    /// `sum((x*2+1)*x)` over rows, over columns, over everything and as a
+    /// mean: one `FusedReduce` kernel each, with the unfused result's bits
+    /// (sizes large enough for the parallel paths and the pairwise split).
+    #[test]
+    fn a_reduction_of_a_chain_becomes_one_kernel() {
+        use stagecraft_ops::{MEAN, SUM};
+        let cases: [(&OpDef, &[usize], &[i64], bool); 5] = [
+            (&SUM, &[64, 300], &[1], false),
+            (&SUM, &[300, 700], &[0], true),
+            (&SUM, &[3, 70_000], &[], false),
+            (&MEAN, &[8, 9, 10], &[1], true),
+            (&stagecraft_ops::MAX, &[5, 6000], &[-1], false),
+        ];
+        for (op, dims, axes, keepdim) in cases {
+            let mut f = Function::new("reduce", vec![TensorMetadata::new(DType::F32, dims)]);
+            let x = Value::Param(0);
+            let none = OpAttrs::new();
+            let loc = Location::caller();
+            let two = scalar(&mut f, 2.0);
+            let one = scalar(&mut f, 1.0);
+            let a = Value::node(f.add_op(&MUL, &none, &[x, two], loc).unwrap());
+            let b = Value::node(f.add_op(&ADD, &none, &[a, one], loc).unwrap());
+            let c = Value::node(f.add_op(&MUL, &none, &[b, x], loc).unwrap());
+            let mut attrs = OpAttrs::new();
+            attrs.set_ints("axes", axes).set_bool("keepdim", keepdim);
+            let r = Value::node(f.add_op(op, &attrs, &[c], loc).unwrap());
+            f.results = vec![r];
+            let g = optimize(&f);
+            crate::verify(&g).unwrap();
+            assert_eq!(kernels(&g), ["FusedReduce"], "{} over {axes:?}", op.name);
+            let x = values(dims, 1);
+            assert_eq!(
+                run_bits(&f, std::slice::from_ref(&x)),
+                run_bits(&g, &[x]),
+                "{} of {dims:?} over {axes:?}",
+                op.name
+            );
+        }
+    }
+
+    /// A lone elementwise op feeding a reduction fuses too: `sum(x * y)`.
+    #[test]
+    fn a_dot_product_is_one_kernel() {
+        let m = TensorMetadata::new(DType::F32, [1000]);
+        let mut f = Function::new("dot", vec![m.clone(), m]);
+        let none = OpAttrs::new();
+        let loc = Location::caller();
+        let p = Value::node(
+            f.add_op(&MUL, &none, &[Value::Param(0), Value::Param(1)], loc)
+                .unwrap(),
+        );
+        let s = Value::node(f.add_op(&stagecraft_ops::SUM, &none, &[p], loc).unwrap());
+        f.results = vec![s];
+        let g = optimize(&f);
+        assert_eq!(kernels(&g), ["FusedReduce"]);
+        let args = [values(&[1000], 2), values(&[1000], 3)];
+        assert_eq!(run_bits(&f, &args), run_bits(&g, &args));
+    }
+
+    /// A bias over rows and a value per row broadcast inside the fused
+    /// kernel: `relu(x + b) * s` with `b: [n]`, `s: [m, 1]` is one kernel.
+    #[test]
+    fn bias_and_row_scale_broadcast_inside_one_kernel() {
+        let (m, n) = (33, 70);
+        let mut f = Function::new(
+            "bias",
+            vec![
+                TensorMetadata::new(DType::F32, [m, n]),
+                TensorMetadata::new(DType::F32, [n]),
+                TensorMetadata::new(DType::F32, [m, 1]),
+            ],
+        );
+        let none = OpAttrs::new();
+        let loc = Location::caller();
+        let a = Value::node(
+            f.add_op(&ADD, &none, &[Value::Param(0), Value::Param(1)], loc)
+                .unwrap(),
+        );
+        let r = Value::node(f.add_op(&RELU, &none, &[a], loc).unwrap());
+        let y = Value::node(f.add_op(&MUL, &none, &[r, Value::Param(2)], loc).unwrap());
+        f.results = vec![y];
+        let g = optimize(&f);
+        crate::verify(&g).unwrap();
+        assert_eq!(kernels(&g), ["FusedElementwise"]);
+        let args = [values(&[m, n], 4), values(&[n], 5), values(&[m, 1], 6)];
+        assert_eq!(run_bits(&f, &args), run_bits(&g, &args));
+    }
+
+    /// A reduction of a value that is also a result leaves the value's
+    /// kernel alone: it must be materialized anyway.
+    #[test]
+    fn a_reduced_value_that_is_also_a_result_is_not_taken_over() {
+        let mut f = Function::new("both", vec![TensorMetadata::new(DType::F32, [100])]);
+        let none = OpAttrs::new();
+        let loc = Location::caller();
+        let t = Value::node(f.add_op(&stagecraft_ops::TANH, &none, &[Value::Param(0)], loc).unwrap());
+        let s = Value::node(f.add_op(&stagecraft_ops::SUM, &none, &[t], loc).unwrap());
+        f.results = vec![t, s];
+        let g = optimize(&f);
+        assert_eq!(kernels(&g), ["Tanh", "Sum"]);
+    }
+
+    /// `relu(x @ w + b)`: the bias and activation run as the matmul's
+    /// epilogue, one kernel, with the unfused bits.
+    #[test]
+    fn bias_and_activation_become_a_matmul_epilogue() {
+        for (m, k, n) in [(4, 3, 5), (128, 96, 300)] {
+            let mut f = Function::new(
+                "dense",
+                vec![
+                    TensorMetadata::new(DType::F32, [m, k]),
+                    TensorMetadata::new(DType::F32, [k, n]),
+                    TensorMetadata::new(DType::F32, [n]),
+                ],
+            );
+            let none = OpAttrs::new();
+            let loc = Location::caller();
+            let p = Value::node(
+                f.add_op(&MATMUL, &none, &[Value::Param(0), Value::Param(1)], loc)
+                    .unwrap(),
+            );
+            let a = Value::node(f.add_op(&ADD, &none, &[p, Value::Param(2)], loc).unwrap());
+            let r = Value::node(f.add_op(&RELU, &none, &[a], loc).unwrap());
+            f.results = vec![r];
+            let g = optimize(&f);
+            crate::verify(&g).unwrap();
+            assert_eq!(kernels(&g), ["FusedMatMul"]);
+            let args = [values(&[m, k], 7), values(&[k, n], 8), values(&[n], 9)];
+            assert_eq!(run_bits(&f, &args), run_bits(&g, &args), "{m}x{k}x{n}");
+        }
+    }
+
+    /// A product that is also a result keeps its own kernel.
+    #[test]
+    fn a_product_used_twice_is_not_an_epilogue_input() {
+        let mut f = Function::new(
+            "twice",
+            vec![
+                TensorMetadata::new(DType::F32, [4, 4]),
+                TensorMetadata::new(DType::F32, [4, 4]),
+            ],
+        );
+        let none = OpAttrs::new();
+        let loc = Location::caller();
+        let p = Value::node(
+            f.add_op(&MATMUL, &none, &[Value::Param(0), Value::Param(1)], loc)
+                .unwrap(),
+        );
+        let r = Value::node(f.add_op(&RELU, &none, &[p], loc).unwrap());
+        f.results = vec![p, r];
+        let g = optimize(&f);
+        assert_eq!(kernels(&g), ["MatMul", "Relu"]);
     }
 }

@@ -66,6 +66,8 @@ pub static ALL_OPS: &[&OpDef] = &[
     &SELECT,
     &CAST,
     &FUSED_ELEMENTWISE,
+    &FUSED_REDUCE,
+    &FUSED_MATMUL,
     // creation
     &FILL,
     &ARANGE,
