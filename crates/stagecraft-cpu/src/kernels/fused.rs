@@ -241,11 +241,13 @@ fn operand<'b, T: Copy>(op: Operand, inputs: &[Src<'b, T>], regs: &'b [Vec<T>], 
     }
 }
 
-/// Per-thread working memory of a fused kernel: the register slots and one
-/// block of spread values per broadcast input.
+/// Per-thread working memory of a fused kernel: the register slots, one
+/// block of spread values per broadcast input, and a block of results on
+/// their way to a streamed output.
 struct Scratch<T> {
     regs: Vec<Vec<T>>,
     spread: Vec<Vec<T>>,
+    staging: Vec<T>,
 }
 
 impl<T: Copy + Default> Scratch<T> {
@@ -253,8 +255,94 @@ impl<T: Copy + Default> Scratch<T> {
         Scratch {
             regs: vec![vec![T::default(); width]; slots],
             spread: vec![vec![T::default(); width]; inputs],
+            staging: vec![T::default(); width],
         }
     }
+}
+
+/// Outputs of at least this many bytes are written with non-temporal
+/// stores: far larger than the caches, they would only evict the inputs,
+/// and a normal store first reads every output line it writes.
+const STREAM_BYTES: usize = 16 << 20;
+
+/// Copies `src` into `dst`, with non-temporal stores when the CPU has
+/// AVX-512 or AVX2 and `dst` is aligned for them. Callers end their writes
+/// with [`stream_fence`] before another thread may read `dst`.
+fn stream_copy<T: Copy>(isa: Isa, dst: &mut [T], src: &[T]) {
+    let src = &src[..dst.len()];
+    let bytes = std::mem::size_of_val(dst);
+    let (to, from) = (dst.as_mut_ptr().cast::<u8>(), src.as_ptr().cast::<u8>());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if (to as usize).is_multiple_of(64) => {
+            // SAFETY: `to` and `from` span `bytes` bytes of two distinct
+            // slices (`dst` is borrowed mutably), `to` is 64-byte aligned
+            // as `_mm512_stream_si512` needs, and the CPU reported AVX-512F.
+            unsafe { stream_avx512(to, from, bytes) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 if (to as usize).is_multiple_of(32) => {
+            // SAFETY: as above, with the 32-byte alignment and AVX that
+            // `_mm256_stream_si256` needs (AVX-512 machines have AVX2).
+            unsafe { stream_avx2(to, from, bytes) }
+        }
+        _ => dst.copy_from_slice(src),
+    }
+}
+
+/// Orders this thread's non-temporal stores before its later stores (the
+/// release that hands the output to another thread).
+fn stream_fence(isa: Isa) {
+    #[cfg(target_arch = "x86_64")]
+    if !matches!(isa, Isa::Baseline) {
+        // SAFETY: `sfence` is part of SSE, which every x86-64 CPU has.
+        unsafe { std::arch::x86_64::_mm_sfence() }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+}
+
+/// # Safety
+/// `to` and `from` must be valid for `bytes` bytes and not overlap, `to`
+/// 64-byte aligned, and the CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn stream_avx512(to: *mut u8, from: *const u8, bytes: usize) {
+    use std::arch::x86_64::{__m512i, _mm512_loadu_si512, _mm512_stream_si512};
+    let whole = bytes / 64 * 64;
+    let mut i = 0;
+    while i < whole {
+        // SAFETY: `i + 64 <= bytes`, so both 64-byte accesses are in bounds;
+        // `to + i` keeps the 64-byte alignment.
+        unsafe {
+            let v = _mm512_loadu_si512(from.add(i).cast::<__m512i>());
+            _mm512_stream_si512(to.add(i).cast::<__m512i>(), v);
+        }
+        i += 64;
+    }
+    // SAFETY: the tail lies within both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(from.add(whole), to.add(whole), bytes - whole) }
+}
+
+/// # Safety
+/// `to` and `from` must be valid for `bytes` bytes and not overlap, `to`
+/// 32-byte aligned, and the CPU must support AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_avx2(to: *mut u8, from: *const u8, bytes: usize) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
+    let whole = bytes / 32 * 32;
+    let mut i = 0;
+    while i < whole {
+        // SAFETY: `i + 32 <= bytes`; `to + i` keeps the 32-byte alignment.
+        unsafe {
+            let v = _mm256_loadu_si256(from.add(i).cast::<__m256i>());
+            _mm256_stream_si256(to.add(i).cast::<__m256i>(), v);
+        }
+        i += 32;
+    }
+    // SAFETY: the tail lies within both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(from.add(whole), to.add(whole), bytes - whole) }
 }
 
 /// Runs the program over output elements `start..start + out.len()`.
@@ -267,7 +355,7 @@ fn run_block<T: Real + Arith>(
     scratch: &mut Scratch<T>,
 ) {
     let n = out.len();
-    let Scratch { regs, spread } = scratch;
+    let Scratch { regs, spread, .. } = scratch;
     let srcs: SmallVec<[Src<'_, T>; 8]> = inputs
         .iter()
         .zip(spread.iter_mut())
@@ -419,6 +507,26 @@ impl Program {
         }
     }
 
+    /// [`Program::run_range`] for an output far larger than the caches:
+    /// each block is computed in L1 and streamed out.
+    fn stream_range<T: Real + Arith>(
+        &self,
+        isa: Isa,
+        inputs: &[Input<'_, T>],
+        start: usize,
+        out: &mut [T],
+        scratch: &mut Scratch<T>,
+    ) {
+        let mut staging = std::mem::take(&mut scratch.staging);
+        for (b, block) in out.chunks_mut(BLOCK).enumerate() {
+            let staged = &mut staging[..block.len()];
+            run_block_on(isa, &self.steps, inputs, start + b * BLOCK, staged, scratch);
+            stream_copy(isa, block, staged);
+        }
+        stream_fence(isa);
+        scratch.staging = staging;
+    }
+
     fn scratch<T: Copy + Default>(&self, inputs: usize, total: usize) -> Scratch<T> {
         Scratch::new(self.slots, inputs, BLOCK.min(total.max(1)))
     }
@@ -436,10 +544,15 @@ fn fused_typed<T: Real + Arith + Send + Sync>(
     let isa = *ISA.get_or_init(detect_isa);
     let fresh = || program.scratch::<T>(srcs.len(), total);
     if total >= crate::PARALLEL_THRESHOLD {
+        let stream = std::mem::size_of_val(y) >= STREAM_BYTES;
         y.par_chunks_mut(BLOCK * 16)
             .enumerate()
             .for_each_init(fresh, |scratch, (c, chunk)| {
-                program.run_range(isa, &srcs, c * BLOCK * 16, chunk, scratch)
+                if stream {
+                    program.stream_range(isa, &srcs, c * BLOCK * 16, chunk, scratch)
+                } else {
+                    program.run_range(isa, &srcs, c * BLOCK * 16, chunk, scratch)
+                }
             });
     } else {
         program.run_range(isa, &srcs, 0, y, &mut fresh());
@@ -676,6 +789,39 @@ mod tests {
             for c in 0..cols {
                 let want = (x[r * cols + c] + bias[c]) - per_row[r];
                 assert_eq!(got[r * cols + c], want, "row {r} col {c}");
+            }
+        }
+    }
+
+    /// Streamed copies equal plain ones at every alignment and length,
+    /// on every instruction set this CPU has.
+    #[test]
+    fn streamed_copies_equal_plain_copies() {
+        let src: Vec<f32> = (0..1000).map(|i| i as f32 * 1.5 - 7.0).collect();
+        let mut isas = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                isas.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                isas.push(Isa::Avx512);
+            }
+        }
+        for isa in isas {
+            for pick in 0..5 {
+                for len in [0, 1, 15, 16, 17, 100, 977] {
+                    let mut dst = vec![0.0f32; 1000];
+                    // Element offsets of a 64-byte boundary and its
+                    // neighbours, so the streaming paths run.
+                    let aligned = (64 - dst.as_ptr() as usize % 64) % 64 / 4;
+                    let offset = [0, 1, aligned, aligned + 8, aligned + 3][pick].min(1000 - len);
+                    stream_copy(isa, &mut dst[offset..offset + len], &src[..len]);
+                    stream_fence(isa);
+                    assert_eq!(&dst[offset..offset + len], &src[..len]);
+                    assert!(dst[..offset].iter().all(|&v| v == 0.0));
+                    assert!(dst[offset + len..].iter().all(|&v| v == 0.0));
+                }
             }
         }
     }
