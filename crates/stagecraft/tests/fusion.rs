@@ -54,17 +54,40 @@ fn the_b3_chain_is_one_kernel() {
     assert_eq!(kernels(&staged, &x), 1);
 }
 
+/// An elementwise tree feeding a reduction is one kernel: the tree's
+/// values are folded as they are computed, in the unfused order.
 #[test]
-fn trees_with_transcendentals_fuse_and_reductions_stay_separate() {
+fn a_tree_and_its_reduction_are_one_kernel() {
     let tree = |x: Tensor<f32>| {
         let a = x.tanh() * 0.5;
         let b = x.sigmoid() - x.exp().log();
         (a + b).sum(&[0], false)
     };
     let staged = function(tree);
-    let x = input(3000);
-    let got = staged.call(x.clone()).to_vec().unwrap();
-    assert_eq!(got, tree(x.clone()).to_vec().unwrap());
-    // One fused kernel for the elementwise tree, one for the sum.
-    assert_eq!(kernels(&staged, &x), 2);
+    for n in [3000, 200_000] {
+        let x = input(n);
+        let got = staged.call(x.clone()).to_vec().unwrap();
+        assert_eq!(got, tree(x.clone()).to_vec().unwrap(), "n = {n}");
+        assert_eq!(kernels(&staged, &x), 1);
+    }
+}
+
+/// A dense layer, `relu(x @ w + b)`, is one kernel: the bias (broadcast
+/// over rows) and the activation run as the matmul's epilogue.
+#[test]
+fn a_dense_layer_is_one_kernel_and_matches_eager() {
+    let d = Device::cpu();
+    let (k, n) = (48, 40);
+    let w: Vec<f32> = (0..k * n).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
+    let b: Vec<f32> = (0..n).map(|i| (i as f32 - 20.0) / 10.0).collect();
+    let w = Tensor::from_vec(w, &[k, n], &d).unwrap();
+    let b = Tensor::from_vec(b, &[n], &d).unwrap();
+    let dense = move |x: Tensor<f32>| (x.matmul(&w) + &b).relu();
+    let staged = function(dense.clone());
+    let x = input(64 * k).reshape(&[64, k]);
+    assert_eq!(
+        staged.call(x.clone()).to_vec().unwrap(),
+        dense(x.clone()).to_vec().unwrap()
+    );
+    assert_eq!(kernels(&staged, &x), 1);
 }

@@ -614,30 +614,33 @@ impl<T: Real + Arith + Send + Sync> Source<T> for FusedSource<'_, T> {
 fn fused_reduce_typed<T: Real + Arith + Send + Sync>(
     program: &Program,
     op: ReduceOp,
-    axes: &[usize],
-    values: &TensorMetadata,
+    axes: &[i64],
     inputs: &[DenseHostTensor],
     meta: &TensorMetadata,
 ) -> Result<DenseHostTensor> {
+    // Shapes come from this call's inputs: a kernel serves every shape.
+    let metas: SmallVec<[TensorMetadata; 8]> = inputs.iter().map(|t| t.meta().clone()).collect();
+    let values = fused_output(&metas)?;
+    let axes = reduction_axes(axes, values.shape.rank())?;
     let source = FusedSource {
         program,
         inputs: Program::inputs::<T>(inputs, &values.shape)?,
         isa: *ISA.get_or_init(detect_isa),
     };
-    float_fold(op, &source, values.shape.dims(), axes, meta)
+    float_fold(op, &source, values.shape.dims(), &axes, meta)
 }
 
 fn fused_reduce_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
     let program = Program::new(attrs.ints("program")?, inputs.len())?;
-    let values = fused_output(inputs)?;
+    let dtype = fused_output(inputs)?.dtype;
     let op = fused_reduce_op(attrs.int("reduce")?)?;
-    let axes = reduction_axes(attrs.ints("axes")?, values.shape.rank())?;
+    let axes: SmallVec<[i64; 4]> = attrs.ints("axes")?.iter().copied().collect();
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
             let meta = &ctx.outputs[0];
-            Ok(smallvec![match values.dtype {
-                DType::F32 => fused_reduce_typed::<f32>(&program, op, &axes, &values, &inputs, meta)?,
-                DType::F64 => fused_reduce_typed::<f64>(&program, op, &axes, &values, &inputs, meta)?,
+            Ok(smallvec![match dtype {
+                DType::F32 => fused_reduce_typed::<f32>(&program, op, &axes, &inputs, meta)?,
+                DType::F64 => fused_reduce_typed::<f64>(&program, op, &axes, &inputs, meta)?,
                 other => return Err(Error::internal(format!("a fused kernel for {other}"))),
             }])
         },
