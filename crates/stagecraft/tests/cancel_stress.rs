@@ -220,7 +220,7 @@ fn a_thousand_cancellations_from_another_thread() {
         seed ^= seed >> 7;
         seed ^= seed << 17;
         // 0 to 3 ms; one run in eight is cancelled before it starts.
-        let delay = if seed % 8 == 0 {
+        let delay = if seed.is_multiple_of(8) {
             Duration::ZERO
         } else {
             Duration::from_micros(seed % 3_000)

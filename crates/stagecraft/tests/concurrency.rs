@@ -5,7 +5,8 @@
 //! bit-identical to the answer the same work gave on one thread before.
 
 use stagecraft::{
-    cond, function, lazy, while_loop, with_execution_mode, Device, ExecutionMode, Rng, Tensor,
+    cond, function, lazy, while_loop, with_execution_mode, Device, ExecutionMode, Rng,
+    StagedFunction, Tensor,
 };
 
 const THREADS: usize = 16;
@@ -29,7 +30,10 @@ const WORKS: [Work; 5] = [
     Work::Loop,
 ];
 
-fn inputs(seed: u64, device: &Device) -> (Tensor<f32>, Tensor<f32>, Tensor<f32>) {
+/// A layer's input, weights and bias.
+type Args = (Tensor<f32>, Tensor<f32>, Tensor<f32>);
+
+fn inputs(seed: u64, device: &Device) -> Args {
     let mut rng = Rng::new(seed);
     let x = Tensor::rand_normal(&[16, 48], 0.0, 1.0, &mut rng, device);
     let w = Tensor::rand_normal(&[48, 32], 0.0, 0.3, &mut rng, device);
@@ -45,13 +49,9 @@ fn layer(x: &Tensor<f32>, w: &Tensor<f32>, b: &Tensor<f32>) -> Tensor<f32> {
     (&p * &h).sum(&[-1], false) + h.exp().mean(&[-1], false).log()
 }
 
-fn run<F>(
-    work: Work,
-    seed: u64,
-    shared: &stagecraft::StagedFunction<(Tensor<f32>, Tensor<f32>, Tensor<f32>), Tensor<f32>, F>,
-) -> Vec<f32>
+fn run<F>(work: Work, seed: u64, shared: &StagedFunction<Args, Tensor<f32>, F>) -> Vec<f32>
 where
-    F: Fn((Tensor<f32>, Tensor<f32>, Tensor<f32>)) -> Tensor<f32>,
+    F: Fn(Args) -> Tensor<f32>,
 {
     let cpu = Device::cpu();
     match work {
@@ -102,7 +102,7 @@ where
 
 #[test]
 fn many_threads_execute_trace_and_call_functions_at_once() {
-    let shared = function(|(x, w, b): (Tensor<f32>, Tensor<f32>, Tensor<f32>)| {
+    let shared = function(|(x, w, b): Args| {
         let y = layer(&x, &w, &b);
         (&y * &y).rsqrt() + y.sin()
     });
