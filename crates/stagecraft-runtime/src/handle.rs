@@ -316,4 +316,39 @@ mod tests {
         };
         assert!(d.is_unique());
     }
+
+    /// Clones of a pending handle on several threads see the value that
+    /// another thread resolves, and the buffer is shared, not copied.
+    #[test]
+    fn pending_handles_resolve_across_threads() {
+        let h = TensorHandle::pending(
+            Device::cpu(),
+            TensorMetadata::new(DType::F32, [3]),
+            MetadataState::Known,
+        );
+        let readers: Vec<_> = (0..3)
+            .map(|_| {
+                let h = h.clone();
+                std::thread::spawn(move || {
+                    let HostTensor::Dense(d) = h.wait().unwrap() else {
+                        panic!("dense")
+                    };
+                    d.as_slice::<f32>().unwrap().to_vec()
+                })
+            })
+            .collect();
+        let resolver = {
+            let h = h.clone();
+            std::thread::spawn(move || {
+                h.resolve(Ok(DenseHostTensor::from_slice(&[1.0f32, 2.0, 3.0], [3])
+                    .unwrap()
+                    .into()))
+            })
+        };
+        resolver.join().unwrap();
+        for r in readers {
+            assert_eq!(r.join().unwrap(), vec![1.0, 2.0, 3.0]);
+        }
+        assert!(h.wait().is_ok());
+    }
 }

@@ -454,16 +454,63 @@ pub(crate) fn sigmoid(x: f64) -> f64 {
     }
 }
 
-/// Exact GELU, `x·Φ(x)`. `Φ(x) = erfc(-x/√2)/2` is the same function as
-/// `(1 + erf(x/√2))/2` but keeps its relative accuracy for large negative
-/// `x`, where `1 + erf` cancels to 0.
+/// `1/√2 - FRAC_1_SQRT_2`: the rounding error of the f64 constant.
+const FRAC_1_SQRT_2_LO: f64 = -4.833_646_656_726_457e-17;
+/// `1/√(2π)`.
+const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+
+/// Exact GELU, `x·Φ(x)`, within 4 ulp in f64 (see `docs/accuracy.md`).
+///
+/// `Φ(x) = erfc(-x/√2)/2` is the same function as `(1 + erf(x/√2))/2` but
+/// keeps its relative accuracy for large negative `x`, where `1 + erf`
+/// cancels to 0. Two more things matter for negative `x` in f64:
+/// - erfc magnifies the relative error of its argument by about `2z²`, so
+///   the rounding error `δ` of `z = -x/√2` (up to 1,600 ulp of the result
+///   near x = -37) is corrected: `erfc(z + δ) ≈ erfc(z) - δ·(2/√π)·e^{-z²}`;
+/// - below x ≈ -36.8, erfc(z) is subnormal while the result is not yet, so
+///   the result comes from the asymptotic series `-φ(x)·(1 - 1/x² + 3/x⁴
+///   - ...)` with `e^{-x²/2}` evaluated from the exact square of `x`.
 #[inline(always)]
 pub(crate) fn gelu(x: f64) -> f64 {
     if x == f64::NEG_INFINITY {
         // The limit; the formula would give -inf · 0 = NaN.
         return -0.0;
     }
-    0.5 * x * libm::erfc(-x * std::f64::consts::FRAC_1_SQRT_2)
+    let z = -x * std::f64::consts::FRAC_1_SQRT_2;
+    if z <= 0.5 || z.is_nan() {
+        // Small magnification: the rounded argument is good enough.
+        return 0.5 * x * libm::erfc(z);
+    }
+    if z < 26.0 {
+        // The exact -x/√2 minus the rounded z (the product's error by FMA,
+        // plus the constant's own rounding error).
+        let delta = (-x).mul_add(std::f64::consts::FRAC_1_SQRT_2, -z) + (-x) * FRAC_1_SQRT_2_LO;
+        let slope = std::f64::consts::FRAC_2_SQRT_PI * (-z * z).exp();
+        return 0.5 * x * (libm::erfc(z) - delta * slope);
+    }
+    if x < -39.0 {
+        // |x·Φ(x)| < φ(39) < 1e-330: below half the smallest subnormal.
+        return -0.0;
+    }
+    // -39 ≤ x < -36.7: 1/x² < 7.5e-4, and eight terms leave an error below
+    // 2e-19.
+    let r = 1.0 / (x * x);
+    let series = 1.0
+        - r * (1.0
+            - 3.0
+                * r
+                * (1.0
+                    - 5.0
+                        * r
+                        * (1.0 - 7.0 * r * (1.0 - 9.0 * r * (1.0 - 11.0 * r * (1.0 - 13.0 * r))))));
+    // e^{-x²/2} = e^{-hi/2}·e^{-lo/2} with x² = hi + lo exactly; |lo| is
+    // below 2^-42 here, so e^{-lo/2} = 1 - lo/2.
+    let hi = x * x;
+    let lo = x.mul_add(x, -hi);
+    // The factor (about 0.4) first, so that the one multiplication into
+    // the subnormal range rounds once.
+    let factor = -FRAC_1_SQRT_2PI * series * (1.0 - 0.5 * lo);
+    factor * (-0.5 * hi).exp()
 }
 
 #[inline(always)]
@@ -1396,6 +1443,30 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn gelu_tail_constants_and_branches() {
+        // (C + lo)² = 1/2 to double-double precision.
+        let c = std::f64::consts::FRAC_1_SQRT_2;
+        let lo = -c.mul_add(c, -0.5) / (2.0 * c);
+        assert!((lo - FRAC_1_SQRT_2_LO).abs() < 1e-31, "{lo:e}");
+        assert_eq!(FRAC_1_SQRT_2PI, 1.0 / (2.0 * std::f64::consts::PI).sqrt());
+        // The branches meet smoothly: neighbours across each switch differ
+        // by the function's own slope, not by a jump. (tests/accuracy.rs
+        // measures the error against a double-double reference.)
+        for switch in [
+            -0.5 * std::f64::consts::SQRT_2,
+            -26.0 * std::f64::consts::SQRT_2,
+        ] {
+            let (a, b) = (gelu(switch * (1.0 + 1e-12)), gelu(switch * (1.0 - 1e-12)));
+            let rel = (a - b).abs() / a.abs();
+            assert!(rel < 1e-8, "gelu jumps at {switch}: {a:e} vs {b:e}");
+        }
+        // The tail is still x·Φ(x) ≈ -φ(x)/1.0007... near x = -38.
+        let x: f64 = -38.0;
+        let phi = (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
+        assert!((gelu(x) / -phi - (1.0 - 1.0 / (x * x))).abs() < 1e-5);
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! executables of the library functions their attributes name, on the
 //! device the op runs on.
 
+use super::partition::should_stop;
 use super::{instantiate_library, Executable};
 use crate::device::Device;
-use crate::runtime::is_cancelled;
 use stagecraft_cpu::{KernelContext, ValueInputs, ValueKernel};
 use stagecraft_ops::{Attrs, ControlOp, OpAttrs, OpDef, OpKind};
 use stagecraft_tensor::{Error, HostTensor, Result};
@@ -71,8 +71,9 @@ pub(crate) fn control_kernel(
     })
 }
 
-/// `state = body(state)` while `cond(state)`, checking cancellation every
-/// iteration so that a long loop stops promptly.
+/// `state = body(state)` while `cond(state)`, checking cancellation (and
+/// the failure of a partitioned run it belongs to) every iteration so that
+/// a long loop stops promptly.
 fn run_while(
     cond: &Executable,
     body: &Executable,
@@ -81,7 +82,7 @@ fn run_while(
 ) -> Result<Vec<HostTensor>> {
     let mut iterations: i64 = 0;
     loop {
-        if is_cancelled() {
+        if should_stop() {
             return Err(Error::cancelled());
         }
         if limit >= 0 && iterations >= limit {

@@ -11,7 +11,8 @@ pub mod control;
 pub mod partition;
 
 use crate::device::Device;
-use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
+use crate::runtime::{count_kernel_launch, report_error};
+use partition::{current_stop_flags, should_stop, with_stop_flags};
 use smallvec::SmallVec;
 use stagecraft_cpu::{AnyKernel, Inputs, KernelContext, ValueInputs};
 use stagecraft_graph::{Function, NodeOp, Value};
@@ -422,7 +423,7 @@ impl Executable {
         slots.extend(args.into_iter().map(Some));
         slots.resize_with(self.slots, || None);
         for step in &self.steps {
-            if is_cancelled() {
+            if should_stop() {
                 return Err(Error::cancelled().at(step.location));
             }
             match &step.kind {
@@ -477,6 +478,9 @@ impl Executable {
             waits: Vec<AtomicU32>,
             failed: AtomicBool,
             error: Mutex<Option<Error>>,
+            /// The caller's stop flags, set on whichever pool thread runs
+            /// a step (see `with_stop_flags`).
+            stop_flags: Vec<Arc<AtomicBool>>,
         }
         impl Run<'_> {
             fn read(&self, slot: Slot) -> Result<HostTensor> {
@@ -508,7 +512,7 @@ impl Executable {
                         return;
                     }
                     let step = &self.exe.steps[s];
-                    if is_cancelled() {
+                    if should_stop() {
                         return self.fail(Error::cancelled().at(step.location));
                     }
                     let inputs: Result<ValueInputs> =
@@ -526,9 +530,11 @@ impl Executable {
                             if self.waits[c as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
                                 match next {
                                     None => next = Some(c as usize),
-                                    Some(_) => {
-                                        scope.spawn(move |scope| self.run_from(scope, c as usize))
-                                    }
+                                    Some(_) => scope.spawn(move |scope| {
+                                        with_stop_flags(&self.stop_flags, || {
+                                            self.run_from(scope, c as usize)
+                                        })
+                                    }),
                                 }
                             }
                         }
@@ -553,6 +559,7 @@ impl Executable {
             waits: schedule.waits.iter().map(|&w| AtomicU32::new(w)).collect(),
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
+            stop_flags: current_stop_flags(),
         };
         let ready: Vec<usize> = (0..self.steps.len())
             .filter(|&s| schedule.waits[s] == 0)
@@ -560,7 +567,9 @@ impl Executable {
         rayon::in_place_scope(|scope| {
             let run = &run;
             for s in ready {
-                scope.spawn(move |scope| run.run_from(scope, s));
+                scope.spawn(move |scope| {
+                    with_stop_flags(&run.stop_flags, || run.run_from(scope, s))
+                });
             }
         });
         if let Some(e) = run.error.lock().unwrap_or_else(|p| p.into_inner()).take() {

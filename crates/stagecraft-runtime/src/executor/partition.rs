@@ -12,7 +12,11 @@
 //!
 //! Each partition runs on its device's own worker thread. An error in any
 //! partition aborts the rendezvous, which releases every blocked `Recv`, so
-//! no partition waits forever; the run returns the original error.
+//! no partition waits forever; the run returns the original error. The
+//! abort also raises a stop flag that every partition's thread (and the
+//! loops and nested runs under it) checks between steps and loop
+//! iterations, so long work elsewhere is abandoned instead of running to
+//! its end only for its result to be dropped.
 
 use super::{instantiate_on, Executable};
 use crate::device::{Device, DeviceKind};
@@ -21,7 +25,9 @@ use smallvec::SmallVec;
 use stagecraft_graph::{Function, Node, Value};
 use stagecraft_ops::{OpAttrs, RECV, SEND};
 use stagecraft_tensor::{Error, ErrorKind, HostTensor, Location, Result};
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -88,10 +94,52 @@ pub(crate) fn device_pool(device: Device) -> Option<&'static rayon::ThreadPool> 
     Some(*pool)
 }
 
+thread_local! {
+    /// The stop flags of the partitioned runs this thread is working for
+    /// (innermost last): a partition run inside another partition's loop
+    /// must stop when either run aborts.
+    static STOP_FLAGS: RefCell<Vec<Arc<AtomicBool>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// True when this thread's work should stop: execution was cancelled, or a
+/// partitioned run it works for has failed on another device.
+#[inline]
+pub(crate) fn should_stop() -> bool {
+    is_cancelled()
+        || STOP_FLAGS.with(|flags| flags.borrow().iter().any(|f| f.load(Ordering::Relaxed)))
+}
+
+/// The stop flags this thread works under, for handing to helper threads.
+pub(crate) fn current_stop_flags() -> Vec<Arc<AtomicBool>> {
+    STOP_FLAGS.with(|flags| flags.borrow().clone())
+}
+
+/// Runs `f` with this thread's stop flags set to `flags`, then restores
+/// them. Replacing (not extending) matters on pool threads: a thread that
+/// waits inside one run may execute a stolen task of an unrelated run,
+/// which must see only its own run's flags.
+pub(crate) fn with_stop_flags<R>(flags: &[Arc<AtomicBool>], f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Vec<Arc<AtomicBool>>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // Also when `f` unwinds.
+            if let Some(previous) = self.0.take() {
+                STOP_FLAGS.with(|s| *s.borrow_mut() = previous);
+            }
+        }
+    }
+    let previous = STOP_FLAGS.with(|s| std::mem::replace(&mut *s.borrow_mut(), flags.to_vec()));
+    let _restore = Restore(Some(previous));
+    f()
+}
+
 /// Where `Send` and `Recv` of one run meet.
 pub struct Rendezvous {
     state: Mutex<RendezvousState>,
     arrived: Condvar,
+    /// Raised by [`Rendezvous::abort`]: the partitions' threads stop at
+    /// their next step or loop iteration.
+    stop: Arc<AtomicBool>,
 }
 
 #[derive(Default)]
@@ -106,6 +154,7 @@ impl Rendezvous {
         Rendezvous {
             state: Mutex::new(RendezvousState::default()),
             arrived: Condvar::new(),
+            stop: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -129,7 +178,7 @@ impl Rendezvous {
             if let Some(v) = state.values.remove(key) {
                 return Ok(v);
             }
-            if is_cancelled() {
+            if should_stop() {
                 return Err(Error::cancelled().with_op("Recv").at(location));
             }
             // Wake up now and then to notice cancellation.
@@ -148,6 +197,7 @@ impl Rendezvous {
         if state.aborted.is_none() {
             state.aborted = Some(error);
         }
+        self.stop.store(true, Ordering::Relaxed);
         self.arrived.notify_all();
     }
 
@@ -179,14 +229,20 @@ pub(crate) struct Partitioned {
 impl Partitioned {
     pub(super) fn run(&self, args: Vec<HostTensor>) -> Result<Vec<HostTensor>> {
         let rdv = Rendezvous::new();
+        // Every partition stops when this run aborts, and also when a run
+        // that this one is nested in aborts.
+        let mut flags = current_stop_flags();
+        flags.push(rdv.stop.clone());
         let outcome = std::thread::scope(|scope| {
             let rdv = &rdv;
+            let flags = &flags;
             let workers: Vec<_> = self
                 .others
                 .iter()
                 .map(|part| {
                     scope.spawn(move || {
-                        let run = || part.run_with(Vec::new(), Some(rdv));
+                        let run =
+                            || with_stop_flags(flags, || part.run_with(Vec::new(), Some(rdv)));
                         let result = match device_pool(part.device) {
                             Some(pool) => pool.install(run),
                             None => run(),
@@ -197,7 +253,7 @@ impl Partitioned {
                     })
                 })
                 .collect();
-            let main = self.main.run_with(args, Some(rdv));
+            let main = with_stop_flags(flags, || self.main.run_with(args, Some(rdv)));
             if let Err(e) = &main {
                 rdv.abort(e.clone());
             }
