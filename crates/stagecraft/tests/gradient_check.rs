@@ -1006,7 +1006,7 @@ fn compose(steps: &[Step], x: &T, mut margins: Option<&mut Vec<f64>>) -> T {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
     /// First order (eager tape and through `function`) and second order
     /// of random compositions against finite differences.
     #[test]
