@@ -151,11 +151,16 @@ fn value_of(frame: &mut Frame, handle: &TensorHandle, location: Location) -> Res
         return Ok(Value::Param((frame.declared + i) as u32));
     }
     let meta = handle.metadata().clone();
-    let small_concrete = handle.traced_value().is_none()
-        && handle.is_resolved()
+    let concrete = handle.traced_value().is_none() && handle.is_resolved();
+    // A concrete value on the tracer device was made inside the closure
+    // (`Tensor::from_vec(.., &x.device())`): it is part of the function
+    // whatever its size. As a parameter, the caller would have to pass a
+    // handle that lives on no device it can run on.
+    let made_inside = concrete && handle.device() == tracer_device();
+    let small_concrete = concrete
         && meta.shape.numel() <= CONST_CAPTURE_LIMIT
         && !frame.keep_as_param.is_some_and(|keep| keep(handle));
-    if small_concrete {
+    if made_inside || small_concrete {
         let value: HostTensor = handle.wait()?.clone();
         let node = frame.function.add_const(value, location);
         return Ok(Value::node(node));

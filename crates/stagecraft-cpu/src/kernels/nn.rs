@@ -155,14 +155,28 @@ fn conv2d_typed<T: GemmElement + Send + Sync>(
     Ok(out)
 }
 
+/// The window of a convolution whose filter is `w`. Its size is read from
+/// the filter at run time, not when the kernel is made: a cached kernel
+/// serves every shape with the same attributes and dtypes, so a window
+/// sized at instantiation would be applied to the next filter of another
+/// size.
+fn filter_window(win: Window2d, w: &DenseHostTensor) -> Window2d {
+    let dims = w.shape().dims();
+    Window2d {
+        kernel: [dims[2], dims[3]],
+        ..win
+    }
+}
+
 fn conv2d_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let w = &inputs[1].shape;
-    let win = conv2d_window(attrs, [w[2], w[3]])?;
+    // The kernel size is a placeholder: see `filter_window`.
+    let strides = conv2d_window(attrs, [1, 1])?;
     let groups = attrs.int("groups")? as usize;
     let dtype = inputs[0].dtype;
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
             let (x, w, meta) = (&inputs[0], &inputs[1], &ctx.outputs[0]);
+            let win = filter_window(strides, w);
             let out = match dtype {
                 DType::F32 => conv2d_typed::<f32>(x, w, meta, win, groups)?,
                 DType::F64 => conv2d_typed::<f64>(x, w, meta, win, groups)?,
@@ -493,11 +507,13 @@ fn conv_backprop_window(attrs: &Attrs<'_>, filter: &[usize]) -> Result<(Window2d
 }
 
 fn backprop_input_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let (win, groups) = conv_backprop_window(attrs, inputs[1].shape.dims())?;
+    // The kernel size is a placeholder: see `filter_window`.
+    let (strides, groups) = conv_backprop_window(attrs, &[0, 0, 1, 1])?;
     let dtype = inputs[0].dtype;
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
             let (g, w, meta) = (&inputs[0], &inputs[1], &ctx.outputs[0]);
+            let win = filter_window(strides, w);
             Ok(smallvec![match dtype {
                 DType::F32 => backprop_input_typed::<f32>(g, w, meta, win, groups)?,
                 DType::F64 => backprop_input_typed::<f64>(g, w, meta, win, groups)?,

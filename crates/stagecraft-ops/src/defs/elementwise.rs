@@ -252,7 +252,10 @@ fn unary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGra
             b.mul(g, m)?
         }
         // gelu(x) = x Φ(x): the derivative is Φ(x) + x φ(x), with Φ(x) read
-        // back as gelu(x) / x (and 1/2 at 0) since there is no erf op.
+        // back as gelu(x) / x since there is no erf op. At 0 that ratio is
+        // undefined and Φ(x) is taken as 1/2 + x φ(x): exactly 1/2 there,
+        // and with Φ's derivative φ(0), so the second derivative is right
+        // at 0 too (a constant 1/2 would drop φ(0) from it).
         UnaryOp::Gelu => {
             let zero = b.scalar(0.0, dtype)?;
             let half = b.scalar(0.5, dtype)?;
@@ -260,12 +263,17 @@ fn unary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGra
             let one = b.scalar(1.0, dtype)?;
             let safe_x = b.op(&SELECT, &[at_zero, one, x], &crate::OpAttrs::new())?;
             let ratio = b.div(y, safe_x)?;
-            let cdf = b.op(&SELECT, &[at_zero, half, ratio], &crate::OpAttrs::new())?;
             let x2 = b.mul(x, x)?;
             let e = b.scale(x2, -0.5)?;
             let e = b.unary(&EXP, e)?;
             let pdf = b.scale(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
             let xpdf = b.mul(x, pdf)?;
+            let near_zero = b.add(half, xpdf)?;
+            let cdf = b.op(
+                &SELECT,
+                &[at_zero, near_zero, ratio],
+                &crate::OpAttrs::new(),
+            )?;
             let d = b.add(cdf, xpdf)?;
             b.mul(g, d)?
         }

@@ -254,7 +254,7 @@ pub static CONV2D_BACKPROP_INPUT: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: backprop_input_meta,
-    grad: None,
+    grad: Some(backprop_input_grad),
 };
 
 /// The gradient of `Conv2d` with respect to its filter: `(x, g)` with the
@@ -269,7 +269,7 @@ pub static CONV2D_BACKPROP_FILTER: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: backprop_filter_meta,
-    grad: None,
+    grad: Some(backprop_filter_grad),
 };
 
 fn pool_grad_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
@@ -312,7 +312,7 @@ pub static AVG_POOL2D_GRAD: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: pool_grad_meta,
-    grad: None,
+    grad: Some(avg_pool_grad_grad),
 };
 
 /// Copies the forward attributes and adds the other operand's `shape`.
@@ -340,6 +340,55 @@ fn conv2d_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGr
         &backprop_attrs(&ctx.attrs, &ws)?,
     )?;
     Ok(smallvec::smallvec![Some(dx), Some(dw)])
+}
+
+/// The forward window attributes of a backprop op (without `shape`).
+fn forward_conv_attrs(attrs: &Attrs<'_>) -> Result<crate::OpAttrs> {
+    let mut out = crate::OpAttrs::new();
+    out.set_ints("stride", attrs.ints("stride")?)
+        .set_ints("padding", attrs.ints("padding")?)
+        .set_ints("dilation", attrs.ints("dilation")?)
+        .set_int("groups", attrs.int("groups")?);
+    Ok(out)
+}
+
+/// Second order through convolutions. `dx = Cᵀ_w g` is bilinear in `g`
+/// and `w`, with `⟨Cᵀ_w g, G⟩ = ⟨g, C_w G⟩` (`C_w` the convolution with
+/// `w`): the gradient for `g` is `conv2d(G, w)` and the one for `w` the
+/// filter gradient of that convolution, `Conv2dBackpropFilter(G, g)`.
+fn backprop_input_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (g, w, gg) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
+    let ws = b.meta(w).shape;
+    let dg = b.op(&CONV2D, &[gg, w], &forward_conv_attrs(&ctx.attrs)?)?;
+    let dw = b.op(
+        &CONV2D_BACKPROP_FILTER,
+        &[gg, g],
+        &backprop_attrs(&ctx.attrs, &ws)?,
+    )?;
+    Ok(smallvec::smallvec![Some(dg), Some(dw)])
+}
+
+/// `dw` is bilinear in `x` and `g`, with `⟨dw, G⟩ = ⟨g, conv2d(x, G)⟩`:
+/// the gradient for `g` is `conv2d(x, G)` and the one for `x` the input
+/// gradient of that convolution, `Conv2dBackpropInput(g, G)`.
+fn backprop_filter_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, g, gg) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
+    let xs = b.meta(x).shape;
+    let dx = b.op(
+        &CONV2D_BACKPROP_INPUT,
+        &[g, gg],
+        &backprop_attrs(&ctx.attrs, &xs)?,
+    )?;
+    let dg = b.op(&CONV2D, &[x, gg], &forward_conv_attrs(&ctx.attrs)?)?;
+    Ok(smallvec::smallvec![Some(dx), Some(dg)])
+}
+
+/// `AvgPool2dGrad` is `Pᵀ g` for the (linear) average pooling `P`; it
+/// reads only the shape of `x`. Its gradient for `g` is `P G`.
+fn avg_pool_grad_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let gg = ctx.grad()?;
+    let dg = b.op(&AVG_POOL2D, &[gg], ctx.attrs.raw())?;
+    Ok(smallvec::smallvec![None, Some(dg)])
 }
 
 fn max_pool_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {

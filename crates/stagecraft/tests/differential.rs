@@ -1,0 +1,1000 @@
+//! Differential testing: random well-typed programs run five ways must give
+//! the same results.
+//!
+//! A program (see [`Program`]) works on five f32 inputs whose shapes share
+//! three random sizes `a`, `b`, `c` (`[a, b]`, `[b]`, `[a, 1]`, `[b, c]` and
+//! a scalar), so broadcasting between `[a, b]` and `[b]` / `[a, 1]` and
+//! matmuls with matching inner sizes come up by construction. Each
+//! instruction appends one value: unary math, broadcasting binary ops,
+//! ops with a Rust number, reductions (axes, negative axes, keepdim),
+//! softmax / log-softmax, matmul (matrix, vector and batched), reshape,
+//! transpose, `cond` on a data-dependent predicate (the sum of a value
+//! against a threshold) and `while` whose trip count depends on the data
+//! (a running sum against a limit) and is bounded by a counter. Branches
+//! and loop bodies are chains of shape-preserving steps ([`Inner`]): unary
+//! math, ops with a number (some taking their operand by value, so kernels
+//! may write in place), binary ops with a captured outer value, centering
+//! by a keepdim reduction, a constant tensor made inside the staged code,
+//! and a nested `cond`. Sizes are mostly 1 to 4, sometimes 17 or 130 (past
+//! the fused kernel's 1,024-element block). The
+//! generator draws raw choices and [`resolve`] turns them into a program,
+//! tracking every value's shape so that each operand pair is compatible;
+//! resolution is total, so shrinking (dropping instructions, shrinking
+//! numbers) always yields another well-typed program.
+//!
+//! The modes, each run on two sets of input values (the second run hits
+//! every cache: the lazy trace cache, the `function` signature cache and
+//! the `#[stage]` trace cache):
+//! - **host**: the eager CPU device, control flow as plain Rust (the
+//!   predicate is read back to the host); the reference;
+//! - **eager**: the eager CPU device with `cond` / `while_loop`, so
+//!   control flow is one `If` / `While` op running traced branches;
+//! - **lazy**: the lazy device over the CPU (recorded, optimized, fused,
+//!   compiled, cached); first materialized by `mark_step`, then by the read,
+//!   and in each run one intermediate value (chosen by the seed) is read
+//!   early, so the rest of the program is traced on top of materialized
+//!   values;
+//! - **function**: the program inside `stagecraft::function`;
+//! - **stage**: [`staged_program`], a `#[stage]` function that interprets
+//!   the program with host control flow (`for` over the instructions, `if
+//!   let` on their kinds: both stay Rust and unroll at trace time) and a
+//!   Rust `if` / `while` on `Tensor<bool>` conditions, which the macro turns
+//!   into `If` / `While` ops.
+//!
+//! **The program as a `#[stage]` argument.** `#[stage]` keys its trace
+//! cache by tensor dtypes/shapes plus the `Debug` text of host arguments;
+//! `String` is a host argument type. The program's full `Debug` text is
+//! passed as a `String`, so two programs share a trace exactly when their
+//! texts are equal. The body gets the `Program` back from that text through
+//! [`program_from_text`], a process-wide table filled with the text as key
+//! just before the call; it stands in for a parser (the text determines the
+//! program), so what the body interprets is always what the key says.
+//!
+//! **Tolerance policy: bitwise, everywhere.** Every mode runs the same ops
+//! in the same order on the same kernels: the graph passes keep results
+//! bit for bit (constant folding runs the CPU kernels, CSE/DCE do not
+//! touch arithmetic) and the fused elementwise kernel calls the same
+//! element functions as the separate kernels, without reassociating
+//! anything; reductions and matmuls are never fused. So values are
+//! compared by their bits (`f32::to_bits`), with a single exception: a NaN
+//! equals any NaN, because IEEE 754 leaves the sign and payload of a NaN
+//! produced by arithmetic unspecified (a kernel writing in place may give
+//! another NaN than the same kernel writing out of place, see
+//! `stagecraft-graph`'s constant folding). Shapes must be equal too. No
+//! ulp or relative tolerance is needed: none of the modes reorders
+//! arithmetic (if one did, this test would say so).
+//!
+//! Failures are kept below as named regression tests (`regression_*`):
+//! the minimized program, run through [`check`] like a generated one.
+
+use proptest::prelude::*;
+use stagecraft::{cond, function, lazy, while_loop, Device, Tensor};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+type T = Tensor<f32>;
+
+// ---------------------------------------------------------------------------
+// Programs.
+
+/// A unary op. The partial ones are made total (`log(|x| + 1)`, ...), so
+/// programs stay in their domain; overflow to infinity can still happen
+/// (exp, products) and is compared like any value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Un {
+    Tanh,
+    Sigmoid,
+    Sin,
+    Cos,
+    Neg,
+    Abs,
+    Relu,
+    Gelu,
+    Exp,
+    /// `log(|x| + 1)`
+    LogAbs1,
+    /// `sqrt(|x|)`
+    SqrtAbs,
+    /// `rsqrt(|x| + 1)`
+    RsqrtAbs1,
+}
+
+const UNS: [Un; 12] = [
+    Un::Tanh,
+    Un::Sigmoid,
+    Un::Sin,
+    Un::Cos,
+    Un::Neg,
+    Un::Abs,
+    Un::Relu,
+    Un::Gelu,
+    Un::Exp,
+    Un::LogAbs1,
+    Un::SqrtAbs,
+    Un::RsqrtAbs1,
+];
+
+/// A broadcasting binary op; `Div` divides by `|y| + 0.5` and `Pow` raises
+/// `|x| + 0.5` to `tanh(y)`, so both are defined everywhere.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Bin {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Max,
+    Min,
+    Pow,
+}
+
+const BINS: [Bin; 7] = [
+    Bin::Add,
+    Bin::Sub,
+    Bin::Mul,
+    Bin::Div,
+    Bin::Max,
+    Bin::Min,
+    Bin::Pow,
+];
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Red {
+    Sum,
+    Mean,
+    Max,
+    Min,
+    Prod,
+}
+
+const REDS: [Red; 5] = [Red::Sum, Red::Mean, Red::Max, Red::Min, Red::Prod];
+
+/// A shape-preserving step inside a `cond` branch or a `while` body.
+#[derive(Clone, Debug, PartialEq)]
+enum Inner {
+    Un(Un),
+    /// `y op k` for a Rust number `k`.
+    Scalar(Bin, f32),
+    /// `y op env[i]`, where `env[i]` broadcasts to `y`'s shape (a captured
+    /// outer value).
+    With(Bin, usize),
+    /// `y - reduce(y, axis, keepdim = true)`.
+    Center(Red, isize),
+    /// `y op c`, `c` a tensor of `y`'s shape made from a seed on `y`'s
+    /// device (inside a staged function: on the tracer device).
+    Const(Bin, u64),
+    /// A nested `cond(sum(y) > threshold, y * k |> op, y)`.
+    Cond(f32, Un, f32),
+}
+
+/// One instruction: appends one value to the environment.
+#[derive(Clone, Debug, PartialEq)]
+enum Instr {
+    Un(Un, usize),
+    Bin(Bin, usize, usize),
+    Scalar(Bin, usize, f32),
+    Reduce(Red, usize, Vec<isize>, bool),
+    Softmax(usize, isize),
+    LogSoftmax(usize, isize),
+    MatMul(usize, usize),
+    /// `x @ xᵀ` (swapping the last two axes).
+    Gram(usize),
+    Reshape(usize, Vec<usize>),
+    Transpose(usize, isize, isize),
+    /// `cond(sum(env[pred]) > threshold, then(env[x]), else(env[x]))`.
+    Cond {
+        pred: usize,
+        threshold: f32,
+        x: usize,
+        then_: Vec<Inner>,
+        else_: Vec<Inner>,
+    },
+    /// `y = env[x]; i = 0; while i < trips && sum(y) < limit { y = body(y); i += 1 }`.
+    While {
+        x: usize,
+        trips: i32,
+        limit: f32,
+        body: Vec<Inner>,
+    },
+}
+
+/// A program over the five inputs; its results are its last `outputs`
+/// values.
+#[derive(Clone, Debug, PartialEq)]
+struct Program {
+    /// `a`, `b`, `c`.
+    dims: [usize; 3],
+    instrs: Vec<Instr>,
+    outputs: usize,
+}
+
+fn input_shapes(dims: [usize; 3]) -> Vec<Vec<usize>> {
+    let [a, b, c] = dims;
+    vec![vec![a, b], vec![b], vec![a, 1], vec![b, c], vec![]]
+}
+
+/// NumPy broadcasting of two shapes, `None` when they do not broadcast.
+fn broadcast(x: &[usize], y: &[usize]) -> Option<Vec<usize>> {
+    let rank = x.len().max(y.len());
+    let at = |s: &[usize], i: usize| {
+        let pad = rank - s.len();
+        if i < pad {
+            1
+        } else {
+            s[i - pad]
+        }
+    };
+    (0..rank)
+        .map(|i| match (at(x, i), at(y, i)) {
+            (p, q) if p == q => Some(p),
+            (1, q) => Some(q),
+            (p, 1) => Some(p),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The shape of `x @ y`, `None` when the operands do not fit.
+fn matmul_shape(x: &[usize], y: &[usize]) -> Option<Vec<usize>> {
+    if x.is_empty() || y.is_empty() {
+        return None;
+    }
+    let (m, k) = if x.len() == 1 {
+        (None, x[0])
+    } else {
+        (Some(x[x.len() - 2]), x[x.len() - 1])
+    };
+    let (k2, n) = if y.len() == 1 {
+        (y[0], None)
+    } else {
+        (y[y.len() - 2], Some(y[y.len() - 1]))
+    };
+    if k != k2 {
+        return None;
+    }
+    let mut out = broadcast(
+        &x[..x.len().saturating_sub(2)],
+        &y[..y.len().saturating_sub(2)],
+    )?;
+    out.extend(m);
+    out.extend(n);
+    Some(out)
+}
+
+fn reduced(shape: &[usize], axes: &[isize], keep: bool) -> Vec<usize> {
+    let r = shape.len() as isize;
+    let hit = |i: usize| axes.is_empty() || axes.iter().any(|&a| (a + r) % r.max(1) == i as isize);
+    shape
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &d)| match (hit(i), keep) {
+            (false, _) => Some(d),
+            (true, true) => Some(1),
+            (true, false) => None,
+        })
+        .collect()
+}
+
+/// The raw choices the generator draws; [`resolve`] makes them a program.
+#[derive(Clone, Debug)]
+struct RawInstr {
+    kind: u8,
+    sub: u8,
+    i: usize,
+    j: usize,
+    value: f32,
+    then_: Vec<(u8, u8, usize, f32)>,
+    else_: Vec<(u8, u8, usize, f32)>,
+}
+
+fn raw_inner() -> impl Strategy<Value = (u8, u8, usize, f32)> {
+    (0u8..6, any::<u8>(), any::<usize>(), -2.0f32..2.0)
+}
+
+fn raw_instr() -> impl Strategy<Value = RawInstr> {
+    (
+        0u8..12,
+        any::<u8>(),
+        any::<usize>(),
+        any::<usize>(),
+        -2.0f32..2.0,
+        prop::collection::vec(raw_inner(), 0..4),
+        prop::collection::vec(raw_inner(), 0..4),
+    )
+        .prop_map(|(kind, sub, i, j, value, then_, else_)| RawInstr {
+            kind,
+            sub,
+            i,
+            j,
+            value,
+            then_,
+            else_,
+        })
+}
+
+/// Shape-preserving steps for a value of `shape`.
+fn resolve_inner(
+    raw: &[(u8, u8, usize, f32)],
+    shape: &[usize],
+    shapes: &[Vec<usize>],
+) -> Vec<Inner> {
+    raw.iter()
+        .map(|&(kind, sub, i, value)| match kind {
+            0 => Inner::Un(UNS[sub as usize % UNS.len()]),
+            1 => Inner::Scalar(BINS[sub as usize % BINS.len()], value),
+            2 => {
+                // Outer values that broadcast into `shape` unchanged.
+                let fits: Vec<usize> = (0..shapes.len())
+                    .filter(|&e| broadcast(shape, &shapes[e]).as_deref() == Some(shape))
+                    .collect();
+                if fits.is_empty() {
+                    Inner::Scalar(BINS[sub as usize % BINS.len()], value)
+                } else {
+                    Inner::With(BINS[sub as usize % BINS.len()], fits[i % fits.len()])
+                }
+            }
+            4 => Inner::Const(BINS[sub as usize % BINS.len()], i as u64 % 1000),
+            5 => Inner::Cond(value, UNS[sub as usize % UNS.len()], value * 0.75),
+            _ if shape.is_empty() => Inner::Un(UNS[sub as usize % UNS.len()]),
+            _ => {
+                let r = shape.len();
+                let axis = (i % r) as isize - if sub & 1 == 1 { r as isize } else { 0 };
+                Inner::Center(REDS[(sub as usize / 2) % REDS.len()], axis)
+            }
+        })
+        .collect()
+}
+
+/// Turns raw choices into a well-typed program: operands are picked among
+/// the values whose shapes fit, with a fallback that always fits.
+fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
+    let mut shapes = input_shapes(dims);
+    let mut instrs = Vec::new();
+    for r in raw {
+        let n = shapes.len();
+        let x = r.i % n;
+        let xs = shapes[x].clone();
+        let rank = xs.len();
+        let un = Instr::Un(UNS[r.sub as usize % UNS.len()], x);
+        let instr = match r.kind {
+            0 => un,
+            1 => {
+                let fits: Vec<usize> = (0..n)
+                    .filter(|&y| broadcast(&xs, &shapes[y]).is_some())
+                    .collect();
+                Instr::Bin(BINS[r.sub as usize % BINS.len()], x, fits[r.j % fits.len()])
+            }
+            2 => Instr::Scalar(BINS[r.sub as usize % BINS.len()], x, r.value),
+            3 => {
+                // A subset of the axes (bit k of `j`), each written
+                // negative when bit k of `sub` says so; none means all.
+                let axes: Vec<isize> = (0..rank)
+                    .filter(|k| r.j >> k & 1 == 1)
+                    .map(|k| {
+                        k as isize
+                            - if r.sub >> k & 1 == 1 {
+                                rank as isize
+                            } else {
+                                0
+                            }
+                    })
+                    .collect();
+                Instr::Reduce(REDS[r.sub as usize % REDS.len()], x, axes, r.j & 8 != 0)
+            }
+            4 | 5 if rank > 0 => {
+                let axis = (r.j % rank) as isize - if r.sub & 1 == 1 { rank as isize } else { 0 };
+                if r.kind == 4 {
+                    Instr::Softmax(x, axis)
+                } else {
+                    Instr::LogSoftmax(x, axis)
+                }
+            }
+            6 => {
+                let fits: Vec<usize> = (0..n)
+                    .filter(|&y| matmul_shape(&xs, &shapes[y]).is_some())
+                    .collect();
+                match (fits.is_empty(), rank) {
+                    (false, _) => Instr::MatMul(x, fits[r.j % fits.len()]),
+                    (true, 2 | 3) => Instr::Gram(x),
+                    _ => un,
+                }
+            }
+            7 => {
+                let numel: usize = xs.iter().product();
+                let mut options = vec![vec![numel], vec![1, numel], vec![numel, 1]];
+                if rank == 2 {
+                    options.push(vec![xs[1], xs[0]]);
+                    options.push(vec![1, xs[0], xs[1]]);
+                    options.push(vec![xs[0], 1, xs[1]]);
+                }
+                Instr::Reshape(x, options[r.j % options.len()].clone())
+            }
+            8 if rank >= 2 => {
+                let (p, q) = match (rank, r.sub % 3) {
+                    (2, _) | (_, 0) => (-2, -1),
+                    (_, 1) => (0, 2),
+                    _ => (0, 1),
+                };
+                Instr::Transpose(x, p, q)
+            }
+            9 => {
+                let y = r.j % n;
+                let ys = shapes[y].clone();
+                Instr::Cond {
+                    pred: x,
+                    threshold: r.value,
+                    x: y,
+                    then_: resolve_inner(&r.then_, &ys, &shapes),
+                    else_: resolve_inner(&r.else_, &ys, &shapes),
+                }
+            }
+            10 | 11 => {
+                let mut body = resolve_inner(&r.then_, &xs, &shapes);
+                // A body that changes nothing would make the trip count
+                // the bound alone.
+                body.push(Inner::Scalar(Bin::Add, 0.5));
+                Instr::While {
+                    x,
+                    trips: (r.sub % 5) as i32,
+                    limit: r.value * 4.0,
+                    body,
+                }
+            }
+            _ => un,
+        };
+        shapes.push(shape_of(&instr, &shapes));
+        instrs.push(instr);
+    }
+    Program {
+        dims,
+        outputs: outputs.clamp(1, instrs.len().max(1)),
+        instrs,
+    }
+}
+
+/// The shape an instruction produces (the generator's type checker).
+fn shape_of(instr: &Instr, shapes: &[Vec<usize>]) -> Vec<usize> {
+    match instr {
+        Instr::Un(_, x)
+        | Instr::Scalar(_, x, _)
+        | Instr::Softmax(x, _)
+        | Instr::LogSoftmax(x, _) => shapes[*x].clone(),
+        Instr::Bin(_, x, y) => broadcast(&shapes[*x], &shapes[*y]).expect("resolved"),
+        Instr::Reduce(_, x, axes, keep) => reduced(&shapes[*x], axes, *keep),
+        Instr::MatMul(x, y) => matmul_shape(&shapes[*x], &shapes[*y]).expect("resolved"),
+        Instr::Gram(x) => {
+            let s = &shapes[*x];
+            let mut out = s[..s.len() - 1].to_vec();
+            out.push(s[s.len() - 2]);
+            out
+        }
+        Instr::Reshape(_, dims) => dims.clone(),
+        Instr::Transpose(x, p, q) => {
+            let mut s = shapes[*x].clone();
+            let r = s.len() as isize;
+            s.swap(((p + r) % r) as usize, ((q + r) % r) as usize);
+            s
+        }
+        Instr::Cond { x, .. } | Instr::While { x, .. } => shapes[*x].clone(),
+    }
+}
+
+fn program() -> impl Strategy<Value = Program> {
+    // Mostly small sizes; sometimes sizes past the fused kernel's block of
+    // 1,024 elements and the executor's threshold for parallel steps.
+    let size = || prop_oneof![12 => 1usize..5, 1 => Just(17usize), 1 => Just(130usize)];
+    (
+        [size(), size(), size()],
+        prop::collection::vec(raw_instr(), 1..10),
+        1usize..4,
+    )
+        .prop_map(|(dims, raw, outputs)| resolve(dims, &raw, outputs))
+}
+
+// ---------------------------------------------------------------------------
+// Interpreters.
+
+fn unary(op: Un, x: &T) -> T {
+    match op {
+        Un::Tanh => x.tanh(),
+        Un::Sigmoid => x.sigmoid(),
+        Un::Sin => x.sin(),
+        Un::Cos => x.cos(),
+        Un::Neg => -x,
+        Un::Abs => x.abs(),
+        Un::Relu => x.relu(),
+        Un::Gelu => x.gelu(),
+        Un::Exp => x.exp(),
+        Un::LogAbs1 => (x.abs() + 1.0).log(),
+        Un::SqrtAbs => x.abs().sqrt(),
+        Un::RsqrtAbs1 => (x.abs() + 1.0).rsqrt(),
+    }
+}
+
+fn binary(op: Bin, x: &T, y: &T) -> T {
+    match op {
+        Bin::Add => x + y,
+        Bin::Sub => x - y,
+        Bin::Mul => x * y,
+        Bin::Div => x / &(y.abs() + 0.5),
+        Bin::Max => x.maximum(y),
+        Bin::Min => x.minimum(y),
+        Bin::Pow => (x.abs() + 0.5).pow(&y.tanh()),
+    }
+}
+
+/// `x op k` with `k` a Rust number, through the operators that take one
+/// where there are such (they make a rank-0 constant).
+fn scalar(op: Bin, x: &T, k: f32) -> T {
+    match op {
+        Bin::Add => x + k,
+        Bin::Sub => x - k,
+        Bin::Mul => x * k,
+        Bin::Div => x / (k.abs() + 0.5),
+        _ => binary(op, x, &Tensor::scalar(k, &x.device())),
+    }
+}
+
+fn reduce(op: Red, x: &T, axes: &[isize], keep: bool) -> T {
+    match op {
+        Red::Sum => x.sum(axes, keep),
+        Red::Mean => x.mean(axes, keep),
+        Red::Max => x.max(axes, keep),
+        Red::Min => x.min(axes, keep),
+        Red::Prod => x.prod(axes, keep),
+    }
+}
+
+/// Values in [-2, 2) from a seed (a 64-bit LCG).
+fn seeded(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005) ^ 0x9e37_79b9_7f4a_7c15;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+fn inner(steps: &[Inner], y: T, env: &[T], control: Control) -> T {
+    steps.iter().fold(y, |y, s| match s {
+        Inner::Un(op) => unary(*op, &y),
+        // `y` by value: the kernel may write into its buffer.
+        Inner::Scalar(Bin::Add, k) => y + *k,
+        Inner::Scalar(Bin::Mul, k) => y * *k,
+        Inner::Scalar(op, k) => scalar(*op, &y, *k),
+        Inner::With(op, e) => binary(*op, &y, &env[*e]),
+        Inner::Center(op, axis) => &y - &reduce(*op, &y, &[*axis], true),
+        Inner::Const(op, seed) => {
+            let c = Tensor::from_vec(seeded(y.numel(), *seed), y.dims(), &y.device()).unwrap();
+            binary(*op, &y, &c)
+        }
+        Inner::Cond(threshold, op, k) => {
+            let s = y.sum(&[], false);
+            let c = s.gt(&Tensor::scalar(*threshold, &s.device()));
+            let then_ = || unary(*op, &(&y * *k));
+            match control {
+                Control::Host if c.item().unwrap() => then_(),
+                Control::Host => y.clone(),
+                Control::Ops => cond(&c, then_, || y.clone()),
+            }
+        }
+    })
+}
+
+/// An instruction without control flow.
+fn straight(instr: &Instr, env: &[T]) -> T {
+    match instr {
+        Instr::Un(op, x) => unary(*op, &env[*x]),
+        Instr::Bin(op, x, y) => binary(*op, &env[*x], &env[*y]),
+        Instr::Scalar(op, x, k) => scalar(*op, &env[*x], *k),
+        Instr::Reduce(op, x, axes, keep) => reduce(*op, &env[*x], axes, *keep),
+        Instr::Softmax(x, axis) => env[*x].softmax(*axis),
+        Instr::LogSoftmax(x, axis) => env[*x].log_softmax(*axis),
+        Instr::MatMul(x, y) => env[*x].matmul(&env[*y]),
+        Instr::Gram(x) => env[*x].matmul(&env[*x].transpose(-2, -1)),
+        Instr::Reshape(x, dims) => env[*x].reshape(dims),
+        Instr::Transpose(x, p, q) => env[*x].transpose(*p, *q),
+        Instr::Cond { .. } | Instr::While { .. } => unreachable!("control flow is not straight"),
+    }
+}
+
+fn predicate(env: &[T], pred: usize, threshold: f32) -> Tensor<bool> {
+    let s = env[pred].sum(&[], false);
+    s.gt(&Tensor::scalar(threshold, &s.device()))
+}
+
+fn keep_going(y: &T, i: &Tensor<i32>, trips: i32, limit: f32) -> Tensor<bool> {
+    let d = y.device();
+    i.lt(&Tensor::scalar(trips, &d))
+        .and(&y.sum(&[], false).lt(&Tensor::scalar(limit, &d)))
+}
+
+/// How an interpreter runs `cond` and `while`.
+#[derive(Clone, Copy, PartialEq)]
+enum Control {
+    /// Plain Rust on values read back to the host.
+    Host,
+    /// `stagecraft::cond` / `stagecraft::while_loop`.
+    Ops,
+}
+
+/// Runs `p`; with `peek`, reads the value of instruction `peek` as soon as
+/// it exists (on the lazy device: materializes the program so far, and the
+/// rest is traced on top of it).
+fn interpret(p: &Program, inputs: Vec<T>, control: Control, peek: Option<usize>) -> Vec<T> {
+    let mut env = inputs;
+    for (k, instr) in p.instrs.iter().enumerate() {
+        let v = match instr {
+            Instr::Cond {
+                pred,
+                threshold,
+                x,
+                then_,
+                else_,
+            } => {
+                let c = predicate(&env, *pred, *threshold);
+                let y = &env[*x];
+                match control {
+                    Control::Host => {
+                        if c.item().unwrap() {
+                            inner(then_, y.clone(), &env, control)
+                        } else {
+                            inner(else_, y.clone(), &env, control)
+                        }
+                    }
+                    Control::Ops => cond(
+                        &c,
+                        || inner(then_, y.clone(), &env, control),
+                        || inner(else_, y.clone(), &env, control),
+                    ),
+                }
+            }
+            Instr::While {
+                x,
+                trips,
+                limit,
+                body,
+            } => {
+                let i = Tensor::<i32>::scalar(0, &env[*x].device());
+                match control {
+                    Control::Host => {
+                        let (mut y, mut i) = (env[*x].clone(), i);
+                        while keep_going(&y, &i, *trips, *limit).item().unwrap() {
+                            y = inner(body, y, &env, control);
+                            i = i + 1;
+                        }
+                        y
+                    }
+                    Control::Ops => {
+                        let (y, _) = while_loop(
+                            (env[*x].clone(), i),
+                            |(y, i)| keep_going(y, i, *trips, *limit),
+                            |(y, i)| (inner(body, y, &env, control), i + 1),
+                        );
+                        y
+                    }
+                }
+            }
+            other => straight(other, &env),
+        };
+        if peek == Some(k) {
+            v.wait().unwrap();
+        }
+        env.push(v);
+    }
+    env.split_off(env.len() - p.outputs)
+}
+
+/// Programs by their `Debug` text: how [`staged_program`] reads its
+/// `String` argument back (see the module docs).
+fn programs() -> &'static Mutex<HashMap<String, Arc<Program>>> {
+    static PROGRAMS: OnceLock<Mutex<HashMap<String, Arc<Program>>>> = OnceLock::new();
+    PROGRAMS.get_or_init(Default::default)
+}
+
+fn program_text(p: &Program) -> String {
+    let text = format!("{p:?}");
+    programs()
+        .lock()
+        .unwrap()
+        .insert(text.clone(), Arc::new(p.clone()));
+    text
+}
+
+fn program_from_text(text: &str) -> Arc<Program> {
+    programs().lock().unwrap()[text].clone()
+}
+
+/// The interpreter once more, as a `#[stage]` function. The `for` and the
+/// `if let`s are host control flow (unrolled into the trace); the `if` and
+/// `while` on tensor conditions become `If` and `While` ops.
+#[stagecraft::stage]
+fn staged_program(inputs: Vec<T>, program: String) -> Vec<T> {
+    let p = program_from_text(&program);
+    let mut env = inputs;
+    for instr in p.instrs.iter() {
+        let mut v = env[0].clone();
+        if let Instr::Cond {
+            pred,
+            threshold,
+            x,
+            then_,
+            else_,
+        } = instr
+        {
+            let c = predicate(&env, *pred, *threshold);
+            let mut y = env[*x].clone();
+            if c {
+                y = inner(then_, y, &env, Control::Ops);
+            } else {
+                y = inner(else_, y, &env, Control::Ops);
+            }
+            v = y;
+        } else if let Instr::While {
+            x,
+            trips,
+            limit,
+            body,
+        } = instr
+        {
+            let mut y = env[*x].clone();
+            let mut i = Tensor::<i32>::scalar(0, &y.device());
+            while keep_going(&y, &i, *trips, *limit) {
+                y = inner(body, y, &env, Control::Ops);
+                i = i + 1;
+            }
+            v = y;
+        } else {
+            v = straight(instr, &env);
+        }
+        env.push(v);
+    }
+    env.split_off(env.len() - p.outputs)
+}
+
+// ---------------------------------------------------------------------------
+// Running and comparing.
+
+/// Input values in [-2, 2) from a seed.
+fn inputs(p: &Program, seed: u64, d: &Device) -> Vec<T> {
+    input_shapes(p.dims)
+        .iter()
+        .enumerate()
+        .map(|(i, dims)| {
+            let v = seeded(dims.iter().product(), seed.wrapping_add(i as u64));
+            Tensor::from_vec(v, dims, d).unwrap()
+        })
+        .collect()
+}
+
+/// Values read back with their shapes, or the error as text.
+type Read = Result<Vec<(Vec<usize>, Vec<f32>)>, String>;
+
+fn read(results: &[T]) -> Read {
+    results
+        .iter()
+        .map(|t| Ok((t.dims().to_vec(), t.to_vec().map_err(|e| e.to_string())?)))
+        .collect()
+}
+
+/// Shapes and bits.
+type Bits = Result<Vec<(Vec<usize>, Vec<u32>)>, String>;
+
+/// Bits with every NaN made the same (see the tolerance policy).
+fn canonical(r: &Read) -> Bits {
+    r.clone().map(|vs| {
+        vs.into_iter()
+            .map(|(dims, v)| {
+                let bits = v
+                    .iter()
+                    .map(|x| {
+                        if x.is_nan() {
+                            f32::NAN.to_bits()
+                        } else {
+                            x.to_bits()
+                        }
+                    })
+                    .collect();
+                (dims, bits)
+            })
+            .collect()
+    })
+}
+
+/// Runs `p` in every mode on two sets of inputs; `Err` names the first
+/// mode that differs from the host reference.
+fn check(p: &Program, seed: u64) -> Result<(), String> {
+    let cpu = Device::cpu();
+    let lazy_dev = Device::lazy(&cpu);
+    let staged = function(|xs: Vec<T>| interpret(p, xs, Control::Ops, None));
+    // The lazy run reads one intermediate value early.
+    let peek = Some(seed as usize % (p.instrs.len() + 1)).filter(|&k| k < p.instrs.len());
+    let text = program_text(p);
+    for (run, seed) in [seed, seed.wrapping_add(7919)].into_iter().enumerate() {
+        let reference = read(&interpret(p, inputs(p, seed, &cpu), Control::Host, None));
+        reference
+            .as_ref()
+            .map_err(|e| format!("the host reference failed: {e}"))?;
+        let lazy_out = interpret(p, inputs(p, seed, &lazy_dev), Control::Ops, peek);
+        if run == 0 {
+            lazy::mark_step();
+        }
+        let modes = [
+            (
+                "eager",
+                read(&interpret(p, inputs(p, seed, &cpu), Control::Ops, None)),
+            ),
+            ("lazy", read(&lazy_out)),
+            ("function", read(&staged.call(inputs(p, seed, &cpu)))),
+            (
+                "stage",
+                read(&staged_program(inputs(p, seed, &cpu), text.clone())),
+            ),
+        ];
+        let want = canonical(&reference);
+        for (mode, got) in &modes {
+            if canonical(got) != want {
+                return Err(format!(
+                    "{mode} differs from host (run {run}, seed {seed}):\n  host: {reference:?}\n  {mode}: {got:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 8192, ..ProptestConfig::default() })]
+    #[test]
+    fn all_modes_agree_bitwise(p in program(), seed in any::<u64>()) {
+        if let Err(e) = check(&p, seed) {
+            prop_assert!(false, "{}\nprogram: {:?}", e, p);
+        }
+    }
+}
+
+/// The generator covers what it claims: a sample of programs holds every
+/// instruction kind, broadcasting pairs of different shapes, keepdim
+/// reductions, negative axes and batched matmuls.
+#[test]
+fn the_generator_covers_every_instruction_kind() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    let mut runner = TestRunner::deterministic();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..300 {
+        let p = program().new_tree(&mut runner).unwrap().current();
+        let mut shapes = input_shapes(p.dims);
+        for instr in &p.instrs {
+            let kind = match instr {
+                Instr::Un(..) => "unary",
+                Instr::Bin(_, x, y) if shapes[*x] != shapes[*y] => "broadcast",
+                Instr::Bin(..) => "binary",
+                Instr::Scalar(..) => "scalar",
+                Instr::Reduce(_, _, axes, true) if !axes.is_empty() => "reduce keepdim axes",
+                Instr::Reduce(_, _, axes, _) if axes.iter().any(|&a| a < 0) => "reduce neg axis",
+                Instr::Reduce(..) => "reduce",
+                Instr::Softmax(..) => "softmax",
+                Instr::LogSoftmax(..) => "log_softmax",
+                Instr::MatMul(x, _) if shapes[*x].len() == 3 => "batched matmul",
+                Instr::MatMul(x, y) if shapes[*x].len() == 1 || shapes[*y].len() == 1 => {
+                    "vector matmul"
+                }
+                Instr::MatMul(..) => "matmul",
+                Instr::Gram(..) => "gram",
+                Instr::Reshape(..) => "reshape",
+                Instr::Transpose(..) => "transpose",
+                Instr::Cond { .. } => "cond",
+                Instr::While { .. } => "while",
+            };
+            seen.insert(kind);
+            if let Instr::Cond { then_: body, .. } | Instr::While { body, .. } = instr {
+                for step in body {
+                    seen.insert(match step {
+                        Inner::Un(_) => "inner unary",
+                        Inner::Scalar(..) => "inner scalar",
+                        Inner::With(..) => "inner captured value",
+                        Inner::Center(..) => "inner reduction",
+                        Inner::Const(..) => "inner constant",
+                        Inner::Cond(..) => "nested cond",
+                    });
+                }
+            }
+            shapes.push(shape_of(instr, &shapes));
+        }
+    }
+    let want = [
+        "unary",
+        "broadcast",
+        "binary",
+        "scalar",
+        "reduce keepdim axes",
+        "reduce neg axis",
+        "reduce",
+        "softmax",
+        "log_softmax",
+        "batched matmul",
+        "vector matmul",
+        "matmul",
+        "gram",
+        "reshape",
+        "transpose",
+        "cond",
+        "while",
+        "inner unary",
+        "inner scalar",
+        "inner captured value",
+        "inner reduction",
+        "inner constant",
+        "nested cond",
+    ];
+    for k in want {
+        assert!(seen.contains(k), "no {k} in 300 programs: {seen:?}");
+    }
+}
+
+/// Both branches and several trip counts run: the predicates and loop
+/// conditions really depend on the data.
+#[test]
+fn control_flow_depends_on_the_data() {
+    let p = Program {
+        dims: [2, 3, 2],
+        instrs: vec![
+            Instr::Cond {
+                pred: 0,
+                threshold: 0.0,
+                x: 0,
+                then_: vec![Inner::Un(Un::Tanh)],
+                else_: vec![Inner::Scalar(Bin::Mul, 3.0)],
+            },
+            Instr::While {
+                x: 1,
+                trips: 4,
+                limit: 1.0,
+                body: vec![Inner::Scalar(Bin::Add, 0.5)],
+            },
+        ],
+        outputs: 2,
+    };
+    let cpu = Device::cpu();
+    let (mut branches, mut trips) = (
+        std::collections::BTreeSet::new(),
+        std::collections::BTreeSet::new(),
+    );
+    for seed in 0..40 {
+        let xs = inputs(&p, seed, &cpu);
+        branches.insert(xs[0].sum(&[], false).item().unwrap() > 0.0);
+        let out = interpret(&p, xs.clone(), Control::Host, None);
+        let grown = (&out[1] - &xs[1]).sum(&[], false).item().unwrap();
+        trips.insert((grown / (0.5 * 3.0)).round() as i32);
+        check(&p, seed).unwrap();
+    }
+    assert_eq!(branches.len(), 2, "{branches:?}");
+    assert!(trips.len() >= 3, "{trips:?}");
+}
+
+/// Found by `gradient_check.rs` and reachable here through `Inner::Const`
+/// (a tensor made on `y.device()` inside a branch): a concrete tensor of
+/// more than 16 elements made on the tracer device inside a traced closure
+/// became a parameter whose handle lived on the tracer device, and every
+/// staged mode (eager `If`, lazy, function, stage) failed with "an argument
+/// lives on trace but the op runs on cpu:0".
+#[test]
+fn regression_large_constant_made_inside_staged_code() {
+    let p = Program {
+        dims: [1, 17, 1],
+        instrs: vec![Instr::Cond {
+            pred: 1,
+            threshold: 0.0,
+            x: 1,
+            then_: vec![Inner::Const(Bin::Add, 3)],
+            else_: vec![Inner::Const(Bin::Mul, 4)],
+        }],
+        outputs: 1,
+    };
+    for seed in 0..4 {
+        check(&p, seed).unwrap();
+    }
+}
