@@ -619,7 +619,7 @@ fn fused_reduce_typed<T: Real + Arith + Send + Sync>(
     meta: &TensorMetadata,
 ) -> Result<DenseHostTensor> {
     // Shapes come from this call's inputs: a kernel serves every shape.
-    let metas: SmallVec<[TensorMetadata; 8]> = inputs.iter().map(|t| t.meta().clone()).collect();
+    let metas: SmallVec<[TensorMetadata; 8]> = inputs.iter().map(|t| t.metadata().clone()).collect();
     let values = fused_output(&metas)?;
     let axes = reduction_axes(axes, values.shape.rank())?;
     let source = FusedSource {
