@@ -633,6 +633,7 @@ impl Executable {
                 produced.len(),
                 step.outputs.len()
             ))
+            .with_op(def.name)
             .at(step.location));
         }
         produced
@@ -645,6 +646,7 @@ impl Executable {
                         def.name,
                         value.metadata()
                     ))
+                    .with_op(def.name)
                     .at(step.location));
                 }
                 Ok(value)
