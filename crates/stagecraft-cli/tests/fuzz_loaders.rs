@@ -80,7 +80,7 @@ fn mutate(mut file: Vec<u8>, edits: &[(usize, u8)]) -> Vec<u8> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(4096))]
 
     #[test]
     fn idx_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {

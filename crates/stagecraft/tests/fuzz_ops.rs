@@ -68,7 +68,7 @@ proptest! {
 
 /// Cases per test: sized so the file runs in well under a minute in the
 /// test profile on a busy 2-core machine.
-const CASES: u32 = 256;
+const CASES: u32 = 4096;
 
 /// The generator really exercises the ops: over fixed inputs it makes op
 /// calls, and both devices accept an empty input.
@@ -121,4 +121,40 @@ fn lazy_nonzero_has_its_real_shape_for_later_ops() {
         assert_eq!(coords.dims(), &[2, 2]);
         assert_eq!(coords.sum(&[0], false).to_vec().unwrap(), vec![1, 2]);
     }
+}
+
+/// A zero-size tensor whose other dimensions multiply past `usize::MAX`
+/// is valid (no elements); on the lazy device constant folding used to
+/// panic computing its strides.
+#[test]
+fn zero_size_tensors_with_huge_dims_compute() {
+    use stagecraft::{Device, Tensor};
+    let cpu = Device::cpu();
+    for device in [cpu, Device::lazy(&cpu)] {
+        let t = Tensor::<f32>::full(&[0, usize::MAX, usize::MAX], 1.5, &device);
+        let y = (t.exp() + 1.0).sum(&[1], true);
+        assert_eq!(y.dims(), &[0, 1, usize::MAX]);
+        assert_eq!(y.to_vec().unwrap(), Vec::<f32>::new());
+    }
+}
+
+/// The committed seeds of the two cargo-fuzz targets, including the inputs
+/// of past crashes, replay cleanly on both devices.
+#[test]
+fn fuzz_seeds_replay() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds");
+    let mut replayed = 0;
+    for target in ["eager_ops", "lazy_ops"] {
+        for entry in std::fs::read_dir(root.join(target)).unwrap() {
+            let path = entry.unwrap().path();
+            let bytes = std::fs::read(&path).unwrap();
+            for lazy in [false, true] {
+                if let Err(finding) = run_case(&bytes, lazy) {
+                    panic!("{} (lazy: {lazy}): {finding}", path.display());
+                }
+            }
+            replayed += 1;
+        }
+    }
+    assert!(replayed >= 6, "{replayed} seeds");
 }
