@@ -138,6 +138,27 @@ fn zero_size_tensors_with_huge_dims_compute() {
     }
 }
 
+/// An output whose element count fits `usize` but whose bytes do not
+/// (`usize::MAX` f32 values) used to reach the kernel, whose allocation
+/// panicked with "capacity overflow"; it is an error of the op now.
+#[test]
+fn outputs_too_big_to_allocate_are_errors_of_the_op() {
+    use stagecraft::{Device, Tensor};
+    let cpu = Device::cpu();
+    for device in [cpu, Device::lazy(&cpu)] {
+        let t = Tensor::<f32>::full(&[usize::MAX], 1.0, &device);
+        let line = line!() + 1;
+        for out in [t.exp(), -&t, t.pad(&[(0, 0)], 0.0)] {
+            let err = out.to_vec().unwrap_err();
+            assert!(err.to_string().contains("isize::MAX bytes"), "{err}");
+            assert_eq!(err.location().unwrap().line(), line, "{err}");
+        }
+        let idx = Tensor::<i64>::scalar(0, &device);
+        let err = idx.one_hot::<bool>(usize::MAX).check().unwrap_err();
+        assert_eq!(err.op(), Some("OneHot"), "{err}");
+    }
+}
+
 /// The committed seeds of the two cargo-fuzz targets, including the inputs
 /// of past crashes, replay cleanly on both devices.
 #[test]
