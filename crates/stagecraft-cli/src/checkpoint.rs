@@ -43,10 +43,22 @@ pub fn save(model: &Model, path: &Path) -> Result<()> {
 pub fn load(kind: ModelKind, path: &Path, device: &stagecraft::Device) -> Result<Model> {
     let bytes = std::fs::read(path)
         .map_err(|e| CliError::new(format!("cannot read {}: {e}", path.display())))?;
+    load_bytes(kind, path, &bytes, device)
+}
+
+/// Parses the parameters of a `kind` model from the bytes of a
+/// safetensors file, checking names, dtypes and shapes. `path` only names
+/// the file: every error starts with it.
+pub fn load_bytes(
+    kind: ModelKind,
+    path: &Path,
+    bytes: &[u8],
+    device: &stagecraft::Device,
+) -> Result<Model> {
     let bad = |what: String| CliError::new(format!("{}: {what}", path.display()));
-    let file = SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    let (_, metadata) = SafeTensors::read_metadata(&bytes)
+    let file =
+        SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let (_, metadata) = SafeTensors::read_metadata(bytes)
         .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
     if let Some(saved) = metadata.metadata().as_ref().and_then(|m| m.get("model")) {
         if saved != kind.name() {

@@ -191,8 +191,8 @@ pub fn parse_labels(path: &Path, bytes: &[u8]) -> Result<Vec<u8>, IdxError> {
     Ok(labels)
 }
 
-/// The bytes of an IDX images file (tests make data with it).
-#[cfg(test)]
+/// The bytes of an IDX images file (tests and fuzz seeds make data with
+/// it).
 pub fn encode_images(images: &Images) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 + images.pixels.len());
     out.extend_from_slice(&IMAGES_MAGIC.to_be_bytes());
@@ -204,7 +204,6 @@ pub fn encode_images(images: &Images) -> Vec<u8> {
 }
 
 /// The bytes of an IDX labels file.
-#[cfg(test)]
 pub fn encode_labels(labels: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(8 + labels.len());
     out.extend_from_slice(&LABELS_MAGIC.to_be_bytes());

@@ -5,21 +5,12 @@
 //!
 //! `stagecraft` alone is `stagecraft train` with the default settings.
 
-mod checkpoint;
-mod error;
-mod idx;
-mod mnist;
-mod model;
-mod profile;
-mod trace;
-mod trace_svg;
-mod train;
-
 use clap::{Args, Parser, Subcommand};
-use error::Result;
-use model::ModelKind;
+use stagecraft_cli::error::{self, Result};
+use stagecraft_cli::model::ModelKind;
+use stagecraft_cli::train::{self, DeviceKind};
+use stagecraft_cli::{mnist, trace};
 use std::path::PathBuf;
-use train::DeviceKind;
 
 /// Train on MNIST with the stagecraft runtime, and look inside it.
 #[derive(Parser, Debug)]

@@ -61,10 +61,15 @@ impl Shape {
     }
 
     /// Row-major (C order) strides in elements.
+    ///
+    /// A stride can only overflow when a later dimension is zero (shapes
+    /// with more elements than `usize` holds are rejected), and then no
+    /// element is ever addressed: such strides saturate instead of
+    /// panicking.
     pub fn strides(&self) -> SmallVec<[usize; 4]> {
         let mut strides: SmallVec<[usize; 4]> = SmallVec::from_elem(1, self.rank());
         for i in (0..self.rank().saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * self.0[i + 1];
+            strides[i] = strides[i + 1].saturating_mul(self.0[i + 1]);
         }
         strides
     }
@@ -213,6 +218,16 @@ pub fn normalize_axis(axis: isize, rank: usize) -> Result<usize> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Found by fuzzing: a zero-size shape whose other dimensions multiply
+    /// past `usize::MAX` panicked computing its strides.
+    #[test]
+    fn strides_of_a_zero_size_shape_with_huge_dims_saturate() {
+        let s = Shape::new(&[0, usize::MAX, usize::MAX]);
+        assert_eq!(s.checked_numel().unwrap(), 0);
+        assert_eq!(s.strides().as_slice(), &[usize::MAX, usize::MAX, 1]);
+        assert_eq!(Shape::new(&[2, 3, 4]).strides().as_slice(), &[12, 4, 1]);
+    }
 
     #[test]
     fn broadcasting_follows_numpy() {

@@ -111,7 +111,10 @@ impl<T: Element> Tensor<T> {
                 *device,
                 ScalarHostTensor::new(value.to_scalar(), shape).into(),
             )),
-            Err(e) => Tensor::error_at("Fill", location, *device, dims, e),
+            // The error tensor cannot carry `dims`: later ops infer their
+            // output metadata from it, and a shape whose element count
+            // overflows would make that arithmetic overflow too.
+            Err(e) => Tensor::error_at("Fill", location, *device, &[], e),
         }
     }
 

@@ -642,14 +642,17 @@ impl<const N: usize> Walk<N> {
             if d == 1 {
                 continue;
             }
+            // Products saturate: they can only overflow for a zero-size
+            // output whose other dimensions are huge, and zero absorbs the
+            // saturated values, so such a walk still visits nothing.
             let merge = !dims.is_empty()
                 && strides
                     .iter()
                     .zip(&full)
-                    .all(|(s, f)| s.last() == Some(&(f[axis] * d)));
+                    .all(|(s, f)| s.last() == Some(&f[axis].saturating_mul(d)));
             if merge {
                 if let Some(last) = dims.last_mut() {
-                    *last *= d;
+                    *last = last.saturating_mul(d);
                 }
                 for (s, f) in strides.iter_mut().zip(&full) {
                     if let Some(last) = s.last_mut() {

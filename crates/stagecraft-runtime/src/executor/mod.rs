@@ -642,6 +642,7 @@ impl Executable {
                 produced.len(),
                 step.outputs.len()
             ))
+            .with_op(def.name)
             .at(step.location));
         }
         produced
@@ -654,6 +655,7 @@ impl Executable {
                         def.name,
                         value.metadata()
                     ))
+                    .with_op(def.name)
                     .at(step.location));
                 }
                 Ok(value)

@@ -61,7 +61,10 @@ impl OpHandler for LazyOpHandler {
     }
 
     fn execute(&self, inv: OpInvocation<'_>) -> Results {
-        if self.eager {
+        // A data-dependent output shape (`Nonzero`) is known only once the
+        // op has run, and every op recorded after it infers its metadata
+        // from that shape: run such an op now, as the eager mode does.
+        if self.eager || inv.op.shape_kind == stagecraft_ops::ShapeKind::DataDependent {
             return trace::execute_eagerly(self.target, inv);
         }
         trace::record(self.target, inv)

@@ -1,0 +1,15 @@
+//! The library behind the `stagecraft` command: the MNIST IDX loader, the
+//! models and their training loop, safetensors checkpoints, profiles and
+//! trace pictures. The binary (`src/main.rs`) is only argument parsing on
+//! top of this; the loaders are a library so tests and fuzz targets can
+//! feed them bytes directly.
+
+pub mod checkpoint;
+pub mod error;
+pub mod idx;
+pub mod mnist;
+pub mod model;
+pub mod profile;
+pub mod trace;
+pub mod trace_svg;
+pub mod train;

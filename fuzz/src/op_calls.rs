@@ -1,0 +1,809 @@
+//! Random op calls driven by bytes: the generator shared by the
+//! `eager_ops`/`lazy_ops` fuzz targets and the proptest in
+//! `crates/stagecraft/tests/fuzz_ops.rs` (which includes this file with
+//! `#[path]`).
+//!
+//! The bytes decode into a short program: tensors of every dtype with
+//! random shapes (empty and zero-size dimensions included, and the odd
+//! dimension of `usize::MAX`), built from a palette of awkward values (NaN,
+//! infinities, `-0.0`, integer extremes), then op calls on them with random
+//! attributes (out-of-range axes, bad reshapes, mismatched matmuls,
+//! out-of-range gather indices, zero strides...). Every value the program
+//! makes is checked and read back at the end.
+//!
+//! The invariant: each call either succeeds or yields an error that names
+//! an op this program called and the line of this file it was called from
+//! (errors pass from input to output unchanged, so a later op may hold an
+//! earlier op's error: the check only asks that the op and line are ones
+//! the program really used). A panic is a failure too; the callers turn it
+//! into one (libFuzzer reports it, the proptest catches it).
+
+use stagecraft::layers::tensor::Scalar;
+use stagecraft::{
+    bf16, f16, lazy, where_, Conv2dOptions, Device, Element, Error, ExecutionMode, FloatElement,
+    IndexElement, NumElement, Pool2dOptions, Rng, Tensor,
+};
+
+/// Most op calls one program makes; keeps a case fast.
+const MAX_CALLS: usize = 24;
+/// Most values a program keeps; a new one replaces the oldest.
+const MAX_VALUES: usize = 12;
+
+/// A cursor over the fuzzer's bytes; once they run out it reads zeros, so
+/// every byte string decodes to some program.
+pub struct Input<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Input<'a> {
+    /// A cursor at the start of `bytes`.
+    pub fn new(bytes: &'a [u8]) -> Input<'a> {
+        Input { bytes, pos: 0 }
+    }
+
+    fn byte(&mut self) -> u8 {
+        let b = self.bytes.get(self.pos).copied().unwrap_or(0);
+        self.pos += 1;
+        b
+    }
+
+    fn exhausted(&self) -> bool {
+        self.pos >= self.bytes.len()
+    }
+
+    /// A number in `0..n` (`n > 0`).
+    fn below(&mut self, n: usize) -> usize {
+        self.byte() as usize % n
+    }
+
+    fn flag(&mut self) -> bool {
+        self.byte() & 1 == 1
+    }
+
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len())]
+    }
+
+    /// A dimension: mostly small, zero-size often, and rarely `usize::MAX`
+    /// (any shape holding it either overflows the element count or can
+    /// never be allocated; both must be errors, not aborts).
+    fn dim(&mut self) -> usize {
+        match self.byte() {
+            0..=59 => 1,
+            60..=119 => 2,
+            120..=169 => 3,
+            170..=209 => 0,
+            210..=251 => 4,
+            _ => usize::MAX,
+        }
+    }
+
+    fn dims(&mut self) -> Vec<usize> {
+        let rank = self.below(5);
+        let mut dims: Vec<usize> = (0..rank).map(|_| self.dim()).collect();
+        // Keep `usize::MAX` only where the element count overflows (an
+        // error to report). A shape of at most `usize::MAX` elements with
+        // a huge dimension is still open: `Tensor::full` makes it, and
+        // reading or densifying it panics ("capacity overflow"; see
+        // fuzz/README.md).
+        let overflows = dims
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .is_none();
+        if !overflows {
+            for d in dims.iter_mut().filter(|d| **d == usize::MAX) {
+                *d = 4;
+            }
+        }
+        dims
+    }
+
+    /// An axis argument: mostly in range for small ranks, sometimes far out.
+    fn axis(&mut self) -> isize {
+        self.pick(&[0, 1, -1, 2, -2, 3, -3, 4, -5, isize::MAX, isize::MIN])
+    }
+
+    fn axes(&mut self) -> Vec<isize> {
+        let n = self.below(4);
+        (0..n).map(|_| self.axis()).collect()
+    }
+
+    /// A slice bound or step.
+    fn bound(&mut self) -> i64 {
+        self.pick(&[0, 1, 2, -1, -2, 3, 5, i64::MAX, i64::MIN])
+    }
+
+    /// A small count for sizes given as attributes (pads, depths, kernels).
+    fn count(&mut self) -> usize {
+        self.pick(&[0, 1, 2, 3, 1, 2, usize::MAX])
+    }
+
+    fn pair(&mut self) -> [usize; 2] {
+        [self.count(), self.count()]
+    }
+
+    /// An element value from the palette of awkward ones.
+    fn scalar(&mut self) -> Scalar {
+        match self.below(16) {
+            0 => Scalar::F64(0.0),
+            1 => Scalar::F64(1.0),
+            2 => Scalar::F64(-1.0),
+            3 => Scalar::F64(2.5),
+            4 => Scalar::F64(-0.0),
+            5 => Scalar::F64(f64::NAN),
+            6 => Scalar::F64(f64::INFINITY),
+            7 => Scalar::F64(f64::NEG_INFINITY),
+            8 => Scalar::F64(1e30),
+            9 => Scalar::F64(-7.0),
+            10 => Scalar::I64(i64::MIN),
+            11 => Scalar::I64(i64::MAX),
+            12 => Scalar::I64(3),
+            13 => Scalar::I64(-2),
+            14 => Scalar::F64(1e-40),
+            _ => Scalar::I64(i32::MIN as i64),
+        }
+    }
+
+    fn float(&mut self) -> f64 {
+        self.pick(&[
+            0.0,
+            1.0,
+            -1.0,
+            0.5,
+            2.5,
+            -3.0,
+            7.0,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            1e30,
+            -1e30,
+        ])
+    }
+}
+
+/// A value of any dtype; the program's tensors.
+#[derive(Clone)]
+pub enum Val {
+    /// A `bool` tensor.
+    Bool(Tensor<bool>),
+    /// An `i32` tensor.
+    I32(Tensor<i32>),
+    /// An `i64` tensor.
+    I64(Tensor<i64>),
+    /// An `f16` tensor.
+    F16(Tensor<f16>),
+    /// A `bf16` tensor.
+    BF16(Tensor<bf16>),
+    /// An `f32` tensor.
+    F32(Tensor<f32>),
+    /// An `f64` tensor.
+    F64(Tensor<f64>),
+}
+
+/// Runs `$body` with `$t` bound to the typed tensor inside a [`Val`].
+macro_rules! with_val {
+    ($val:expr, $t:ident => $body:expr) => {
+        match $val {
+            Val::Bool($t) => $body,
+            Val::I32($t) => $body,
+            Val::I64($t) => $body,
+            Val::F16($t) => $body,
+            Val::BF16($t) => $body,
+            Val::F32($t) => $body,
+            Val::F64($t) => $body,
+        }
+    };
+}
+
+/// The element types, with the ops each dtype class has.
+pub trait Kind: Element {
+    /// Wraps a tensor of this type.
+    fn wrap(t: Tensor<Self>) -> Val;
+    /// The tensor inside `v` if it has this type.
+    fn get(v: &Val) -> Option<&Tensor<Self>>;
+    /// An op of the numeric types (`None` for `bool`).
+    fn numeric_op(c: &mut Case, inp: &mut Input, a: &Tensor<Self>) -> Option<Val>;
+    /// An op of the float types (`None` for the others).
+    fn float_op(c: &mut Case, inp: &mut Input, a: &Tensor<Self>) -> Option<Val>;
+    /// An op of the index types (`None` for the others).
+    fn index_op(c: &mut Case, inp: &mut Input, a: &Tensor<Self>) -> Option<Val>;
+    /// A fresh tensor from a creation op only this class has.
+    fn create(c: &mut Case, inp: &mut Input, dims: &[usize]) -> Option<Val>;
+}
+
+macro_rules! kind {
+    ($t:ty, $variant:ident, numeric: $num:tt, float: $float:tt, index: $index:tt,
+     create: $create:tt) => {
+        impl Kind for $t {
+            fn wrap(t: Tensor<Self>) -> Val {
+                Val::$variant(t)
+            }
+            fn get(v: &Val) -> Option<&Tensor<Self>> {
+                match v {
+                    Val::$variant(t) => Some(t),
+                    _ => None,
+                }
+            }
+            fn numeric_op(c: &mut Case, inp: &mut Input, a: &Tensor<Self>) -> Option<Val> {
+                kind!(@if $num, numeric_op::<$t>(c, inp, a))
+            }
+            fn float_op(c: &mut Case, inp: &mut Input, a: &Tensor<Self>) -> Option<Val> {
+                kind!(@if $float, float_op::<$t>(c, inp, a))
+            }
+            fn index_op(c: &mut Case, inp: &mut Input, a: &Tensor<Self>) -> Option<Val> {
+                kind!(@if $index, index_op::<$t>(c, inp, a))
+            }
+            fn create(c: &mut Case, inp: &mut Input, dims: &[usize]) -> Option<Val> {
+                kind!(@create $create, $t, c, inp, dims)
+            }
+        }
+    };
+    (@if yes, $f:ident::<$t:ty>($($arg:ident),*)) => {
+        Some($f::<$t>($($arg),*))
+    };
+    (@if no, $f:ident::<$t:ty>($($arg:ident),*)) => {{
+        let _ = ($($arg),*);
+        None
+    }};
+    (@create float, $t:ty, $c:ident, $inp:ident, $dims:ident) => {
+        Some(if $inp.flag() {
+            create_float::<$t>($c, $inp, $dims)
+        } else {
+            create_numeric::<$t>($c, $inp)
+        })
+    };
+    (@create numeric, $t:ty, $c:ident, $inp:ident, $dims:ident) => {{
+        let _ = $dims;
+        Some(create_numeric::<$t>($c, $inp))
+    }};
+    (@create none, $t:ty, $c:ident, $inp:ident, $dims:ident) => {{
+        let _ = ($c, $inp, $dims);
+        None
+    }};
+}
+
+kind!(bool, Bool, numeric: no, float: no, index: no, create: none);
+kind!(i32, I32, numeric: yes, float: no, index: yes, create: numeric);
+kind!(i64, I64, numeric: yes, float: no, index: yes, create: numeric);
+kind!(f16, F16, numeric: yes, float: yes, index: no, create: float);
+kind!(bf16, BF16, numeric: yes, float: yes, index: no, create: float);
+kind!(f32, F32, numeric: yes, float: yes, index: no, create: float);
+kind!(f64, F64, numeric: yes, float: yes, index: no, create: float);
+
+/// Notes the op names a call may raise and the line it is on, then makes
+/// the call. `line!()` here is the line of the `call!`; the call itself
+/// starts on that line or, when rustfmt wraps it, a few lines below.
+macro_rules! call {
+    ($c:expr, [$($op:literal),+], $e:expr) => {{
+        $c.site(&[$($op),+], line!());
+        $e
+    }};
+}
+
+/// Every call site any program in this process noted (see
+/// [`Case::check_error`]).
+static ALL_SITES: std::sync::Mutex<Vec<(&'static [&'static str], u32)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// One program's state: its device, values and the op calls it made.
+pub struct Case {
+    device: Device,
+    /// The other device (eager for a lazy program and the reverse), for
+    /// the occasional cross-device argument, which must be an error.
+    other: Device,
+    vals: Vec<Val>,
+    sites: Vec<(&'static [&'static str], u32)>,
+    rng: Rng,
+    lazy: bool,
+}
+
+impl Case {
+    fn site(&mut self, ops: &'static [&'static str], line: u32) {
+        if !self.sites.iter().any(|&(o, l)| l == line && o == ops) {
+            self.sites.push((ops, line));
+        }
+        let mut all = ALL_SITES.lock().unwrap_or_else(|p| p.into_inner());
+        if !all.iter().any(|&(o, l)| l == line && o == ops) {
+            all.push((ops, line));
+        }
+    }
+
+    fn push(&mut self, v: Val) {
+        if self.vals.len() >= MAX_VALUES {
+            self.vals.remove(0);
+        }
+        self.vals.push(v);
+    }
+
+    /// A value of type `T` from the pool (or a fresh one) to pair with
+    /// another operand.
+    fn operand<T: Kind>(&mut self, inp: &mut Input) -> Tensor<T> {
+        let same: Vec<Tensor<T>> = self.vals.iter().filter_map(T::get).cloned().collect();
+        if !same.is_empty() && inp.below(4) != 0 {
+            return same[inp.below(same.len())].clone();
+        }
+        let dims = inp.dims();
+        dense::<T>(self, inp, &dims)
+    }
+
+    /// An index tensor (i32 or i64 from the pool, else fresh).
+    fn indices(&mut self, inp: &mut Input) -> Val {
+        if inp.flag() {
+            Val::I64(self.operand::<i64>(inp))
+        } else {
+            Val::I32(self.operand::<i32>(inp))
+        }
+    }
+
+    fn place(&mut self, inp: &mut Input) -> Device {
+        if inp.below(16) == 0 {
+            self.other
+        } else {
+            self.device
+        }
+    }
+
+    /// Checks that `err` names an op this program called, at the line it
+    /// was called from.
+    fn check_error(&self, err: &Error, what: &str) -> Result<(), String> {
+        let op = err
+            .op()
+            .ok_or_else(|| format!("{what}: the error names no op: {err}"))?;
+        let loc = err
+            .location()
+            .ok_or_else(|| format!("{what}: the error has no source location: {err}"))?;
+        if loc.file() != file!() {
+            return Err(format!(
+                "{what}: the error points at {loc}, not at the call in {}: {err}",
+                file!()
+            ));
+        }
+        let matches = |&(ops, line): &(&[&str], u32)| {
+            ops.contains(&op) && loc.line() >= line && loc.line() <= line + 8
+        };
+        // Open finding: a lazy trace served from the cache keeps the source
+        // locations of the program that compiled it, so a kernel error in
+        // it (integer division by zero, an index out of range) names that
+        // program's call of the same op. Until that is fixed the line may
+        // be any call of the op made so far in this process; the op name
+        // and the file are still checked.
+        let known = self.sites.iter().any(matches)
+            || ALL_SITES
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .any(matches);
+        if !known {
+            return Err(format!(
+                "{what}: the error names op {op} at line {}, which is not a call this \
+                 program made ({:?}): {err}",
+                loc.line(),
+                self.sites
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a value without reading it: an error it already holds must
+    /// name its op and line.
+    fn check_val(&self, v: &Val, what: &str) -> Result<(), String> {
+        with_val!(v, t => match t.check() {
+            Ok(()) => Ok(()),
+            Err(e) => self.check_error(&e, what),
+        })
+    }
+
+    /// Reads a value back: an error must name its op and line, and a value
+    /// must have as many elements as its shape says.
+    fn read_val(&self, v: &Val, what: &str) -> Result<(), String> {
+        with_val!(v, t => {
+            match t.to_vec() {
+                Ok(values) => {
+                    if values.len() != t.numel() {
+                        return Err(format!(
+                            "{what}: read {} values from a tensor of shape {:?}",
+                            values.len(),
+                            t.dims()
+                        ));
+                    }
+                    Ok(())
+                }
+                Err(e) => self.check_error(&e, what),
+            }
+        })
+    }
+}
+
+/// A dense tensor of `T` from palette values, or (rarely) one whose data
+/// does not fit its shape, which must be an error of `from_slice`.
+fn dense<T: Kind>(c: &mut Case, inp: &mut Input, dims: &[usize]) -> Tensor<T> {
+    let device = c.place(inp);
+    let numel = dims
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n <= 256);
+    let wrong = inp.below(12) == 0;
+    let len = match (numel, wrong) {
+        (Some(n), false) => n,
+        (Some(n), true) => n + 1,
+        // The shape is too big to fill: the data cannot match it.
+        (None, _) => inp.below(3),
+    };
+    let values: Vec<T> = (0..len).map(|_| T::from_scalar(inp.scalar())).collect();
+    match call!(
+        c,
+        ["from_slice"],
+        Tensor::from_slice(&values, dims, &device)
+    ) {
+        Ok(t) => t,
+        Err(e) => {
+            // `from_slice` returns its error instead of an error tensor;
+            // keep the program going with a valid tensor after checking it.
+            if let Err(msg) = c.check_error(&e, "from_slice") {
+                panic!("{msg}");
+            }
+            Tensor::scalar(T::from_scalar(inp.scalar()), &device)
+        }
+    }
+}
+
+/// A fresh tensor of `T`.
+fn create<T: Kind>(c: &mut Case, inp: &mut Input) -> Val {
+    let dims = inp.dims();
+    let device = c.place(inp);
+    match inp.below(6) {
+        0 | 1 => T::wrap(dense::<T>(c, inp, &dims)),
+        2 => {
+            let v = T::from_scalar(inp.scalar());
+            T::wrap(call!(c, ["Fill"], Tensor::full(&dims, v, &device)))
+        }
+        3 => T::wrap(Tensor::scalar(T::from_scalar(inp.scalar()), &device)),
+        4 => T::wrap(call!(c, ["Fill"], Tensor::<T>::zeros(&dims, &device))),
+        _ => T::create(c, inp, &dims).unwrap_or_else(|| T::wrap(dense::<T>(c, inp, &dims))),
+    }
+}
+
+fn create_numeric<T: Kind + NumElement>(c: &mut Case, inp: &mut Input) -> Val {
+    let device = c.place(inp);
+    let (start, stop, step) = (inp.float(), inp.float(), inp.float());
+    T::wrap(call!(
+        c,
+        ["Arange"],
+        Tensor::<T>::arange(start, stop, step, &device)
+    ))
+}
+
+fn create_float<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, dims: &[usize]) -> Val {
+    let device = c.place(inp);
+    let (p, q) = (inp.float(), inp.float());
+    let t = if inp.flag() {
+        call!(
+            c,
+            ["RandomUniform"],
+            Tensor::<T>::rand_uniform(dims, p, q, &mut c.rng, &device)
+        )
+    } else {
+        call!(
+            c,
+            ["RandomNormal"],
+            Tensor::<T>::rand_normal(dims, p, q, &mut c.rng, &device)
+        )
+    };
+    T::wrap(t)
+}
+
+/// A fresh value of a random dtype.
+fn create_any(c: &mut Case, inp: &mut Input) -> Val {
+    match inp.below(7) {
+        0 => create::<bool>(c, inp),
+        1 => create::<i32>(c, inp),
+        2 => create::<i64>(c, inp),
+        3 => create::<f16>(c, inp),
+        4 => create::<bf16>(c, inp),
+        5 => create::<f32>(c, inp),
+        _ => create::<f64>(c, inp),
+    }
+}
+
+/// The ops every dtype has: shape ops, comparisons, casts, gathers.
+fn element_op<T: Kind>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
+    match inp.below(20) {
+        0 => {
+            let dims = inp.dims();
+            T::wrap(call!(c, ["Reshape"], a.reshape(&dims)))
+        }
+        1 => {
+            let (x, y) = (inp.axis(), inp.axis());
+            T::wrap(call!(c, ["Transpose"], a.transpose(x, y)))
+        }
+        2 => {
+            let perm = inp.axes();
+            T::wrap(call!(c, ["Transpose"], a.permute(&perm)))
+        }
+        3 => {
+            let dims = inp.dims();
+            T::wrap(call!(c, ["BroadcastTo"], a.broadcast_to(&dims)))
+        }
+        4 => {
+            let axes = inp.axes();
+            T::wrap(call!(c, ["Squeeze", "Reshape"], a.squeeze(&axes)))
+        }
+        5 => {
+            let axis = inp.axis();
+            T::wrap(call!(c, ["Unsqueeze", "Reshape"], a.unsqueeze(axis)))
+        }
+        6 => {
+            let b = c.operand::<T>(inp);
+            let axis = inp.axis();
+            let parts: Vec<&Tensor<T>> = match inp.below(4) {
+                0 => vec![],
+                1 => vec![a],
+                _ => vec![a, &b],
+            };
+            T::wrap(call!(c, ["Concat"], Tensor::concat(&parts, axis)))
+        }
+        7 => {
+            let n = inp.below(4);
+            let starts: Vec<i64> = (0..n).map(|_| inp.bound()).collect();
+            let m = if inp.below(4) == 0 { inp.below(4) } else { n };
+            let ends: Vec<i64> = (0..m).map(|_| inp.bound()).collect();
+            let other = inp.below(4);
+            let k = inp.pick(&[0, n, n, other]);
+            let steps: Vec<i64> = (0..k).map(|_| inp.bound()).collect();
+            T::wrap(call!(c, ["Slice"], a.slice(&starts, &ends, &steps)))
+        }
+        8 => {
+            let (axis, start, len) = (inp.axis(), inp.count(), inp.count());
+            T::wrap(call!(c, ["Slice"], a.narrow(axis, start, len)))
+        }
+        9 => {
+            let axis = inp.axis();
+            T::wrap(match c.indices(inp) {
+                Val::I32(i) => call!(c, ["Gather"], a.index_select(axis, &i)),
+                Val::I64(i) => call!(c, ["Gather"], a.gather(axis, &i)),
+                _ => unreachable!("indices are i32 or i64"),
+            })
+        }
+        10 => {
+            let n = inp.below(5);
+            let pads: Vec<(usize, usize)> = (0..n).map(|_| (inp.count(), inp.count())).collect();
+            let value = inp.float();
+            T::wrap(call!(c, ["Pad"], a.pad(&pads, value)))
+        }
+        11 => Val::I64(call!(c, ["Nonzero"], a.nonzero())),
+        12 => {
+            let b = c.operand::<T>(inp);
+            Val::Bool(match inp.below(6) {
+                0 => call!(c, ["Equal"], a.eq(&b)),
+                1 => call!(c, ["NotEqual"], a.ne(&b)),
+                2 => call!(c, ["Less"], a.lt(&b)),
+                3 => call!(c, ["LessEqual"], a.le(&b)),
+                4 => call!(c, ["Greater"], a.gt(&b)),
+                _ => call!(c, ["GreaterEqual"], a.ge(&b)),
+            })
+        }
+        13 => {
+            let cond = c.operand::<bool>(inp);
+            let b = c.operand::<T>(inp);
+            T::wrap(if inp.flag() {
+                call!(c, ["Select"], cond.select(a, &b))
+            } else {
+                call!(c, ["Select"], where_(&cond, &b, a))
+            })
+        }
+        14 => match inp.below(7) {
+            0 => Val::Bool(call!(c, ["Cast"], a.cast::<bool>())),
+            1 => Val::I32(call!(c, ["Cast"], a.cast::<i32>())),
+            2 => Val::I64(call!(c, ["Cast"], a.cast::<i64>())),
+            3 => Val::F16(call!(c, ["Cast"], a.cast::<f16>())),
+            4 => Val::BF16(call!(c, ["Cast"], a.cast::<bf16>())),
+            5 => Val::F32(call!(c, ["Cast"], a.cast::<f32>())),
+            _ => Val::F64(call!(c, ["Cast"], a.cast::<f64>())),
+        },
+        15 => {
+            // A one-element read in the middle of the program (a lazy
+            // device materializes here).
+            if let Err(e) = call!(c, ["item"], a.item()) {
+                if let Err(msg) = c.check_error(&e, "item") {
+                    panic!("{msg}");
+                }
+            }
+            T::wrap(a.clone())
+        }
+        _ => T::numeric_op(c, inp, a)
+            .or_else(|| T::float_op(c, inp, a))
+            .unwrap_or_else(|| bool_op(c, inp, a)),
+    }
+}
+
+/// The logical ops, on bool values (other dtypes are cast first).
+fn bool_op<T: Kind>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
+    let a = call!(c, ["Cast"], a.cast::<bool>());
+    let b = c.operand::<bool>(inp);
+    Val::Bool(match inp.below(3) {
+        0 => call!(c, ["LogicalAnd"], a.and(&b)),
+        1 => call!(c, ["LogicalOr"], a.or(&b)),
+        _ => call!(c, ["LogicalNot"], a.not()),
+    })
+}
+
+fn numeric_op<T: Kind + NumElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
+    match inp.below(16) {
+        0 => T::wrap(match inp.below(4) {
+            0 => call!(c, ["Relu"], a.relu()),
+            1 => call!(c, ["Abs"], a.abs()),
+            2 => call!(c, ["Neg"], a.neg()),
+            _ => call!(c, ["Sign"], a.sign()),
+        }),
+        1..=3 => {
+            let b = c.operand::<T>(inp);
+            T::wrap(match inp.below(6) {
+                0 => call!(c, ["Add"], a.add(&b)),
+                1 => call!(c, ["Sub"], a.sub(&b)),
+                2 => call!(c, ["Mul"], a.mul(&b)),
+                3 => call!(c, ["Div"], a.div(&b)),
+                4 => call!(c, ["Maximum"], a.maximum(&b)),
+                _ => call!(c, ["Minimum"], a.minimum(&b)),
+            })
+        }
+        4 => {
+            let s = T::from_scalar(inp.scalar());
+            T::wrap(match inp.below(4) {
+                0 => call!(c, ["Add"], a + s),
+                1 => call!(c, ["Sub"], a - s),
+                2 => call!(c, ["Mul"], a * s),
+                _ => call!(c, ["Div"], a / s),
+            })
+        }
+        5..=7 => {
+            let (axes, keep) = (inp.axes(), inp.flag());
+            T::wrap(match inp.below(4) {
+                0 => call!(c, ["Sum"], a.sum(&axes, keep)),
+                1 => call!(c, ["Max"], a.max(&axes, keep)),
+                2 => call!(c, ["Min"], a.min(&axes, keep)),
+                _ => call!(c, ["Prod"], a.prod(&axes, keep)),
+            })
+        }
+        8 => {
+            let (axis, keep) = (inp.axis(), inp.flag());
+            Val::I64(if inp.flag() {
+                call!(c, ["ArgMax"], a.argmax(axis, keep))
+            } else {
+                call!(c, ["ArgMin"], a.argmin(axis, keep))
+            })
+        }
+        9..=11 => {
+            let b = c.operand::<T>(inp);
+            T::wrap(call!(c, ["MatMul"], a.matmul(&b)))
+        }
+        12 => {
+            // Division by an integer zero is an error the kernel finds.
+            let zero = T::from_scalar(Scalar::I64(0));
+            T::wrap(call!(c, ["Div"], a / zero))
+        }
+        _ => T::index_op(c, inp, a)
+            .or_else(|| T::float_op(c, inp, a))
+            .unwrap_or_else(|| element_op(c, inp, a)),
+    }
+}
+
+fn index_op<T: Kind + IndexElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
+    let depth = inp.count();
+    match inp.below(3) {
+        0 => Val::F32(call!(c, ["OneHot"], a.one_hot::<f32>(depth))),
+        1 => Val::I64(call!(c, ["OneHot"], a.one_hot::<i64>(depth))),
+        _ => Val::Bool(call!(c, ["OneHot"], a.one_hot::<bool>(depth))),
+    }
+}
+
+fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
+    match inp.below(10) {
+        0..=2 => T::wrap(match inp.below(9) {
+            0 => call!(c, ["Exp"], a.exp()),
+            1 => call!(c, ["Log"], a.log()),
+            2 => call!(c, ["Sqrt"], a.sqrt()),
+            3 => call!(c, ["Rsqrt"], a.rsqrt()),
+            4 => call!(c, ["Tanh"], a.tanh()),
+            5 => call!(c, ["Sigmoid"], a.sigmoid()),
+            6 => call!(c, ["Gelu"], a.gelu()),
+            7 => call!(c, ["Sin"], a.sin()),
+            _ => call!(c, ["Cos"], a.cos()),
+        }),
+        3 => {
+            let b = c.operand::<T>(inp);
+            T::wrap(call!(c, ["Pow"], a.pow(&b)))
+        }
+        4 => {
+            let (axes, keep) = (inp.axes(), inp.flag());
+            T::wrap(call!(c, ["Mean"], a.mean(&axes, keep)))
+        }
+        5 => {
+            let axis = inp.axis();
+            T::wrap(if inp.flag() {
+                call!(c, ["Softmax"], a.softmax(axis))
+            } else {
+                call!(c, ["LogSoftmax"], a.log_softmax(axis))
+            })
+        }
+        6 | 7 => {
+            let w = c.operand::<T>(inp);
+            let options = Conv2dOptions {
+                stride: inp.pair(),
+                padding: inp.pair(),
+                dilation: inp.pair(),
+                groups: inp.count(),
+            };
+            T::wrap(call!(c, ["Conv2d"], a.conv2d(&w, options)))
+        }
+        _ => {
+            let options = Pool2dOptions {
+                kernel: inp.pair(),
+                stride: if inp.flag() { Some(inp.pair()) } else { None },
+                padding: inp.pair(),
+            };
+            T::wrap(if inp.flag() {
+                call!(c, ["MaxPool2d"], a.max_pool2d(options))
+            } else {
+                let include = inp.flag();
+                call!(c, ["AvgPool2d"], a.avg_pool2d(options, include))
+            })
+        }
+    }
+}
+
+/// Decodes `bytes` into a program and runs it on the eager CPU device
+/// (`lazy == false`, in sync or async execution mode as the bytes say) or
+/// on the lazy device over it. Returns the number of op calls made, or a
+/// description of the first error that named no op or a wrong line.
+pub fn run(bytes: &[u8], lazy: bool) -> Result<usize, String> {
+    let mut inp = Input::new(bytes);
+    let cpu = Device::cpu();
+    let lazy_dev = Device::lazy(&cpu);
+    let (device, other) = if lazy {
+        (lazy_dev, cpu)
+    } else {
+        (cpu, lazy_dev)
+    };
+    let mode = if !lazy && inp.flag() {
+        ExecutionMode::Async
+    } else {
+        ExecutionMode::Sync
+    };
+    stagecraft::with_execution_mode(mode, || {
+        let mut c = Case {
+            device,
+            other,
+            vals: Vec::new(),
+            sites: Vec::new(),
+            rng: Rng::new(inp.byte() as u64),
+            lazy,
+        };
+        let mut calls = 0;
+        let first = create_any(&mut c, &mut inp);
+        c.push(first);
+        while calls < MAX_CALLS && !inp.exhausted() {
+            calls += 1;
+            let v = match inp.below(8) {
+                0 => create_any(&mut c, &mut inp),
+                1 if c.lazy => {
+                    // End a "training step": everything pending runs.
+                    lazy::mark_step();
+                    continue;
+                }
+                _ => {
+                    let a = c.vals[inp.below(c.vals.len())].clone();
+                    with_val!(&a, t => element_op(&mut c, &mut inp, t))
+                }
+            };
+            c.check_val(&v, "a value just made")?;
+            c.push(v);
+        }
+        for (i, v) in c.vals.iter().enumerate() {
+            c.check_val(v, &format!("value {i}"))?;
+            c.read_val(v, &format!("reading value {i}"))?;
+        }
+        Ok(calls)
+    })
+}
