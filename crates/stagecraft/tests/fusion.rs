@@ -78,7 +78,9 @@ fn a_tree_and_its_reduction_are_one_kernel() {
 fn a_dense_layer_is_one_kernel_and_matches_eager() {
     let d = Device::cpu();
     let (k, n) = (48, 40);
-    let w: Vec<f32> = (0..k * n).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
+    let w: Vec<f32> = (0..k * n)
+        .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+        .collect();
     let b: Vec<f32> = (0..n).map(|i| (i as f32 - 20.0) / 10.0).collect();
     let w = Tensor::from_vec(w, &[k, n], &d).unwrap();
     let b = Tensor::from_vec(b, &[n], &d).unwrap();

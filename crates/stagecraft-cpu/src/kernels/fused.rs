@@ -6,12 +6,12 @@
 //! results are bit-identical.
 
 use super::elementwise::{gelu, relu, rsqrt, sigmoid, sign, Arith, Real};
+use super::linalg::{matmul_typed, GemmElement};
+use super::reduce::{float_fold, Source};
 use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
 use crate::Inputs;
 use rayon::prelude::*;
 use smallvec::{smallvec, SmallVec};
-use super::linalg::{matmul_typed, GemmElement};
-use super::reduce::{float_fold, Source};
 use stagecraft_ops::{
     decode_fused, fused_operand, fused_output, fused_reduce_op, reduction_axes, Attrs, BinaryOp,
     FusedInstr, FusedOperand, ReduceOp, UnaryOp,
@@ -234,7 +234,12 @@ fn allocate_registers(program: &[FusedInstr], inputs: usize) -> (Vec<Step>, usiz
 }
 
 /// Operand `op` within the current block.
-fn operand<'b, T: Copy>(op: Operand, inputs: &[Src<'b, T>], regs: &'b [Vec<T>], n: usize) -> Src<'b, T> {
+fn operand<'b, T: Copy>(
+    op: Operand,
+    inputs: &[Src<'b, T>],
+    regs: &'b [Vec<T>],
+    n: usize,
+) -> Src<'b, T> {
     match op {
         Operand::Input(k) => inputs[k],
         Operand::Slot(r) => Src::Slice(&regs[r][..n]),
@@ -379,7 +384,13 @@ fn run_block<T: Real + Arith>(
 }
 
 #[inline(always)]
-fn run_step<T: Real + Arith>(step: &Step, dst: &mut [T], srcs: &[Src<'_, T>], regs: &[Vec<T>], n: usize) {
+fn run_step<T: Real + Arith>(
+    step: &Step,
+    dst: &mut [T],
+    srcs: &[Src<'_, T>],
+    regs: &[Vec<T>],
+    n: usize,
+) {
     match *step {
         Step::Unary(op, a, _) => run_unary(op, dst, operand(a, srcs, regs, n)),
         Step::Binary(op, a, b, _) => run_binary(
@@ -485,7 +496,10 @@ impl Program {
             .iter()
             .map(|t| {
                 let how = fused_operand(t.shape(), out).ok_or_else(|| {
-                    Error::internal(format!("a fused kernel cannot broadcast {} to {out}", t.shape()))
+                    Error::internal(format!(
+                        "a fused kernel cannot broadcast {} to {out}",
+                        t.shape()
+                    ))
                 })?;
                 Ok(Input::new(t.as_slice::<T>()?, how))
             })
@@ -605,8 +619,13 @@ impl<T: Real + Arith + Send + Sync> Source<T> for FusedSource<'_, T> {
             scratch.values.resize(len, T::default());
         }
         let values = &mut scratch.values[..len];
-        self.program
-            .run_range(self.isa, &self.inputs, start, values, &mut scratch.registers);
+        self.program.run_range(
+            self.isa,
+            &self.inputs,
+            start,
+            values,
+            &mut scratch.registers,
+        );
         values
     }
 }
@@ -619,7 +638,8 @@ fn fused_reduce_typed<T: Real + Arith + Send + Sync>(
     meta: &TensorMetadata,
 ) -> Result<DenseHostTensor> {
     // Shapes come from this call's inputs: a kernel serves every shape.
-    let metas: SmallVec<[TensorMetadata; 8]> = inputs.iter().map(|t| t.metadata().clone()).collect();
+    let metas: SmallVec<[TensorMetadata; 8]> =
+        inputs.iter().map(|t| t.metadata().clone()).collect();
     let values = fused_output(&metas)?;
     let axes = reduction_axes(axes, values.shape.rank())?;
     let source = FusedSource {
@@ -781,7 +801,10 @@ mod tests {
         // (x + bias) - per_row
         let code = |op: BinaryOp| {
             stagecraft_ops::FUSED_BINARY_BASE
-                + stagecraft_ops::FUSED_BINARY.iter().position(|b| *b == op).unwrap() as i64
+                + stagecraft_ops::FUSED_BINARY
+                    .iter()
+                    .position(|b| *b == op)
+                    .unwrap() as i64
         };
         let program =
             Program::new(&[code(BinaryOp::Add), 0, 1, code(BinaryOp::Sub), 3, 2], 3).unwrap();

@@ -402,7 +402,14 @@ where
     /// Folds `acc.len()` columns of a `[red, inner]` slab whose first
     /// column is element `start` into `acc` (which holds the identity),
     /// flushing a partial accumulator every [`RED_BLOCK`] rows.
-    fn cols(&self, scratch: &mut X::Scratch, start: usize, red: usize, inner: usize, acc: &mut [A]) {
+    fn cols(
+        &self,
+        scratch: &mut X::Scratch,
+        start: usize,
+        red: usize,
+        inner: usize,
+        acc: &mut [A],
+    ) {
         let (cvt, f) = (self.cvt, self.f);
         let width = acc.len();
         let mut sweep = |target: &mut [A], rows: std::ops::Range<usize>| {

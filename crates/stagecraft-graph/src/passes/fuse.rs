@@ -125,12 +125,17 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
             continue;
         };
         for v in &node.inputs {
-            let Value::Output { node: mm, output: 0 } = *v else {
+            let Value::Output {
+                node: mm,
+                output: 0,
+            } = *v
+            else {
                 continue;
             };
             let mm = mm as usize;
             let producer = &f.nodes[mm];
-            let is_matmul = matches!(&producer.op, NodeOp::Op(def, _) if std::ptr::eq(*def, &MATMUL));
+            let is_matmul =
+                matches!(&producer.op, NodeOp::Op(def, _) if std::ptr::eq(*def, &MATMUL));
             if is_matmul
                 && uses[mm][0] == 1
                 && producer.device == node.device
@@ -339,7 +344,9 @@ mod tests {
         let v: Vec<f32> = (0..n)
             .map(|i| ((i * 7919 + seed * 104_729) % 2001) as f32 / 1000.0 - 1.0)
             .collect();
-        HostTensor::Dense(stagecraft_tensor::DenseHostTensor::from_slice(&v, Shape::new(dims)).unwrap())
+        HostTensor::Dense(
+            stagecraft_tensor::DenseHostTensor::from_slice(&v, Shape::new(dims)).unwrap(),
+        )
     }
 
     /// `sum((x*2+1)*x)` over rows, over columns, over everything and as a
@@ -437,7 +444,10 @@ mod tests {
         let mut f = Function::new("both", vec![TensorMetadata::new(DType::F32, [100])]);
         let none = OpAttrs::new();
         let loc = Location::caller();
-        let t = Value::node(f.add_op(&stagecraft_ops::TANH, &none, &[Value::Param(0)], loc).unwrap());
+        let t = Value::node(
+            f.add_op(&stagecraft_ops::TANH, &none, &[Value::Param(0)], loc)
+                .unwrap(),
+        );
         let s = Value::node(f.add_op(&stagecraft_ops::SUM, &none, &[t], loc).unwrap());
         f.results = vec![t, s];
         let g = optimize(&f);

@@ -267,7 +267,9 @@ pub static FUSED_REDUCE: OpDef = OpDef {
 
 fn fused_matmul_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     if inputs.len() < 2 {
-        return Err(Error::attribute("FusedMatMul takes a, b and the epilogue's inputs"));
+        return Err(Error::attribute(
+            "FusedMatMul takes a, b and the epilogue's inputs",
+        ));
     }
     let (a, b) = (&inputs[0], &inputs[1]);
     if a.dtype != b.dtype {
@@ -323,7 +325,10 @@ mod tests {
         assert_eq!(how(&[], &[3, 4]), Some(FusedOperand::Scalar));
         assert_eq!(how(&[1, 1], &[3, 4]), Some(FusedOperand::Scalar));
         assert_eq!(how(&[4], &[3, 4]), Some(FusedOperand::Tile { period: 4 }));
-        assert_eq!(how(&[1, 4], &[3, 4]), Some(FusedOperand::Tile { period: 4 }));
+        assert_eq!(
+            how(&[1, 4], &[3, 4]),
+            Some(FusedOperand::Tile { period: 4 })
+        );
         assert_eq!(
             how(&[2, 5], &[7, 2, 5]),
             Some(FusedOperand::Tile { period: 10 })
