@@ -201,7 +201,20 @@ impl<T: Element> Tensor<T> {
         match self.host_value("to_vec", Some(Location::caller()))? {
             HostTensor::Dense(d) => d.to_vec(),
             HostTensor::Scalar(s) => {
-                Ok(vec![T::from_scalar(s.value()); s.metadata().shape.numel()])
+                // A broadcast scalar may stand for more elements than fit
+                // in memory: refuse it instead of aborting.
+                let n = s.metadata().shape.numel();
+                let mut values = Vec::new();
+                values.try_reserve_exact(n).map_err(|_| {
+                    Error::shape(format!(
+                        "to_vec: a tensor of {} does not fit in memory",
+                        s.metadata()
+                    ))
+                    .with_op("to_vec")
+                    .at(Location::caller())
+                })?;
+                values.resize(n, T::from_scalar(s.value()));
+                Ok(values)
             }
             list @ HostTensor::List(_) => list.to_dense()?.to_vec(),
         }

@@ -247,3 +247,12 @@ fn empty_zero_size_and_nan_inputs() {
     assert_eq!(scalar.sum(&[], false).dims(), &[] as &[usize]);
     assert!(scalar.sum(&[0], false).check().is_err());
 }
+
+/// A broadcast value standing for more elements than memory holds is
+/// refused when read back, not an abort (found by fuzzing).
+#[test]
+fn reading_back_a_huge_broadcast_value_is_an_error() {
+    let huge = Tensor::<f32>::full(&[usize::MAX], 1.0, &Device::cpu());
+    let err = huge.to_vec().unwrap_err();
+    assert!(err.to_string().contains("does not fit in memory"), "{err}");
+}
