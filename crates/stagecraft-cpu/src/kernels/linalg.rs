@@ -19,6 +19,10 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
 /// costs more than it saves (measured: 64³ is slower on two threads).
 const GEMM_PARALLEL_FLOPS: usize = 128 * 128 * 128;
 
+/// Products split into row bands when every thread gets at least this many
+/// rows; thinner products use faer's own parallel split.
+const GEMM_MIN_PANEL_ROWS: usize = 16;
+
 /// Element types with a fast GEMM (faer: chosen by measurement on these
 /// machines — as fast as OpenBLAS at large sizes, about 10× less overhead than
 /// the `gemm` crate on tiny products, and no system dependency).
@@ -41,10 +45,24 @@ macro_rules! gemm_element {
             ) {
                 // Forking onto the pool only pays off for large products, and a
                 // product already running inside a parallel task stays serial.
-                let par = if parallel
-                    && rayon::current_num_threads() > 1
-                    && m * n * k >= GEMM_PARALLEL_FLOPS
-                {
+                let threads = rayon::current_num_threads();
+                let parallel = parallel && threads > 1 && m * n * k >= GEMM_PARALLEL_FLOPS;
+                if parallel && m >= threads * GEMM_MIN_PANEL_ROWS {
+                    // One serial product per thread on its own band of rows:
+                    // measured on 2 cores against faer's own parallel split,
+                    // 225 vs 185 GFLOP/s at 256³ and 316 vs 273 at 1024³,
+                    // and 16–26% faster on the MLP's shapes.
+                    let rows = m.div_ceil(threads);
+                    c[..m * n]
+                        .par_chunks_mut(rows * n)
+                        .zip(a[..m * k].par_chunks(rows * k))
+                        .for_each(|(c, a)| {
+                            let band = c.len() / n.max(1);
+                            <$t as GemmElement>::gemm(band, n, k, a, b, c, false)
+                        });
+                    return;
+                }
+                let par = if parallel {
                     faer::Par::rayon(0)
                 } else {
                     faer::Par::Seq
@@ -364,6 +382,8 @@ mod tests {
     #[test]
     fn large_parallel_product_matches() {
         check(&[200, 300], &[300, 100]);
+        // Uneven row bands.
+        check(&[201, 300], &[300, 97]);
     }
 
     #[test]
