@@ -24,6 +24,9 @@ static ALLOCATED_BYTES: AtomicU64 = AtomicU64::new(0);
 struct RawBuffer {
     ptr: NonNull<u8>,
     len: usize,
+    /// The arena this block came from and goes back to; `None` for blocks
+    /// of the shared pool or the system.
+    home: Option<Arc<Arena>>,
 }
 
 // SAFETY: RawBuffer owns its allocation exclusively; shared access goes
@@ -35,7 +38,16 @@ unsafe impl Sync for RawBuffer {}
 
 impl Drop for RawBuffer {
     fn drop(&mut self) {
-        if self.len > 0 && !pool::give_back(self.ptr, self.len) {
+        if self.len == 0 {
+            return;
+        }
+        pool::LIVE_BYTES.fetch_sub(self.len as u64, Ordering::Relaxed);
+        if let Some(home) = self.home.take() {
+            if home.give_back(self.ptr, self.len) {
+                return;
+            }
+        }
+        if !pool::give_back(self.ptr, self.len) {
             // SAFETY: `ptr` was returned by `alloc_zeroed` with exactly this
             // layout (in `Buffer::zeroed` or the pool) and is freed only
             // here, once: the pool declined to keep it.
@@ -66,7 +78,7 @@ mod pool {
     /// back to the OS.
     pub(super) const MAX_CACHED: usize = 1 << 30;
 
-    struct Block(NonNull<u8>);
+    pub(super) struct Block(pub(super) NonNull<u8>);
     // SAFETY: a pooled block is owned by the pool alone; nothing else holds
     // its pointer, so it may move between threads.
     unsafe impl Send for Block {}
@@ -109,7 +121,6 @@ mod pool {
     /// spills to the shared pool, so a block freed on one thread (the
     /// caller) reaches the thread that allocates that size (a worker).
     pub(super) fn give_back(ptr: NonNull<u8>, len: usize) -> bool {
-        LIVE_BYTES.fetch_sub(len as u64, Ordering::Relaxed);
         if len < MIN_POOLED && local::give_back(ptr, len) {
             return true;
         }
@@ -307,6 +318,21 @@ impl Buffer {
     /// A buffer of `len` bytes, and whether it is a reused pooled block
     /// (stale contents) rather than fresh zeroed memory.
     fn allocate(len: usize) -> (Buffer, bool) {
+        if len > 0 {
+            if let Some(arena) = Arena::current_for(len) {
+                let (ptr, reused) = match arena.take(len) {
+                    Some(ptr) => (ptr, true),
+                    None => (Buffer::system_block(len), false),
+                };
+                pool::note_live(len);
+                let raw = RawBuffer {
+                    ptr,
+                    len,
+                    home: Some(arena),
+                };
+                return (Buffer(Arc::new(raw)), reused);
+            }
+        }
         let (ptr, reused) = if len == 0 {
             // A dangling but aligned pointer: zero-length slices need no memory.
             (
@@ -316,17 +342,27 @@ impl Buffer {
         } else if let Some(ptr) = pool::take(len) {
             (ptr, true)
         } else {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-            ALLOCATED_BYTES.fetch_add(len as u64, Ordering::Relaxed);
-            // SAFETY: the layout has a non-zero size.
-            let raw = unsafe { alloc::alloc_zeroed(layout(len)) };
-            let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout(len)));
-            (ptr, false)
+            (Buffer::system_block(len), false)
         };
         if len > 0 {
             pool::note_live(len);
         }
-        (Buffer(Arc::new(RawBuffer { ptr, len })), reused)
+        let raw = RawBuffer {
+            ptr,
+            len,
+            home: None,
+        };
+        (Buffer(Arc::new(raw)), reused)
+    }
+
+    /// A fresh zeroed block of `len > 0` bytes from the system, counted in
+    /// the statistics.
+    fn system_block(len: usize) -> NonNull<u8> {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        ALLOCATED_BYTES.fetch_add(len as u64, Ordering::Relaxed);
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout(len)) };
+        NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout(len)))
     }
 
     /// Allocation statistics so far.
@@ -450,6 +486,138 @@ impl std::fmt::Debug for Buffer {
     }
 }
 
+/// A private stock of blocks for one run of a graph executable, sized by
+/// the executable's buffer plan.
+///
+/// The shared pool serves whichever request comes first, so how many blocks
+/// of a size a run needs depends on the order its steps happened to run in;
+/// under the parallel executor a rare order needs one block more than any
+/// run before it, and that step allocates. An executable instead knows, from
+/// its graph, an upper bound on the blocks of each size live at once in
+/// *any* order (its buffer plan). A run enters an arena holding that many
+/// blocks; every buffer of a planned size allocated on a thread inside
+/// [`Arena::enter`] comes from it, and goes back to it when dropped, even
+/// on another thread or long after the run (a result the caller kept). So
+/// once the arena is filled, runs allocate nothing, whatever the order.
+pub struct Arena {
+    free: std::sync::Mutex<std::collections::HashMap<usize, Vec<pool::Block>>>,
+    /// Planned blocks per size: the arena keeps at most this many of a size
+    /// and serves only these sizes.
+    planned: std::collections::HashMap<usize, usize>,
+}
+
+thread_local! {
+    /// The arena of the run this thread works for, if any.
+    static CURRENT_ARENA: std::cell::RefCell<Option<Arc<Arena>>> = const { std::cell::RefCell::new(None) };
+}
+
+impl Arena {
+    /// An arena holding `count` blocks of `bytes` for each `(bytes, count)`
+    /// of the plan, taken from the shared pool where it has them and from
+    /// the system otherwise (a one-time cost, before the first run).
+    pub fn new(plan: &[(usize, usize)]) -> Arc<Arena> {
+        let mut planned = std::collections::HashMap::new();
+        for &(bytes, count) in plan {
+            if bytes > 0 && count > 0 {
+                *planned.entry(bytes).or_insert(0) += count;
+            }
+        }
+        let mut free = std::collections::HashMap::new();
+        for (&bytes, &count) in &planned {
+            let blocks: Vec<pool::Block> = (0..count)
+                .map(|_| {
+                    pool::Block(pool::take(bytes).unwrap_or_else(|| Buffer::system_block(bytes)))
+                })
+                .collect();
+            free.insert(bytes, blocks);
+        }
+        Arc::new(Arena {
+            free: std::sync::Mutex::new(free),
+            planned,
+        })
+    }
+
+    /// Bytes this arena holds when every planned block is home.
+    pub fn planned_bytes(&self) -> usize {
+        self.planned
+            .iter()
+            .map(|(bytes, count)| bytes * count)
+            .sum()
+    }
+
+    /// Runs `f` with buffers of planned sizes allocated on this thread
+    /// coming from this arena. Arenas nest (a nested function's run enters
+    /// its own and this one is back when it returns).
+    pub fn enter<R>(self: &Arc<Arena>, f: impl FnOnce() -> R) -> R {
+        struct Restore(Option<Arc<Arena>>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                let previous = self.0.take();
+                let _ = CURRENT_ARENA.try_with(|c| *c.borrow_mut() = previous);
+            }
+        }
+        let previous = CURRENT_ARENA
+            .try_with(|c| c.borrow_mut().replace(self.clone()))
+            .ok()
+            .flatten();
+        let _restore = Restore(previous);
+        f()
+    }
+
+    /// The current arena, when it plans blocks of `len` bytes.
+    fn current_for(len: usize) -> Option<Arc<Arena>> {
+        CURRENT_ARENA
+            .try_with(|c| {
+                c.borrow()
+                    .as_ref()
+                    .filter(|a| a.planned.contains_key(&len))
+                    .cloned()
+            })
+            .ok()
+            .flatten()
+    }
+
+    fn take(&self, len: usize) -> Option<NonNull<u8>> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.get_mut(&len).and_then(Vec::pop).map(|b| b.0)
+    }
+
+    /// Keeps a block coming home; false when the arena already holds all it
+    /// planned of that size (a block allocated while others were out), and
+    /// the caller passes it on.
+    fn give_back(&self, ptr: NonNull<u8>, len: usize) -> bool {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let keep = self.planned.get(&len).copied().unwrap_or(0);
+        let blocks = free.entry(len).or_default();
+        if blocks.len() >= keep {
+            return false;
+        }
+        blocks.push(pool::Block(ptr));
+        true
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        let free = std::mem::take(self.free.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for (len, blocks) in free {
+            for block in blocks {
+                if !pool::give_back(block.0, len) {
+                    // SAFETY: arena blocks were allocated with `layout(len)`
+                    // and are owned by the arena alone; the pool declined it.
+                    unsafe { alloc::dealloc(block.0.as_ptr(), layout(len)) }
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Arena({} planned bytes)", self.planned_bytes())
+    }
+}
+
 /// Bytes for `numel` elements of `dtype`.
 pub(crate) fn bytes_for(dtype: DType, numel: usize) -> usize {
     numel * dtype.size_in_bytes()
@@ -526,5 +694,62 @@ mod tests {
             "reused from this thread's cache"
         );
         assert!(b.bytes().iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn an_arena_serves_its_planned_sizes_and_takes_its_blocks_back() {
+        let planned = pool::MIN_POOLED + 4096 * 5 + 128;
+        let arena = Arena::new(&[(planned, 2), (48, 1)]);
+        assert_eq!(arena.planned_bytes(), 2 * planned + 48);
+        let (a, b, small, other) = arena.enter(|| {
+            (
+                Buffer::zeroed(planned),
+                Buffer::for_overwrite(planned),
+                Buffer::zeroed(48),
+                Buffer::zeroed(200),
+            )
+        });
+        assert!(a.bytes().iter().all(|&x| x == 0));
+        assert!(a.0.home.is_some() && b.0.home.is_some() && small.0.home.is_some());
+        assert!(other.0.home.is_none(), "an unplanned size uses the pools");
+        let addresses = [a.bytes().as_ptr() as usize, b.bytes().as_ptr() as usize];
+        // Dropped on another thread, long after the run: still goes home.
+        std::thread::spawn(move || drop((a, b, small)))
+            .join()
+            .unwrap();
+        let c = arena.enter(|| Buffer::for_overwrite(planned));
+        assert!(addresses.contains(&(c.bytes().as_ptr() as usize)));
+        // Outside `enter`, the same size comes from the pools.
+        let outside = Buffer::zeroed(planned);
+        assert!(outside.0.home.is_none());
+    }
+
+    #[test]
+    fn an_arena_beyond_its_plan_allocates_and_keeps_only_what_it_planned() {
+        let planned = 4096 * 7 + 64;
+        let arena = Arena::new(&[(planned, 1)]);
+        let (a, b) = arena.enter(|| (Buffer::zeroed(planned), Buffer::zeroed(planned)));
+        assert!(b.bytes().iter().all(|&x| x == 0), "a fresh block is zero");
+        drop((a, b));
+        let free = arena.free.lock().unwrap().get(&planned).map_or(0, Vec::len);
+        assert_eq!(free, 1, "the second block went to the shared pool");
+    }
+
+    #[test]
+    fn arenas_nest_and_restore_the_outer_one() {
+        let outer = Arena::new(&[(64, 1)]);
+        let inner = Arena::new(&[(80, 1)]);
+        outer.enter(|| {
+            let in_inner = inner.enter(|| (Buffer::zeroed(64), Buffer::zeroed(80)));
+            assert!(in_inner.0 .0.home.is_none(), "the inner arena plans no 64");
+            assert!(Arc::ptr_eq(in_inner.1 .0.home.as_ref().unwrap(), &inner));
+            let back = Buffer::zeroed(64);
+            assert!(Arc::ptr_eq(back.0.home.as_ref().unwrap(), &outer));
+        });
+        // Dropping an arena while one of its blocks is out: the block keeps
+        // it alive and frees it last.
+        let kept = inner.enter(|| Buffer::zeroed(80));
+        drop(inner);
+        assert_eq!(kept.len(), 80);
     }
 }

@@ -7,8 +7,11 @@
 //! are ordinary kernels (see [`control`]) that run the executables of the
 //! functions their attributes name.
 
+pub mod buffer_plan;
 pub mod control;
 pub mod partition;
+
+pub use buffer_plan::BufferPlan;
 
 use crate::device::Device;
 use crate::runtime::{count_kernel_launch, report_error};
@@ -17,9 +20,9 @@ use smallvec::SmallVec;
 use stagecraft_cpu::{AnyKernel, Inputs, KernelContext, ValueInputs};
 use stagecraft_graph::{Function, NodeOp, Value};
 use stagecraft_ops::{Attrs, FrozenOpAttrs, FuncId, OpDef, OutputMetas, ShapeKind};
-use stagecraft_tensor::{Error, ErrorKind, HostTensor, Location, Result};
+use stagecraft_tensor::{Arena, Error, ErrorKind, HostTensor, Location, Result};
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 type Slot = u32;
 
@@ -56,9 +59,33 @@ pub struct Executable {
     slots: usize,
     results: Vec<Slot>,
     schedule: Schedule,
+    /// How many blocks of each size a run can have live at once.
+    plan: BufferPlan,
+    /// Arenas filled to `plan`, one per run in flight; a run takes one (or
+    /// fills a new one) and puts it back when it ends.
+    arenas: Mutex<Vec<Arc<Arena>>>,
     /// For a function placed on several devices: its per-device partitions,
     /// which `run` executes instead of `steps`.
     partitions: Option<Box<partition::Partitioned>>,
+}
+
+/// Arenas kept per executable for later runs; more runs in flight at once
+/// fill arenas that are dropped when they end.
+const KEPT_ARENAS: usize = 4;
+
+/// Planned bytes of all executables' kept arenas together. Beyond this an
+/// ending run's arena is dropped (its blocks go to the shared pool), so a
+/// program with many traces does not hold every trace's buffers idle.
+const MAX_KEPT_ARENA_BYTES: usize = 1 << 30;
+
+static KEPT_ARENA_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl Drop for Executable {
+    fn drop(&mut self) {
+        let kept = self.arenas.get_mut().unwrap_or_else(|p| p.into_inner());
+        let bytes: usize = kept.iter().map(|a| a.planned_bytes()).sum();
+        KEPT_ARENA_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// What the parallel dataflow run needs: who reads each slot, and how many
@@ -272,6 +299,7 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
         steps[s].last_use[i] = true;
     }
     let schedule = Schedule::new(&steps, next as usize, &results);
+    let plan = BufferPlan::new(&steps, &schedule.consumers, &results);
     Ok(Executable {
         function,
         device,
@@ -279,6 +307,8 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
         slots: next as usize,
         results,
         schedule,
+        plan,
+        arenas: Mutex::new(Vec::new()),
         partitions: None,
     })
 }
@@ -385,6 +415,12 @@ impl Executable {
         }
     }
 
+    /// The buffer plan: blocks per size that a run of this executable (one
+    /// partition's, for a partitioned function) draws from its arena.
+    pub fn buffer_plan(&self) -> &BufferPlan {
+        &self.plan
+    }
+
     /// The number of kernel and constant steps after pruning.
     pub fn step_count(&self) -> usize {
         self.steps.len()
@@ -416,8 +452,43 @@ impl Executable {
                 args.len()
             )));
         }
+        if self.plan.blocks.is_empty() {
+            return self.run_steps(args, rendezvous, None);
+        }
+        use std::sync::atomic::Ordering::Relaxed;
+        let bytes = self.plan.bytes();
+        let kept = self.arenas.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let arena = match kept {
+            Some(arena) => {
+                KEPT_ARENA_BYTES.fetch_sub(bytes, Relaxed);
+                arena
+            }
+            None => Arena::new(&self.plan.blocks),
+        };
+        let outcome = arena.enter(|| self.run_steps(args, rendezvous, Some(&arena)));
+        let mut kept = self.arenas.lock().unwrap_or_else(|p| p.into_inner());
+        let room = KEPT_ARENA_BYTES
+            .fetch_update(Relaxed, Relaxed, |total| {
+                (total + bytes <= MAX_KEPT_ARENA_BYTES).then_some(total + bytes)
+            })
+            .is_ok();
+        if room && kept.len() < KEPT_ARENAS {
+            kept.push(arena);
+        } else if room {
+            KEPT_ARENA_BYTES.fetch_sub(bytes, Relaxed);
+        }
+        outcome
+    }
+
+    /// Runs the steps, in order or as a parallel dataflow, inside `arena`.
+    fn run_steps(
+        &self,
+        args: Vec<HostTensor>,
+        rendezvous: Option<&partition::Rendezvous>,
+        arena: Option<&Arc<Arena>>,
+    ) -> Result<Vec<HostTensor>> {
         if self.schedule.parallel {
-            return self.run_parallel(args);
+            return self.run_parallel(args, arena);
         }
         let mut slots: Vec<Option<HostTensor>> = Vec::with_capacity(self.slots);
         slots.extend(args.into_iter().map(Some));
@@ -452,7 +523,11 @@ impl Executable {
                 inputs.push(value);
             }
             for (slot, value) in step.outputs.iter().zip(self.execute_step(step, inputs)?) {
-                slots[*slot as usize] = Some(value);
+                // An output nobody reads is dropped now, as the buffer plan
+                // assumes.
+                if self.schedule.readers[*slot as usize] > 0 {
+                    slots[*slot as usize] = Some(value);
+                }
             }
         }
         self.results
@@ -469,7 +544,11 @@ impl Executable {
     /// is produced, on the rayon pool; a finishing step continues with one
     /// newly ready step on its own thread and hands the others to the pool.
     /// The calling thread takes part in the work while it waits.
-    fn run_parallel(&self, args: Vec<HostTensor>) -> Result<Vec<HostTensor>> {
+    fn run_parallel(
+        &self,
+        args: Vec<HostTensor>,
+        arena: Option<&Arc<Arena>>,
+    ) -> Result<Vec<HostTensor>> {
         use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
         use std::sync::Mutex;
         struct Run<'a> {
@@ -481,8 +560,19 @@ impl Executable {
             /// The caller's stop flags, set on whichever pool thread runs
             /// a step (see `with_stop_flags`).
             stop_flags: Vec<Arc<AtomicBool>>,
+            /// The run's arena, entered on whichever thread runs a step.
+            arena: Option<&'a Arc<Arena>>,
         }
         impl Run<'_> {
+            /// Runs the steps from `first` on, on this thread, with the
+            /// run's stop flags and arena.
+            fn start<'s>(&'s self, scope: &rayon::Scope<'s>, first: usize) {
+                with_stop_flags(&self.stop_flags, || match self.arena {
+                    Some(arena) => arena.enter(|| self.run_from(scope, first)),
+                    None => self.run_from(scope, first),
+                })
+            }
+
             fn read(&self, slot: Slot) -> Result<HostTensor> {
                 let mut guard = self.slots[slot as usize]
                     .lock()
@@ -522,19 +612,22 @@ impl Executable {
                         Err(e) => return self.fail(e),
                     };
                     for (slot, value) in step.outputs.iter().zip(produced) {
-                        self.slots[*slot as usize]
+                        let mut guard = self.slots[*slot as usize]
                             .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .0 = Some(value);
+                            .unwrap_or_else(|p| p.into_inner());
+                        // An output nobody reads is dropped now, as the
+                        // buffer plan assumes.
+                        if guard.1 > 0 {
+                            guard.0 = Some(value);
+                        }
+                        drop(guard);
                         for &c in &self.exe.schedule.consumers[*slot as usize] {
                             if self.waits[c as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
                                 match next {
                                     None => next = Some(c as usize),
-                                    Some(_) => scope.spawn(move |scope| {
-                                        with_stop_flags(&self.stop_flags, || {
-                                            self.run_from(scope, c as usize)
-                                        })
-                                    }),
+                                    Some(_) => {
+                                        scope.spawn(move |scope| self.start(scope, c as usize))
+                                    }
                                 }
                             }
                         }
@@ -560,6 +653,7 @@ impl Executable {
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
             stop_flags: current_stop_flags(),
+            arena,
         };
         let ready: Vec<usize> = (0..self.steps.len())
             .filter(|&s| schedule.waits[s] == 0)
@@ -567,9 +661,7 @@ impl Executable {
         rayon::in_place_scope(|scope| {
             let run = &run;
             for s in ready {
-                scope.spawn(move |scope| {
-                    with_stop_flags(&run.stop_flags, || run.run_from(scope, s))
-                });
+                scope.spawn(move |scope| run.start(scope, s));
             }
         });
         if let Some(e) = run.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
