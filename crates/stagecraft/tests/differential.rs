@@ -55,7 +55,11 @@
 //! bit for bit (constant folding runs the CPU kernels, CSE/DCE do not
 //! touch arithmetic) and the fused elementwise kernel calls the same
 //! element functions as the separate kernels, without reassociating
-//! anything; reductions and matmuls are never fused. So values are
+//! anything; reductions and matmuls are never fused (a matmul's epilogue
+//! runs on the finished product), and a transpose folded into a matmul
+//! (read through strides) gives the bits of the copied transpose: the GEMM
+//! copies the operands of thin products, whose summation order would
+//! otherwise follow the strides. So values are
 //! compared by their bits (`f32::to_bits`), with a single exception: a NaN
 //! equals any NaN, because IEEE 754 leaves the sign and payload of a NaN
 //! produced by arithmetic unspecified (a kernel writing in place may give

@@ -712,24 +712,26 @@ fn fused_matmul_typed<T: Real + Arith + GemmElement + Send + Sync>(
     program: &Program,
     inputs: &[DenseHostTensor],
     meta: &TensorMetadata,
+    transposes: (bool, bool),
 ) -> Result<DenseHostTensor> {
     let [a, b, rest @ ..] = inputs else {
         return Err(Error::internal("FusedMatMul without its operands"));
     };
-    let product = matmul_typed::<T>(a, b, meta)?;
+    let product = matmul_typed::<T>(a, b, meta, transposes)?;
     epilogue_in_place::<T>(program, product, rest)
 }
 
 fn fused_matmul_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
     // Registers: the product, then the inputs after a and b.
     let program = Program::new(attrs.ints("program")?, inputs.len().saturating_sub(1))?;
+    let transposes = stagecraft_ops::matmul_transposes(attrs)?;
     let dtype = inputs[0].dtype;
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
             let meta = &ctx.outputs[0];
             Ok(smallvec![match dtype {
-                DType::F32 => fused_matmul_typed::<f32>(&program, &inputs, meta)?,
-                DType::F64 => fused_matmul_typed::<f64>(&program, &inputs, meta)?,
+                DType::F32 => fused_matmul_typed::<f32>(&program, &inputs, meta, transposes)?,
+                DType::F64 => fused_matmul_typed::<f64>(&program, &inputs, meta, transposes)?,
                 other => return Err(Error::internal(format!("a fused matmul for {other}"))),
             }])
         },

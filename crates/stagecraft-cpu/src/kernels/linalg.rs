@@ -7,8 +7,10 @@ use crate::Inputs;
 use half::{bf16, f16};
 use rayon::prelude::*;
 use smallvec::smallvec;
-use stagecraft_ops::{matmul_shapes, Attrs};
-use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, Shape, TensorMetadata};
+use stagecraft_ops::{matmul_operand, matmul_shapes, matmul_transposes, Attrs};
+use stagecraft_tensor::{
+    Buffer, DType, DenseHostTensor, Element, Error, Result, Shape, TensorMetadata,
+};
 use std::sync::Arc;
 
 pub(crate) fn register(registry: &mut KernelRegistry) {
@@ -23,54 +25,124 @@ const GEMM_PARALLEL_FLOPS: usize = 128 * 128 * 128;
 /// rows; thinner products use faer's own parallel split.
 const GEMM_MIN_PANEL_ROWS: usize = 16;
 
+/// Transposed operands are read through strides only when the product has
+/// at least this many rows and columns (see `GemmElement::gemm`). Measured:
+/// with both at 16 or more, strided and copied operands give the same bits
+/// for every size tried (m, n in 16..256, k in 1..1000, serial and banded).
+const STRIDED_MIN_DIM: usize = 16;
+
+/// How a GEMM operand is stored: as the matrix it stands for, or as its
+/// transpose (the matmul's `transpose_a`/`transpose_b`), read with swapped
+/// strides instead of copied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    AsIs,
+    Transposed,
+}
+
+impl Layout {
+    fn of(transposed: bool) -> Layout {
+        if transposed {
+            Layout::Transposed
+        } else {
+            Layout::AsIs
+        }
+    }
+}
+
+/// A `rows × cols` row-major matrix, or the transpose of one stored as
+/// `cols × rows`, as faer sees it.
+fn view<T: faer::traits::ComplexField>(
+    values: &[T],
+    rows: usize,
+    cols: usize,
+    layout: Layout,
+) -> faer::MatRef<'_, T> {
+    match layout {
+        Layout::AsIs => faer::MatRef::from_row_major_slice(&values[..rows * cols], rows, cols),
+        Layout::Transposed => {
+            faer::MatRef::from_row_major_slice(&values[..rows * cols], cols, rows).transpose()
+        }
+    }
+}
+
 /// Element types with a fast GEMM (faer: chosen by measurement on these
 /// machines — as fast as OpenBLAS at large sizes, about 10× less overhead than
 /// the `gemm` crate on tiny products, and no system dependency).
-pub(crate) trait GemmElement: Element {
-    /// `c[m×n] = a[m×k] · b[k×n]`, all contiguous row-major.
-    fn gemm(m: usize, n: usize, k: usize, a: &[Self], b: &[Self], c: &mut [Self], parallel: bool);
+pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
+    /// `c[m×n] = A[m×k] · B[k×n]`, `c` contiguous row-major, `a` and `b`
+    /// stored as their layouts say.
+    fn gemm(
+        (m, n, k): (usize, usize, usize),
+        (a, a_layout): (&[Self], Layout),
+        (b, b_layout): (&[Self], Layout),
+        c: &mut [Self],
+        parallel: bool,
+    ) {
+        if (a_layout, b_layout) != (Layout::AsIs, Layout::AsIs) && m.min(n) < STRIDED_MIN_DIM {
+            // faer computes thin products (a row, a column, a few of
+            // either) with dot products whose summation order follows the
+            // operands' strides, so a transposed view would give other bits
+            // than the copy an eager `transpose` makes. Copying here keeps
+            // every mode's results identical; at these sizes the copy is
+            // no dearer than the product.
+            let a = row_major(a, m, k, a_layout);
+            let b = row_major(b, k, n, b_layout);
+            return Self::gemm(
+                (m, n, k),
+                (&a, Layout::AsIs),
+                (&b, Layout::AsIs),
+                c,
+                parallel,
+            );
+        }
+        // Forking onto the pool only pays off for large products, and a
+        // product already running inside a parallel task stays serial.
+        let threads = rayon::current_num_threads();
+        let parallel = parallel && threads > 1 && m * n * k >= GEMM_PARALLEL_FLOPS;
+        let a = view(a, m, k, a_layout);
+        let b = view(b, k, n, b_layout);
+        if parallel && m >= threads * GEMM_MIN_PANEL_ROWS {
+            // One serial product per thread on its own band of rows:
+            // measured on 2 cores against faer's own parallel split,
+            // 225 vs 185 GFLOP/s at 256³ and 316 vs 273 at 1024³,
+            // and 16–26% faster on the MLP's shapes. Bands differ by at
+            // most a row, so each has at least GEMM_MIN_PANEL_ROWS.
+            let (base, extra) = (m / threads, m % threads);
+            let mut bands = Vec::with_capacity(threads);
+            let (mut rest, mut row) = (&mut c[..m * n], 0);
+            for band in 0..threads {
+                let height = base + usize::from(band < extra);
+                let (head, tail) = rest.split_at_mut(height * n);
+                bands.push((row, height, head));
+                (rest, row) = (tail, row + height);
+            }
+            bands.into_par_iter().for_each(|(row, height, c)| {
+                let c = faer::MatMut::from_row_major_slice_mut(c, height, n);
+                let a = a.subrows(row, height);
+                let one = Self::one_value();
+                faer::linalg::matmul::matmul(c, faer::Accum::Replace, a, b, one, faer::Par::Seq);
+            });
+            return;
+        }
+        let par = if parallel {
+            faer::Par::rayon(0)
+        } else {
+            faer::Par::Seq
+        };
+        let c = faer::MatMut::from_row_major_slice_mut(&mut c[..m * n], m, n);
+        faer::linalg::matmul::matmul(c, faer::Accum::Replace, a, b, Self::one_value(), par);
+    }
+
+    /// 1 in this type (faer's `alpha` for a plain product).
+    fn one_value() -> Self;
 }
 
 macro_rules! gemm_element {
     ($t:ty) => {
         impl GemmElement for $t {
-            fn gemm(
-                m: usize,
-                n: usize,
-                k: usize,
-                a: &[Self],
-                b: &[Self],
-                c: &mut [Self],
-                parallel: bool,
-            ) {
-                // Forking onto the pool only pays off for large products, and a
-                // product already running inside a parallel task stays serial.
-                let threads = rayon::current_num_threads();
-                let parallel = parallel && threads > 1 && m * n * k >= GEMM_PARALLEL_FLOPS;
-                if parallel && m >= threads * GEMM_MIN_PANEL_ROWS {
-                    // One serial product per thread on its own band of rows:
-                    // measured on 2 cores against faer's own parallel split,
-                    // 225 vs 185 GFLOP/s at 256³ and 316 vs 273 at 1024³,
-                    // and 16–26% faster on the MLP's shapes.
-                    let rows = m.div_ceil(threads);
-                    c[..m * n]
-                        .par_chunks_mut(rows * n)
-                        .zip(a[..m * k].par_chunks(rows * k))
-                        .for_each(|(c, a)| {
-                            let band = c.len() / n.max(1);
-                            <$t as GemmElement>::gemm(band, n, k, a, b, c, false)
-                        });
-                    return;
-                }
-                let par = if parallel {
-                    faer::Par::rayon(0)
-                } else {
-                    faer::Par::Seq
-                };
-                let a = faer::MatRef::from_row_major_slice(&a[..m * k], m, k);
-                let b = faer::MatRef::from_row_major_slice(&b[..k * n], k, n);
-                let c = faer::MatMut::from_row_major_slice_mut(&mut c[..m * n], m, n);
-                faer::linalg::matmul::matmul(c, faer::Accum::Replace, a, b, 1.0, par);
+            fn one_value() -> Self {
+                1.0
             }
         }
     };
@@ -78,6 +150,53 @@ macro_rules! gemm_element {
 
 gemm_element!(f32);
 gemm_element!(f64);
+
+/// A `rows × cols` matrix stored as some layout, made row-major: borrowed
+/// when it already is, else copied into a pooled buffer (a fresh `Vec` of
+/// this size costs more in page faults than the copy itself).
+enum RowMajor<'a, T> {
+    Borrowed(&'a [T]),
+    Copied(Buffer),
+}
+
+impl<T: Element> std::ops::Deref for RowMajor<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            RowMajor::Borrowed(values) => values,
+            RowMajor::Copied(buffer) => buffer.typed(),
+        }
+    }
+}
+
+fn row_major<T: Element>(
+    values: &[T],
+    rows: usize,
+    cols: usize,
+    layout: Layout,
+) -> RowMajor<'_, T> {
+    match layout {
+        Layout::AsIs => RowMajor::Borrowed(&values[..rows * cols]),
+        Layout::Transposed => {
+            let mut buffer = Buffer::for_overwrite(rows * cols * std::mem::size_of::<T>());
+            let out = buffer.typed_mut::<T>().expect("a fresh buffer is unique");
+            // 32×32 tiles: both the rows read and the rows written stay in
+            // L1 (a plain loop writes one element per cache line).
+            const TILE: usize = 32;
+            for r0 in (0..rows).step_by(TILE) {
+                for c0 in (0..cols).step_by(TILE) {
+                    for c in c0..(c0 + TILE).min(cols) {
+                        let source = &values[c * rows..(c + 1) * rows];
+                        for r in r0..(r0 + TILE).min(rows) {
+                            out[r * cols + c] = source[r];
+                        }
+                    }
+                }
+            }
+            RowMajor::Copied(buffer)
+        }
+    }
+}
 
 /// Integer products: exact, wrapping, cache-friendly i-k-j loops.
 fn int_gemm<T: Element + IntMulAdd>(m: usize, n: usize, k: usize, a: &[T], b: &[T], c: &mut [T]) {
@@ -114,20 +233,25 @@ struct Plan {
     m: usize,
     k: usize,
     n: usize,
+    a_layout: Layout,
+    b_layout: Layout,
     batch: Shape,
     a_batch_strides: smallvec::SmallVec<[usize; 4]>,
     b_batch_strides: smallvec::SmallVec<[usize; 4]>,
 }
 
 impl Plan {
-    fn new(a: &Shape, b: &Shape) -> Result<Plan> {
-        let (batch, m, k, n, _) = matmul_shapes(a, b)?;
+    fn new(a: &Shape, b: &Shape, (ta, tb): (bool, bool)) -> Result<Plan> {
+        let (batch, m, k, n, _) =
+            matmul_shapes(&matmul_operand(a, ta, "a")?, &matmul_operand(b, tb, "b")?)?;
         let a_batch = Shape::new(&a.dims()[..a.rank().saturating_sub(2)]);
         let b_batch = Shape::new(&b.dims()[..b.rank().saturating_sub(2)]);
         Ok(Plan {
             m,
             k,
             n,
+            a_layout: Layout::of(ta),
+            b_layout: Layout::of(tb),
             a_batch_strides: broadcast_strides(&a_batch, &batch),
             b_batch_strides: broadcast_strides(&b_batch, &batch),
             batch,
@@ -182,26 +306,28 @@ fn batched<T: Element + Send + Sync>(
     }
 }
 
+/// `x · y` (each transposed as `transposes` says) into a new tensor.
 pub(crate) fn matmul_typed<T: GemmElement + Send + Sync>(
     x: &DenseHostTensor,
     y: &DenseHostTensor,
     meta: &TensorMetadata,
+    transposes: (bool, bool),
 ) -> Result<DenseHostTensor> {
-    let plan = Plan::new(x.shape(), y.shape())?;
+    let plan = Plan::new(x.shape(), y.shape(), transposes)?;
     // `Accum::Replace` writes every element of a product with k > 0.
     let mut out = if plan.k > 0 {
         DenseHostTensor::for_overwrite(meta.clone())?
     } else {
         DenseHostTensor::zeros(meta.clone())?
     };
-    let (k, n) = (plan.k, plan.n);
-    let m = plan.m;
+    let (m, k, n) = (plan.m, plan.k, plan.n);
+    let (la, lb) = (plan.a_layout, plan.b_layout);
     batched(
         x.as_slice::<T>()?,
         y.as_slice::<T>()?,
         out.as_mut_slice::<T>()?,
         &plan,
-        |a, b, c, par| T::gemm(m, n, k, a, b, c, par),
+        |a, b, c, par| T::gemm((m, n, k), (a, la), (b, lb), c, par),
     );
     Ok(out)
 }
@@ -211,6 +337,7 @@ fn matmul_half<T: Element>(
     x: &DenseHostTensor,
     y: &DenseHostTensor,
     meta: &TensorMetadata,
+    transposes: (bool, bool),
     widen: fn(T) -> f32,
     narrow: fn(f32) -> T,
 ) -> Result<DenseHostTensor> {
@@ -222,6 +349,7 @@ fn matmul_half<T: Element>(
         &wide(x)?,
         &wide(y)?,
         &TensorMetadata::new(DType::F32, meta.shape.clone()),
+        transposes,
     )?;
     let values: Vec<T> = product
         .as_slice::<f32>()?
@@ -235,35 +363,52 @@ fn matmul_int<T: Element + IntMulAdd>(
     x: &DenseHostTensor,
     y: &DenseHostTensor,
     meta: &TensorMetadata,
+    transposes: (bool, bool),
 ) -> Result<DenseHostTensor> {
-    let plan = Plan::new(x.shape(), y.shape())?;
+    let plan = Plan::new(x.shape(), y.shape(), transposes)?;
     let mut out = DenseHostTensor::zeros(meta.clone())?;
     let (m, k, n) = (plan.m, plan.k, plan.n);
+    let (la, lb) = (plan.a_layout, plan.b_layout);
     batched(
         x.as_slice::<T>()?,
         y.as_slice::<T>()?,
         out.as_mut_slice::<T>()?,
         &plan,
-        |a, b, c, _| int_gemm(m, n, k, a, b, c),
+        |a, b, c, _| {
+            let (a, b) = (row_major(a, m, k, la), row_major(b, k, n, lb));
+            int_gemm(m, n, k, &a, &b, c)
+        },
     );
     Ok(out)
 }
 
-fn matmul_factory(_: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let run: fn(&DenseHostTensor, &DenseHostTensor, &TensorMetadata) -> Result<DenseHostTensor> =
-        match inputs[0].dtype {
-            DType::F32 => matmul_typed::<f32>,
-            DType::F64 => matmul_typed::<f64>,
-            DType::F16 => |x, y, m| matmul_half::<f16>(x, y, m, f16::to_f32, f16::from_f32),
-            DType::BF16 => |x, y, m| matmul_half::<bf16>(x, y, m, bf16::to_f32, bf16::from_f32),
-            DType::I32 => matmul_int::<i32>,
-            DType::I64 => matmul_int::<i64>,
-            DType::Bool => return Err(Error::dtype("matmul is not defined for bool")),
-            DType::List => return Err(crate::numeric::list_operand()),
-        };
+type MatMulFn = fn(
+    &DenseHostTensor,
+    &DenseHostTensor,
+    &TensorMetadata,
+    (bool, bool),
+) -> Result<DenseHostTensor>;
+
+fn matmul_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let transposes = matmul_transposes(attrs)?;
+    let run: MatMulFn = match inputs[0].dtype {
+        DType::F32 => matmul_typed::<f32>,
+        DType::F64 => matmul_typed::<f64>,
+        DType::F16 => |x, y, m, t| matmul_half::<f16>(x, y, m, t, f16::to_f32, f16::from_f32),
+        DType::BF16 => |x, y, m, t| matmul_half::<bf16>(x, y, m, t, bf16::to_f32, bf16::from_f32),
+        DType::I32 => matmul_int::<i32>,
+        DType::I64 => matmul_int::<i64>,
+        DType::Bool => return Err(Error::dtype("matmul is not defined for bool")),
+        DType::List => return Err(crate::numeric::list_operand()),
+    };
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
-            Ok(smallvec![run(&inputs[0], &inputs[1], &ctx.outputs[0])?])
+            Ok(smallvec![run(
+                &inputs[0],
+                &inputs[1],
+                &ctx.outputs[0],
+                transposes
+            )?])
         },
     ))
 }
@@ -279,7 +424,7 @@ pub(crate) fn gemm_into<T: GemmElement>(
     c: &mut [T],
     parallel: bool,
 ) {
-    T::gemm(m, n, k, a, b, c, parallel)
+    T::gemm((m, n, k), (a, Layout::AsIs), (b, Layout::AsIs), c, parallel)
 }
 
 #[cfg(test)]
@@ -290,8 +435,18 @@ mod tests {
     use stagecraft_ops::OpAttrs;
 
     fn run(a: &DenseHostTensor, b: &DenseHostTensor) -> DenseHostTensor {
+        run_flagged(a, b, (false, false))
+    }
+
+    fn run_flagged(
+        a: &DenseHostTensor,
+        b: &DenseHostTensor,
+        (ta, tb): (bool, bool),
+    ) -> DenseHostTensor {
         let def = &stagecraft_ops::MATMUL;
-        let attrs = OpAttrs::new();
+        let mut attrs = OpAttrs::new();
+        attrs.set_bool("transpose_a", ta);
+        attrs.set_bool("transpose_b", tb);
         let metas = [a.metadata().clone(), b.metadata().clone()];
         let out = def.infer(&metas, &attrs).unwrap();
         let k = (crate::registry().get(def).unwrap())(&Attrs::new(&attrs, def), &metas).unwrap();
@@ -304,6 +459,81 @@ mod tests {
         )
         .unwrap();
         res.remove(0)
+    }
+
+    /// `t` with its last two dimensions swapped, copied.
+    fn swapped<T: Element>(t: &DenseHostTensor) -> DenseHostTensor {
+        let dims = t.shape().dims();
+        let (rank, v) = (dims.len(), t.as_slice::<T>().unwrap());
+        let (rows, cols) = (dims[rank - 2], dims[rank - 1]);
+        let mut out = Vec::with_capacity(v.len());
+        for matrix in v.chunks(rows * cols) {
+            for c in 0..cols {
+                out.extend((0..rows).map(|r| matrix[r * cols + c]));
+            }
+        }
+        let mut new_dims = dims.to_vec();
+        new_dims.swap(rank - 2, rank - 1);
+        DenseHostTensor::from_slice(&out, new_dims.as_slice()).unwrap()
+    }
+
+    fn bits(t: &DenseHostTensor) -> Vec<u8> {
+        t.buffer().bytes().to_vec()
+    }
+
+    /// A transposed operand read through strides gives the bits of the same
+    /// product on a transposed copy (what eager `transpose` + `matmul`
+    /// computes), for thin products (copied first) and wide ones (strided),
+    /// serial and banded over threads, batched and broadcast, every dtype.
+    #[test]
+    fn transposed_operands_give_the_bits_of_transposed_copies() {
+        fn case<T: Element>(a_dims: &[usize], b_dims: &[usize], cast: fn(f64) -> T) {
+            let a: Vec<T> = values(a_dims, 3).into_iter().map(cast).collect();
+            let b: Vec<T> = values(b_dims, 4).into_iter().map(cast).collect();
+            let a = DenseHostTensor::from_slice(&a, a_dims).unwrap();
+            let b = DenseHostTensor::from_slice(&b, b_dims).unwrap();
+            let want = bits(&run(&a, &b));
+            let (at, bt) = (swapped::<T>(&a), swapped::<T>(&b));
+            for (flags, x, y) in [((true, false), &at, &b), ((false, true), &a, &bt)] {
+                let got = run_flagged(x, y, flags);
+                assert_eq!(got.shape().dims(), run(&a, &b).shape().dims());
+                assert!(bits(&got) == want, "{a_dims:?}@{b_dims:?} {flags:?}");
+            }
+            assert!(bits(&run_flagged(&at, &bt, (true, true))) == want);
+        }
+        let shapes: &[(&[usize], &[usize])] = &[
+            (&[2, 130], &[130, 2]),
+            (&[1, 64], &[64, 64]),
+            (&[64, 64], &[64, 1]),
+            (&[5, 7], &[7, 6]),
+            (&[16, 3], &[3, 16]),
+            (&[33, 130], &[130, 17]),
+            (&[128, 784], &[784, 256]),
+            (&[256, 128], &[128, 256]),
+            (&[3, 40, 20], &[20, 24]),
+            (&[2, 1, 18, 5], &[3, 5, 19]),
+        ];
+        for (a, b) in shapes {
+            case::<f32>(a, b, |v| v as f32);
+            case::<f64>(a, b, |v| v);
+            case::<i64>(a, b, |v| (v * 4.0) as i64);
+            case::<half::f16>(a, b, half::f16::from_f64);
+        }
+    }
+
+    #[test]
+    fn transposing_a_vector_is_an_attribute_error() {
+        let mut attrs = OpAttrs::new();
+        attrs.set_bool("transpose_b", true);
+        let f = |d: &[usize]| TensorMetadata::new(DType::F32, d);
+        let err = stagecraft_ops::MATMUL
+            .infer(&[f(&[2, 3]), f(&[3])], &attrs)
+            .unwrap_err();
+        assert!(err.to_string().contains("transpose_b"), "{err}");
+        let out = stagecraft_ops::MATMUL
+            .infer(&[f(&[2, 3]), f(&[4, 3])], &attrs)
+            .unwrap();
+        assert_eq!(out[0].shape.dims(), &[2, 4]);
     }
 
     fn values(dims: &[usize], seed: usize) -> Vec<f64> {

@@ -7,6 +7,8 @@
 //! - [`fold_constants`] evaluates pure ops of constants on the CPU;
 //! - [`cse()`] merges nodes that compute the same thing;
 //! - [`dce()`] drops nodes that no result depends on;
+//! - [`fold_transposes`] lets matrix products read transposed operands
+//!   through strides instead of copies;
 //! - [`fuse_elementwise`] turns chains and trees of elementwise ops into
 //!   single fused kernels.
 //!
@@ -18,8 +20,10 @@
 //! CSE then merges (and, once their inputs are the same node, the ops that
 //! consume them). Dead-code elimination goes last because every earlier
 //! pass leaves garbage behind it: the constants folded ops consumed, the
-//! duplicates CSE bypassed, and whatever was dead to begin with. Fusion
-//! comes after, on the final set of nodes, so it sees the true use counts.
+//! duplicates CSE bypassed, and whatever was dead to begin with. Folding
+//! transposes into products comes next (then DCE again for the transposes
+//! nobody reads any more), and fusion last, on the final set of nodes, so
+//! it sees the true use counts.
 //!
 //! Side effects are respected throughout: a side-effecting op, or a
 //! control-flow op that runs a function containing one (see
@@ -30,6 +34,7 @@ pub mod dce;
 pub mod fold;
 pub mod fuse;
 pub mod inline;
+pub mod layout;
 #[cfg(test)]
 mod testing;
 
@@ -38,6 +43,7 @@ pub use dce::dce;
 pub use fold::{fold_constants, FOLD_LIMIT};
 pub use fuse::fuse_elementwise;
 pub use inline::{inline_calls, INLINE_LIMIT};
+pub use layout::fold_transposes;
 
 use crate::{Function, Node, NodeOp, Value};
 use smallvec::SmallVec;
@@ -73,9 +79,14 @@ pub fn optimize(f: &Function) -> Function {
 /// [`optimize`], also saying what each pass did.
 pub fn optimize_with_stats(f: &Function) -> (Function, PassStats) {
     let (g, stats) = simplify_with_stats(f);
+    // Transposes read by products become strides, then fusion groups what
+    // is left.
+    let (g, transposes) = layout::run(&g);
+    let (g, removed) = if transposes > 0 { dce::run(&g) } else { (g, 0) };
     let (g, fused) = fuse::run(&g);
     let stats = PassStats {
         nodes_after: g.nodes.len(),
+        removed: stats.removed + removed,
         fused,
         ..stats
     };

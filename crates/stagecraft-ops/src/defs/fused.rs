@@ -278,7 +278,7 @@ fn fused_matmul_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<Out
             a.dtype, b.dtype
         )));
     }
-    let (_, _, _, _, shape) = super::matmul_shapes(&a.shape, &b.shape)?;
+    let shape = super::matmul_result_shape(&a.shape, &b.shape, attrs)?;
     let product = TensorMetadata::new(a.dtype, shape);
     let mut epilogue = vec![product.clone()];
     epilogue.extend_from_slice(&inputs[2..]);
@@ -297,13 +297,18 @@ fn fused_matmul_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<Out
 /// scaling), created by the fusion pass: the epilogue runs over each block
 /// of the product while it is still in cache. `program` is a
 /// `FusedElementwise` program whose register 0 is the product and whose
-/// registers `1..` are the inputs after `a` and `b`.
+/// registers `1..` are the inputs after `a` and `b`. The transpose flags
+/// are the matmul's (see [`MATMUL`](super::MATMUL)).
 pub static FUSED_MATMUL: OpDef = OpDef {
     name: "FusedMatMul",
     inputs: &["xs"],
     variadic: true,
     outputs: 1,
-    attrs: &[AttrSpec::required("program", AttrKind::Ints)],
+    attrs: &[
+        AttrSpec::required("program", AttrKind::Ints),
+        AttrSpec::optional("transpose_a", AttrKind::Bool, AttrDefault::Bool(false)),
+        AttrSpec::optional("transpose_b", AttrKind::Bool, AttrDefault::Bool(false)),
+    ],
     kind: OpKind::Other,
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,

@@ -1,6 +1,7 @@
 //! Matrix multiplication.
 
 use super::{one, require_numeric, require_same_dtype};
+use crate::attrs::AttrKind;
 use crate::grad::{GradBuilder, GradContext, InputGrads};
 use crate::op::*;
 use stagecraft_tensor::{broadcast_shapes, Error, Result, Shape, TensorMetadata};
@@ -8,12 +9,21 @@ use stagecraft_tensor::{broadcast_shapes, Error, Result, Shape, TensorMetadata};
 /// Batched matrix product with NumPy `matmul` semantics: `[..., m, k]` by
 /// `[..., k, n]` gives `[..., m, n]` with broadcast batch dimensions; a 1-D
 /// operand is a vector (its dimension is removed from the result).
+///
+/// `transpose_a` / `transpose_b` multiply by an operand's transpose (its
+/// last two dimensions swapped) without materializing it: the GEMM reads
+/// the operand with swapped strides. Gradients use them (`g @ bᵀ`,
+/// `aᵀ @ g`), and a graph pass folds a user's explicit transpose into
+/// them. Only operands of rank ≥ 2 can be transposed.
 pub static MATMUL: OpDef = OpDef {
     name: "MatMul",
     inputs: &["a", "b"],
     variadic: false,
     outputs: 1,
-    attrs: &[],
+    attrs: &[
+        AttrSpec::optional("transpose_a", AttrKind::Bool, AttrDefault::Bool(false)),
+        AttrSpec::optional("transpose_b", AttrKind::Bool, AttrDefault::Bool(false)),
+    ],
     kind: OpKind::Other,
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
@@ -61,22 +71,68 @@ pub fn matmul_shapes(a: &Shape, b: &Shape) -> Result<(Shape, usize, usize, usize
     Ok((batch, m, ka, n, out))
 }
 
-fn matmul_meta(inputs: &[TensorMetadata], _: &Attrs<'_>) -> Result<OutputMetas> {
+/// The `transpose_a` and `transpose_b` flags of a matmul.
+pub fn matmul_transposes(attrs: &Attrs<'_>) -> Result<(bool, bool)> {
+    Ok((attrs.bool("transpose_a")?, attrs.bool("transpose_b")?))
+}
+
+/// `shape` as a matmul operand sees it: its last two dimensions swapped
+/// when `transposed` (an error for a vector or scalar).
+pub fn matmul_operand(shape: &Shape, transposed: bool, name: &str) -> Result<Shape> {
+    if !transposed {
+        return Ok(shape.clone());
+    }
+    let rank = shape.rank();
+    if rank < 2 {
+        return Err(Error::attribute(format!(
+            "transpose_{name} needs an operand of rank >= 2, got {shape}"
+        )));
+    }
+    let mut dims = shape.dims().to_vec();
+    dims.swap(rank - 2, rank - 1);
+    Ok(Shape::new(&dims))
+}
+
+/// The result shape of a matmul with its transpose flags.
+pub fn matmul_result_shape(a: &Shape, b: &Shape, attrs: &Attrs<'_>) -> Result<Shape> {
+    let (ta, tb) = matmul_transposes(attrs)?;
+    let (a, b) = (matmul_operand(a, ta, "a")?, matmul_operand(b, tb, "b")?);
+    Ok(matmul_shapes(&a, &b)?.4)
+}
+
+fn matmul_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let (a, b) = (&inputs[0], &inputs[1]);
     let dtype = require_same_dtype(a, b)?;
     require_numeric("a", a)?;
-    let (_, _, _, _, out) = matmul_shapes(&a.shape, &b.shape)?;
+    let out = matmul_result_shape(&a.shape, &b.shape, attrs)?;
     one(TensorMetadata::new(dtype, out))
 }
 
-/// da = g bᵀ, db = aᵀ g, with vectors promoted to matrices and broadcast
-/// batch dimensions summed away.
+/// A matmul node's attributes with the given transpose flags.
+fn flags(transpose_a: bool, transpose_b: bool) -> crate::OpAttrs {
+    let mut attrs = crate::OpAttrs::new();
+    if transpose_a {
+        attrs.set_bool("transpose_a", true);
+    }
+    if transpose_b {
+        attrs.set_bool("transpose_b", true);
+    }
+    attrs
+}
+
+/// With C = A·B, where A and B are `a` and `b` after their transpose flags:
+/// dA = g·Bᵀ and dB = Aᵀ·g. The transposes are flags on the gradient
+/// products, never materialized; for a transposed operand the gradient is
+/// the transpose of dA (dAᵀ = B·gᵀ), again a single flagged product.
+/// Vectors are promoted to matrices and broadcast batch dimensions summed
+/// away.
 fn matmul_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
     let (x, y, g) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
     let (xs, ys) = (b.meta(x).shape, b.meta(y).shape);
     if !b.meta(x).dtype.is_float() {
         return Ok(smallvec::smallvec![None, None]);
     }
+    let (ta, tb) = matmul_transposes(&ctx.attrs)?;
     // Promote vectors: [k] as [1, k] on the left, [k, 1] on the right.
     let x2 = if xs.rank() == 1 {
         b.reshape(x, &[1, xs[0]])?
@@ -96,10 +152,16 @@ fn matmul_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGr
         gdims.push(1);
     }
     let g2 = b.reshape(g, &gdims)?;
-    let yt = b.swap_last(y2)?;
-    let dx = b.op(&MATMUL, &[g2, yt], &crate::OpAttrs::new())?;
-    let xt = b.swap_last(x2)?;
-    let dy = b.op(&MATMUL, &[xt, g2], &crate::OpAttrs::new())?;
+    let dx = if ta {
+        b.op(&MATMUL, &[y2, g2], &flags(tb, true))?
+    } else {
+        b.op(&MATMUL, &[g2, y2], &flags(false, !tb))?
+    };
+    let dy = if tb {
+        b.op(&MATMUL, &[g2, x2], &flags(true, ta))?
+    } else {
+        b.op(&MATMUL, &[x2, g2], &flags(!ta, false))?
+    };
     let x2s = b.meta(x2).shape;
     let y2s = b.meta(y2).shape;
     let dx = b.unbroadcast(dx, &x2s)?;
