@@ -282,11 +282,6 @@ macro_rules! call {
     }};
 }
 
-/// Every call site any program in this process noted (see
-/// [`Case::check_error`]).
-static ALL_SITES: std::sync::Mutex<Vec<(&'static [&'static str], u32)>> =
-    std::sync::Mutex::new(Vec::new());
-
 /// One program's state: its device, values and the op calls it made.
 pub struct Case {
     device: Device,
@@ -303,10 +298,6 @@ impl Case {
     fn site(&mut self, ops: &'static [&'static str], line: u32) {
         if !self.sites.iter().any(|&(o, l)| l == line && o == ops) {
             self.sites.push((ops, line));
-        }
-        let mut all = ALL_SITES.lock().unwrap_or_else(|p| p.into_inner());
-        if !all.iter().any(|&(o, l)| l == line && o == ops) {
-            all.push((ops, line));
         }
     }
 
@@ -360,21 +351,13 @@ impl Case {
                 file!()
             ));
         }
-        let matches = |&(ops, line): &(&[&str], u32)| {
-            ops.contains(&op) && loc.line() >= line && loc.line() <= line + 8
-        };
-        // Open finding: a lazy trace served from the cache keeps the source
-        // locations of the program that compiled it, so a kernel error in
-        // it (integer division by zero, an index out of range) names that
-        // program's call of the same op. Until that is fixed the line may
-        // be any call of the op made so far in this process; the op name
-        // and the file are still checked.
-        let known = self.sites.iter().any(matches)
-            || ALL_SITES
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .any(matches);
+        // Only this program's calls: a lazy trace served from the cache
+        // (compiled for another program with the same structure) must name
+        // the line of this program's call, not that program's.
+        let known = self
+            .sites
+            .iter()
+            .any(|&(ops, line)| ops.contains(&op) && loc.line() >= line && loc.line() <= line + 8);
         if !known {
             return Err(format!(
                 "{what}: the error names op {op} at line {}, which is not a call this \

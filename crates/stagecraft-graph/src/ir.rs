@@ -86,6 +86,16 @@ pub struct Node {
     pub device: Option<String>,
     /// The user's source line that created the node.
     pub location: Location,
+    /// For a node of a lazy trace: the index of the recorded op (the trace
+    /// entry) it computes. A compiled trace is cached by structure and run
+    /// again for later recordings made from other source lines, so
+    /// `location` is only the line of the recording it was compiled from;
+    /// a run resolves the current recording's line through this index
+    /// (see `Executable::run_recorded` in the runtime). Passes carry it
+    /// along with `location`, so that a rewritten node (a fused kernel, a
+    /// merged duplicate) names the same op the unoptimized trace would.
+    /// `None` for nodes of ordinary functions.
+    pub origin: Option<u32>,
 }
 
 /// Registered functions by [`structural_hash`].
@@ -122,6 +132,7 @@ fn structural_hash(f: &Function) -> u64 {
         node.outputs.hash(&mut h);
         node.device.hash(&mut h);
         node.location.hash(&mut h);
+        node.origin.hash(&mut h);
     }
     h.finish()
 }
@@ -142,6 +153,7 @@ fn same_structure(a: &Function, b: &Function) -> bool {
                 && x.outputs == y.outputs
                 && x.device == y.device
                 && x.location == y.location
+                && x.origin == y.origin
         })
 }
 
@@ -216,6 +228,7 @@ impl Function {
             outputs,
             device: None,
             location,
+            origin: None,
         }))
     }
 
@@ -228,6 +241,7 @@ impl Function {
             outputs: smallvec::smallvec![meta],
             device: None,
             location,
+            origin: None,
         })
     }
 

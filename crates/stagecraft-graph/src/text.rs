@@ -406,6 +406,8 @@ impl Parser {
             outputs,
             device,
             location,
+            // Origins index a lazy recording, which text does not carry.
+            origin: None,
         });
         Ok(())
     }

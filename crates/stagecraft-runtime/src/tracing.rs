@@ -215,6 +215,7 @@ impl OpHandler for TracerHandler {
                 outputs: outputs.clone(),
                 device: placed.map(|d| d.name().to_string()),
                 location,
+                origin: None,
             });
             Ok(outputs
                 .iter()

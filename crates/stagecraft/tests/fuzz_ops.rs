@@ -10,16 +10,28 @@
 mod op_calls;
 
 use proptest::prelude::*;
-use std::sync::mpsc;
+use std::sync::{mpsc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// Longer than any case takes (a few milliseconds each), short enough
 /// that a hang fails the run instead of stalling it.
 const HANG: Duration = Duration::from_secs(30);
 
+static LAZY_DEVICE: Mutex<()> = Mutex::new(());
+
+/// One test at a time uses the lazy device. A `mark_step` runs every live
+/// lazy tensor of the process in one trace, and a trace that fails fails
+/// all its ops; so a program running beside another (an eager program
+/// makes lazy tensors too, for its cross-device arguments) could be handed
+/// the other's error, naming a call it never made.
+fn lazy_device() -> MutexGuard<'static, ()> {
+    LAZY_DEVICE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Runs one case on its own thread: a panic there comes back as the
 /// thread's result, and a case that does not finish in time is a hang.
 fn run_case(bytes: &[u8], lazy: bool) -> Result<usize, String> {
+    let _one_at_a_time = lazy_device();
     let (tx, rx) = mpsc::channel();
     let owned = bytes.to_vec();
     std::thread::spawn(move || {
@@ -107,6 +119,7 @@ fn ops_on_an_overflowing_fill_pass_its_error_on() {
 #[test]
 fn lazy_nonzero_has_its_real_shape_for_later_ops() {
     use stagecraft::{Device, Tensor};
+    let _one_at_a_time = lazy_device();
     let cpu = Device::cpu();
     let lazy = Device::lazy(&cpu);
     for device in [cpu, lazy] {
@@ -129,6 +142,7 @@ fn lazy_nonzero_has_its_real_shape_for_later_ops() {
 #[test]
 fn zero_size_tensors_with_huge_dims_compute() {
     use stagecraft::{Device, Tensor};
+    let _one_at_a_time = lazy_device();
     let cpu = Device::cpu();
     for device in [cpu, Device::lazy(&cpu)] {
         let t = Tensor::<f32>::full(&[0, usize::MAX, usize::MAX], 1.5, &device);
@@ -144,6 +158,7 @@ fn zero_size_tensors_with_huge_dims_compute() {
 #[test]
 fn outputs_too_big_to_allocate_are_errors_of_the_op() {
     use stagecraft::{Device, Tensor};
+    let _one_at_a_time = lazy_device();
     let cpu = Device::cpu();
     for device in [cpu, Device::lazy(&cpu)] {
         let t = Tensor::<f32>::full(&[usize::MAX], 1.0, &device);
@@ -156,6 +171,23 @@ fn outputs_too_big_to_allocate_are_errors_of_the_op() {
         let idx = Tensor::<i64>::scalar(0, &device);
         let err = idx.one_hot::<bool>(usize::MAX).check().unwrap_err();
         assert_eq!(err.op(), Some("OneHot"), "{err}");
+    }
+}
+
+/// A lazy trace served from the cache used to keep the source lines of the
+/// program it was compiled for, so a kernel error in it named that
+/// program's call. These two programs divide the same `i32` fill by zero
+/// at different lines of the generator (`a / zero`, and `a / s` with a
+/// palette scalar of 0), which record the same trace: each error must
+/// name the program's own line.
+#[test]
+fn cached_lazy_traces_name_the_current_programs_line() {
+    // rng seed; create i32, rank 1, dim 1, this device, `full` of 3; an
+    // element op on value 0 that is numeric, then the division:
+    let by_zero = [0, 1, 1, 0, 1, 2, 12, 2, 0, 16, 12];
+    let by_scalar = [0, 1, 1, 0, 1, 2, 12, 2, 0, 16, 4, 0, 3];
+    for bytes in [&by_zero[..], &by_scalar, &by_zero, &by_scalar] {
+        assert_eq!(run_case(bytes, true), Ok(1), "bytes: {bytes:?}");
     }
 }
 

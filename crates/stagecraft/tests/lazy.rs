@@ -4,6 +4,7 @@
 //! Tests here share the process-wide lazy metrics, so each one measures
 //! differences of its own counters under a lock.
 
+use stagecraft::layers::graph::NodeOp;
 use stagecraft::{cond, lazy, while_loop, Device, Rng, Tensor};
 use std::sync::Mutex;
 
@@ -179,6 +180,160 @@ fn errors_inside_a_trace_name_the_failing_op_line() {
     let err = r.to_vec().unwrap_err();
     assert_eq!(err.op(), Some("Div"), "{err}");
     assert_eq!(err.location().unwrap().line(), line, "{err}");
+}
+
+/// `a / b + 1`, recorded at the caller's line (the ops inside a
+/// `#[track_caller]` function take its caller's location).
+#[track_caller]
+fn ratio_plus_one(a: &Tensor<i32>, b: &Tensor<i32>) -> Tensor<i32> {
+    &(a / b) + 1
+}
+
+/// 32 integers (more than the runtime bakes into a trace, so the values
+/// are trace arguments and recordings that differ only in them share one
+/// compiled trace), all `fill` except a zero at `zero_at`, if given.
+fn divisors(fill: i32, zero_at: Option<usize>, d: &Device) -> Tensor<i32> {
+    let mut values = vec![fill; 32];
+    if let Some(i) = zero_at {
+        values[i] = 0;
+    }
+    Tensor::from_vec(values, &[32], d).unwrap()
+}
+
+/// The text an error naming `op` at `line` of this file starts with.
+fn names(op: &str, line: u32) -> String {
+    format!("{op} at {}:{line}:", file!())
+}
+
+/// A kernel error (integer division by zero) in a trace served from the
+/// cache names the line of the current recording, not the line of the
+/// recording the trace was compiled for.
+#[test]
+fn cached_trace_errors_name_the_current_callers_line() {
+    let _g = serial();
+    let d = dev();
+    let ones = Tensor::<i32>::ones(&[32], &d);
+    let first = line!() + 1;
+    let r = ratio_plus_one(&ones, &divisors(3, Some(7), &d));
+    let err = r.to_vec().unwrap_err();
+    assert!(err.to_string().starts_with(&names("Div", first)), "{err}");
+
+    let hits = lazy::metrics().cache_hits;
+    let ones = Tensor::<i32>::ones(&[32], &d);
+    let second = line!() + 1;
+    let r = ratio_plus_one(&ones, &divisors(5, Some(20), &d));
+    let err = r.to_vec().unwrap_err();
+    assert_eq!(lazy::metrics().cache_hits, hits + 1, "the trace was cached");
+    assert_eq!(err.op(), Some("Div"), "{err}");
+    assert_eq!(err.location().unwrap().line(), second, "{err}");
+    assert!(err.to_string().starts_with(&names("Div", second)), "{err}");
+
+    // The cached trace still computes when nothing fails.
+    let r = ratio_plus_one(&ones, &divisors(1, None, &d));
+    assert_eq!(r.to_vec().unwrap(), vec![2; 32]);
+}
+
+/// An integer division whose op is recorded where the closure is written.
+type Division = dyn Fn(&Tensor<i32>, &Tensor<i32>) -> Tensor<i32>;
+
+/// One recording of a trace with the same op at several lines: `ones / b`
+/// by `first`, its quotient divided by `c` by `second`, and `ones / b`
+/// again by `third` (CSE merges it into the first), with float work around
+/// them that fusion turns into one kernel, so the compiled nodes are not
+/// the recorded ones one for one.
+fn divisions(
+    b: &Tensor<i32>,
+    c: &Tensor<i32>,
+    first: &Division,
+    second: &Division,
+    third: &Division,
+) -> Tensor<f32> {
+    let d = b.device();
+    let ones = Tensor::<i32>::ones(&[32], &d);
+    let x = Tensor::<f32>::from_vec((0..32).map(|i| i as f32 / 32.0).collect(), &[32], &d).unwrap();
+    let warm = (x.exp() + 1.0).sqrt();
+    let q1 = first(&ones, b);
+    let q2 = second(&q1, c);
+    let again = third(&ones, b);
+    ((warm * q2.cast::<f32>()) - again.cast::<f32>()).tanh() * 2.0
+}
+
+/// The same op at several lines of one trace: whichever fails is named at
+/// its line in the current recording, also when fusion and CSE rewrote
+/// the nodes around it and the trace came from the cache.
+#[test]
+fn cached_trace_errors_name_the_failing_entry_among_repeated_ops() {
+    let _g = serial();
+    let d = dev();
+    // Compiled for a recording whose second division fails.
+    let a1 = line!() + 1;
+    let div1: &Division = &|a, b| a / b;
+    let a2 = line!() + 1;
+    let div2: &Division = &|a, b| a / b;
+    let div3: &Division = &|a, b| a / b;
+    let y = divisions(
+        &divisors(2, None, &d),
+        &divisors(2, Some(3), &d),
+        div1,
+        div2,
+        div3,
+    );
+    let step = lazy::step_trace().unwrap();
+    let count = |f: &stagecraft::layers::graph::Function, name: &str| {
+        f.nodes
+            .iter()
+            .filter(|n| matches!(&n.op, NodeOp::Op(def, _) if def.name == name))
+            .count()
+    };
+    assert_eq!(count(&step.recorded, "Div"), 3);
+    assert_eq!(count(&step.optimized, "Div"), 2, "CSE merged a division");
+    assert!(count(&step.optimized, "FusedElementwise") > 0, "fused");
+    let err = y.to_vec().unwrap_err();
+    assert!(err.to_string().starts_with(&names("Div", a2)), "{err}");
+    assert!(a1 != a2);
+
+    // Run from the cache for a recording from other lines whose first
+    // division fails: its own first line, not the merged copy's, and not
+    // the compiling recording's.
+    let hits = lazy::metrics().cache_hits;
+    let b1 = line!() + 1;
+    let div1: &Division = &|a, b| a / b;
+    let div2: &Division = &|a, b| a / b;
+    let div3: &Division = &|a, b| a / b;
+    let y = divisions(
+        &divisors(2, Some(9), &d),
+        &divisors(2, None, &d),
+        div1,
+        div2,
+        div3,
+    );
+    let err = y.to_vec().unwrap_err();
+    assert_eq!(lazy::metrics().cache_hits, hits + 1, "the trace was cached");
+    assert!(err.to_string().starts_with(&names("Div", b1)), "{err}");
+
+    // And for one whose second division fails, after a successful run.
+    let y = divisions(
+        &divisors(2, None, &d),
+        &divisors(1, None, &d),
+        div1,
+        div2,
+        div3,
+    );
+    assert_eq!(y.to_vec().unwrap().len(), 32);
+    let div1: &Division = &|a, b| a / b;
+    let c2 = line!() + 1;
+    let div2: &Division = &|a, b| a / b;
+    let div3: &Division = &|a, b| a / b;
+    let y = divisions(
+        &divisors(4, None, &d),
+        &divisors(2, Some(31), &d),
+        div1,
+        div2,
+        div3,
+    );
+    let err = y.to_vec().unwrap_err();
+    assert_eq!(lazy::metrics().cache_hits, hits + 3, "the trace was cached");
+    assert!(err.to_string().starts_with(&names("Div", c2)), "{err}");
 }
 
 #[test]

@@ -18,7 +18,7 @@
 //!   leaves the node as it is, so that the error is reported when the
 //!   function runs, at the node's location, like any other.
 //!
-//! A folded constant keeps the node's location and placement. Constants
+//! A folded constant keeps the node's location, origin and placement. Constants
 //! whose elements are all the same value are stored as a broadcast scalar,
 //! so that folding a large `Fill` costs one value rather than a buffer —
 //! but only when the scalar expands back to exactly the same bytes.
@@ -60,6 +60,7 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
                             outputs: smallvec![meta],
                             device: node.device.clone(),
                             location: node.location,
+                            origin: node.origin,
                         }))
                     })
                     .collect();

@@ -191,6 +191,7 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
                     outputs: node.outputs.clone(),
                     device: node.device.clone(),
                     location: node.location,
+                    origin: node.origin,
                 });
                 fused += members.len();
                 map[i] = Some(Value::node(index));
@@ -208,6 +209,7 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
                 outputs: node.outputs.clone(),
                 device: node.device.clone(),
                 location: node.location,
+                origin: node.origin,
             });
             fused += members.len() + 1;
             map[i] = Some(Value::node(index));

@@ -14,9 +14,10 @@
 //! are left to their own optimization).
 //!
 //! Copied nodes keep their own locations, so a failure inside the callee is
-//! still reported at the callee's source line. A copied node without a
-//! placement takes the call's: the callee would have run where the call
-//! ran.
+//! still reported at the callee's source line; they lose any origin, which
+//! indexes the recording of a lazy trace the callee is not part of. A
+//! copied node without a placement takes the call's: the callee would have
+//! run where the call ran.
 
 use super::outputs_of;
 use crate::{Function, Node, NodeOp, Value};
@@ -79,6 +80,11 @@ impl Inliner {
             }
             if copy.device.is_none() {
                 copy.device = device.map(str::to_owned);
+            }
+            if !self.active.is_empty() {
+                // A callee's node is no entry of the caller's recording: it
+                // is reported at the callee's own location.
+                copy.origin = None;
             }
             let outputs = self.emit(copy);
             map.push(outputs);
@@ -180,6 +186,38 @@ mod tests {
             .unwrap();
         callee.results = vec![Value::node(s), Value::Param(1)];
         callee.register()
+    }
+
+    /// A callee's nodes are no entries of the caller's lazy trace: once
+    /// inlined they lose any origin (and report their own location), while
+    /// the caller's nodes keep theirs.
+    #[test]
+    fn inlined_nodes_have_no_origin() {
+        let none = OpAttrs::new();
+        let mut callee = Function::new("neg_with_origin", vec![meta(&[3])]);
+        let n = callee
+            .add_op(&ops::NEG, &none, &[Value::Param(0)], loc(100))
+            .unwrap();
+        callee.nodes[n].origin = Some(0);
+        callee.results = vec![Value::node(n)];
+        let id = callee.register();
+        let mut f = Function::new("caller", vec![meta(&[3])]);
+        let e = f
+            .add_op(&ops::EXP, &none, &[Value::Param(0)], loc(1))
+            .unwrap();
+        let call = f
+            .add_op(&ops::CALL, &call_attrs(id), &[Value::node(e)], loc(2))
+            .unwrap();
+        for (i, node) in f.nodes.iter_mut().enumerate() {
+            node.origin = Some(i as u32);
+        }
+        f.results = vec![Value::node(call)];
+        let (g, count) = inlined(&f);
+        assert_eq!(count, 1);
+        assert_eq!(names(&g), ["Exp", "Neg"]);
+        assert_eq!(g.nodes[0].origin, Some(0));
+        assert_eq!(g.nodes[1].origin, None);
+        assert_eq!(g.nodes[1].location, loc(100));
     }
 
     #[test]

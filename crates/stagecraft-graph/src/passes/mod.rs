@@ -294,6 +294,23 @@ mod tests {
         f
     }
 
+    /// Every pass carries a node's origin along with its location (a folded
+    /// constant, the copy CSE keeps, a fused kernel's root), so a rewritten
+    /// node of a lazy trace names the entry whose line it was built with.
+    #[test]
+    fn origins_travel_with_locations() {
+        let mut f = sample();
+        for node in &mut f.nodes {
+            node.origin = Some(node.location.line() + 100);
+        }
+        let (g, stats) = optimize_with_stats(&f);
+        assert!(stats.folded > 0 && stats.merged > 0 && stats.fused > 0);
+        for node in &g.nodes {
+            let expected = Some(node.location.line() + 100);
+            assert_eq!(node.origin, expected, "{}", print(&g));
+        }
+    }
+
     #[test]
     fn optimize_prints_the_expected_function() {
         let f = sample();

@@ -48,6 +48,23 @@ struct Step {
     outputs: SmallVec<[Slot; 1]>,
     metas: OutputMetas,
     location: Location,
+    /// The node's [`origin`](stagecraft_graph::Node::origin): which entry
+    /// of a run's location table names this step's source line.
+    origin: Option<u32>,
+}
+
+impl Step {
+    /// The source line an error of this step names: the caller's entry
+    /// for the node's origin when the run was given a table (a cached lazy
+    /// trace run for a later recording), else the line the node was built
+    /// with. A bounds-checked read, so a run with a table costs no more
+    /// than one without.
+    fn location(&self, locations: &[Location]) -> Location {
+        self.origin
+            .and_then(|i| locations.get(i as usize))
+            .copied()
+            .unwrap_or(self.location)
+    }
 }
 
 /// A function instantiated for one device: kernels resolved, dead nodes
@@ -273,6 +290,7 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
                 .collect(),
             metas: node.outputs.clone(),
             location: node.location,
+            origin: node.origin,
         });
     }
     let mut steps = sends_early(steps);
@@ -432,17 +450,38 @@ impl Executable {
     /// An error in any step stops the run; it names the failing node's op
     /// and source location. Cancellation is checked before every step.
     pub fn run(&self, args: Vec<HostTensor>) -> Result<Vec<HostTensor>> {
+        self.run_recorded(args, &[])
+    }
+
+    /// [`run`](Self::run) for one recording of a lazy trace: an error of a
+    /// node with an [`origin`](stagecraft_graph::Node::origin) `i` names
+    /// `locations[i]`, the source line of that op in this recording.
+    ///
+    /// The lazy runtime caches an executable by the trace's structure and
+    /// runs it for every recording with that structure, made from whatever
+    /// source lines; the nodes keep the lines of the recording it was
+    /// compiled from. Passing the table per run (rather than rebuilding or
+    /// patching the executable) keeps a cached run free of extra work: the
+    /// table is only read when a step fails.
+    pub fn run_recorded(
+        &self,
+        args: Vec<HostTensor>,
+        locations: &[Location],
+    ) -> Result<Vec<HostTensor>> {
         match &self.partitions {
-            Some(parts) => parts.run(args),
-            None => self.run_with(args, None),
+            Some(parts) => parts.run(args, locations),
+            None => self.run_with(args, None, locations),
         }
     }
 
-    /// Runs with `rendezvous` serving this partition's `Send`/`Recv` steps.
+    /// Runs with `rendezvous` serving this partition's `Send`/`Recv` steps
+    /// and `locations` resolving step origins (see
+    /// [`run_recorded`](Self::run_recorded)).
     pub(crate) fn run_with(
         &self,
         args: Vec<HostTensor>,
         rendezvous: Option<&partition::Rendezvous>,
+        locations: &[Location],
     ) -> Result<Vec<HostTensor>> {
         if args.len() != self.function.params.len() {
             return Err(Error::internal(format!(
@@ -453,7 +492,7 @@ impl Executable {
             )));
         }
         if self.plan.blocks.is_empty() {
-            return self.run_steps(args, rendezvous, None);
+            return self.run_steps(args, rendezvous, None, locations);
         }
         use std::sync::atomic::Ordering::Relaxed;
         let bytes = self.plan.bytes();
@@ -465,7 +504,7 @@ impl Executable {
             }
             None => Arena::new(&self.plan.blocks),
         };
-        let outcome = arena.enter(|| self.run_steps(args, rendezvous, Some(&arena)));
+        let outcome = arena.enter(|| self.run_steps(args, rendezvous, Some(&arena), locations));
         let mut kept = self.arenas.lock().unwrap_or_else(|p| p.into_inner());
         let room = KEPT_ARENA_BYTES
             .fetch_update(Relaxed, Relaxed, |total| {
@@ -486,16 +525,17 @@ impl Executable {
         args: Vec<HostTensor>,
         rendezvous: Option<&partition::Rendezvous>,
         arena: Option<&Arc<Arena>>,
+        locations: &[Location],
     ) -> Result<Vec<HostTensor>> {
         if self.schedule.parallel {
-            return self.run_parallel(args, arena);
+            return self.run_parallel(args, arena, locations);
         }
         let mut slots: Vec<Option<HostTensor>> = Vec::with_capacity(self.slots);
         slots.extend(args.into_iter().map(Some));
         slots.resize_with(self.slots, || None);
         for step in &self.steps {
             if should_stop() {
-                return Err(Error::cancelled().at(step.location));
+                return Err(Error::cancelled().at(step.location(locations)));
             }
             match &step.kind {
                 StepKind::Send(key) => {
@@ -506,7 +546,8 @@ impl Executable {
                     continue;
                 }
                 StepKind::Recv(key) => {
-                    let value = partition::rendezvous(rendezvous)?.recv(key, step.location)?;
+                    let value =
+                        partition::rendezvous(rendezvous)?.recv(key, step.location(locations))?;
                     slots[step.outputs[0] as usize] = Some(value);
                     continue;
                 }
@@ -522,7 +563,8 @@ impl Executable {
                 let value = value.ok_or_else(|| Error::internal("an input was never computed"))?;
                 inputs.push(value);
             }
-            for (slot, value) in step.outputs.iter().zip(self.execute_step(step, inputs)?) {
+            let produced = self.execute_step(step, inputs, locations)?;
+            for (slot, value) in step.outputs.iter().zip(produced) {
                 // An output nobody reads is dropped now, as the buffer plan
                 // assumes.
                 if self.schedule.readers[*slot as usize] > 0 {
@@ -548,11 +590,13 @@ impl Executable {
         &self,
         args: Vec<HostTensor>,
         arena: Option<&Arc<Arena>>,
+        locations: &[Location],
     ) -> Result<Vec<HostTensor>> {
         use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
         use std::sync::Mutex;
         struct Run<'a> {
             exe: &'a Executable,
+            locations: &'a [Location],
             slots: Vec<Mutex<(Option<HostTensor>, u32)>>,
             waits: Vec<AtomicU32>,
             failed: AtomicBool,
@@ -603,14 +647,15 @@ impl Executable {
                     }
                     let step = &self.exe.steps[s];
                     if should_stop() {
-                        return self.fail(Error::cancelled().at(step.location));
+                        return self.fail(Error::cancelled().at(step.location(self.locations)));
                     }
                     let inputs: Result<ValueInputs> =
                         step.inputs.iter().map(|slot| self.read(*slot)).collect();
-                    let produced = match inputs.and_then(|i| self.exe.execute_step(step, i)) {
-                        Ok(p) => p,
-                        Err(e) => return self.fail(e),
-                    };
+                    let produced =
+                        match inputs.and_then(|i| self.exe.execute_step(step, i, self.locations)) {
+                            Ok(p) => p,
+                            Err(e) => return self.fail(e),
+                        };
                     for (slot, value) in step.outputs.iter().zip(produced) {
                         let mut guard = self.slots[*slot as usize]
                             .lock()
@@ -648,6 +693,7 @@ impl Executable {
         }
         let run = Run {
             exe: self,
+            locations,
             slots,
             waits: schedule.waits.iter().map(|&w| AtomicU32::new(w)).collect(),
             failed: AtomicBool::new(false),
@@ -682,7 +728,12 @@ impl Executable {
 
     /// Runs one step and checks its outputs against the metadata the graph
     /// promised. A dense kernel gets its inputs as dense tensors.
-    fn execute_step(&self, step: &Step, inputs: ValueInputs) -> Result<SmallVec<[HostTensor; 1]>> {
+    fn execute_step(
+        &self,
+        step: &Step,
+        inputs: ValueInputs,
+        locations: &[Location],
+    ) -> Result<SmallVec<[HostTensor; 1]>> {
         let (def, attrs, kernel) = match &step.kind {
             StepKind::Const(value) => return Ok(smallvec::smallvec![value.clone()]),
             StepKind::Kernel { def, attrs, kernel } => (*def, attrs, kernel),
@@ -721,7 +772,7 @@ impl Executable {
             // An error from inside a nested function already names its op
             // and was reported there.
             let raised_here = e.op().is_none();
-            let e = e.with_op(def.name).at(step.location);
+            let e = e.with_op(def.name).at(step.location(locations));
             if raised_here && e.kind() != ErrorKind::Cancelled {
                 report_error(&e);
             }
@@ -735,7 +786,7 @@ impl Executable {
                 step.outputs.len()
             ))
             .with_op(def.name)
-            .at(step.location));
+            .at(step.location(locations)));
         }
         produced
             .into_iter()
@@ -748,10 +799,74 @@ impl Executable {
                         value.metadata()
                     ))
                     .with_op(def.name)
-                    .at(step.location));
+                    .at(step.location(locations)));
                 }
                 Ok(value)
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stagecraft_ops::{OpAttrs, DIV, NEG};
+    use stagecraft_tensor::{DType, DenseHostTensor, TensorMetadata};
+
+    fn at(line: u32) -> Location {
+        Location::new("recorded.rs", line, 1)
+    }
+
+    /// `(a / b, -a)` over `n` i32 values, the division built at line 1 as
+    /// entry 1 of a recording (on `device`, if given).
+    fn division(n: usize, device: Option<&str>) -> Function {
+        let meta = TensorMetadata::new(DType::I32, [n]);
+        let mut f = Function::new("division", vec![meta.clone(), meta]);
+        let none = OpAttrs::new();
+        let (a, b) = (Value::Param(0), Value::Param(1));
+        let q = f.add_op(&DIV, &none, &[a, b], at(1)).unwrap();
+        f.nodes[q].origin = Some(1);
+        f.nodes[q].device = device.map(str::to_owned);
+        let neg = f.add_op(&NEG, &none, &[a], at(2)).unwrap();
+        f.nodes[neg].origin = Some(0);
+        f.results = vec![Value::node(q), Value::node(neg)];
+        f
+    }
+
+    fn args(n: usize) -> Vec<HostTensor> {
+        let ones = vec![1i32; n];
+        let mut divisors = vec![2i32; n];
+        divisors[n - 1] = 0;
+        [ones, divisors]
+            .iter()
+            .map(|v| DenseHostTensor::from_slice(v, [n]).unwrap().into())
+            .collect()
+    }
+
+    fn failing_line(result: Result<Vec<HostTensor>>) -> u32 {
+        let err = result.unwrap_err();
+        assert_eq!(err.op(), Some("Div"), "{err}");
+        err.location().unwrap().line()
+    }
+
+    /// A kernel error names the line the run's table gives the node's
+    /// origin, else the line the node was built with: sequential and
+    /// parallel (large steps) runs, and a run split over two devices.
+    #[test]
+    fn errors_name_the_runs_line_for_the_nodes_origin() {
+        let cpu = Device::cpu();
+        let table = [at(10), at(11)];
+        for (n, device) in [(4, None), (1 << 15, None), (4, Some("cpu:1"))] {
+            let exe = instantiate(Arc::new(division(n, device)), cpu).unwrap();
+            assert_eq!(exe.partition_count(), 1 + usize::from(device.is_some()));
+            if std::env::var_os("STAGECRAFT_EXECUTOR").is_none() {
+                let parallel = n > PARALLEL_STEP_ELEMENTS && rayon::current_num_threads() > 1;
+                assert_eq!(exe.schedule.parallel, parallel);
+            }
+            assert_eq!(failing_line(exe.run(args(n))), 1);
+            assert_eq!(failing_line(exe.run_recorded(args(n), &table)), 11);
+            // A table without the entry leaves the node's own line.
+            assert_eq!(failing_line(exe.run_recorded(args(n), &table[..1])), 1);
+        }
     }
 }

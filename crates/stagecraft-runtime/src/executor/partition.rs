@@ -227,7 +227,11 @@ pub(crate) struct Partitioned {
 }
 
 impl Partitioned {
-    pub(super) fn run(&self, args: Vec<HostTensor>) -> Result<Vec<HostTensor>> {
+    pub(super) fn run(
+        &self,
+        args: Vec<HostTensor>,
+        locations: &[Location],
+    ) -> Result<Vec<HostTensor>> {
         let rdv = Rendezvous::new();
         // Every partition stops when this run aborts, and also when a run
         // that this one is nested in aborts.
@@ -241,8 +245,11 @@ impl Partitioned {
                 .iter()
                 .map(|part| {
                     scope.spawn(move || {
-                        let run =
-                            || with_stop_flags(flags, || part.run_with(Vec::new(), Some(rdv)));
+                        let run = || {
+                            with_stop_flags(flags, || {
+                                part.run_with(Vec::new(), Some(rdv), locations)
+                            })
+                        };
                         let result = match device_pool(part.device) {
                             Some(pool) => pool.install(run),
                             None => run(),
@@ -253,7 +260,7 @@ impl Partitioned {
                     })
                 })
                 .collect();
-            let main = with_stop_flags(flags, || self.main.run_with(args, Some(rdv)));
+            let main = with_stop_flags(flags, || self.main.run_with(args, Some(rdv), locations));
             if let Err(e) = &main {
                 rdv.abort(e.clone());
             }
@@ -312,7 +319,7 @@ pub(super) fn instantiate_partitioned(
                      home: &HashMap<Value, usize>,
                      v: Value,
                      to: usize,
-                     location: Location|
+                     (location, origin): (Location, Option<u32>)|
      -> Result<Value> {
         if let Some(found) = local.get(&(v, to)) {
             return Ok(*found);
@@ -324,13 +331,18 @@ pub(super) fn instantiate_partitioned(
         next_key += 1;
         let mut send = OpAttrs::new();
         send.set_str("key", &key);
-        parts[from].add_op(&SEND, &send, &[source], location)?;
+        // The transfer fails (is cancelled) on behalf of the node it
+        // serves, so it names that node's line, resolved like the node's.
+        let sent = parts[from].add_op(&SEND, &send, &[source], location)?;
+        parts[from].nodes[sent].origin = origin;
         let mut recv = OpAttrs::new();
         let dims: SmallVec<[usize; 4]> = meta.shape.dims().iter().copied().collect();
         recv.set_str("key", &key)
             .set_dtype("dtype", meta.dtype)
             .set_dims("shape", &dims);
-        let got = Value::node(parts[to].add_op(&RECV, &recv, &[], location)?);
+        let got = parts[to].add_op(&RECV, &recv, &[], location)?;
+        parts[to].nodes[got].origin = origin;
+        let got = Value::node(got);
         local.insert((v, to), got);
         Ok(got)
     };
@@ -339,7 +351,10 @@ pub(super) fn instantiate_partitioned(
         let inputs = node
             .inputs
             .iter()
-            .map(|v| fetch(&mut parts, &mut local, &home, *v, p, node.location))
+            .map(|v| {
+                let at = (node.location, node.origin);
+                fetch(&mut parts, &mut local, &home, *v, p, at)
+            })
             .collect::<Result<SmallVec<[Value; 4]>>>()?;
         let new = parts[p].push(Node {
             op: node.op.clone(),
@@ -347,6 +362,7 @@ pub(super) fn instantiate_partitioned(
             outputs: node.outputs.clone(),
             device: None,
             location: node.location,
+            origin: node.origin,
         });
         for o in 0..node.outputs.len() as u32 {
             let v = Value::Output {
@@ -366,7 +382,7 @@ pub(super) fn instantiate_partitioned(
     let location = function
         .nodes
         .first()
-        .map_or_else(Location::caller, |n| n.location);
+        .map_or_else(|| (Location::caller(), None), |n| (n.location, n.origin));
     let results = function
         .results
         .iter()

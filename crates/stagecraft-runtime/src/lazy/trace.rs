@@ -598,6 +598,12 @@ fn miss_reason(skeleton: &Skeleton, cache: &HashMap<u64, Vec<Entry>>) -> String 
 }
 
 /// Builds the graph function for `skeleton` with baked leaves as constants.
+///
+/// Every node's origin is the trace entry it stands for (baked constants
+/// go with the first entry, whose location they take): a cached compile
+/// of this function runs for later recordings too, which pass their own
+/// `locations` to [`Executable::run_recorded`] so that errors name their
+/// lines rather than these.
 fn build_function(
     name: String,
     skeleton: &Skeleton,
@@ -617,13 +623,18 @@ fn build_function(
     let mut leaf_value = Vec::with_capacity(modes.len());
     let mut next_arg = 0u32;
     let first_location = locations.first().copied().unwrap_or_else(Location::caller);
+    let first_origin = (!locations.is_empty()).then_some(0);
     for mode in modes {
         match mode {
             Mode::Argument => {
                 leaf_value.push(Value::Param(next_arg));
                 next_arg += 1;
             }
-            Mode::Baked(v) => leaf_value.push(Value::node(f.add_const(v.clone(), first_location))),
+            Mode::Baked(v) => {
+                let node = f.add_const(v.clone(), first_location);
+                f.nodes[node].origin = first_origin;
+                leaf_value.push(Value::node(node));
+            }
         }
     }
     let base = f.nodes.len() as u32;
@@ -642,6 +653,7 @@ fn build_function(
             outputs: node.outputs.clone(),
             device: None,
             location: locations[i],
+            origin: u32::try_from(i).ok(),
         });
     }
     f.results = skeleton.results.iter().map(|v| remap(*v)).collect();
@@ -832,7 +844,9 @@ fn run_collected(pending: &[(Arc<LazyOp>, u32)], trigger: Trigger) {
         Err(e) => return fail(&collected.ops, &e),
     };
     let start = Instant::now();
-    let results = exe.run(args);
+    // The executable may come from the cache, compiled for a recording made
+    // from other source lines: errors must name this recording's.
+    let results = exe.run_recorded(args, &collected.locations);
     with_runtime(|rt| rt.metrics.execute_time += start.elapsed());
     let results = match results {
         Ok(r) => r,
