@@ -276,13 +276,26 @@ pub struct BufferStats {
     pub cached_bytes: u64,
 }
 
-fn layout(len: usize) -> Layout {
-    let align = if len >= LARGE_BUFFER {
+fn align_for(len: usize) -> usize {
+    if len >= LARGE_BUFFER {
         BUFFER_ALIGN
     } else {
         SMALL_ALIGN
-    };
-    Layout::from_size_align(len, align).expect("buffer size overflows isize")
+    }
+}
+
+/// The layout of a block that was allocated, so its size is valid.
+fn layout(len: usize) -> Layout {
+    Layout::from_size_align(len, align_for(len)).expect("an allocated block has a valid layout")
+}
+
+/// What the infallible constructors do when memory runs out: what `Vec`
+/// does.
+fn out_of_memory(len: usize) -> ! {
+    match Layout::from_size_align(len, align_for(len)) {
+        Ok(layout) => alloc::handle_alloc_error(layout),
+        Err(_) => panic!("a buffer of {len} bytes exceeds isize::MAX"),
+    }
 }
 
 /// A zero-initialised, aligned byte buffer (64 bytes for large buffers, 16
@@ -295,16 +308,23 @@ impl Buffer {
     /// A buffer of `len` zero bytes.
     ///
     /// Zeroing is nearly free: small blocks are cleared in cache, and large
-    /// ones come from the OS as zero pages.
+    /// ones come from the OS as zero pages. Aborts, like `Vec`, when the
+    /// system has no memory for it; [`Buffer::try_zeroed`] reports that.
     pub fn zeroed(len: usize) -> Buffer {
-        let (mut buffer, reused) = Buffer::allocate(len);
+        Buffer::try_zeroed(len).unwrap_or_else(|| out_of_memory(len))
+    }
+
+    /// [`Buffer::zeroed`], or `None` when the memory cannot be had (more
+    /// than `isize::MAX` bytes, or more than the system will give).
+    pub fn try_zeroed(len: usize) -> Option<Buffer> {
+        let (mut buffer, reused) = Buffer::allocate(len)?;
         if reused {
             let raw = Arc::get_mut(&mut buffer.0).expect("a fresh buffer is unique");
             // SAFETY: unique, valid for `len` bytes; a pooled block holds
             // stale bytes, so clear it (fresh blocks are already zero).
             unsafe { std::ptr::write_bytes(raw.ptr.as_ptr(), 0, raw.len) };
         }
-        buffer
+        Some(buffer)
     }
 
     /// A buffer of `len` initialised bytes whose values are unspecified
@@ -312,17 +332,23 @@ impl Buffer {
     /// that overwrites every element. Only for dtypes valid for any bit
     /// pattern: bool buffers must come from [`Buffer::zeroed`].
     pub fn for_overwrite(len: usize) -> Buffer {
-        Buffer::allocate(len).0
+        Buffer::try_for_overwrite(len).unwrap_or_else(|| out_of_memory(len))
+    }
+
+    /// [`Buffer::for_overwrite`], or `None` when the memory cannot be had.
+    pub fn try_for_overwrite(len: usize) -> Option<Buffer> {
+        Buffer::allocate(len).map(|(buffer, _)| buffer)
     }
 
     /// A buffer of `len` bytes, and whether it is a reused pooled block
-    /// (stale contents) rather than fresh zeroed memory.
-    fn allocate(len: usize) -> (Buffer, bool) {
+    /// (stale contents) rather than fresh zeroed memory; `None` when the
+    /// system has no memory for it.
+    fn allocate(len: usize) -> Option<(Buffer, bool)> {
         if len > 0 {
             if let Some(arena) = Arena::current_for(len) {
                 let (ptr, reused) = match arena.take(len) {
                     Some(ptr) => (ptr, true),
-                    None => (Buffer::system_block(len), false),
+                    None => (Buffer::system_block(len)?, false),
                 };
                 pool::note_live(len);
                 let raw = RawBuffer {
@@ -330,7 +356,7 @@ impl Buffer {
                     len,
                     home: Some(arena),
                 };
-                return (Buffer(Arc::new(raw)), reused);
+                return Some((Buffer(Arc::new(raw)), reused));
             }
         }
         let (ptr, reused) = if len == 0 {
@@ -342,7 +368,7 @@ impl Buffer {
         } else if let Some(ptr) = pool::take(len) {
             (ptr, true)
         } else {
-            (Buffer::system_block(len), false)
+            (Buffer::system_block(len)?, false)
         };
         if len > 0 {
             pool::note_live(len);
@@ -352,17 +378,18 @@ impl Buffer {
             len,
             home: None,
         };
-        (Buffer(Arc::new(raw)), reused)
+        Some((Buffer(Arc::new(raw)), reused))
     }
 
     /// A fresh zeroed block of `len > 0` bytes from the system, counted in
-    /// the statistics.
-    fn system_block(len: usize) -> NonNull<u8> {
+    /// the statistics; `None` when the system refuses.
+    fn system_block(len: usize) -> Option<NonNull<u8>> {
+        let layout = Layout::from_size_align(len, align_for(len)).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let block = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })?;
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         ALLOCATED_BYTES.fetch_add(len as u64, Ordering::Relaxed);
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { alloc::alloc_zeroed(layout(len)) };
-        NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout(len)))
+        Some(block)
     }
 
     /// Allocation statistics so far.
@@ -524,10 +551,12 @@ impl Arena {
         }
         let mut free = std::collections::HashMap::new();
         for (&bytes, &count) in &planned {
+            // A block the system will not give now is left out: the run
+            // asks again when a kernel needs it, and that kernel reports
+            // the tensor that does not fit.
             let blocks: Vec<pool::Block> = (0..count)
-                .map(|_| {
-                    pool::Block(pool::take(bytes).unwrap_or_else(|| Buffer::system_block(bytes)))
-                })
+                .map_while(|_| pool::take(bytes).or_else(|| Buffer::system_block(bytes)))
+                .map(pool::Block)
                 .collect();
             free.insert(bytes, blocks);
         }

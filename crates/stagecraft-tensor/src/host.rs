@@ -18,10 +18,8 @@ impl DenseHostTensor {
     /// A tensor of zeros.
     pub fn zeros(meta: TensorMetadata) -> Result<DenseHostTensor> {
         let bytes = Self::byte_len(&meta)?;
-        Ok(DenseHostTensor {
-            meta,
-            buffer: Buffer::zeroed(bytes),
-        })
+        let buffer = Buffer::try_zeroed(bytes).ok_or_else(|| Self::no_memory(&meta, bytes))?;
+        Ok(DenseHostTensor { meta, buffer })
     }
 
     /// A tensor whose values are unspecified, for a kernel that writes every
@@ -29,11 +27,20 @@ impl DenseHostTensor {
     pub fn for_overwrite(meta: TensorMetadata) -> Result<DenseHostTensor> {
         let bytes = Self::byte_len(&meta)?;
         let buffer = if meta.dtype == DType::Bool {
-            Buffer::zeroed(bytes)
+            Buffer::try_zeroed(bytes)
         } else {
-            Buffer::for_overwrite(bytes)
+            Buffer::try_for_overwrite(bytes)
         };
+        let buffer = buffer.ok_or_else(|| Self::no_memory(&meta, bytes))?;
         Ok(DenseHostTensor { meta, buffer })
+    }
+
+    /// The error for a tensor the system has no memory for (of the same
+    /// kind as one too big to address, see `byte_len`).
+    fn no_memory(meta: &TensorMetadata, bytes: usize) -> Error {
+        Error::shape(format!(
+            "a tensor of {meta} ({bytes} bytes) does not fit in memory"
+        ))
     }
 
     fn byte_len(meta: &TensorMetadata) -> Result<usize> {

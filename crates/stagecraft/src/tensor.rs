@@ -198,7 +198,9 @@ impl<T: Element> Tensor<T> {
     /// implicit device-to-host copy (see [`crate::transfer_guard`]).
     #[track_caller]
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        match self.host_value("to_vec", Some(Location::caller()))? {
+        // Taken here: inside the closure below it would name this file.
+        let caller = Location::caller();
+        match self.host_value("to_vec", Some(caller))? {
             HostTensor::Dense(d) => d.to_vec(),
             HostTensor::Scalar(s) => {
                 // A broadcast scalar may stand for more elements than fit
@@ -211,7 +213,7 @@ impl<T: Element> Tensor<T> {
                         s.metadata()
                     ))
                     .with_op("to_vec")
-                    .at(Location::caller())
+                    .at(caller)
                 })?;
                 values.resize(n, T::from_scalar(s.value()));
                 Ok(values)

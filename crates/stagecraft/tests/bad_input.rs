@@ -256,3 +256,16 @@ fn reading_back_a_huge_broadcast_value_is_an_error() {
     let err = huge.to_vec().unwrap_err();
     assert!(err.to_string().contains("does not fit in memory"), "{err}");
 }
+
+#[test]
+fn a_huge_broadcast_value_in_a_lazy_trace_is_an_error() {
+    let lazy = Device::lazy(&Device::cpu());
+    let huge = Tensor::<f32>::full(&[usize::MAX], 1.0, &lazy);
+    let line = line!() + 1;
+    let y = &huge + 1.0;
+    let err = y.to_vec().unwrap_err();
+    assert_eq!(err.location().map(|l| l.line()), Some(line), "{err}");
+    let big = Tensor::<f32>::full(&[1 << 40, 1 << 20], 2.0, &lazy);
+    let err = (big * 3.0).sum(&[], false).item().unwrap_err();
+    assert!(err.op().is_some(), "{err}");
+}

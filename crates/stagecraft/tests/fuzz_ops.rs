@@ -10,28 +10,16 @@
 mod op_calls;
 
 use proptest::prelude::*;
-use std::sync::{mpsc, Mutex, MutexGuard};
+use std::sync::mpsc;
 use std::time::Duration;
 
 /// Longer than any case takes (a few milliseconds each), short enough
 /// that a hang fails the run instead of stalling it.
 const HANG: Duration = Duration::from_secs(30);
 
-static LAZY_DEVICE: Mutex<()> = Mutex::new(());
-
-/// One test at a time uses the lazy device. A `mark_step` runs every live
-/// lazy tensor of the process in one trace, and a trace that fails fails
-/// all its ops; so a program running beside another (an eager program
-/// makes lazy tensors too, for its cross-device arguments) could be handed
-/// the other's error, naming a call it never made.
-fn lazy_device() -> MutexGuard<'static, ()> {
-    LAZY_DEVICE.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Runs one case on its own thread: a panic there comes back as the
 /// thread's result, and a case that does not finish in time is a hang.
 fn run_case(bytes: &[u8], lazy: bool) -> Result<usize, String> {
-    let _one_at_a_time = lazy_device();
     let (tx, rx) = mpsc::channel();
     let owned = bytes.to_vec();
     std::thread::spawn(move || {
@@ -119,7 +107,6 @@ fn ops_on_an_overflowing_fill_pass_its_error_on() {
 #[test]
 fn lazy_nonzero_has_its_real_shape_for_later_ops() {
     use stagecraft::{Device, Tensor};
-    let _one_at_a_time = lazy_device();
     let cpu = Device::cpu();
     let lazy = Device::lazy(&cpu);
     for device in [cpu, lazy] {
@@ -142,7 +129,6 @@ fn lazy_nonzero_has_its_real_shape_for_later_ops() {
 #[test]
 fn zero_size_tensors_with_huge_dims_compute() {
     use stagecraft::{Device, Tensor};
-    let _one_at_a_time = lazy_device();
     let cpu = Device::cpu();
     for device in [cpu, Device::lazy(&cpu)] {
         let t = Tensor::<f32>::full(&[0, usize::MAX, usize::MAX], 1.5, &device);
@@ -158,7 +144,6 @@ fn zero_size_tensors_with_huge_dims_compute() {
 #[test]
 fn outputs_too_big_to_allocate_are_errors_of_the_op() {
     use stagecraft::{Device, Tensor};
-    let _one_at_a_time = lazy_device();
     let cpu = Device::cpu();
     for device in [cpu, Device::lazy(&cpu)] {
         let t = Tensor::<f32>::full(&[usize::MAX], 1.0, &device);

@@ -182,6 +182,47 @@ fn errors_inside_a_trace_name_the_failing_op_line() {
     assert_eq!(err.location().unwrap().line(), line, "{err}");
 }
 
+/// Two threads record lazy work at once; one thread's step divides by
+/// zero. Each thread's `mark_step` runs its own pending tensors (and what
+/// they read), so the failure stays in the thread whose code failed: the
+/// other thread's independent step succeeds, and the failing thread's error
+/// names its own line. (When every thread's live tensors went into one
+/// trace, the healthy thread got the other's `Div` error.)
+#[test]
+fn a_failing_step_on_one_thread_does_not_fail_another_threads_step() {
+    let _g = serial();
+    let recorded = std::sync::Barrier::new(2);
+    let failed = std::sync::Barrier::new(2);
+    std::thread::scope(|s| {
+        let bad = s.spawn(|| {
+            let d = dev();
+            let zeros = Tensor::<i32>::zeros(&[4], &d);
+            let ones = Tensor::<i32>::ones(&[4], &d);
+            let line = line!() + 1;
+            let q = &ones / &zeros;
+            recorded.wait();
+            lazy::mark_step();
+            let err = q.to_vec().unwrap_err();
+            failed.wait();
+            (err, line)
+        });
+        let good = s.spawn(|| {
+            let d = dev();
+            let x = Tensor::<i32>::from_vec(vec![1, 2, 3, 4], &[4], &d).unwrap();
+            let y = &x * 3 + 1;
+            // Both threads' tensors are pending and live now.
+            recorded.wait();
+            failed.wait();
+            lazy::mark_step();
+            y.to_vec()
+        });
+        let (err, line) = bad.join().unwrap();
+        assert_eq!(err.op(), Some("Div"), "{err}");
+        assert_eq!(err.location().unwrap().line(), line, "{err}");
+        assert_eq!(good.join().unwrap().unwrap(), vec![4, 7, 10, 13]);
+    });
+}
+
 /// `a / b + 1`, recorded at the caller's line (the ops inside a
 /// `#[track_caller]` function take its caller's location).
 #[track_caller]

@@ -43,6 +43,9 @@ pub(crate) struct LazyOp {
     location: Location,
     outputs: OutputMetas,
     target: Device,
+    /// The thread that recorded it: `mark_step` runs the calling thread's
+    /// work only.
+    thread: std::thread::ThreadId,
     /// Live user handles per output.
     live: SmallVec<[AtomicU32; 1]>,
     /// Pending recorded ops reading each output.
@@ -263,6 +266,7 @@ pub(super) fn record(target: Device, mut inv: OpInvocation<'_>) -> Results {
         location,
         outputs: outputs.clone(),
         target,
+        thread: std::thread::current().id(),
         live: (0..n).map(|_| AtomicU32::new(0)).collect(),
         uses: (0..n).map(|_| AtomicU32::new(0)).collect(),
         state: Mutex::new(State::Pending(inputs)),
@@ -896,7 +900,16 @@ pub(crate) fn materialize_handle(handle: &TensorHandle, trigger: Trigger) {
     handle.fill_lazy(value);
 }
 
+/// The live outputs of pending ops this thread recorded: what its
+/// `mark_step` materializes (with whatever they depend on, from any thread).
+///
+/// Only this thread's: the step barrier belongs to the thread's program. A
+/// trace fails as a whole, so running every thread's pending work in one
+/// trace let one thread's kernel error (say, an integer division by zero)
+/// fail another thread's independent tensors, naming a line that thread
+/// never ran.
 fn live_roots() -> Vec<(Arc<LazyOp>, u32)> {
+    let me = std::thread::current().id();
     with_runtime(|rt| {
         rt.recorded_since_step = 0;
         let mut roots = Vec::new();
@@ -907,15 +920,21 @@ fn live_roots() -> Vec<(Arc<LazyOp>, u32)> {
             if !op.is_pending() {
                 return false;
             }
-            for (i, live) in op.live.iter().enumerate() {
-                if live.load(Ordering::Relaxed) > 0 {
-                    roots.push((op.clone(), i as u32));
-                }
+            if op.thread == me {
+                push_live_outputs(&op, &mut roots);
             }
             true
         });
         roots
     })
+}
+
+fn push_live_outputs(op: &Arc<LazyOp>, roots: &mut Vec<(Arc<LazyOp>, u32)>) {
+    for (i, live) in op.live.iter().enumerate() {
+        if live.load(Ordering::Relaxed) > 0 {
+            roots.push((op.clone(), i as u32));
+        }
+    }
 }
 
 fn materialize_live(trigger: Trigger) {
@@ -934,9 +953,12 @@ fn materialize_live(trigger: Trigger) {
     }
 }
 
-/// The end-of-step barrier: materializes every live lazy tensor with one
-/// trace (per target device). Call it once per training step, so each step
-/// is the same trace and hits the cache.
+/// The end-of-step barrier: materializes every live lazy tensor this thread
+/// recorded with one trace (per target device), together with the pending
+/// work of any thread they depend on. Call it once per training step, so
+/// each step is the same trace and hits the cache. Other threads' pending
+/// tensors wait for their own `mark_step` (or a read), so one thread's
+/// failing step cannot fail another's.
 pub fn mark_step() {
     materialize_live(Trigger::MarkStep);
     let now = AllocMark::now();
@@ -984,21 +1006,18 @@ pub struct StepTrace {
     pub optimized: Function,
 }
 
-/// The trace that [`mark_step`] would run now for the live tensors on the
-/// first target device holding pending work, without running it (the
+/// The trace that [`mark_step`] would run now for this thread's live
+/// tensors on the first target device holding pending work, without running
+/// it (the
 /// pending ops stay pending and the next `mark_step` runs them as usual).
 /// An error when nothing is pending.
 pub fn step_trace() -> Result<StepTrace> {
+    let me = std::thread::current().id();
     let mut roots: Vec<(Arc<LazyOp>, u32)> = with_runtime(|rt| {
         let mut roots = Vec::new();
         for op in rt.pending.iter().filter_map(Weak::upgrade) {
-            if !op.is_pending() {
-                continue;
-            }
-            for (i, live) in op.live.iter().enumerate() {
-                if live.load(Ordering::Relaxed) > 0 {
-                    roots.push((op.clone(), i as u32));
-                }
+            if op.is_pending() && op.thread == me {
+                push_live_outputs(&op, &mut roots);
             }
         }
         roots
