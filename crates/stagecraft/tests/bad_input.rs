@@ -269,3 +269,21 @@ fn a_huge_broadcast_value_in_a_lazy_trace_is_an_error() {
     let err = (big * 3.0).sum(&[], false).item().unwrap_err();
     assert!(err.op().is_some(), "{err}");
 }
+
+/// Empty tensors may carry a huge dimension beside their zero one: shape
+/// rules and kernels must not overflow on it.
+#[test]
+fn empty_tensors_with_a_huge_dimension_do_not_overflow() {
+    for d in [Device::cpu(), Device::lazy(&Device::cpu())] {
+        let empty = Tensor::<f32>::zeros(&[usize::MAX, 0], &d);
+        let line = line!() + 1;
+        let err = Tensor::concat(&[&empty, &empty], 0).to_vec().unwrap_err();
+        assert_eq!(err.op(), Some("Concat"), "{err}");
+        assert_eq!(err.location().map(|l| l.line()), Some(line), "{err}");
+        let wide = Tensor::<f32>::zeros(&[0, usize::MAX, 2], &d);
+        for s in [wide.softmax(1), wide.log_softmax(1)] {
+            assert_eq!(s.to_vec().unwrap(), Vec::<f32>::new());
+            assert_eq!(s.dims(), &[0, usize::MAX, 2]);
+        }
+    }
+}

@@ -589,10 +589,13 @@ fn softmax_via_f32<T: Real>(axis: i64, log: bool) -> Kernel {
 /// holding NaN or +inf has a NaN max or a NaN `inf - inf` and so comes out
 /// all NaN, like PyTorch.
 fn softmax_in_place<T: Real>(data: &mut [T], n: usize, inner: usize, log: bool) {
-    let slab = n * inner;
-    if data.is_empty() || slab == 0 {
+    // An empty tensor may have a huge dimension beside its zero one, so
+    // `n * inner` is only formed once there is data (then it is at most
+    // the element count).
+    if data.is_empty() || n == 0 || inner == 0 {
         return;
     }
+    let slab = n * inner;
     let body = |s: &mut [T]| {
         if inner == 1 {
             softmax_row(s, log)

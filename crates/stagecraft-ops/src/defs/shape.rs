@@ -188,8 +188,14 @@ fn concat_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMet
                 t.shape, first.shape
             )));
         }
-        out.dims_mut()[axis] += t.shape[axis];
+        let dim = &mut out.dims_mut()[axis];
+        *dim = dim.checked_add(t.shape[axis]).ok_or_else(|| {
+            Error::shape(format!(
+                "concatenating along axis {axis} gives more than usize::MAX elements"
+            ))
+        })?;
     }
+    out.checked_numel()?;
     one(TensorMetadata::new(first.dtype, out))
 }
 
