@@ -38,6 +38,8 @@
 //! error, about 1e-13 for the per-op cases). The rounding error of a
 //! difference quotient is about `ε·|f|/h ≈ 1e-10·|f|`.
 
+mod common;
+use common::values;
 use proptest::prelude::*;
 use stagecraft::layers::graph::Function;
 use stagecraft::layers::ops::{self as ops, OpAttrs};
@@ -78,20 +80,6 @@ const NOT_SMOOTH: &[(&str, &str)] = &[
 
 fn cpu() -> Device {
     Device::cpu()
-}
-
-fn values(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            lo + (hi - lo) * ((s >> 11) as f64 / (1u64 << 53) as f64)
-        })
-        .collect()
 }
 
 /// A tensor of values in `[lo, hi)` on `d`.

@@ -2,6 +2,8 @@
 //! differences in f64, second derivatives, the tape API on the eager and
 //! lazy devices, and errors.
 
+mod common;
+use common::values;
 use stagecraft::{grad, lazy, value_and_grad, where_, Device, Rng, Tensor};
 
 type T = Tensor<f64>;
@@ -11,20 +13,6 @@ static LAZY: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn cpu() -> Device {
     Device::cpu()
-}
-
-fn values(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            lo + (hi - lo) * ((s >> 11) as f64 / (1u64 << 53) as f64)
-        })
-        .collect()
 }
 
 fn tensor(dims: &[usize], seed: u64, lo: f64, hi: f64) -> T {

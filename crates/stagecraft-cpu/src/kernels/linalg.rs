@@ -180,19 +180,9 @@ fn row_major<T: Element>(
         Layout::Transposed => {
             let mut buffer = Buffer::for_overwrite(rows * cols * std::mem::size_of::<T>());
             let out = buffer.typed_mut::<T>().expect("a fresh buffer is unique");
-            // 32×32 tiles: both the rows read and the rows written stay in
-            // L1 (a plain loop writes one element per cache line).
-            const TILE: usize = 32;
-            for r0 in (0..rows).step_by(TILE) {
-                for c0 in (0..cols).step_by(TILE) {
-                    for c in c0..(c0 + TILE).min(cols) {
-                        let source = &values[c * rows..(c + 1) * rows];
-                        for r in r0..(r0 + TILE).min(rows) {
-                            out[r * cols + c] = source[r];
-                        }
-                    }
-                }
-            }
+            // Element (r, c) sits at `c * rows + r`: output axis 0 has
+            // source stride 1, the transpose kernel's tiled case.
+            super::shape::transpose_tiled(values, out, &[rows, cols], &[1, rows], 0, 0);
             RowMajor::Copied(buffer)
         }
     }

@@ -320,7 +320,7 @@ fn permute<T: Copy + Send + Sync>(src: &[T], dst: &mut [T], dims: &[usize], src_
 /// output axis has a larger one, so the copy walks `TILE`×`TILE` tiles of
 /// (axis `j`, last axis) for every index of the other axes. `base` is the
 /// source offset of the first output element.
-fn transpose_tiled<T: Copy>(
+pub(crate) fn transpose_tiled<T: Copy>(
     src: &[T],
     dst: &mut [T],
     dims: &[usize],

@@ -12,8 +12,9 @@
 use crate::{Function, Node, NodeOp, Value};
 use smallvec::SmallVec;
 use stagecraft_ops::{
-    fused_operand, matmul_transposes, Attrs, OpAttrs, OpKind, FUSED_BINARY, FUSED_BINARY_BASE,
-    FUSED_ELEMENTWISE, FUSED_MATMUL, FUSED_REDUCE, FUSED_REDUCE_OPS, FUSED_UNARY, MATMUL,
+    fused_operand, matmul_attrs, matmul_transposes, Attrs, OpAttrs, OpKind, FUSED_BINARY,
+    FUSED_BINARY_BASE, FUSED_ELEMENTWISE, FUSED_MATMUL, FUSED_REDUCE, FUSED_REDUCE_OPS,
+    FUSED_UNARY, MATMUL,
 };
 use stagecraft_tensor::{DType, TensorMetadata};
 
@@ -164,27 +165,23 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
                 }
                 let first = epilogue_of[g].map(Value::node);
                 let (mut inputs, program) = group_program(f, members, &codes, &map, first);
-                let mut attrs = OpAttrs::new();
-                attrs.set_ints("program", &program);
-                let def = match epilogue_of[g] {
+                let (def, mut attrs) = match epilogue_of[g] {
                     Some(mm) => {
                         // The product's register is 0; a and b come first.
                         let operands = f.nodes[mm].inputs.iter().map(|v| remap(*v, &map));
                         inputs = operands.chain(inputs.into_iter().skip(1)).collect();
-                        if let NodeOp::Op(def, mm_attrs) = &f.nodes[mm].op {
-                            let (ta, tb) =
-                                matmul_transposes(&Attrs::new(mm_attrs, def)).unwrap_or_default();
-                            for (name, on) in [("transpose_a", ta), ("transpose_b", tb)] {
-                                if on {
-                                    attrs.set_bool(name, true);
-                                }
+                        let (ta, tb) = match &f.nodes[mm].op {
+                            NodeOp::Op(def, mm_attrs) => {
+                                matmul_transposes(&Attrs::new(mm_attrs, def)).unwrap_or_default()
                             }
-                        }
+                            NodeOp::Const(_) => (false, false),
+                        };
                         fused += 1;
-                        &FUSED_MATMUL
+                        (&FUSED_MATMUL, matmul_attrs(ta, tb))
                     }
-                    None => &FUSED_ELEMENTWISE,
+                    None => (&FUSED_ELEMENTWISE, OpAttrs::new()),
                 };
+                attrs.set_ints("program", &program);
                 let index = out.push(Node {
                     op: NodeOp::Op(def, attrs.freeze()),
                     inputs,

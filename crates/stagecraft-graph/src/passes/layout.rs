@@ -9,7 +9,7 @@
 //! them cost a tenth of an MLP step.
 
 use crate::{Function, NodeOp, Value};
-use stagecraft_ops::{matmul_transposes, Attrs, OpAttrs, MATMUL, TRANSPOSE};
+use stagecraft_ops::{matmul_attrs, matmul_transposes, Attrs, MATMUL, TRANSPOSE};
 
 /// [`fold_transposes`], also returning how many transposes were folded.
 pub(crate) fn run(f: &Function) -> (Function, usize) {
@@ -36,15 +36,9 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
             }
         }
         if changed {
-            let mut attrs = OpAttrs::new();
-            for (name, on) in [("transpose_a", flags.0), ("transpose_b", flags.1)] {
-                if on {
-                    attrs.set_bool(name, true);
-                }
-            }
             let node = &mut out.nodes[index];
             node.inputs = inputs;
-            node.op = NodeOp::Op(&MATMUL, attrs.freeze());
+            node.op = NodeOp::Op(&MATMUL, matmul_attrs(flags.0, flags.1).freeze());
         }
     }
     (out, folded)
@@ -91,6 +85,7 @@ mod tests {
     use super::*;
     use crate::passes::testing::{eval, loc, meta};
     use crate::passes::{optimize, optimize_with_stats};
+    use stagecraft_ops::OpAttrs;
     use stagecraft_tensor::{DenseHostTensor, HostTensor};
 
     fn transpose(f: &mut Function, x: Value, perm: &[i64]) -> Value {

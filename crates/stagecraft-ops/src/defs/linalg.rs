@@ -108,8 +108,9 @@ fn matmul_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMet
     one(TensorMetadata::new(dtype, out))
 }
 
-/// A matmul node's attributes with the given transpose flags.
-fn flags(transpose_a: bool, transpose_b: bool) -> crate::OpAttrs {
+/// A matmul's attributes with the given transpose flags (flags that are
+/// off are left out, as a plain `a @ b` has none).
+pub fn matmul_attrs(transpose_a: bool, transpose_b: bool) -> crate::OpAttrs {
     let mut attrs = crate::OpAttrs::new();
     if transpose_a {
         attrs.set_bool("transpose_a", true);
@@ -153,14 +154,14 @@ fn matmul_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGr
     }
     let g2 = b.reshape(g, &gdims)?;
     let dx = if ta {
-        b.op(&MATMUL, &[y2, g2], &flags(tb, true))?
+        b.op(&MATMUL, &[y2, g2], &matmul_attrs(tb, true))?
     } else {
-        b.op(&MATMUL, &[g2, y2], &flags(false, !tb))?
+        b.op(&MATMUL, &[g2, y2], &matmul_attrs(false, !tb))?
     };
     let dy = if tb {
-        b.op(&MATMUL, &[g2, x2], &flags(true, ta))?
+        b.op(&MATMUL, &[g2, x2], &matmul_attrs(true, ta))?
     } else {
-        b.op(&MATMUL, &[x2, g2], &flags(!ta, false))?
+        b.op(&MATMUL, &[x2, g2], &matmul_attrs(!ta, false))?
     };
     let x2s = b.meta(x2).shape;
     let y2s = b.meta(y2).shape;
