@@ -1,7 +1,7 @@
 //! The CPU kernel contract and the registry that maps ops to kernels.
 
 use smallvec::SmallVec;
-use stagecraft_ops::{Attrs, OpDef};
+use stagecraft_ops::{Attrs, Effect, OpDef, ShapeKind};
 use stagecraft_tensor::{DenseHostTensor, HostTensor, Result, TensorMetadata};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -109,6 +109,55 @@ pub fn registry() -> &'static KernelRegistry {
     })
 }
 
+/// Settles, from shapes alone, the dense kernel calls whose kernels must
+/// not run; `Ok(None)` means run the kernel.
+///
+/// Two kinds of shape are legal metadata but outside what kernels index:
+/// - an output with more bytes than an address space holds is an error
+///   here, before any kernel allocates or indexes it;
+/// - an empty tensor may carry dimensions whose product overflows before
+///   the zero is reached (`[usize::MAX, 2, 0]`). Kernels compute strides
+///   and loop bounds from such products, so when every output is empty
+///   anyway, the empty outputs are made here and the kernel never runs.
+///
+/// Only pure ops with statically known output shapes are settled here: a
+/// side-effecting kernel runs however empty its outputs are.
+pub fn settle_by_shape<'a>(
+    op: &OpDef,
+    inputs: impl IntoIterator<Item = &'a TensorMetadata>,
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    if op.shape_kind != ShapeKind::Static {
+        return Ok(None);
+    }
+    let mut all_empty = !outputs.is_empty();
+    for meta in outputs {
+        all_empty &= meta.checked_size_in_bytes()? == 0;
+    }
+    if !all_empty || op.effect != Effect::Pure {
+        return Ok(None);
+    }
+    let huge = |meta: &TensorMetadata| {
+        // Room for any product a kernel forms: by an element size, or by
+        // one more dimension of a few elements.
+        const LIMIT: usize = (isize::MAX as usize) >> 8;
+        meta.shape
+            .dims()
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d).filter(|&n| n <= LIMIT))
+            .is_none()
+    };
+    if !outputs.iter().any(huge) && !inputs.into_iter().any(huge) {
+        return Ok(None);
+    }
+    outputs
+        .iter()
+        .map(|meta| DenseHostTensor::zeros(meta.clone()))
+        .collect::<Result<Outputs>>()
+        .map(Some)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -128,5 +177,25 @@ mod tests {
             .map(|op| op.name)
             .collect();
         assert!(missing.is_empty(), "ops without a CPU kernel: {missing:?}");
+    }
+
+    #[test]
+    fn shapes_settle_only_huge_empty_and_unaddressable_outputs() {
+        use stagecraft_ops::{EXP, PRINT};
+        use stagecraft_tensor::{DType, Shape, TensorMetadata};
+        let meta = |dims: &[usize]| TensorMetadata::new(DType::F32, Shape::new(dims));
+        let settle = |op, dims: &[usize]| super::settle_by_shape(op, &[meta(dims)], &[meta(dims)]);
+        // Empty with dims multiplying past usize: made here, kernel skipped.
+        let made = settle(&EXP, &[usize::MAX, 2, 0]).unwrap().unwrap();
+        assert_eq!(made[0].metadata(), &meta(&[usize::MAX, 2, 0]));
+        // Ordinary shapes, empty or not, run the kernel (it may still
+        // check values, as gather checks indices).
+        assert!(settle(&EXP, &[2, 0]).unwrap().is_none());
+        assert!(settle(&EXP, &[2, 3]).unwrap().is_none());
+        // More bytes than an address space holds.
+        let err = settle(&EXP, &[usize::MAX / 2]).unwrap_err();
+        assert!(err.to_string().contains("does not fit in memory"), "{err}");
+        // Side effects run however empty the outputs.
+        assert!(settle(&PRINT, &[usize::MAX, 2, 0]).unwrap().is_none());
     }
 }

@@ -13,8 +13,8 @@ pub mod numeric;
 pub mod reference;
 
 pub use kernel::{
-    registry, AnyKernel, Inputs, Kernel, KernelContext, KernelFactory, KernelRegistry, Outputs,
-    ValueInputs, ValueKernel, ValueKernelFactory, ValueOutputs,
+    registry, settle_by_shape, AnyKernel, Inputs, Kernel, KernelContext, KernelFactory,
+    KernelRegistry, Outputs, ValueInputs, ValueKernel, ValueKernelFactory, ValueOutputs,
 };
 pub use kernels::effects::{set_print_sink, PrintSink};
 

@@ -7,7 +7,7 @@ use crate::handle::{MetadataState, TensorHandle};
 use crate::op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
 use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
 use smallvec::SmallVec;
-use stagecraft_cpu::{AnyKernel, Inputs, KernelContext, ValueInputs};
+use stagecraft_cpu::{settle_by_shape, AnyKernel, Inputs, KernelContext, ValueInputs};
 use stagecraft_ops::{Attrs, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
 use stagecraft_tensor::{
     DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,
@@ -241,6 +241,12 @@ fn run_kernel(
         }
     }
     let inputs = dense;
+    if let Some(settled) =
+        settle_by_shape(op, inputs.iter().map(DenseHostTensor::metadata), outputs)
+            .map_err(Failure::Raised)?
+    {
+        return Ok(settled.into_iter().map(HostTensor::Dense).collect());
+    }
     count_kernel_launch();
     // The profiled call is out of line, so the hot path is one load.
     let produced = if crate::profile::is_enabled() {

@@ -20,7 +20,7 @@ fn write_axis(out: &mut String, t: &DenseHostTensor, axis: usize, base: usize, e
         }
         return;
     }
-    let stride: usize = dims[axis + 1..].iter().product();
+    let stride = stagecraft_tensor::element_count(&dims[axis + 1..]);
     let n = dims[axis];
     out.push('[');
     let elide = n > 2 * edge;

@@ -200,16 +200,7 @@ pub fn execute(
 /// kernel would panic instead of failing with an error naming the op.
 fn check_sizes(metas: OutputMetas) -> Result<OutputMetas> {
     for meta in metas.iter() {
-        let bytes = meta
-            .shape
-            .checked_numel()?
-            .checked_mul(meta.dtype.size_in_bytes())
-            .filter(|&b| b <= isize::MAX as usize);
-        if bytes.is_none() {
-            return Err(Error::shape(format!(
-                "the output {meta} needs more than isize::MAX bytes"
-            )));
-        }
+        meta.checked_size_in_bytes()?;
     }
     Ok(metas)
 }

@@ -20,6 +20,8 @@ const SMALL_ALIGN: usize = 16;
 
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 static ALLOCATED_BYTES: AtomicU64 = AtomicU64::new(0);
+/// See `Buffer::set_memory_limit`; `u64::MAX` when unset.
+static MEMORY_LIMIT: AtomicU64 = AtomicU64::new(u64::MAX);
 
 struct RawBuffer {
     ptr: NonNull<u8>,
@@ -345,6 +347,10 @@ impl Buffer {
     /// system has no memory for it.
     fn allocate(len: usize) -> Option<(Buffer, bool)> {
         if len > 0 {
+            let live = pool::LIVE_BYTES.load(Ordering::Relaxed);
+            if live.saturating_add(len as u64) > MEMORY_LIMIT.load(Ordering::Relaxed) {
+                return None;
+            }
             if let Some(arena) = Arena::current_for(len) {
                 let (ptr, reused) = match arena.take(len) {
                     Some(ptr) => (ptr, true),
@@ -384,6 +390,9 @@ impl Buffer {
     /// A fresh zeroed block of `len > 0` bytes from the system, counted in
     /// the statistics; `None` when the system refuses.
     fn system_block(len: usize) -> Option<NonNull<u8>> {
+        if len as u64 > MEMORY_LIMIT.load(Ordering::Relaxed) {
+            return None;
+        }
         let layout = Layout::from_size_align(len, align_for(len)).ok()?;
         // SAFETY: the layout has a non-zero size.
         let block = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })?;
@@ -496,6 +505,22 @@ impl Buffer {
         Some(unsafe { std::slice::from_raw_parts_mut(raw.ptr.as_ptr() as *mut T, raw.len / size) })
     }
 
+    /// Caps the bytes of live host buffers (`None`: no cap but the
+    /// system's). An allocation that would pass the cap fails as if the
+    /// system had no memory: the op asking for it reports a tensor that
+    /// does not fit. For sharing a machine, and for fuzzing, where a
+    /// program may ask for tensors of tens of gigabytes. Checked at each
+    /// allocation, so threads allocating at once may pass it by the sizes
+    /// of their requests.
+    pub fn set_memory_limit(bytes: Option<u64>) {
+        MEMORY_LIMIT.store(bytes.unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// The cap [`Buffer::set_memory_limit`] set, if any.
+    pub fn memory_limit() -> Option<u64> {
+        Some(MEMORY_LIMIT.load(Ordering::Relaxed)).filter(|&b| b != u64::MAX)
+    }
+
     /// Buffers allocated by this process so far (zero-length ones excluded).
     pub fn allocation_count() -> u64 {
         ALLOCATIONS.load(Ordering::Relaxed)
@@ -568,10 +593,9 @@ impl Arena {
 
     /// Bytes this arena holds when every planned block is home.
     pub fn planned_bytes(&self) -> usize {
-        self.planned
-            .iter()
-            .map(|(bytes, count)| bytes * count)
-            .sum()
+        self.planned.iter().fold(0, |sum, (bytes, count)| {
+            sum.saturating_add(bytes.saturating_mul(*count))
+        })
     }
 
     /// Runs `f` with buffers of planned sizes allocated on this thread

@@ -17,7 +17,7 @@ pub struct DenseHostTensor {
 impl DenseHostTensor {
     /// A tensor of zeros.
     pub fn zeros(meta: TensorMetadata) -> Result<DenseHostTensor> {
-        let bytes = Self::byte_len(&meta)?;
+        let bytes = meta.checked_size_in_bytes()?;
         let buffer = Buffer::try_zeroed(bytes).ok_or_else(|| Self::no_memory(&meta, bytes))?;
         Ok(DenseHostTensor { meta, buffer })
     }
@@ -25,7 +25,7 @@ impl DenseHostTensor {
     /// A tensor whose values are unspecified, for a kernel that writes every
     /// element (bool tensors are zeroed: not every byte is a valid bool).
     pub fn for_overwrite(meta: TensorMetadata) -> Result<DenseHostTensor> {
-        let bytes = Self::byte_len(&meta)?;
+        let bytes = meta.checked_size_in_bytes()?;
         let buffer = if meta.dtype == DType::Bool {
             Buffer::try_zeroed(bytes)
         } else {
@@ -36,19 +36,11 @@ impl DenseHostTensor {
     }
 
     /// The error for a tensor the system has no memory for (of the same
-    /// kind as one too big to address, see `byte_len`).
+    /// kind as one too big to address, see `checked_size_in_bytes`).
     fn no_memory(meta: &TensorMetadata, bytes: usize) -> Error {
         Error::shape(format!(
             "a tensor of {meta} ({bytes} bytes) does not fit in memory"
         ))
-    }
-
-    fn byte_len(meta: &TensorMetadata) -> Result<usize> {
-        let numel = meta.shape.checked_numel()?;
-        numel
-            .checked_mul(meta.dtype.size_in_bytes())
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| Error::shape(format!("a tensor of {meta} does not fit in memory")))
     }
 
     /// A tensor taking its values from `values`, which must hold exactly

@@ -14,6 +14,6 @@ pub use buffer::{Arena, Buffer, BufferStats};
 pub use dtype::{DType, Element, FloatElement, IndexElement, NumElement, Scalar};
 pub use error::{Error, ErrorKind, Location, Result};
 pub use host::{DenseHostTensor, HostTensor, ScalarHostTensor, TensorList};
-pub use shape::{broadcast_shapes, normalize_axis, Shape, TensorMetadata};
+pub use shape::{broadcast_shapes, element_count, normalize_axis, Shape, TensorMetadata};
 
 pub use half::{bf16, f16};

@@ -47,17 +47,25 @@ impl Shape {
     }
 
     /// The number of elements (1 for a scalar, 0 if any dimension is 0).
+    ///
+    /// An empty shape may hold huge dimensions (`[usize::MAX, 2, 0]`), so
+    /// the product is checked; an overflow without a zero dimension cannot
+    /// come from a valid shape and saturates, which every allocation
+    /// refuses.
     #[inline]
     pub fn numel(&self) -> usize {
-        self.0.iter().product()
+        element_count(&self.0)
     }
 
     /// The number of elements, or an error if it overflows `usize`.
     pub fn checked_numel(&self) -> Result<usize> {
-        self.0
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| Error::shape(format!("the number of elements of {self} overflows")))
+        match self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
+            Some(n) => Ok(n),
+            None if self.0.contains(&0) => Ok(0),
+            None => Err(Error::shape(format!(
+                "the number of elements of {self} overflows"
+            ))),
+        }
     }
 
     /// Row-major (C order) strides in elements.
@@ -150,8 +158,27 @@ impl TensorMetadata {
     }
 
     /// Bytes needed for the values of a dense tensor with this metadata.
+    ///
+    /// Saturates where the product overflows: such a tensor never fits.
     pub fn size_in_bytes(&self) -> usize {
-        self.shape.numel() * self.dtype.size_in_bytes()
+        self.shape
+            .numel()
+            .saturating_mul(self.dtype.size_in_bytes())
+    }
+
+    /// Bytes needed for the values of a dense tensor with this metadata, or
+    /// an error naming it if no address space holds that many (more than
+    /// `isize::MAX`).
+    pub fn checked_size_in_bytes(&self) -> Result<usize> {
+        self.shape
+            .checked_numel()?
+            .checked_mul(self.dtype.size_in_bytes())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::shape(format!(
+                    "a tensor of {self} does not fit in memory (it needs more than isize::MAX bytes)"
+                ))
+            })
     }
 }
 
@@ -165,6 +192,19 @@ impl fmt::Display for TensorMetadata {
 impl fmt::Debug for TensorMetadata {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(self, f)
+    }
+}
+
+/// The product of `dims`, as [`Shape::numel`] computes it: 0 when any is
+/// 0 however large the others (their product may overflow before the zero
+/// is reached), saturating at `usize::MAX` otherwise. Kernels use it for the
+/// element counts of dimension runs.
+#[inline]
+pub fn element_count(dims: &[usize]) -> usize {
+    match dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
+        Some(n) => n,
+        None if dims.contains(&0) => 0,
+        None => usize::MAX,
     }
 }
 
@@ -227,6 +267,21 @@ mod tests {
         assert_eq!(s.checked_numel().unwrap(), 0);
         assert_eq!(s.strides().as_slice(), &[usize::MAX, usize::MAX, 1]);
         assert_eq!(Shape::new(&[2, 3, 4]).strides().as_slice(), &[12, 4, 1]);
+    }
+
+    /// The product of the dimensions before the zero overflows here; the
+    /// shape is still a valid empty one.
+    #[test]
+    fn element_counts_of_empty_shapes_with_huge_dims_are_zero() {
+        let s = Shape::new(&[usize::MAX, 2, 0]);
+        assert_eq!(s.numel(), 0);
+        assert_eq!(s.checked_numel().unwrap(), 0);
+        assert_eq!(TensorMetadata::new(DType::F64, s).size_in_bytes(), 0);
+        let too_many = Shape::new(&[usize::MAX, 2]);
+        assert!(too_many.checked_numel().is_err());
+        assert_eq!(too_many.numel(), usize::MAX);
+        let meta = TensorMetadata::new(DType::F32, Shape::new(&[usize::MAX / 2]));
+        assert_eq!(meta.size_in_bytes(), usize::MAX);
     }
 
     #[test]

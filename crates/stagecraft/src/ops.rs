@@ -260,7 +260,8 @@ impl<T: Element> Tensor<T> {
 
     /// A strided slice: per axis, elements `start, start+step, ...` before
     /// `end`; negative bounds count from the end and are clamped like
-    /// Python slices. `steps` may be empty (all 1).
+    /// Python slices; an end of `i64::MAX` reaches the end of the axis.
+    /// `steps` may be empty (all 1).
     #[track_caller]
     pub fn slice(&self, starts: &[i64], ends: &[i64], steps: &[i64]) -> Tensor<T> {
         let mut attrs = OpAttrs::new();
@@ -279,16 +280,21 @@ impl<T: Element> Tensor<T> {
         match normalize_axis(axis, rank) {
             Ok(a) => {
                 let mut starts: SmallVec<[i64; 4]> = smallvec![0; rank];
-                let mut ends: SmallVec<[i64; 4]> = self.dims().iter().map(|&d| d as i64).collect();
+                // i64::MAX: to the end of the axis, however long.
+                let mut ends: SmallVec<[i64; 4]> = smallvec![i64::MAX; rank];
                 let dim = self.dims()[a];
-                if start.checked_add(len).is_none_or(|end| end > dim) {
+                let bounds = start
+                    .checked_add(len)
+                    .filter(|&end| end <= dim)
+                    .and_then(|end| Some((i64::try_from(start).ok()?, i64::try_from(end).ok()?)));
+                let Some((first, end)) = bounds else {
                     let e = Error::shape(format!(
                         "narrow({axis}, {start}, {len}) is out of range for an axis of size {dim}"
                     ));
                     return self.fail("Slice", location, e);
-                }
-                starts[a] = start as i64;
-                ends[a] = (start + len) as i64;
+                };
+                starts[a] = first;
+                ends[a] = end;
                 let mut attrs = OpAttrs::new();
                 attrs.set_ints("starts", &starts).set_ints("ends", &ends);
                 self.unary(&ops::SLICE, &attrs, location)

@@ -287,3 +287,57 @@ fn empty_tensors_with_a_huge_dimension_do_not_overflow() {
         }
     }
 }
+
+/// Found by fuzzing with `usize::MAX` in shapes that do not overflow: an
+/// empty tensor's dimensions may multiply past `usize::MAX` before the zero
+/// is reached, and kernels, shape rules, constant folding, fusion and the
+/// buffer plan formed such products. Each case here panicked or gave a
+/// wrong shape.
+#[test]
+fn empty_tensors_whose_other_dims_overflow_work_or_fail_cleanly() {
+    for d in [Device::cpu(), Device::lazy(&Device::cpu())] {
+        let x = Tensor::<f32>::zeros(&[usize::MAX, 2, 0], &d);
+        // Every kept element of a reduction over no elements is the
+        // identity (a mean is 0/0).
+        let s = x.sum(&[0, 2], false);
+        assert_eq!(s.to_vec().unwrap(), vec![0.0, 0.0]);
+        let m = x.mean(&[2, 0], false).to_vec().unwrap();
+        assert!(m.len() == 2 && m.iter().all(|v| v.is_nan()), "{m:?}");
+        let kept = x.sum(&[0], false);
+        assert_eq!(kept.dims(), &[2, 0]);
+        assert_eq!(kept.to_vec().unwrap(), Vec::<f32>::new());
+        // A fused chain (lazy) or a chain of kernels (eager).
+        let y = ((&x * 2.0 + 1.0).exp() - &x).relu();
+        assert_eq!(y.dims(), &[usize::MAX, 2, 0]);
+        assert_eq!(y.to_vec().unwrap(), Vec::<f32>::new());
+        // An empty batch lets the matrix dims be anything.
+        let a = Tensor::<f32>::zeros(&[0, usize::MAX, 1], &d);
+        let b = Tensor::<f32>::zeros(&[1, 1, 2], &d);
+        let p = a.matmul(&b);
+        assert_eq!(p.dims(), &[0, usize::MAX, 2]);
+        assert_eq!(p.to_vec().unwrap(), Vec::<f32>::new());
+        // Slicing an axis longer than i64 counts keeps all of it.
+        let wide = Tensor::<f32>::zeros(&[usize::MAX, 0], &d);
+        assert_eq!(wide.narrow(1, 0, 0).dims(), &[usize::MAX, 0]);
+        let all = wide.slice(&[0, 0], &[i64::MAX, i64::MAX], &[]);
+        assert_eq!(all.dims(), &[usize::MAX, 0]);
+        let line = line!() + 1;
+        let err = wide.narrow(0, usize::MAX - 1, 1).check().unwrap_err();
+        assert_eq!(err.op(), Some("Slice"), "{err}");
+        assert_eq!(err.location().map(|l| l.line()), Some(line), "{err}");
+        // A padded spatial size that overflows is an error of the op.
+        let images = Tensor::<f32>::zeros(&[0, 1, usize::MAX, 3], &d);
+        let w = Tensor::<f32>::zeros(&[1, 1, 1, 1], &d);
+        let padded = Conv2dOptions {
+            padding: [1, 1],
+            ..Conv2dOptions::default()
+        };
+        let line = line!() + 1;
+        let err = images.conv2d(&w, padded).check().unwrap_err();
+        assert_eq!(err.op(), Some("Conv2d"), "{err}");
+        assert_eq!(err.location().map(|l| l.line()), Some(line), "{err}");
+        let out = images.conv2d(&w, Conv2dOptions::default());
+        assert_eq!(out.dims(), &[0, 1, usize::MAX, 3]);
+        assert_eq!(out.to_vec().unwrap(), Vec::<f32>::new());
+    }
+}

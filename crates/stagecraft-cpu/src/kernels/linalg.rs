@@ -271,10 +271,12 @@ fn batched<T: Element + Send + Sync>(
 ) {
     let (m, n) = (plan.m, plan.n);
     let items = plan.batch.numel();
-    if m * n == 0 || items == 0 {
+    // Items first: with none, `m * n` may overflow (an empty batch lets
+    // the matrix dimensions be anything).
+    if items == 0 || m == 0 || n == 0 {
         return;
     }
-    let work = m * n * plan.k;
+    let work = (m * n).saturating_mul(plan.k);
     let run = |(index, c): (usize, &mut [T]), parallel: bool| {
         let (oa, ob) = plan.offsets(index);
         single(

@@ -21,7 +21,7 @@ use rayon::prelude::*;
 use smallvec::{smallvec, SmallVec};
 use stagecraft_ops::{reduction_axes, Attrs, OpKind, ReduceOp};
 use stagecraft_tensor::{
-    normalize_axis, DType, DenseHostTensor, Element, Error, Result, TensorMetadata,
+    element_count, normalize_axis, DType, DenseHostTensor, Element, Error, Result, TensorMetadata,
 };
 use std::sync::Arc;
 
@@ -61,9 +61,9 @@ fn no_kernel(attrs: &Attrs<'_>, dtype: DType) -> Error {
 /// `(outer, n, inner)`: the products of the dims before, at and after `axis`.
 fn split3(dims: &[usize], axis: usize) -> (usize, usize, usize) {
     (
-        dims[..axis].iter().product(),
+        element_count(&dims[..axis]),
         dims[axis],
-        dims[axis + 1..].iter().product(),
+        element_count(&dims[axis + 1..]),
     )
 }
 
@@ -127,7 +127,8 @@ pub(crate) fn float_fold<T: Real, X: Source<T> + ?Sized>(
     check_len(o.len(), acc.len())?;
     if op == ReduceOp::Mean {
         // 0/0 is NaN: the mean of no elements.
-        let count = axes.iter().map(|&a| dims[a]).product::<usize>() as f64;
+        let reduced: SmallVec<[usize; 4]> = axes.iter().map(|&a| dims[a]).collect();
+        let count = element_count(&reduced) as f64;
         map_into(o, &acc, |s| T::narrow(s / count));
     } else {
         map_into(o, &acc, T::narrow);
@@ -242,6 +243,15 @@ where
     F: Fn(A, A) -> A + Copy + Sync,
     X: Source<S> + ?Sized,
 {
+    if dims.contains(&0) {
+        // Nothing to fold, and the dims may multiply past `usize` before
+        // their zero: every kept element is the identity.
+        let kept: SmallVec<[usize; 4]> = (0..dims.len())
+            .filter(|a| !axes.contains(a))
+            .map(|a| dims[a])
+            .collect();
+        return vec![id; element_count(&kept)];
+    }
     // (size, reduced) runs, size-1 axes dropped: they change no index.
     let mut groups: SmallVec<[(usize, bool); 4]> = SmallVec::new();
     for (axis, &d) in dims.iter().enumerate() {

@@ -26,7 +26,7 @@
 use super::{outputs_of, Rebuilder};
 use crate::{Function, Node, NodeOp, Value};
 use smallvec::{smallvec, SmallVec};
-use stagecraft_cpu::{registry, Inputs, KernelContext};
+use stagecraft_cpu::{registry, settle_by_shape, Inputs, KernelContext};
 use stagecraft_ops::{Attrs, Effect, OpKind, ShapeKind};
 use stagecraft_tensor::{DenseHostTensor, HostTensor, ScalarHostTensor, TensorMetadata};
 
@@ -110,6 +110,11 @@ fn evaluate(g: &Function, node: &Node) -> Option<SmallVec<[HostTensor; 1]>> {
     // interpreter in the tests does.
     let inputs = held.clone();
     let metas: SmallVec<[TensorMetadata; 4]> = held.iter().map(|t| t.metadata().clone()).collect();
+    // Shapes a kernel must not see (see `settle_by_shape`) fold without it,
+    // or are left for run time to report.
+    if let Some(settled) = settle_by_shape(def, &metas, &node.outputs).ok()? {
+        return Some(settled.into_iter().map(HostTensor::Dense).collect());
+    }
     let factory = registry().get(def)?;
     // A panicking kernel is a kernel bug, but optimizing must not be where
     // it brings the process down: leave the node for run time to report.

@@ -9,7 +9,7 @@
 
 use crate::attrs::AttrKind;
 use crate::op::*;
-use stagecraft_tensor::{DType, Error, Result, Shape, TensorMetadata};
+use stagecraft_tensor::{element_count, DType, Error, Result, Shape, TensorMetadata};
 
 /// Unary ops a fused program can contain, by code.
 pub const FUSED_UNARY: &[UnaryOp] = &[
@@ -137,7 +137,7 @@ pub fn fused_operand(input: &Shape, out: &Shape) -> Option<FusedOperand> {
         .unwrap_or(rank);
     if padded[..tile_from].iter().all(|&d| d == 1) {
         return Some(FusedOperand::Tile {
-            period: dims[tile_from..].iter().product(),
+            period: element_count(&dims[tile_from..]),
         });
     }
     // The first axis from which the input is all ones.
@@ -148,7 +148,7 @@ pub fn fused_operand(input: &Shape, out: &Shape) -> Option<FusedOperand> {
         .unwrap_or(rank);
     if padded[..repeat_from] == dims[..repeat_from] {
         return Some(FusedOperand::Repeat {
-            run: dims[repeat_from..].iter().product(),
+            run: element_count(&dims[repeat_from..]),
         });
     }
     None

@@ -43,8 +43,19 @@ impl Window2d {
     /// The output size along one spatial axis, or an error if the window
     /// does not fit.
     pub fn output_dim(&self, axis: usize, input: usize) -> Result<usize> {
-        let span = self.dilation[axis] * (self.kernel[axis] - 1) + 1;
-        let padded = input + 2 * self.padding[axis];
+        let too_large = || {
+            Error::shape(format!(
+                "the window or the padded input overflows on spatial axis {axis} (input {input}, {self:?})"
+            ))
+        };
+        let span = self.dilation[axis]
+            .checked_mul(self.kernel[axis].saturating_sub(1))
+            .and_then(|s| s.checked_add(1))
+            .ok_or_else(too_large)?;
+        let padded = self.padding[axis]
+            .checked_mul(2)
+            .and_then(|p| p.checked_add(input))
+            .ok_or_else(too_large)?;
         if padded < span {
             return Err(Error::shape(format!(
                 "the window ({span} wide with dilation) does not fit the padded input ({padded}) on spatial axis {axis}"
@@ -92,7 +103,7 @@ fn conv2d_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMet
     }
     let groups = groups as usize;
     let (c, o) = (x.shape[1], w.shape[0]);
-    if c % groups != 0 || o % groups != 0 || w.shape[1] * groups != c {
+    if c % groups != 0 || o % groups != 0 || w.shape[1].checked_mul(groups) != Some(c) {
         return Err(Error::shape(format!(
             "with {groups} groups, x has {c} channels and w {} {} input channels per group: need C = groups * w.shape[1] and O divisible by groups",
             o, w.shape[1]

@@ -201,7 +201,8 @@ fn concat_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMet
 
 /// Strided slice: for each axis, elements `start, start+step, ...` before
 /// `end`. Negative starts and ends count from the end; both are clamped to
-/// the axis like Python slices. Steps must be positive.
+/// the axis like Python slices; an end of `i64::MAX` is the end of the
+/// axis however long it is. Steps must be positive.
 pub static SLICE: OpDef = OpDef {
     name: "Slice",
     inputs: &["x"],
@@ -248,17 +249,31 @@ pub fn resolve_slice(attrs: &Attrs<'_>, shape: &Shape) -> Result<SmallVec<[AxisS
     }
     (0..rank)
         .map(|i| {
-            let dim = shape[i] as i64;
+            // In i128: a dimension of an empty tensor may exceed i64::MAX.
+            let dim = shape[i] as i128;
             let step = if steps.is_empty() { 1 } else { steps[i] };
             if step <= 0 {
                 return Err(Error::attribute(format!(
                     "slice step must be positive, got {step} on axis {i}"
                 )));
             }
-            let clamp = |v: i64| if v < 0 { (v + dim).max(0) } else { v.min(dim) };
-            let (s, e) = (clamp(starts[i]), clamp(ends[i]));
-            // (e - s - 1) / step + 1 cannot overflow, unlike rounding up with
-            // `+ step - 1` when the step is huge.
+            let step = step as i128;
+            let clamp = |v: i64| {
+                let v = v as i128;
+                if v < 0 {
+                    (v + dim).max(0)
+                } else {
+                    v.min(dim)
+                }
+            };
+            // An end of i64::MAX is "to the end of the axis", even of one
+            // longer than i64 counts.
+            let e = if ends[i] == i64::MAX {
+                dim
+            } else {
+                clamp(ends[i])
+            };
+            let s = clamp(starts[i]);
             let len = if e > s { (e - s - 1) / step + 1 } else { 0 };
             Ok(AxisSlice {
                 start: s as usize,
@@ -439,7 +454,7 @@ fn slice_of(b: &mut dyn GradBuilder, g: G, axis: usize, start: usize, len: usize
             if a == axis {
                 (start + len) as i64
             } else {
-                dims[a] as i64
+                i64::MAX
             }
         })
         .collect();

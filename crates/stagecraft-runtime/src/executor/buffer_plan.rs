@@ -34,7 +34,11 @@ pub struct BufferPlan {
 impl BufferPlan {
     /// Bytes of all planned blocks together.
     pub fn bytes(&self) -> usize {
-        self.blocks.iter().map(|(bytes, count)| bytes * count).sum()
+        // Saturating: a plan may list sizes no system can allocate (those
+        // runs fail with an error).
+        self.blocks.iter().fold(0, |sum, (bytes, count)| {
+            sum.saturating_add(bytes.saturating_mul(*count))
+        })
     }
 
     /// Plans the buffers of `steps` (in topological order). `consumers`
@@ -82,7 +86,7 @@ impl BufferPlan {
                 continue;
             }
             for (out, meta) in step.outputs.iter().zip(&step.metas) {
-                let Some(bytes) = meta.shape.numel().checked_mul(meta.dtype.size_in_bytes()) else {
+                let Ok(bytes) = meta.checked_size_in_bytes() else {
                     continue;
                 };
                 if bytes == 0 {

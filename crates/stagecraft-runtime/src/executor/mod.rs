@@ -17,10 +17,10 @@ use crate::device::Device;
 use crate::runtime::{count_kernel_launch, report_error};
 use partition::{current_stop_flags, should_stop, with_stop_flags};
 use smallvec::SmallVec;
-use stagecraft_cpu::{AnyKernel, Inputs, KernelContext, ValueInputs};
+use stagecraft_cpu::{settle_by_shape, AnyKernel, Inputs, KernelContext, ValueInputs};
 use stagecraft_graph::{Function, NodeOp, Value};
 use stagecraft_ops::{Attrs, FrozenOpAttrs, FuncId, OpDef, OutputMetas, ShapeKind};
-use stagecraft_tensor::{Arena, Error, ErrorKind, HostTensor, Location, Result};
+use stagecraft_tensor::{Arena, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -150,7 +150,8 @@ impl Schedule {
         let big = steps
             .iter()
             .filter(|s| {
-                s.metas.iter().map(|m| m.shape.numel()).sum::<usize>() >= PARALLEL_STEP_ELEMENTS
+                let elements = s.metas.iter().map(|m| m.shape.numel());
+                elements.fold(0, usize::saturating_add) >= PARALLEL_STEP_ELEMENTS
             })
             .count();
         let forced = std::env::var("STAGECRAFT_EXECUTOR").ok();
@@ -508,7 +509,8 @@ impl Executable {
         let mut kept = self.arenas.lock().unwrap_or_else(|p| p.into_inner());
         let room = KEPT_ARENA_BYTES
             .fetch_update(Relaxed, Relaxed, |total| {
-                (total + bytes <= MAX_KEPT_ARENA_BYTES).then_some(total + bytes)
+                let total = total.checked_add(bytes)?;
+                (total <= MAX_KEPT_ARENA_BYTES).then_some(total)
             })
             .is_ok();
         if room && kept.len() < KEPT_ARENAS {
@@ -754,6 +756,10 @@ impl Executable {
                     let mut dense = Inputs::new();
                     for value in inputs {
                         dense.push(value.into_dense()?);
+                    }
+                    let metas = dense.iter().map(DenseHostTensor::metadata);
+                    if let Some(settled) = settle_by_shape(def, metas, &step.metas)? {
+                        return Ok(settled.into_iter().map(HostTensor::Dense).collect());
                     }
                     Ok(kernel(dense, &ctx)?
                         .into_iter()
