@@ -118,6 +118,9 @@ struct Schedule {
     /// Worth running in parallel: at least two steps are large enough that
     /// overlapping them beats the cost of handing work between threads.
     parallel: bool,
+    /// Some step is large enough that its kernel splits its work over the
+    /// pool (see `run_steps`).
+    splits: bool,
 }
 
 /// Steps producing fewer elements than this are too small to hand to
@@ -171,6 +174,9 @@ impl Schedule {
             readers,
             waits,
             parallel,
+            // With one pool thread too: a split kernel still hands its
+            // work to that thread.
+            splits: big >= 1 && !transfers,
         }
     }
 }
@@ -532,6 +538,33 @@ impl Executable {
         if self.schedule.parallel {
             return self.run_parallel(args, arena, locations);
         }
+        if self.schedule.splits && rayon::current_thread_index().is_none() {
+            // A kernel that splits its work from outside the pool hands it
+            // over and sleeps until it is done: two thread switches per
+            // kernel, tens of microseconds each on a virtual machine
+            // (measured: a 128×256×256 matmul with a bias and relu
+            // epilogue, 148 µs called from outside, 78 µs inside). One hop
+            // into the pool per run pays that once; inside, a kernel's
+            // split is a join the waiting thread helps with.
+            let flags = current_stop_flags();
+            let in_pool = || {
+                with_stop_flags(&flags, || match arena {
+                    Some(arena) => arena.enter(|| self.run_in_order(args, None, locations)),
+                    None => self.run_in_order(args, None, locations),
+                })
+            };
+            return rayon::join(in_pool, || ()).0;
+        }
+        self.run_in_order(args, rendezvous, locations)
+    }
+
+    /// Runs the steps one after another on this thread.
+    fn run_in_order(
+        &self,
+        args: Vec<HostTensor>,
+        rendezvous: Option<&partition::Rendezvous>,
+        locations: &[Location],
+    ) -> Result<Vec<HostTensor>> {
         let mut slots: Vec<Option<HostTensor>> = Vec::with_capacity(self.slots);
         slots.extend(args.into_iter().map(Some));
         slots.resize_with(self.slots, || None);
