@@ -281,7 +281,14 @@ impl OpDef {
     pub fn infer(&self, inputs: &[TensorMetadata], attrs: &OpAttrs) -> Result<OutputMetas> {
         self.check_arity(inputs.len())?;
         self.check_attrs(attrs)?;
-        (self.metadata)(inputs, &Attrs { attrs, def: self })
+        let outputs = (self.metadata)(inputs, &Attrs { attrs, def: self })?;
+        // An element count that fits `usize` can still need more bytes than
+        // an address space holds: no kernel could allocate such an output,
+        // so it is an error of the op here, wherever metadata is computed.
+        for meta in &outputs {
+            meta.checked_size_in_bytes()?;
+        }
+        Ok(outputs)
     }
 
     fn check_arity(&self, n: usize) -> Result<()> {

@@ -6,8 +6,8 @@ use crate::context;
 use crate::device::Device;
 use crate::handle::TensorHandle;
 use crate::op_handler::{Args, InputMetas, OpInvocation, Results};
-use stagecraft_ops::{Effect, OpAttrsRef, OpDef, OutputMetas};
-use stagecraft_tensor::{DType, Error, ErrorKind, Location, Result, Shape, TensorMetadata};
+use stagecraft_ops::{Effect, OpAttrsRef, OpDef};
+use stagecraft_tensor::{DType, Error, ErrorKind, Location, Shape, TensorMetadata};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -168,7 +168,7 @@ pub fn execute(
         }
     }
     let inputs = input_metas(&args);
-    let outputs = match op.infer(&inputs, &attrs).and_then(check_sizes) {
+    let outputs = match op.infer(&inputs, &attrs) {
         Ok(metas) => metas,
         Err(err) => {
             let err = err.with_op(op.name).at(location);
@@ -193,16 +193,6 @@ pub fn execute(
         outputs,
         chain,
     })
-}
-
-/// Refuses outputs no buffer can hold: an element count that fits `usize`
-/// can still need more than `isize::MAX` bytes, and allocating that in a
-/// kernel would panic instead of failing with an error naming the op.
-fn check_sizes(metas: OutputMetas) -> Result<OutputMetas> {
-    for meta in metas.iter() {
-        meta.checked_size_in_bytes()?;
-    }
-    Ok(metas)
 }
 
 fn input_metas(args: &Args) -> InputMetas {

@@ -59,13 +59,8 @@ impl Shape {
 
     /// The number of elements, or an error if it overflows `usize`.
     pub fn checked_numel(&self) -> Result<usize> {
-        match self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
-            Some(n) => Ok(n),
-            None if self.0.contains(&0) => Ok(0),
-            None => Err(Error::shape(format!(
-                "the number of elements of {self} overflows"
-            ))),
-        }
+        checked_element_count(&self.0)
+            .ok_or_else(|| Error::shape(format!("the number of elements of {self} overflows")))
     }
 
     /// Row-major (C order) strides in elements.
@@ -201,10 +196,16 @@ impl fmt::Debug for TensorMetadata {
 /// element counts of dimension runs.
 #[inline]
 pub fn element_count(dims: &[usize]) -> usize {
+    checked_element_count(dims).unwrap_or(usize::MAX)
+}
+
+/// The product of `dims` (0 when any is 0), or `None` when it overflows.
+#[inline]
+fn checked_element_count(dims: &[usize]) -> Option<usize> {
     match dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
-        Some(n) => n,
-        None if dims.contains(&0) => 0,
-        None => usize::MAX,
+        Some(n) => Some(n),
+        None if dims.contains(&0) => Some(0),
+        None => None,
     }
 }
 
