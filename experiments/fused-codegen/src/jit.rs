@@ -128,6 +128,7 @@ fn check(program: &[FusedInstr]) -> Result<(), Unsupported> {
                     | BinaryOp::Maximum
                     | BinaryOp::Minimum
             ),
+            FusedInstr::Compare(..) => false,
         };
         if !ok {
             return Err(Unsupported(format!("no lowering for {instr:?}")));
@@ -383,6 +384,7 @@ fn body(
                     _ => unreachable!("rejected by `check`"),
                 }
             }
+            FusedInstr::Compare(..) => unreachable!("rejected by `check`"),
         };
         regs.push(v);
     }

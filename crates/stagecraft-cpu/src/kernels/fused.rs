@@ -6,7 +6,7 @@
 //! results are bit-identical.
 
 use super::elementwise::{gelu, relu, rsqrt, sigmoid, sign, Arith, Real};
-use super::linalg::{matmul_typed, GemmElement};
+use super::linalg::{matmul_with_epilogue, GemmElement};
 use super::reduce::{float_fold, Source};
 use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
 use crate::Inputs;
@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use smallvec::{smallvec, SmallVec};
 use stagecraft_ops::{
     decode_fused, fused_operand, fused_output, fused_reduce_op, reduction_axes, Attrs, BinaryOp,
-    FusedInstr, FusedOperand, ReduceOp, UnaryOp,
+    CompareOp, FusedInstr, FusedOperand, ReduceOp, UnaryOp,
 };
 use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, TensorMetadata};
 use std::sync::Arc;
@@ -193,6 +193,22 @@ fn run_binary<T: Real + Arith>(op: BinaryOp, dst: &mut [T], a: Src<'_, T>, b: Sr
     }
 }
 
+/// 1 where `op` holds, else 0 (NaN compares false), as a comparison cast
+/// to a float type gives.
+#[inline(always)]
+fn run_compare<T: Real + Arith>(op: CompareOp, dst: &mut [T], a: Src<'_, T>, b: Src<'_, T>) {
+    let (one, zero) = (T::narrow(1.0), T::narrow(0.0));
+    let number = |holds: bool| if holds { one } else { zero };
+    match op {
+        CompareOp::Eq => binary_loop(dst, a, b, |x: T, y: T| number(x == y)),
+        CompareOp::Ne => binary_loop(dst, a, b, |x: T, y: T| number(x != y)),
+        CompareOp::Lt => binary_loop(dst, a, b, |x: T, y: T| number(x < y)),
+        CompareOp::Le => binary_loop(dst, a, b, |x: T, y: T| number(x <= y)),
+        CompareOp::Gt => binary_loop(dst, a, b, |x: T, y: T| number(x > y)),
+        CompareOp::Ge => binary_loop(dst, a, b, |x: T, y: T| number(x >= y)),
+    }
+}
+
 /// Where an operand lives: an input tensor, or a register slot.
 #[derive(Clone, Copy, Debug)]
 enum Operand {
@@ -205,6 +221,7 @@ enum Operand {
 enum Step {
     Unary(UnaryOp, Operand, usize),
     Binary(BinaryOp, Operand, Operand, usize),
+    Compare(CompareOp, Operand, Operand, usize),
 }
 
 /// Assigns register slots so that a slot is reused once its value is dead:
@@ -216,7 +233,7 @@ fn allocate_registers(program: &[FusedInstr], inputs: usize) -> (Vec<Step>, usiz
     for (i, instr) in program.iter().enumerate() {
         let reads: [Option<usize>; 2] = match *instr {
             FusedInstr::Unary(_, a) => [Some(a), None],
-            FusedInstr::Binary(_, a, b) => [Some(a), Some(b)],
+            FusedInstr::Binary(_, a, b) | FusedInstr::Compare(_, a, b) => [Some(a), Some(b)],
         };
         for r in reads.into_iter().flatten() {
             if r >= inputs {
@@ -243,6 +260,7 @@ fn allocate_registers(program: &[FusedInstr], inputs: usize) -> (Vec<Step>, usiz
         let step = match *instr {
             FusedInstr::Unary(op, a) => Step::Unary(op, operand(a), dst),
             FusedInstr::Binary(op, a, b) => Step::Binary(op, operand(a), operand(b), dst),
+            FusedInstr::Compare(op, a, b) => Step::Compare(op, operand(a), operand(b), dst),
         };
         steps.push(step);
         slot_of[i] = dst;
@@ -250,7 +268,9 @@ fn allocate_registers(program: &[FusedInstr], inputs: usize) -> (Vec<Step>, usiz
         // steps (not this one: a step never writes a slot it reads).
         let reads: [Option<usize>; 2] = match *instr {
             FusedInstr::Unary(_, a) => [Some(a), None],
-            FusedInstr::Binary(_, a, b) => [Some(a), if b == a { None } else { Some(b) }],
+            FusedInstr::Binary(_, a, b) | FusedInstr::Compare(_, a, b) => {
+                [Some(a), if b == a { None } else { Some(b) }]
+            }
         };
         for r in reads.into_iter().flatten() {
             if r >= inputs && last_use[r - inputs] == i {
@@ -399,7 +419,7 @@ fn run_block<T: Real + Arith>(
     };
     for step in body {
         let dst_slot = match *step {
-            Step::Unary(_, _, d) | Step::Binary(_, _, _, d) => d,
+            Step::Unary(_, _, d) | Step::Binary(_, _, _, d) | Step::Compare(_, _, _, d) => d,
         };
         // The destination is never an operand of its own step, so it can be
         // taken out while the operands are borrowed.
@@ -422,6 +442,12 @@ fn run_step<T: Real + Arith>(
     match *step {
         Step::Unary(op, a, _) => run_unary(op, dst, operand(a, srcs, regs, n)),
         Step::Binary(op, a, b, _) => run_binary(
+            op,
+            dst,
+            operand(a, srcs, regs, n),
+            operand(b, srcs, regs, n),
+        ),
+        Step::Compare(op, a, b, _) => run_compare(
             op,
             dst,
             operand(a, srcs, regs, n),
@@ -709,17 +735,17 @@ fn fused_reduce_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<
     ))
 }
 
-/// Runs a matmul epilogue over `product` in place, block by block: each
-/// block of the product is copied aside (in L1) and the program writes the
-/// block back, so the product is read and written once, while in cache.
+/// A matmul epilogue over the product's values in place, block by block:
+/// each block is copied aside (in L1) and the program writes the block
+/// back, so the product is read and written once, while in cache. `first`
+/// is the index of `values[0]` in the whole product, which places the
+/// broadcast inputs.
 fn epilogue_in_place<T: Real + Arith + Send + Sync>(
     program: &Program,
-    mut product: DenseHostTensor,
-    rest: &[DenseHostTensor],
-) -> Result<DenseHostTensor> {
-    let shape = product.shape().clone();
-    let externals = Program::inputs::<T>(rest, &shape)?;
-    let total = shape.numel();
+    externals: &[Input<'_, T>],
+    total: usize,
+    (first, values, may_split): (usize, &mut [T], bool),
+) {
     let isa = *ISA.get_or_init(detect_isa);
     let run = |first: usize, chunk: &mut [T], state: &mut (Scratch<T>, Vec<T>)| {
         let (scratch, aside) = state;
@@ -733,21 +759,23 @@ fn epilogue_in_place<T: Real + Arith + Send + Sync>(
             run_block_on(isa, &program.steps, &inputs, start, block, scratch);
         }
     };
+    let aside = BLOCK.min(values.len().max(1));
     let fresh = || {
         (
             program.scratch::<T>(externals.len() + 1, total),
-            vec![T::default(); BLOCK.min(total.max(1))],
+            vec![T::default(); aside],
         )
     };
-    let y = product.as_mut_slice::<T>()?;
-    if total >= crate::PARALLEL_THRESHOLD {
-        y.par_chunks_mut(BLOCK * 16)
+    if may_split && values.len() >= crate::PARALLEL_THRESHOLD {
+        values
+            .par_chunks_mut(BLOCK * 16)
             .enumerate()
-            .for_each_init(fresh, |state, (c, chunk)| run(c * BLOCK * 16, chunk, state));
+            .for_each_init(fresh, |state, (c, chunk)| {
+                run(first + c * BLOCK * 16, chunk, state)
+            });
     } else {
-        run(0, y, &mut fresh());
+        run(first, values, &mut fresh());
     }
-    Ok(product)
 }
 
 fn fused_matmul_typed<T: Real + Arith + GemmElement + Send + Sync>(
@@ -759,8 +787,14 @@ fn fused_matmul_typed<T: Real + Arith + GemmElement + Send + Sync>(
     let [a, b, rest @ ..] = inputs else {
         return Err(Error::internal("FusedMatMul without its operands"));
     };
-    let product = matmul_typed::<T>(a, b, meta, transposes)?;
-    epilogue_in_place::<T>(program, product, rest)
+    let externals = Program::inputs::<T>(rest, &meta.shape)?;
+    let total = meta.shape.numel();
+    // Each band of the product gets its epilogue on the thread that
+    // computed it, while it is in that core's cache.
+    let epilogue = |first: usize, values: &mut [T], may_split: bool| {
+        epilogue_in_place(program, &externals, total, (first, values, may_split))
+    };
+    matmul_with_epilogue::<T>(a, b, meta, transposes, &epilogue)
 }
 
 fn fused_matmul_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
@@ -797,6 +831,9 @@ mod tests {
             FusedInstr::Unary(UnaryOp::Tanh, 4),
             FusedInstr::Binary(BinaryOp::Maximum, 5, 0),
             FusedInstr::Binary(BinaryOp::Div, 6, 2),
+            // x > k as 1 or 0 (NaN: 0), times the result so far.
+            FusedInstr::Compare(CompareOp::Gt, 0, 1),
+            FusedInstr::Binary(BinaryOp::Mul, 7, 8),
         ];
         let program = allocate_registers(&program, 2);
         let n = 1000;
@@ -816,6 +853,11 @@ mod tests {
             out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
         };
         let baseline = run(Isa::Baseline);
+        // The comparison is exact: where x is NaN or not above k, 0 times
+        // the rest (itself NaN where x is, so check a finite case).
+        let at = 3; // x = (3 - 500) / 37 < -1.5
+        assert_eq!(f32::from_bits(baseline[at]), 0.0);
+        assert_ne!(f32::from_bits(baseline[605]), 0.0); // x = 105 / 37 > k
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx2") {

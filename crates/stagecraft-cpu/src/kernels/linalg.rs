@@ -66,18 +66,30 @@ fn view<T: faer::traits::ComplexField>(
     }
 }
 
+/// Work done on a finished stretch of a product while it is still in cache
+/// (a fused kernel's bias and activation): called with the stretch's first
+/// element (counted from the start of the product) and its values, on the
+/// thread that computed them. `may_split` says whether it may fork the work
+/// onto the pool (not when it is one band of a product already split).
+pub(crate) type Epilogue<'a, T> = &'a (dyn Fn(usize, &mut [T], bool) + Sync);
+
+/// An [`Epilogue`] that leaves the product as it is.
+pub(crate) fn no_epilogue<T>(_: usize, _: &mut [T], _: bool) {}
+
 /// Element types with a fast GEMM (faer: chosen by measurement on these
 /// machines — as fast as OpenBLAS at large sizes, about 10× less overhead than
 /// the `gemm` crate on tiny products, and no system dependency).
 pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
     /// `c[m×n] = A[m×k] · B[k×n]`, `c` contiguous row-major, `a` and `b`
-    /// stored as their layouts say.
+    /// stored as their layouts say; then `epilogue` over `c`, band by band
+    /// where the product is split into bands.
     fn gemm(
         (m, n, k): (usize, usize, usize),
         (a, a_layout): (&[Self], Layout),
         (b, b_layout): (&[Self], Layout),
         c: &mut [Self],
         parallel: bool,
+        epilogue: Epilogue<'_, Self>,
     ) {
         if (a_layout, b_layout) != (Layout::AsIs, Layout::AsIs) && m.min(n) < STRIDED_MIN_DIM {
             // faer computes thin products (a row, a column, a few of
@@ -94,6 +106,7 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
                 (&b, Layout::AsIs),
                 c,
                 parallel,
+                epilogue,
             );
         }
         // Forking onto the pool only pays off for large products, and a
@@ -107,7 +120,9 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
             // measured on 2 cores against faer's own parallel split,
             // 225 vs 185 GFLOP/s at 256³ and 316 vs 273 at 1024³,
             // and 16–26% faster on the MLP's shapes. Bands differ by at
-            // most a row, so each has at least GEMM_MIN_PANEL_ROWS.
+            // most a row, so each has at least GEMM_MIN_PANEL_ROWS. Each
+            // band's epilogue runs on its thread while the band is in its
+            // cache, with no second fork.
             let (base, extra) = (m / threads, m % threads);
             let mut bands = Vec::with_capacity(threads);
             let (mut rest, mut row) = (&mut c[..m * n], 0);
@@ -118,10 +133,12 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
                 (rest, row) = (tail, row + height);
             }
             bands.into_par_iter().for_each(|(row, height, c)| {
-                let c = faer::MatMut::from_row_major_slice_mut(c, height, n);
+                let product = faer::MatMut::from_row_major_slice_mut(&mut *c, height, n);
                 let a = a.subrows(row, height);
                 let one = Self::one_value();
-                faer::linalg::matmul::matmul(c, faer::Accum::Replace, a, b, one, faer::Par::Seq);
+                let (accum, par) = (faer::Accum::Replace, faer::Par::Seq);
+                faer::linalg::matmul::matmul(product, accum, a, b, one, par);
+                epilogue(row * n, c, false);
             });
             return;
         }
@@ -130,8 +147,9 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
         } else {
             faer::Par::Seq
         };
-        let c = faer::MatMut::from_row_major_slice_mut(&mut c[..m * n], m, n);
-        faer::linalg::matmul::matmul(c, faer::Accum::Replace, a, b, Self::one_value(), par);
+        let product = faer::MatMut::from_row_major_slice_mut(&mut c[..m * n], m, n);
+        faer::linalg::matmul::matmul(product, faer::Accum::Replace, a, b, Self::one_value(), par);
+        epilogue(0, &mut c[..m * n], parallel);
     }
 
     /// 1 in this type (faer's `alpha` for a plain product).
@@ -267,7 +285,7 @@ fn batched<T: Element + Send + Sync>(
     b: &[T],
     out: &mut [T],
     plan: &Plan,
-    single: impl Fn(&[T], &[T], &mut [T], bool) + Sync,
+    single: impl Fn(usize, &[T], &[T], &mut [T], bool) + Sync,
 ) {
     let (m, n) = (plan.m, plan.n);
     let items = plan.batch.numel();
@@ -280,6 +298,7 @@ fn batched<T: Element + Send + Sync>(
     let run = |(index, c): (usize, &mut [T]), parallel: bool| {
         let (oa, ob) = plan.offsets(index);
         single(
+            index * m * n,
             &a[oa..oa + m * plan.k],
             &b[ob..ob + plan.k * n],
             c,
@@ -305,6 +324,18 @@ pub(crate) fn matmul_typed<T: GemmElement + Send + Sync>(
     meta: &TensorMetadata,
     transposes: (bool, bool),
 ) -> Result<DenseHostTensor> {
+    matmul_with_epilogue::<T>(x, y, meta, transposes, &no_epilogue)
+}
+
+/// [`matmul_typed`], with `epilogue` run over each finished part of the
+/// product (see [`Epilogue`]).
+pub(crate) fn matmul_with_epilogue<T: GemmElement + Send + Sync>(
+    x: &DenseHostTensor,
+    y: &DenseHostTensor,
+    meta: &TensorMetadata,
+    transposes: (bool, bool),
+    epilogue: Epilogue<'_, T>,
+) -> Result<DenseHostTensor> {
     let plan = Plan::new(x.shape(), y.shape(), transposes)?;
     // `Accum::Replace` writes every element of a product with k > 0.
     let mut out = if plan.k > 0 {
@@ -319,7 +350,12 @@ pub(crate) fn matmul_typed<T: GemmElement + Send + Sync>(
         y.as_slice::<T>()?,
         out.as_mut_slice::<T>()?,
         &plan,
-        |a, b, c, par| T::gemm((m, n, k), (a, la), (b, lb), c, par),
+        |first, a, b, c, par| {
+            let item = |offset: usize, values: &mut [T], may_split: bool| {
+                epilogue(first + offset, values, may_split)
+            };
+            T::gemm((m, n, k), (a, la), (b, lb), c, par, &item)
+        },
     );
     Ok(out)
 }
@@ -366,7 +402,7 @@ fn matmul_int<T: Element + IntMulAdd>(
         y.as_slice::<T>()?,
         out.as_mut_slice::<T>()?,
         &plan,
-        |a, b, c, _| {
+        |_, a, b, c, _| {
             let (a, b) = (row_major(a, m, k, la), row_major(b, k, n, lb));
             int_gemm(m, n, k, &a, &b, c)
         },
@@ -416,7 +452,8 @@ pub(crate) fn gemm_into<T: GemmElement>(
     c: &mut [T],
     parallel: bool,
 ) {
-    T::gemm((m, n, k), (a, Layout::AsIs), (b, Layout::AsIs), c, parallel)
+    let (a, b) = ((a, Layout::AsIs), (b, Layout::AsIs));
+    T::gemm((m, n, k), a, b, c, parallel, &no_epilogue)
 }
 
 #[cfg(test)]

@@ -8,19 +8,24 @@
 //! fusible, has one output, and this node is its only user, possibly
 //! several times (results count as users): the group then has a single
 //! output, its root.
+//!
+//! A comparison whose only user casts it to the float type it compares
+//! (a mask, as in the relu gradient `g * (x > 0)`) first becomes one
+//! comparison instruction giving 1 or 0 in that type, so it joins groups
+//! like any elementwise op and the bool tensor is never made.
 
 use crate::{Function, Node, NodeOp, Value};
 use smallvec::SmallVec;
 use stagecraft_ops::{
-    fused_operand, matmul_attrs, matmul_transposes, Attrs, OpAttrs, OpKind, FUSED_BINARY,
-    FUSED_BINARY_BASE, FUSED_ELEMENTWISE, FUSED_MATMUL, FUSED_REDUCE, FUSED_REDUCE_OPS,
-    FUSED_UNARY, MATMUL,
+    decode_fused, fused_operand, matmul_attrs, matmul_transposes, Attrs, FusedInstr, OpAttrs,
+    OpKind, CAST, FUSED_BINARY, FUSED_BINARY_BASE, FUSED_COMPARE, FUSED_COMPARE_BASE,
+    FUSED_ELEMENTWISE, FUSED_MATMUL, FUSED_REDUCE, FUSED_REDUCE_OPS, FUSED_UNARY, MATMUL,
 };
 use stagecraft_tensor::{DType, TensorMetadata};
 
 /// The program code of a fusible node, if it is one.
 fn code(f: &Function, node: &Node) -> Option<i64> {
-    let NodeOp::Op(def, _) = &node.op else {
+    let NodeOp::Op(def, attrs) = &node.op else {
         return None;
     };
     let out: &TensorMetadata = node.outputs.first()?;
@@ -36,6 +41,14 @@ fn code(f: &Function, node: &Node) -> Option<i64> {
     if !shapes_fit {
         return None;
     }
+    if std::ptr::eq(*def, &FUSED_ELEMENTWISE) {
+        // A mask made by `masks_as_numbers`: one comparison of its two inputs.
+        let program = Attrs::new(attrs, def).ints("program").ok()?;
+        return match decode_fused(program, node.inputs.len()).ok()?.as_slice() {
+            [FusedInstr::Compare(_, 0, 1)] if node.inputs.len() == 2 => Some(program[0]),
+            _ => None,
+        };
+    }
     match def.kind {
         OpKind::Unary(op) => FUSED_UNARY.iter().position(|u| *u == op).map(|i| i as i64),
         OpKind::Binary(op) => FUSED_BINARY
@@ -46,9 +59,66 @@ fn code(f: &Function, node: &Node) -> Option<i64> {
     }
 }
 
+/// Replaces each float cast of a comparison used only by that cast with
+/// one fused comparison instruction over the comparison's inputs (see the
+/// module docs). The comparison is left for DCE; returns how many casts
+/// were replaced.
+fn masks_as_numbers(f: &mut Function) -> usize {
+    let (_, uses) = f.use_counts();
+    let mut replaced = 0;
+    for i in 0..f.nodes.len() {
+        let node = &f.nodes[i];
+        let NodeOp::Op(def, _) = &node.op else {
+            continue;
+        };
+        let [Value::Output { node: c, output: 0 }] = node.inputs.as_slice() else {
+            continue;
+        };
+        let c = *c as usize;
+        let out = &node.outputs[0];
+        let compare = &f.nodes[c];
+        let NodeOp::Op(compare_def, _) = &compare.op else {
+            continue;
+        };
+        let OpKind::Compare(op) = compare_def.kind else {
+            continue;
+        };
+        let operands_fit = compare.inputs.len() == 2
+            && compare.inputs.iter().all(|v| {
+                let m = f.meta(*v);
+                m.dtype == out.dtype && fused_operand(&m.shape, &out.shape).is_some()
+            });
+        let Some(k) = FUSED_COMPARE.iter().position(|o| *o == op) else {
+            continue;
+        };
+        if !std::ptr::eq(*def, &CAST)
+            || !matches!(out.dtype, DType::F32 | DType::F64)
+            || compare.outputs[0].shape != out.shape
+            || uses[c][0] != 1
+            || compare.device != node.device
+            || !operands_fit
+        {
+            continue;
+        }
+        let mut attrs = OpAttrs::new();
+        attrs.set_ints("program", &[FUSED_COMPARE_BASE + k as i64, 0, 1]);
+        let inputs = compare.inputs.clone();
+        let node = &mut f.nodes[i];
+        node.op = NodeOp::Op(&FUSED_ELEMENTWISE, attrs.freeze());
+        node.inputs = inputs;
+        replaced += 1;
+    }
+    replaced
+}
+
 /// Fuses elementwise groups; returns the new function and how many nodes
 /// were folded into fused kernels.
 pub(crate) fn run(f: &Function) -> (Function, usize) {
+    let mut masked = f.clone();
+    if masks_as_numbers(&mut masked) > 0 {
+        masked = super::dce::run(&masked).0;
+    }
+    let f = &masked;
     let (_, uses) = f.use_counts();
     let codes: Vec<Option<i64>> = f.nodes.iter().map(|n| code(f, n)).collect();
     let mut groups: Vec<Vec<usize>> = Vec::new();
@@ -512,5 +582,89 @@ mod tests {
         f.results = vec![p, r];
         let g = optimize(&f);
         assert_eq!(kernels(&g), ["MatMul", "Relu"]);
+    }
+
+    /// An SGD update of a weight by its gradient, `w - lr * reshape(xᵀ @ g)`
+    /// with the identity reshape autodiff leaves: one kernel, the update
+    /// the product's epilogue, with the unfused bits (the larger size
+    /// splits the product into bands, each with its own epilogue).
+    #[test]
+    fn an_update_by_a_gradient_behind_an_identity_reshape_is_one_kernel() {
+        use stagecraft_ops::{matmul_attrs, RESHAPE};
+        for (batch, k, n) in [(8, 5, 6), (128, 300, 96)] {
+            let mut f = Function::new(
+                "sgd",
+                vec![
+                    TensorMetadata::new(DType::F32, [batch, k]),
+                    TensorMetadata::new(DType::F32, [batch, n]),
+                    TensorMetadata::new(DType::F32, [k, n]),
+                ],
+            );
+            let none = OpAttrs::new();
+            let loc = Location::caller();
+            let (x, g, w) = (Value::Param(0), Value::Param(1), Value::Param(2));
+            let transposed = matmul_attrs(true, false);
+            let dw = Value::node(f.add_op(&MATMUL, &transposed, &[x, g], loc).unwrap());
+            let mut same = OpAttrs::new();
+            same.set_ints("shape", &[k as i64, n as i64]);
+            let dw = Value::node(f.add_op(&RESHAPE, &same, &[dw], loc).unwrap());
+            let lr = scalar(&mut f, 0.01);
+            let step = Value::node(f.add_op(&MUL, &none, &[dw, lr], loc).unwrap());
+            let updated = Value::node(f.add_op(&SUB, &none, &[w, step], loc).unwrap());
+            f.results = vec![updated];
+            let opt = optimize(&f);
+            crate::verify(&opt).unwrap();
+            assert_eq!(kernels(&opt), ["FusedMatMul"], "{batch}x{k}x{n}");
+            let args = [
+                values(&[batch, k], 1),
+                values(&[batch, n], 2),
+                values(&[k, n], 3),
+            ];
+            assert_eq!(
+                run_bits(&f, &args),
+                run_bits(&opt, &args),
+                "{batch}x{k}x{n}"
+            );
+        }
+    }
+
+    /// `g * cast(x > 0)`, the relu gradient's mask: the comparison and
+    /// cast join the product in one kernel, with the unfused bits where x
+    /// is NaN, ±0 or ±inf too. A comparison that is also a result stays.
+    #[test]
+    fn a_float_mask_is_a_fused_comparison() {
+        use stagecraft_ops::{CAST, GREATER};
+        let n = 1000;
+        let build = |comparison_is_result: bool| {
+            let meta = TensorMetadata::new(DType::F32, [n]);
+            let mut f = Function::new("mask", vec![meta.clone(), meta]);
+            let (x, g) = (Value::Param(0), Value::Param(1));
+            let none = OpAttrs::new();
+            let loc = Location::caller();
+            let zero = scalar(&mut f, 0.0);
+            let positive = Value::node(f.add_op(&GREATER, &none, &[x, zero], loc).unwrap());
+            let mut to_f32 = OpAttrs::new();
+            to_f32.set_dtype("dtype", DType::F32);
+            let mask = Value::node(f.add_op(&CAST, &to_f32, &[positive], loc).unwrap());
+            let masked = Value::node(f.add_op(&MUL, &none, &[g, mask], loc).unwrap());
+            f.results = vec![masked];
+            if comparison_is_result {
+                f.results.push(positive);
+            }
+            f
+        };
+        let mut x: Vec<f32> = (0..n).map(|i| (i as f32 - 500.0) / 7.0).collect();
+        x[..6].copy_from_slice(&[f32::NAN, -0.0, 0.0, f32::INFINITY, f32::NEG_INFINITY, 1e-40]);
+        let x = HostTensor::Dense(stagecraft_tensor::DenseHostTensor::from_slice(&x, [n]).unwrap());
+        let args = [x, values(&[n], 4)];
+        let f = build(false);
+        let opt = optimize(&f);
+        crate::verify(&opt).unwrap();
+        assert_eq!(kernels(&opt), ["FusedElementwise"]);
+        assert_eq!(run_bits(&f, &args), run_bits(&opt, &args));
+        let f = build(true);
+        let opt = optimize(&f);
+        assert_eq!(kernels(&opt), ["Greater", "Cast", "Mul"]);
+        assert_eq!(run_bits(&f, &args), run_bits(&opt, &args));
     }
 }

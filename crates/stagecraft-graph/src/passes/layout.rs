@@ -1,4 +1,5 @@
-//! Folds transposes into the matrix products that read them.
+//! Folds transposes into the matrix products that read them, and skips
+//! reshapes that keep their input's shape.
 //!
 //! `MatMul(Transpose(a), b)`, where the transpose swaps the last two
 //! dimensions, becomes `MatMul(a, b)` with `transpose_a` toggled (likewise
@@ -7,14 +8,21 @@
 //! it when the product was the only one. Training graphs are full of these:
 //! a hand-written backward pass multiplies by `xᵀ` and `wᵀ`, and copying
 //! them cost a tenth of an MLP step.
+//!
+//! A reshape to the shape its input already has (autodiff emits one after
+//! every gradient it sums back to an operand's shape) is read through: its
+//! users read its input instead. Besides the copy it saves, this lets the
+//! fusion pass see the product behind a weight gradient, so an SGD update
+//! becomes the product's epilogue. The reshape stays if it is a result.
 
 use crate::{Function, NodeOp, Value};
-use stagecraft_ops::{matmul_attrs, matmul_transposes, Attrs, MATMUL, TRANSPOSE};
+use stagecraft_ops::{matmul_attrs, matmul_transposes, Attrs, MATMUL, RESHAPE, TRANSPOSE};
 
-/// [`fold_transposes`], also returning how many transposes were folded.
+/// [`fold_transposes`], also returning how many transposes were folded and
+/// identity reshapes skipped.
 pub(crate) fn run(f: &Function) -> (Function, usize) {
     let mut out = f.clone();
-    let mut folded = 0;
+    let mut folded = skip_identity_reshapes(&mut out);
     for index in 0..out.nodes.len() {
         let NodeOp::Op(def, attrs) = &out.nodes[index].op else {
             continue;
@@ -42,6 +50,46 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
         }
     }
     (out, folded)
+}
+
+/// Points every read of a reshape that keeps its input's shape at that
+/// input; returns how many reads moved.
+fn skip_identity_reshapes(f: &mut Function) -> usize {
+    // Nodes come in dependency order, so a chain of identity reshapes
+    // resolves through the sources already recorded.
+    let mut source: Vec<Option<Value>> = vec![None; f.nodes.len()];
+    let mut moved = 0;
+    for index in 0..f.nodes.len() {
+        let mut inputs = f.nodes[index].inputs.clone();
+        for input in inputs.iter_mut() {
+            if let Value::Output { node, output: 0 } = *input {
+                if let Some(through) = source[node as usize] {
+                    *input = through;
+                    moved += 1;
+                }
+            }
+        }
+        let node = &mut f.nodes[index];
+        node.inputs = inputs;
+        let NodeOp::Op(def, _) = &node.op else {
+            continue;
+        };
+        if std::ptr::eq(*def, &RESHAPE) && node.inputs.len() == 1 {
+            let input = node.inputs[0];
+            let keeps = f.meta(input).shape == f.nodes[index].outputs[0].shape;
+            // A reshape placed elsewhere than its input is also a transfer.
+            let placed_alike = match input {
+                Value::Output { node, .. } => {
+                    f.nodes[node as usize].device == f.nodes[index].device
+                }
+                Value::Param(_) => true,
+            };
+            if keeps && placed_alike {
+                source[index] = Some(input);
+            }
+        }
+    }
+    moved
 }
 
 /// Returns `f` with transposes folded into the products reading them (see

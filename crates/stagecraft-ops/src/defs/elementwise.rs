@@ -245,9 +245,13 @@ fn unary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGra
             let d = b.mul(y, rest)?;
             b.mul(g, d)?
         }
+        // relu(x) > 0 exactly where x > 0 (NaN compares false in both).
+        // Reading the output instead of the input leaves the relu its
+        // input's only user, so a staged relu joins its producer's kernel
+        // (a matmul's epilogue) and the input is never kept for backward.
         UnaryOp::Relu => {
             let zero = b.scalar(0.0, dtype)?;
-            let positive = b.op(&GREATER, &[x, zero], &crate::OpAttrs::new())?;
+            let positive = b.op(&GREATER, &[y, zero], &crate::OpAttrs::new())?;
             let m = b.mask(positive, dtype)?;
             b.mul(g, m)?
         }

@@ -4,8 +4,10 @@
 //! three integers `[code, a, b]`: operands `a`, `b` are registers, where
 //! registers `0..inputs` are the inputs and each instruction appends one
 //! register; the result is the last register. Codes below
-//! [`FUSED_BINARY_BASE`] are unary ops (by [`FUSED_UNARY`] index), the rest
-//! binary ops (by [`FUSED_BINARY`] index).
+//! [`FUSED_BINARY_BASE`] are unary ops (by [`FUSED_UNARY`] index), codes
+//! from [`FUSED_COMPARE_BASE`] comparisons read as numbers (by
+//! [`FUSED_COMPARE`] index), the rest binary ops (by [`FUSED_BINARY`]
+//! index).
 
 use crate::attrs::AttrKind;
 use crate::op::*;
@@ -43,6 +45,23 @@ pub const FUSED_BINARY: &[BinaryOp] = &[
 /// The first binary code.
 pub const FUSED_BINARY_BASE: i64 = 100;
 
+/// Comparisons a fused program can contain, by code minus
+/// [`FUSED_COMPARE_BASE`]: each gives 1 where it holds and 0 elsewhere
+/// (NaN compares false), what a comparison cast to the program's float type
+/// gives. The fusion pass fuses such a cast with its comparison, so a mask
+/// (the relu gradient's `x > 0`) costs no kernel and no bool tensor.
+pub const FUSED_COMPARE: &[CompareOp] = &[
+    CompareOp::Eq,
+    CompareOp::Ne,
+    CompareOp::Lt,
+    CompareOp::Le,
+    CompareOp::Gt,
+    CompareOp::Ge,
+];
+
+/// The first comparison code.
+pub const FUSED_COMPARE_BASE: i64 = 200;
+
 /// One decoded instruction of a fused program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FusedInstr {
@@ -50,6 +69,8 @@ pub enum FusedInstr {
     Unary(UnaryOp, usize),
     /// `op(reg a, reg b)`
     Binary(BinaryOp, usize, usize),
+    /// `op(reg a, reg b)` as 1 or 0
+    Compare(CompareOp, usize, usize),
 }
 
 /// Decodes and checks a program over `inputs` registers.
@@ -72,7 +93,12 @@ pub fn decode_fused(program: &[i64], inputs: usize) -> Result<Vec<FusedInstr>> {
                     ))
                 })
         };
-        let instr = if t[0] >= FUSED_BINARY_BASE {
+        let instr = if t[0] >= FUSED_COMPARE_BASE {
+            let op = FUSED_COMPARE
+                .get((t[0] - FUSED_COMPARE_BASE) as usize)
+                .ok_or_else(|| Error::attribute(format!("unknown comparison code {}", t[0])))?;
+            FusedInstr::Compare(*op, reg(t[1])?, reg(t[2])?)
+        } else if t[0] >= FUSED_BINARY_BASE {
             let op = FUSED_BINARY
                 .get((t[0] - FUSED_BINARY_BASE) as usize)
                 .ok_or_else(|| Error::attribute(format!("unknown binary code {}", t[0])))?;

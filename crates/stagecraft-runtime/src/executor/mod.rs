@@ -9,6 +9,7 @@
 
 pub mod buffer_plan;
 pub mod control;
+mod keep_awake;
 pub mod partition;
 
 pub use buffer_plan::BufferPlan;
@@ -116,7 +117,8 @@ struct Schedule {
     /// Inputs of each step that another step produces.
     waits: Vec<u32>,
     /// Worth running in parallel: at least two steps are large enough that
-    /// overlapping them beats the cost of handing work between threads.
+    /// overlapping them beats the cost of handing work between threads,
+    /// and too small to split their own work.
     parallel: bool,
     /// Some step is large enough that its kernel splits its work over the
     /// pool (see `run_steps`).
@@ -126,6 +128,13 @@ struct Schedule {
 /// Steps producing fewer elements than this are too small to hand to
 /// another thread.
 const PARALLEL_STEP_ELEMENTS: usize = 1 << 14;
+
+/// Steps producing at least this many elements split their own work over
+/// the pool (the CPU kernels' threshold), so running them side by side
+/// gains nothing: measured on the MLP training step, whose every large
+/// step is a split GEMM, the dataflow run took 1.22 ms and the in-order
+/// run with the pool kept awake 1.07 ms.
+const SPLIT_STEP_ELEMENTS: usize = stagecraft_cpu::PARALLEL_THRESHOLD;
 
 impl Schedule {
     fn new(steps: &[Step], slots: usize, results: &[Slot]) -> Schedule {
@@ -150,12 +159,17 @@ impl Schedule {
         for r in results {
             readers[*r as usize] += 1;
         }
+        let elements = |s: &Step| {
+            let each = s.metas.iter().map(|m| m.shape.numel());
+            each.fold(0, usize::saturating_add)
+        };
         let big = steps
             .iter()
-            .filter(|s| {
-                let elements = s.metas.iter().map(|m| m.shape.numel());
-                elements.fold(0, usize::saturating_add) >= PARALLEL_STEP_ELEMENTS
-            })
+            .filter(|s| elements(s) >= PARALLEL_STEP_ELEMENTS)
+            .count();
+        let overlapping = steps
+            .iter()
+            .filter(|s| (PARALLEL_STEP_ELEMENTS..SPLIT_STEP_ELEMENTS).contains(&elements(s)))
             .count();
         let forced = std::env::var("STAGECRAFT_EXECUTOR").ok();
         // A partition that sends or receives runs its steps in order on
@@ -167,7 +181,7 @@ impl Schedule {
             && match forced.as_deref() {
                 Some("parallel") => true,
                 Some("sequential") => false,
-                _ => big >= 2 && rayon::current_num_threads() > 1,
+                _ => overlapping >= 2 && rayon::current_num_threads() > 1,
             };
         Schedule {
             consumers,
@@ -545,7 +559,8 @@ impl Executable {
             // (measured: a 128×256×256 matmul with a bias and relu
             // epilogue, 148 µs called from outside, 78 µs inside). One hop
             // into the pool per run pays that once; inside, a kernel's
-            // split is a join the waiting thread helps with.
+            // split is a join the waiting thread helps with, and the
+            // pool's other threads stay awake to take their halves.
             let flags = current_stop_flags();
             let in_pool = || {
                 with_stop_flags(&flags, || match arena {
@@ -553,7 +568,7 @@ impl Executable {
                     None => self.run_in_order(args, None, locations),
                 })
             };
-            return rayon::join(in_pool, || ()).0;
+            return keep_awake::run_with_pool_awake(in_pool);
         }
         self.run_in_order(args, rendezvous, locations)
     }
@@ -889,17 +904,27 @@ mod tests {
     }
 
     /// A kernel error names the line the run's table gives the node's
-    /// origin, else the line the node was built with: sequential and
-    /// parallel (large steps) runs, and a run split over two devices.
+    /// origin, else the line the node was built with: sequential,
+    /// parallel (large steps) and in-order-in-the-pool (larger steps)
+    /// runs, and a run split over two devices.
     #[test]
     fn errors_name_the_runs_line_for_the_nodes_origin() {
         let cpu = Device::cpu();
         let table = [at(10), at(11)];
-        for (n, device) in [(4, None), (1 << 15, None), (4, Some("cpu:1"))] {
+        let sizes = [
+            (4, None),
+            (1 << 14, None),
+            (1 << 15, None),
+            (4, Some("cpu:1")),
+        ];
+        for (n, device) in sizes {
             let exe = instantiate(Arc::new(division(n, device)), cpu).unwrap();
             assert_eq!(exe.partition_count(), 1 + usize::from(device.is_some()));
             if std::env::var_os("STAGECRAFT_EXECUTOR").is_none() {
-                let parallel = n > PARALLEL_STEP_ELEMENTS && rayon::current_num_threads() > 1;
+                // Large steps too small to split their own work run side
+                // by side; larger ones, in order.
+                let overlapping = (PARALLEL_STEP_ELEMENTS..SPLIT_STEP_ELEMENTS).contains(&n);
+                let parallel = overlapping && rayon::current_num_threads() > 1;
                 assert_eq!(exe.schedule.parallel, parallel);
             }
             assert_eq!(failing_line(exe.run(args(n))), 1);
