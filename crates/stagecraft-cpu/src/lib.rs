@@ -10,6 +10,7 @@
 mod kernel;
 mod kernels;
 pub mod numeric;
+pub mod pool;
 pub mod reference;
 
 pub use kernel::{

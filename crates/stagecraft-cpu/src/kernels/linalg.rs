@@ -132,7 +132,7 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
                 bands.push((row, height, head));
                 (rest, row) = (tail, row + height);
             }
-            bands.into_par_iter().for_each(|(row, height, c)| {
+            crate::pool::split_with_caller(bands, |(row, height, c)| {
                 let product = faer::MatMut::from_row_major_slice_mut(&mut *c, height, n);
                 let a = a.subrows(row, height);
                 let one = Self::one_value();

@@ -9,7 +9,6 @@
 
 pub mod buffer_plan;
 pub mod control;
-mod keep_awake;
 pub mod partition;
 
 pub use buffer_plan::BufferPlan;
@@ -568,7 +567,7 @@ impl Executable {
                     None => self.run_in_order(args, None, locations),
                 })
             };
-            return keep_awake::run_with_pool_awake(in_pool);
+            return stagecraft_cpu::pool::run_with_pool_awake(in_pool);
         }
         self.run_in_order(args, rendezvous, locations)
     }
