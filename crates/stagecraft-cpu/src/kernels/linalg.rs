@@ -112,6 +112,9 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
         // Forking onto the pool only pays off for large products, and a
         // product already running inside a parallel task stays serial.
         let threads = rayon::current_num_threads();
+        // The epilogue may fork unless the caller is already a parallel
+        // task: a large output of a small product (k of 1) still splits.
+        let epilogue_may_split = parallel;
         let parallel = parallel && threads > 1 && m * n * k >= GEMM_PARALLEL_FLOPS;
         let a = view(a, m, k, a_layout);
         let b = view(b, k, n, b_layout);
@@ -149,7 +152,7 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
         };
         let product = faer::MatMut::from_row_major_slice_mut(&mut c[..m * n], m, n);
         faer::linalg::matmul::matmul(product, faer::Accum::Replace, a, b, Self::one_value(), par);
-        epilogue(0, &mut c[..m * n], parallel);
+        epilogue(0, &mut c[..m * n], epilogue_may_split);
     }
 
     /// 1 in this type (faer's `alpha` for a plain product).

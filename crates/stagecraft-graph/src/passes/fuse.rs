@@ -59,66 +59,71 @@ fn code(f: &Function, node: &Node) -> Option<i64> {
     }
 }
 
-/// Replaces each float cast of a comparison used only by that cast with
-/// one fused comparison instruction over the comparison's inputs (see the
-/// module docs). The comparison is left for DCE; returns how many casts
-/// were replaced.
-fn masks_as_numbers(f: &mut Function) -> usize {
+/// The function with each float cast of a comparison used only by that
+/// cast replaced by one fused comparison instruction over the
+/// comparison's inputs (see the module docs), and the comparisons removed;
+/// `None` when there is no such cast.
+fn masks_as_numbers(f: &Function) -> Option<Function> {
     let (_, uses) = f.use_counts();
-    let mut replaced = 0;
-    for i in 0..f.nodes.len() {
-        let node = &f.nodes[i];
-        let NodeOp::Op(def, _) = &node.op else {
+    let masks: Vec<(usize, i64)> = (0..f.nodes.len())
+        .filter_map(|i| Some((i, mask_code(f, i, &uses)?)))
+        .collect();
+    if masks.is_empty() {
+        return None;
+    }
+    let mut out = f.clone();
+    for (i, code) in masks {
+        let Value::Output { node: c, .. } = out.nodes[i].inputs[0] else {
             continue;
         };
-        let [Value::Output { node: c, output: 0 }] = node.inputs.as_slice() else {
-            continue;
-        };
-        let c = *c as usize;
-        let out = &node.outputs[0];
-        let compare = &f.nodes[c];
-        let NodeOp::Op(compare_def, _) = &compare.op else {
-            continue;
-        };
-        let OpKind::Compare(op) = compare_def.kind else {
-            continue;
-        };
-        let operands_fit = compare.inputs.len() == 2
-            && compare.inputs.iter().all(|v| {
-                let m = f.meta(*v);
-                m.dtype == out.dtype && fused_operand(&m.shape, &out.shape).is_some()
-            });
-        let Some(k) = FUSED_COMPARE.iter().position(|o| *o == op) else {
-            continue;
-        };
-        if !std::ptr::eq(*def, &CAST)
-            || !matches!(out.dtype, DType::F32 | DType::F64)
-            || compare.outputs[0].shape != out.shape
-            || uses[c][0] != 1
-            || compare.device != node.device
-            || !operands_fit
-        {
-            continue;
-        }
         let mut attrs = OpAttrs::new();
-        attrs.set_ints("program", &[FUSED_COMPARE_BASE + k as i64, 0, 1]);
-        let inputs = compare.inputs.clone();
-        let node = &mut f.nodes[i];
+        attrs.set_ints("program", &[code, 0, 1]);
+        let inputs = out.nodes[c as usize].inputs.clone();
+        let node = &mut out.nodes[i];
         node.op = NodeOp::Op(&FUSED_ELEMENTWISE, attrs.freeze());
         node.inputs = inputs;
-        replaced += 1;
     }
-    replaced
+    Some(super::dce::run(&out).0)
+}
+
+/// The fused comparison code node `i` becomes, when it is a float cast of
+/// a comparison that only it reads, whose operands a fused kernel reads.
+fn mask_code(f: &Function, i: usize, uses: &[SmallVec<[u32; 1]>]) -> Option<i64> {
+    let node = &f.nodes[i];
+    let out = &node.outputs[0];
+    let NodeOp::Op(def, _) = &node.op else {
+        return None;
+    };
+    if !std::ptr::eq(*def, &CAST) || !matches!(out.dtype, DType::F32 | DType::F64) {
+        return None;
+    }
+    let [Value::Output { node: c, output: 0 }] = node.inputs.as_slice() else {
+        return None;
+    };
+    let compare = &f.nodes[*c as usize];
+    let NodeOp::Op(compare_def, _) = &compare.op else {
+        return None;
+    };
+    let OpKind::Compare(op) = compare_def.kind else {
+        return None;
+    };
+    let operands_fit = compare.inputs.len() == 2
+        && compare.inputs.iter().all(|v| {
+            let m = f.meta(*v);
+            m.dtype == out.dtype && fused_operand(&m.shape, &out.shape).is_some()
+        });
+    if uses[*c as usize][0] != 1 || compare.device != node.device || !operands_fit {
+        return None;
+    }
+    let k = FUSED_COMPARE.iter().position(|o| *o == op)?;
+    Some(FUSED_COMPARE_BASE + k as i64)
 }
 
 /// Fuses elementwise groups; returns the new function and how many nodes
 /// were folded into fused kernels.
 pub(crate) fn run(f: &Function) -> (Function, usize) {
-    let mut masked = f.clone();
-    if masks_as_numbers(&mut masked) > 0 {
-        masked = super::dce::run(&masked).0;
-    }
-    let f = &masked;
+    let masked = masks_as_numbers(f);
+    let f = masked.as_ref().unwrap_or(f);
     let (_, uses) = f.use_counts();
     let codes: Vec<Option<i64>> = f.nodes.iter().map(|n| code(f, n)).collect();
     let mut groups: Vec<Vec<usize>> = Vec::new();
@@ -409,6 +414,12 @@ mod tests {
         assert_eq!(g.nodes.len(), 3, "tanh is shared, so nothing fuses");
     }
 
+    /// A function of f32 parameters of these shapes.
+    fn f32_params(name: &str, shapes: &[&[usize]]) -> Function {
+        let params = shapes.iter().map(|d| TensorMetadata::new(DType::F32, *d));
+        Function::new(name, params.collect())
+    }
+
     fn kernels(g: &Function) -> Vec<&'static str> {
         g.nodes
             .iter()
@@ -433,8 +444,10 @@ mod tests {
     #[test]
     fn a_reduction_of_a_chain_becomes_one_kernel() {
         use stagecraft_ops::{MEAN, SUM};
-        let cases: [(&OpDef, &[usize], &[i64], bool); 5] = [
+        let cases: [(&OpDef, &[usize], &[i64], bool); 6] = [
             (&SUM, &[64, 300], &[1], false),
+            // Short rows, many per read, on several threads.
+            (&SUM, &[400, 300], &[1], false),
             (&SUM, &[300, 700], &[0], true),
             (&SUM, &[3, 70_000], &[], false),
             (&MEAN, &[8, 9, 10], &[1], true),
@@ -491,14 +504,7 @@ mod tests {
     #[test]
     fn bias_and_row_scale_broadcast_inside_one_kernel() {
         let (m, n) = (33, 70);
-        let mut f = Function::new(
-            "bias",
-            vec![
-                TensorMetadata::new(DType::F32, [m, n]),
-                TensorMetadata::new(DType::F32, [n]),
-                TensorMetadata::new(DType::F32, [m, 1]),
-            ],
-        );
+        let mut f = f32_params("bias", &[&[m, n], &[n], &[m, 1]]);
         let none = OpAttrs::new();
         let loc = Location::caller();
         let a = Value::node(
@@ -537,14 +543,7 @@ mod tests {
     #[test]
     fn bias_and_activation_become_a_matmul_epilogue() {
         for (m, k, n) in [(4, 3, 5), (128, 96, 300)] {
-            let mut f = Function::new(
-                "dense",
-                vec![
-                    TensorMetadata::new(DType::F32, [m, k]),
-                    TensorMetadata::new(DType::F32, [k, n]),
-                    TensorMetadata::new(DType::F32, [n]),
-                ],
-            );
+            let mut f = f32_params("dense", &[&[m, k], &[k, n], &[n]]);
             let none = OpAttrs::new();
             let loc = Location::caller();
             let p = Value::node(
@@ -565,13 +564,7 @@ mod tests {
     /// A product that is also a result keeps its own kernel.
     #[test]
     fn a_product_used_twice_is_not_an_epilogue_input() {
-        let mut f = Function::new(
-            "twice",
-            vec![
-                TensorMetadata::new(DType::F32, [4, 4]),
-                TensorMetadata::new(DType::F32, [4, 4]),
-            ],
-        );
+        let mut f = f32_params("twice", &[&[4, 4], &[4, 4]]);
         let none = OpAttrs::new();
         let loc = Location::caller();
         let p = Value::node(
@@ -592,14 +585,7 @@ mod tests {
     fn an_update_by_a_gradient_behind_an_identity_reshape_is_one_kernel() {
         use stagecraft_ops::{matmul_attrs, RESHAPE};
         for (batch, k, n) in [(8, 5, 6), (128, 300, 96)] {
-            let mut f = Function::new(
-                "sgd",
-                vec![
-                    TensorMetadata::new(DType::F32, [batch, k]),
-                    TensorMetadata::new(DType::F32, [batch, n]),
-                    TensorMetadata::new(DType::F32, [k, n]),
-                ],
-            );
+            let mut f = f32_params("sgd", &[&[batch, k], &[batch, n], &[k, n]]);
             let none = OpAttrs::new();
             let loc = Location::caller();
             let (x, g, w) = (Value::Param(0), Value::Param(1), Value::Param(2));

@@ -60,8 +60,8 @@ fn skip_identity_reshapes(f: &mut Function) -> usize {
     let mut source: Vec<Option<Value>> = vec![None; f.nodes.len()];
     let mut moved = 0;
     for index in 0..f.nodes.len() {
-        let mut inputs = f.nodes[index].inputs.clone();
-        for input in inputs.iter_mut() {
+        let node = &mut f.nodes[index];
+        for input in node.inputs.iter_mut() {
             if let Value::Output { node, output: 0 } = *input {
                 if let Some(through) = source[node as usize] {
                     *input = through;
@@ -69,8 +69,6 @@ fn skip_identity_reshapes(f: &mut Function) -> usize {
                 }
             }
         }
-        let node = &mut f.nodes[index];
-        node.inputs = inputs;
         let NodeOp::Op(def, _) = &node.op else {
             continue;
         };
