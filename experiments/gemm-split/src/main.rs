@@ -7,6 +7,32 @@ use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 use std::time::Instant;
 
+#[path = "../../../crates/stagecraft-cpu/src/kernels/sgemm.rs"]
+#[allow(dead_code)]
+mod sgemm;
+
+fn matrix(values: &[f32], cols: usize, transposed_rows: usize, transposed: bool) -> sgemm::Matrix<'_> {
+    if transposed {
+        sgemm::Matrix { values, row_stride: 1, col_stride: transposed_rows }
+    } else {
+        sgemm::Matrix { values, row_stride: cols, col_stride: 1 }
+    }
+}
+
+/// stagecraft's own kernel, a band of rows per thread.
+fn own_rows(c: &mut [f32], a: sgemm::Matrix<'_>, b: sgemm::Matrix<'_>, m: usize, n: usize, k: usize) {
+    let threads = rayon::current_num_threads();
+    if threads == 1 {
+        return sgemm::sgemm(m, n, k, a, b, c);
+    }
+    let h = m.div_ceil(threads);
+    c.par_chunks_mut(h * n).enumerate().for_each(|(i, band)| {
+        let rows = band.len() / n;
+        let a = sgemm::Matrix { values: &a.values[i * h * a.row_stride..], ..a };
+        sgemm::sgemm(rows, n, k, a, b, band);
+    });
+}
+
 #[derive(Clone, Copy)]
 struct Case {
     name: &'static str,
@@ -118,21 +144,33 @@ fn best_of(mut f: impl FnMut(), flops: f64) -> f64 {
 }
 
 fn main() {
+    let all = std::env::var_os("ALL").is_some();
     println!("threads: {}", rayon::current_num_threads());
-    println!("{:<16} {:>9} {:>9} {:>9} {:>9} {:>9}", "shape", "serial", "rows", "cols", "faer-par", "gemm");
+    println!("{:<16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}", "shape", "serial", "rows", "own", "own-rows", "cols", "faer-par", "gemm");
     for case in CASES {
         let (m, n, k) = (case.m, case.n, case.k);
-        let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
-        let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect();
+        let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.07).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01 - 0.05).collect();
         let mut c = vec![0f32; m * n];
         let av = view(&a, m, k, case.ta);
         let bv = view(&b, k, n, case.tb);
+        let (ao, bo) = (matrix(&a, k, m, case.ta), matrix(&b, n, k, case.tb));
+        serial(MatMut::from_row_major_slice_mut(&mut c, m, n), av, bv);
+        let want = c.clone();
+        own_rows(&mut c, ao, bo, m, n, k);
+        let err = want.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(err < 1e-3, "{}: max diff {err}", case.name);
         let flops = 2.0 * (m * n * k) as f64;
         let s = best_of(|| serial(MatMut::from_row_major_slice_mut(&mut c, m, n), av, bv), flops);
         let r = best_of(|| row_bands(&mut c, av, bv, m, n), flops);
-        let cb = best_of(|| col_bands(&mut c, av, bv, m, n), flops);
-        let fp = best_of(|| faer_par(&mut c, av, bv, m, n), flops);
-        let g = best_of(|| gemm_crate(&mut c, case, &a, &b), flops);
-        println!("{:<16} {s:>9.1} {r:>9.1} {cb:>9.1} {fp:>9.1} {g:>9.1}", case.name);
+        let o = best_of(|| sgemm::sgemm(m, n, k, ao, bo, &mut c), flops);
+        let orow = best_of(|| own_rows(&mut c, ao, bo, m, n, k), flops);
+        let (mut cb, mut fp, mut g) = (0.0, 0.0, 0.0);
+        if all {
+            cb = best_of(|| col_bands(&mut c, av, bv, m, n), flops);
+            fp = best_of(|| faer_par(&mut c, av, bv, m, n), flops);
+            g = best_of(|| gemm_crate(&mut c, case, &a, &b), flops);
+        }
+        println!("{:<16} {s:>9.1} {r:>9.1} {o:>9.1} {orow:>9.1} {cb:>9.1} {fp:>9.1} {g:>9.1}", case.name);
     }
 }

@@ -76,9 +76,48 @@ pub(crate) type Epilogue<'a, T> = &'a (dyn Fn(usize, &mut [T], bool) + Sync);
 /// An [`Epilogue`] that leaves the product as it is.
 pub(crate) fn no_epilogue<T>(_: usize, _: &mut [T], _: bool) {}
 
-/// Element types with a fast GEMM (faer: chosen by measurement on these
-/// machines — as fast as OpenBLAS at large sizes, about 10× less overhead than
-/// the `gemm` crate on tiny products, and no system dependency).
+/// A matrix operand of an own kernel: element `(i, j)` at `i * row_stride
+/// + j * col_stride`.
+#[derive(Clone, Copy)]
+pub(crate) struct Strided<'a, T> {
+    values: &'a [T],
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a, T> Strided<'a, T> {
+    /// A `rows × cols` matrix stored as `layout` says.
+    fn new(values: &'a [T], rows: usize, cols: usize, layout: Layout) -> Strided<'a, T> {
+        let (row_stride, col_stride) = match layout {
+            Layout::AsIs => (cols, 1),
+            Layout::Transposed => (1, rows),
+        };
+        Strided {
+            values,
+            row_stride,
+            col_stride,
+        }
+    }
+
+    /// The matrix from element `(row, col)` on.
+    fn from(self, row: usize, col: usize) -> Strided<'a, T> {
+        let first = row * self.row_stride + col * self.col_stride;
+        Strided {
+            values: &self.values[first.min(self.values.len())..],
+            ..self
+        }
+    }
+}
+
+/// A GEMM kernel of stagecraft's own for one element type on this machine
+/// (f32 on AVX-512, see `sgemm.rs`): `c[m×n] = A · B` on the calling
+/// thread, `c` contiguous row-major.
+type OwnGemm<T> = fn((usize, usize, usize), Strided<'_, T>, Strided<'_, T>, &mut [T]);
+
+/// Element types with a fast GEMM: stagecraft's own where it has one for
+/// the machine, else faer (chosen by measurement on these machines — as
+/// fast as OpenBLAS at large sizes, about 10× less overhead than the `gemm`
+/// crate on tiny products, and no system dependency).
 pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
     /// `c[m×n] = A[m×k] · B[k×n]`, `c` contiguous row-major, `a` and `b`
     /// stored as their layouts say; then `epilogue` over `c`, band by band
@@ -91,6 +130,17 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
         parallel: bool,
         epilogue: Epilogue<'_, Self>,
     ) {
+        if let Some(own) = Self::own_gemm() {
+            return own_gemm_split(
+                own,
+                (m, n, k),
+                (a, a_layout),
+                (b, b_layout),
+                c,
+                parallel,
+                epilogue,
+            );
+        }
         if (a_layout, b_layout) != (Layout::AsIs, Layout::AsIs) && m.min(n) < STRIDED_MIN_DIM {
             // faer computes thin products (a row, a column, a few of
             // either) with dot products whose summation order follows the
@@ -126,16 +176,7 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
             // most a row, so each has at least GEMM_MIN_PANEL_ROWS. Each
             // band's epilogue runs on its thread while the band is in its
             // cache, with no second fork.
-            let (base, extra) = (m / threads, m % threads);
-            let mut bands = Vec::with_capacity(threads);
-            let (mut rest, mut row) = (&mut c[..m * n], 0);
-            for band in 0..threads {
-                let height = base + usize::from(band < extra);
-                let (head, tail) = rest.split_at_mut(height * n);
-                bands.push((row, height, head));
-                (rest, row) = (tail, row + height);
-            }
-            crate::pool::split_with_caller(bands, |(row, height, c)| {
+            crate::pool::split_with_caller(row_bands(c, m, n, threads), |(row, height, c)| {
                 let product = faer::MatMut::from_row_major_slice_mut(&mut *c, height, n);
                 let a = a.subrows(row, height);
                 let one = Self::one_value();
@@ -157,20 +198,119 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
 
     /// 1 in this type (faer's `alpha` for a plain product).
     fn one_value() -> Self;
+
+    /// Stagecraft's own kernel for this type, where this machine runs one.
+    fn own_gemm() -> Option<OwnGemm<Self>> {
+        None
+    }
 }
 
-macro_rules! gemm_element {
-    ($t:ty) => {
-        impl GemmElement for $t {
-            fn one_value() -> Self {
-                1.0
+impl GemmElement for f32 {
+    fn one_value() -> f32 {
+        1.0
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn own_gemm() -> Option<OwnGemm<f32>> {
+        fn matrix(x: Strided<'_, f32>) -> super::sgemm::Matrix<'_> {
+            super::sgemm::Matrix {
+                values: x.values,
+                row_stride: x.row_stride,
+                col_stride: x.col_stride,
             }
         }
-    };
+        fn run(
+            mnk: (usize, usize, usize),
+            a: Strided<'_, f32>,
+            b: Strided<'_, f32>,
+            c: &mut [f32],
+        ) {
+            let (m, n, k) = mnk;
+            super::sgemm::sgemm(m, n, k, matrix(a), matrix(b), c)
+        }
+        super::sgemm::available().then_some(run as OwnGemm<f32>)
+    }
 }
 
-gemm_element!(f32);
-gemm_element!(f64);
+impl GemmElement for f64 {
+    fn one_value() -> f64 {
+        1.0
+    }
+}
+
+/// `c` (`m × n`, row-major) cut into `count` bands of rows that differ by
+/// at most a row: `(first row, rows, values)` each.
+fn row_bands<T>(c: &mut [T], m: usize, n: usize, count: usize) -> Vec<(usize, usize, &mut [T])> {
+    let (base, extra) = (m / count, m % count);
+    let mut bands = Vec::with_capacity(count);
+    let (mut rest, mut row) = (&mut c[..m * n], 0);
+    for band in 0..count {
+        let height = base + usize::from(band < extra);
+        let (head, tail) = rest.split_at_mut(height * n);
+        bands.push((row, height, head));
+        (rest, row) = (tail, row + height);
+    }
+    bands
+}
+
+/// [`GemmElement::gemm`] on an own kernel: one call on this thread, or
+/// bands of rows over the pool, or for products with few rows and much
+/// work, bands of columns (each into its own buffer, then copied).
+///
+/// The own kernels sum in an order that depends on `k` alone, so every
+/// split, stride and batch gives the same bits and nothing is copied to
+/// keep them equal.
+fn own_gemm_split<T: GemmElement>(
+    own: OwnGemm<T>,
+    (m, n, k): (usize, usize, usize),
+    (a, a_layout): (&[T], Layout),
+    (b, b_layout): (&[T], Layout),
+    c: &mut [T],
+    parallel: bool,
+    epilogue: Epilogue<'_, T>,
+) {
+    let c = &mut c[..m * n];
+    let (a, b) = (
+        Strided::new(a, m, k, a_layout),
+        Strided::new(b, k, n, b_layout),
+    );
+    let threads = rayon::current_num_threads();
+    let epilogue_may_split = parallel;
+    let parallel = parallel && threads > 1 && m * n * k >= GEMM_PARALLEL_FLOPS;
+    if parallel && m >= threads * GEMM_MIN_PANEL_ROWS {
+        // A band of rows per thread, as for faer (see there); each band's
+        // epilogue runs on its thread while the band is in its cache.
+        crate::pool::split_with_caller(row_bands(c, m, n, threads), |(row, height, c)| {
+            own((height, n, k), a.from(row, 0), b, c);
+            epilogue(row * n, c, false);
+        });
+        return;
+    }
+    if parallel && n >= threads * GEMM_MIN_PANEL_ROWS {
+        // Few rows, many columns (a matrix times a vector): a band of
+        // columns per thread, each into its own buffer, then copied.
+        let width = n.div_ceil(threads);
+        let mut parts: Vec<Vec<T>> = (0..n)
+            .step_by(width)
+            .map(|j| vec![T::default(); m * width.min(n - j)])
+            .collect();
+        let jobs = parts.iter_mut().enumerate().collect();
+        crate::pool::split_with_caller(jobs, |(index, part): (usize, &mut Vec<T>)| {
+            let j = index * width;
+            own((m, width.min(n - j), k), a, b.from(0, j), part);
+        });
+        for (index, part) in parts.iter().enumerate() {
+            let (j, cols) = (index * width, part.len() / m);
+            for (row, values) in c.chunks_exact_mut(n).zip(part.chunks_exact(cols)) {
+                row[j..j + cols].copy_from_slice(values);
+            }
+        }
+        epilogue(0, c, epilogue_may_split);
+        return;
+    }
+    own((m, n, k), a, b, c);
+    epilogue(0, c, epilogue_may_split);
+}
 
 /// A `rows × cols` matrix stored as some layout, made row-major: borrowed
 /// when it already is, else copied into a pooled buffer (a fresh `Vec` of
@@ -542,6 +682,7 @@ mod tests {
             (&[33, 130], &[130, 17]),
             (&[128, 784], &[784, 256]),
             (&[256, 128], &[128, 256]),
+            (&[4, 600], &[600, 900]),
             (&[3, 40, 20], &[20, 24]),
             (&[2, 1, 18, 5], &[3, 5, 19]),
         ];
@@ -646,6 +787,8 @@ mod tests {
         check(&[200, 300], &[300, 100]);
         // Uneven row bands.
         check(&[201, 300], &[300, 97]);
+        // Too few rows for bands of rows: bands of columns.
+        check(&[4, 600], &[600, 900]);
     }
 
     #[test]

@@ -10,6 +10,8 @@ mod linalg;
 mod list;
 mod nn;
 mod reduce;
+#[cfg(target_arch = "x86_64")]
+mod sgemm;
 mod shape;
 
 pub(crate) fn register_all(registry: &mut KernelRegistry) {
