@@ -6,9 +6,9 @@
 //! core does 214 GFLOP/s of f32 FMAs; faer's whole products reached 150
 //! and MKL's 165. The micro-kernel here keeps a 14×32 tile of the product
 //! in 28 registers and runs at 194 on data in L1; whole products reach
-//! 150–163 on one core (B4), and the eager MLP step, whose small and thin
-//! products faer ran slowly outside the rayon pool, went from 2.37 to 1.28
-//! ms. Every product is summed in one order that depends on `k` alone,
+//! 160–171 on one core (B4: 1024³ and 256³), and the eager MLP step, whose
+//! small and thin products faer ran slowly outside the rayon pool, went
+//! from 2.37 to 1.18 ms. Every product is summed in one order that depends on `k` alone,
 //! never on strides, tile positions or threads, so a transposed operand
 //! read through strides, a band of rows and a whole product all give the
 //! same bits, and nothing is copied to keep them equal.
@@ -32,6 +32,10 @@ const NR: usize = 16 * NV;
 const KC: usize = 256;
 /// Panels of A packed at a time (about 110 rows, 110 KiB).
 const MC_PANELS: usize = 8;
+/// Row-major A whose rows are a multiple of this many floats (4 KiB) apart
+/// is packed: read in place, a panel's rows would compete for a few L1
+/// sets.
+const ALIASING_STRIDE: usize = 1024;
 /// The widest row-major B read without packing (floats; see `sgemm`).
 const DIRECT_B_MAX_STRIDE: usize = 512;
 /// Columns of B packed at a time: `KC × NC` floats is 1 MiB, half a core's
@@ -137,12 +141,23 @@ pub(crate) fn sgemm(m: usize, n: usize, k: usize, a: Matrix<'_>, b: Matrix<'_>, 
                     first_col: j0,
                     ldc: n,
                 };
+                let all_panels = (0..panels.count).map(|i| panels.get(i));
                 if a.row_stride == 1 {
                     // Stored transposed, A's panels are read where they
                     // lie: each step's values are adjacent.
                     let a_block = &a.values[p0 * a.col_stride..];
-                    let panels = (0..panels.count).map(|i| panels.get(i));
-                    block.run(panels, (a_block, a.col_stride), (b_block, b_step), nc, c);
+                    let a_block = ABlock::Steps(a_block, a.col_stride);
+                    block.run(all_panels, a_block, (b_block, b_step), nc, c);
+                    continue;
+                }
+                if a.col_stride == 1 && !a.row_stride.is_multiple_of(ALIASING_STRIDE) {
+                    // Row-major, read where it lies: a broadcast from any
+                    // row costs the same as from a packed panel, and
+                    // packing cost 3–6 % of a product with 256 columns.
+                    // Rows a multiple of 4 KiB apart would share the
+                    // same few L1 sets, so those are packed.
+                    let a_block = ABlock::Rows(&a.values[p0..], a.row_stride);
+                    block.run(all_panels, a_block, (b_block, b_step), nc, c);
                     continue;
                 }
                 for chunk in (0..panels.count).step_by(MC_PANELS) {
@@ -154,7 +169,8 @@ pub(crate) fn sgemm(m: usize, n: usize, k: usize, a: Matrix<'_>, b: Matrix<'_>, 
                     pack_a(a, chunk.clone(), (p0, kc), packed_a);
                     let relative = chunk.map(|(first, rows)| (first - i0, rows));
                     let c = &mut c[i0 * n..];
-                    block.run(relative, (packed_a, 0), (b_block, b_step), nc, c);
+                    let a_block = ABlock::Packed(packed_a);
+                    block.run(relative, a_block, (b_block, b_step), nc, c);
                 }
             }
         }
@@ -414,6 +430,17 @@ unsafe fn transpose_16(source: Strided<'_>, out: *mut f32, lanes: usize, out_str
     }
 }
 
+/// A block of A as a tile reads it.
+#[derive(Clone, Copy)]
+enum ABlock<'a> {
+    /// Packed panels (see `pack_a`).
+    Packed(&'a [f32]),
+    /// Stored transposed: a step's rows adjacent, steps this far apart.
+    Steps(&'a [f32], usize),
+    /// Row-major: a row's steps adjacent, rows this far apart.
+    Rows(&'a [f32], usize),
+}
+
 /// One packed block of A against one packed block of B, into `c`.
 struct Block {
     kc: usize,
@@ -427,13 +454,12 @@ struct Block {
 
 impl Block {
     /// The rows of `panels` (first row, rows: in `c` and in `a`) against
-    /// `nc` columns of `b`. `a` is packed (`a_step` 0) or stored
-    /// transposed, steps `a_step` apart; `b` is a packed block (`b_step`
-    /// 0) or row-major rows `b_step` apart.
+    /// `nc` columns of `b`; `b` is a packed block (`b_step` 0) or row-major
+    /// rows `b_step` apart.
     fn run(
         &self,
         panels: impl Iterator<Item = (usize, usize)>,
-        (a_values, a_step): (&[f32], usize),
+        a_block: ABlock<'_>,
         (b, b_step): (&[f32], usize),
         nc: usize,
         c: &mut [f32],
@@ -449,12 +475,19 @@ impl Block {
             if index == 0 && b_step != 0 {
                 prefetch_columns(b, b_step, kc, 0, nc);
             }
-            let (a, a_step) = if a_step == 0 {
-                (&a_values[first_row * kc..][..rows * kc], rows)
-            } else {
-                let a = &a_values[first_row..];
-                assert!((kc - 1) * a_step + rows <= a.len());
-                (a, a_step)
+            // (values, distance between steps, distance between rows)
+            let (a, a_step, a_row) = match a_block {
+                ABlock::Packed(values) => (&values[first_row * kc..][..rows * kc], rows, 1),
+                ABlock::Steps(values, step) => {
+                    let a = &values[first_row..];
+                    assert!((kc - 1) * step + rows <= a.len());
+                    (a, step, 1)
+                }
+                ABlock::Rows(values, stride) => {
+                    let a = &values[first_row * stride..];
+                    assert!((rows - 1) * stride + kc <= a.len());
+                    (a, 1, stride)
+                }
             };
             for column_panel in 0..nc.div_ceil(NR) {
                 let cols = NR.min(nc - column_panel * NR);
@@ -472,17 +505,17 @@ impl Block {
                 let last = first + (rows - 1) * self.ldc + cols;
                 assert!(last <= c.len());
                 // SAFETY: `available()` held in `sgemm`, so the CPU has
-                // AVX-512F. The tile reads `rows` values at each of `kc`
-                // steps of `a`, `a_step` apart, and `cols` values at each of
-                // `kc` steps of `b`, `b_step` apart (both extents checked
-                // above), and
-                // reads and writes `cols` values in each of `rows` rows of
-                // `c` from `first` on, `ldc` apart: in bounds by the
-                // assertion above. Columns past `cols` are masked off.
+                // AVX-512F. The tile reads `rows` values, `a_row` apart,
+                // at each of `kc` steps of `a`, `a_step` apart, and `cols`
+                // values at each of `kc` steps of `b`, `b_step` apart (all
+                // extents checked above), and reads and writes `cols`
+                // values in each of `rows` rows of `c` from `first` on,
+                // `ldc` apart: in bounds by the assertion above. Columns
+                // past `cols` are masked off.
                 unsafe {
                     TILES[rows - 1](
                         kc,
-                        (a.as_ptr(), a_step),
+                        (a.as_ptr(), a_step, a_row),
                         (b.as_ptr(), b_step),
                         (c.as_mut_ptr().add(first), self.ldc),
                         cols,
@@ -518,7 +551,11 @@ fn prefetch_columns(b: &[f32], b_step: usize, kc: usize, column_panel: usize, nc
 /// A read-only operand of a tile: first value, and distance between steps.
 type Steps = (*const f32, usize);
 
-type Tile = unsafe fn(usize, Steps, Steps, (*mut f32, usize), usize, bool);
+/// A's values in a tile: first value, distance between steps, distance
+/// between rows.
+type AValues = (*const f32, usize, usize);
+
+type Tile = unsafe fn(usize, AValues, Steps, (*mut f32, usize), usize, bool);
 
 /// The micro-kernel for each panel height, 1..=MR rows.
 const TILES: [Tile; MR] = [
@@ -670,16 +707,181 @@ const FULL_TILE_LOOPS: [FullTileLoop; MR] = [
 
 type FullTileLoop = unsafe fn(usize, *const f32, usize, *const f32, usize) -> [[__m512; NV]; MR];
 
+/// [`full_tile_loop`] for A read in place, row-major: row `r`'s value at
+/// each step is at `a + r * stride`, addressed from five row pointers
+/// (rows 0, 3, 6, 9, 12) plus the stride scaled by 1, 2, 4 or 8, all five
+/// moving on by one float per step. Measured in the same loop: as fast as
+/// broadcasts from a packed panel.
+macro_rules! row_major_tile_loop {
+    ($name:ident: $( ($address:literal, $low:literal, $high:literal) )+) => {
+        /// # Safety
+        /// As [`tile`]'s, with `kc` ≥ 1, `a_step` 1 and all `NR` columns
+        /// of `b` readable at each step.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn $name(
+            kc: usize,
+            a: *const f32,
+            stride: usize,
+            b: *const f32,
+            b_step: usize,
+        ) -> [[__m512; NV]; MR] {
+            let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+            let row = |r: usize| a.wrapping_add(r * stride);
+            // SAFETY: the loop reads `R` floats of `a`, `stride` apart, and
+            // `NR` of `b` at each of `kc` steps, readable by the caller's
+            // contract (rows past `R` are named but never read); it writes
+            // only the registers named below.
+            unsafe {
+                std::arch::asm!(
+                    // Short panels leave some row pointers unread.
+                    "/* {a3} {a6} {a9} {a12} {l} */",
+                    "2:",
+                    "vmovups zmm0, [{b}]",
+                    "vmovups zmm1, [{b} + 64]",
+                    $(
+                        concat!("vbroadcastss zmm2, dword ptr [", $address, "]"),
+                        concat!("vfmadd231ps zmm", $low, ", zmm2, zmm0"),
+                        concat!("vfmadd231ps zmm", $high, ", zmm2, zmm1"),
+                    )+
+                    "add {a0}, 4",
+                    "add {a3}, 4",
+                    "add {a6}, 4",
+                    "add {a9}, 4",
+                    "add {a12}, 4",
+                    "add {b}, {b_step}",
+                    "dec {k}",
+                    "jnz 2b",
+                    a0 = inout(reg) row(0) => _,
+                    a3 = inout(reg) row(3) => _,
+                    a6 = inout(reg) row(6) => _,
+                    a9 = inout(reg) row(9) => _,
+                    a12 = inout(reg) row(12) => _,
+                    l = in(reg) stride * 4,
+                    b = inout(reg) b => _,
+                    k = inout(reg) kc => _,
+                    b_step = in(reg) b_step * 4,
+                    out("zmm0") _,
+                    out("zmm1") _,
+                    out("zmm2") _,
+                    inout("zmm4") acc[0][0], inout("zmm5") acc[0][1],
+                    inout("zmm6") acc[1][0], inout("zmm7") acc[1][1],
+                    inout("zmm8") acc[2][0], inout("zmm9") acc[2][1],
+                    inout("zmm10") acc[3][0], inout("zmm11") acc[3][1],
+                    inout("zmm12") acc[4][0], inout("zmm13") acc[4][1],
+                    inout("zmm14") acc[5][0], inout("zmm15") acc[5][1],
+                    inout("zmm16") acc[6][0], inout("zmm17") acc[6][1],
+                    inout("zmm18") acc[7][0], inout("zmm19") acc[7][1],
+                    inout("zmm20") acc[8][0], inout("zmm21") acc[8][1],
+                    inout("zmm22") acc[9][0], inout("zmm23") acc[9][1],
+                    inout("zmm24") acc[10][0], inout("zmm25") acc[10][1],
+                    inout("zmm26") acc[11][0], inout("zmm27") acc[11][1],
+                    inout("zmm28") acc[12][0], inout("zmm29") acc[12][1],
+                    inout("zmm30") acc[13][0], inout("zmm31") acc[13][1],
+                    options(nostack, readonly),
+                );
+            }
+            acc
+        }
+    };
+}
+
+row_major_tile_loop!(row_major_tile_loop_1:
+    ("{a0}", "4", "5")
+);
+row_major_tile_loop!(row_major_tile_loop_2:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7")
+);
+row_major_tile_loop!(row_major_tile_loop_3:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+);
+row_major_tile_loop!(row_major_tile_loop_4:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11")
+);
+row_major_tile_loop!(row_major_tile_loop_5:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13")
+);
+row_major_tile_loop!(row_major_tile_loop_6:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13") ("{a3} + {l}*2", "14", "15")
+);
+row_major_tile_loop!(row_major_tile_loop_7:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13") ("{a3} + {l}*2", "14", "15")
+    ("{a6}", "16", "17")
+);
+row_major_tile_loop!(row_major_tile_loop_8:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13") ("{a3} + {l}*2", "14", "15")
+    ("{a6}", "16", "17") ("{a3} + {l}*4", "18", "19")
+);
+row_major_tile_loop!(row_major_tile_loop_9:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13") ("{a3} + {l}*2", "14", "15")
+    ("{a6}", "16", "17") ("{a3} + {l}*4", "18", "19") ("{a0} + {l}*8", "20", "21")
+);
+row_major_tile_loop!(row_major_tile_loop_10:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13") ("{a3} + {l}*2", "14", "15")
+    ("{a6}", "16", "17") ("{a3} + {l}*4", "18", "19") ("{a0} + {l}*8", "20", "21")
+    ("{a9}", "22", "23")
+);
+row_major_tile_loop!(row_major_tile_loop_11:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13") ("{a3} + {l}*2", "14", "15")
+    ("{a6}", "16", "17") ("{a3} + {l}*4", "18", "19") ("{a0} + {l}*8", "20", "21")
+    ("{a9}", "22", "23") ("{a6} + {l}*4", "24", "25")
+);
+row_major_tile_loop!(row_major_tile_loop_12:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13") ("{a3} + {l}*2", "14", "15")
+    ("{a6}", "16", "17") ("{a3} + {l}*4", "18", "19") ("{a0} + {l}*8", "20", "21")
+    ("{a9}", "22", "23") ("{a6} + {l}*4", "24", "25") ("{a3} + {l}*8", "26", "27")
+);
+row_major_tile_loop!(row_major_tile_loop_13:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13") ("{a3} + {l}*2", "14", "15")
+    ("{a6}", "16", "17") ("{a3} + {l}*4", "18", "19") ("{a0} + {l}*8", "20", "21")
+    ("{a9}", "22", "23") ("{a6} + {l}*4", "24", "25") ("{a3} + {l}*8", "26", "27")
+    ("{a12}", "28", "29")
+);
+row_major_tile_loop!(row_major_tile_loop_14:
+    ("{a0}", "4", "5") ("{a0} + {l}", "6", "7") ("{a0} + {l}*2", "8", "9")
+    ("{a3}", "10", "11") ("{a0} + {l}*4", "12", "13") ("{a3} + {l}*2", "14", "15")
+    ("{a6}", "16", "17") ("{a3} + {l}*4", "18", "19") ("{a0} + {l}*8", "20", "21")
+    ("{a9}", "22", "23") ("{a6} + {l}*4", "24", "25") ("{a3} + {l}*8", "26", "27")
+    ("{a12}", "28", "29") ("{a9} + {l}*4", "30", "31")
+);
+
+/// The full-tile inner loop over row-major A for each panel height.
+const ROW_MAJOR_TILE_LOOPS: [FullTileLoop; MR] = [
+    row_major_tile_loop_1,
+    row_major_tile_loop_2,
+    row_major_tile_loop_3,
+    row_major_tile_loop_4,
+    row_major_tile_loop_5,
+    row_major_tile_loop_6,
+    row_major_tile_loop_7,
+    row_major_tile_loop_8,
+    row_major_tile_loop_9,
+    row_major_tile_loop_10,
+    row_major_tile_loop_11,
+    row_major_tile_loop_12,
+    row_major_tile_loop_13,
+    row_major_tile_loop_14,
+];
+
 /// `c[R×cols] (+)= a[R×kc] · b[kc×NR]`, the product held in registers.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `a` has `R` readable floats at each of `kc` steps
-/// `a_step` apart, `b` has `cols` (≤ `NR`) at each of `kc` steps `b_step`
+/// The CPU has AVX-512F; `a` has `R` readable floats, `a_row` apart, at
+/// each of `kc` steps `a_step` apart, `b` has `cols` (≤ `NR`) at each of `kc` steps `b_step`
 /// apart; `c` has `cols` writable floats at each of `R` rows `ldc` apart.
 #[target_feature(enable = "avx512f")]
 unsafe fn tile<const R: usize>(
     kc: usize,
-    (a, a_step): Steps,
+    (a, a_step, a_row): AValues,
     (b, b_step): Steps,
     (c, ldc): (*mut f32, usize),
     cols: usize,
@@ -700,7 +902,13 @@ unsafe fn tile<const R: usize>(
     if cols == NR {
         // SAFETY: all `NR` columns are readable (`cols == NR`) and `kc`
         // is at least 1 (`sgemm` returns early for `k == 0`).
-        let full = unsafe { FULL_TILE_LOOPS[R - 1](kc, a, a_step, b, b_step) };
+        let full = unsafe {
+            if a_row == 1 {
+                FULL_TILE_LOOPS[R - 1](kc, a, a_step, b, b_step)
+            } else {
+                ROW_MAJOR_TILE_LOOPS[R - 1](kc, a, a_row, b, b_step)
+            }
+        };
         let acc: [[__m512; NV]; R] = std::array::from_fn(|i| full[i]);
         // SAFETY: as this function's contract.
         return unsafe { store_tile(acc, c, ldc, cols, accumulate) };
@@ -715,7 +923,7 @@ unsafe fn tile<const R: usize>(
             let bv: [__m512; NV] =
                 std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], row.add(16 * v)));
             for (i, acc) in acc.iter_mut().enumerate() {
-                let ai = _mm512_set1_ps(*a.add(p * a_step + i));
+                let ai = _mm512_set1_ps(*a.add(p * a_step + i * a_row));
                 for v in 0..NV {
                     acc[v] = _mm512_fmadd_ps(ai, bv[v], acc[v]);
                 }
@@ -872,7 +1080,8 @@ mod tests {
         // Single elements; tile edges (14 rows, 32 columns, 16-lane
         // transposes); depths past one block (256) with uneven blocks;
         // widths past one packed block of B (1024) and row strides past
-        // the direct-read limit (512); the MLP's thin products.
+        // the direct-read limit (512); rows of A 4 KiB apart (packed, not
+        // read in place); the MLP's thin products.
         for (m, n, k) in [
             (1, 1, 1),
             (3, 5, 7),
@@ -881,6 +1090,7 @@ mod tests {
             (28, 64, 256),
             (29, 31, 257),
             (40, 17, 600),
+            (20, 64, 1024),
             (13, 1030, 20),
             (20, 600, 30),
             (128, 10, 256),
