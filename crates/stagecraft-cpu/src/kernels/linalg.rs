@@ -103,7 +103,7 @@ impl<'a, T> Strided<'a, T> {
     fn from(self, row: usize, col: usize) -> Strided<'a, T> {
         let first = row * self.row_stride + col * self.col_stride;
         Strided {
-            values: &self.values[first.min(self.values.len())..],
+            values: &self.values[first..],
             ..self
         }
     }

@@ -44,6 +44,7 @@ const NC: usize = 1024;
 
 /// A matrix operand: element `(i, j)` is `values[i * row_stride + j *
 /// col_stride]`, so a transpose is the same values with swapped strides.
+/// One of the strides is 1 (row-major or transposed storage).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Matrix<'a> {
     /// The values, from element `(0, 0)` on.
@@ -179,7 +180,8 @@ pub(crate) fn sgemm(m: usize, n: usize, k: usize, a: Matrix<'_>, b: Matrix<'_>, 
 
 /// A product with fewer columns than a tile (the MLP's 10 classes), as
 /// `cᵀ = bᵀ · aᵀ`: a tile of 10 rows uses every lane, where 10 columns of
-/// 32 would waste two thirds of each vector (128×256×10: 26 → 12 µs).
+/// 32 would waste two thirds of each vector (128×256×10 in the MLP step:
+/// 26 → 17 µs).
 /// Each element is the same FMAs in the same order (with the factors of
 /// each product swapped, which does not change it), so the bits are those
 /// of the direct product.
@@ -210,6 +212,10 @@ thread_local! {
 /// Panics unless every element of a `rows × cols` operand is in bounds:
 /// the packing loops below then index without further checks failing.
 fn check_extent(x: Matrix<'_>, rows: usize, cols: usize) {
+    assert!(
+        x.row_stride == 1 || x.col_stride == 1,
+        "GEMM operand with no unit stride"
+    );
     let last = (rows - 1) * x.row_stride + (cols - 1) * x.col_stride;
     assert!(last < x.values.len(), "GEMM operand shorter than its shape");
 }
@@ -241,37 +247,29 @@ impl Panels {
     }
 }
 
-/// Depth `p0..p0+kc` of the rows of `panels` (first row, rows), packed
+/// Depth `p0..p0+kc` of the rows of `panels` (first row, rows) of a
+/// row-major `a` (`sgemm` reads other layouts in place), packed
 /// panel after panel from the first panel's row on, each depth-major:
 /// step `p` of a panel of `r` rows holds its `r` values of column `p`.
 fn pack_a(
     a: Matrix<'_>,
-    panels: impl Iterator<Item = (usize, usize)> + Clone,
+    panels: impl Iterator<Item = (usize, usize)>,
     (p0, kc): (usize, usize),
     out: &mut [f32],
 ) {
+    assert_eq!(a.col_stride, 1, "only row-major A is packed");
     let mut panels = panels.peekable();
     let Some(&(i0, _)) = panels.peek() else {
         return;
     };
     for (first, rows) in panels {
         let out = &mut out[(first - i0) * kc..][..rows * kc];
-        if a.col_stride == 1 {
-            // Row-major: 16 columns of the panel's rows at a time, turned
-            // in registers.
-            let source = &a.values[first * a.row_stride + p0..];
-            for p in (0..kc).step_by(LANES) {
-                let cols = LANES.min(kc - p);
-                let source = Strided::new(&source[p..], a.row_stride, rows, cols);
-                transpose(source, &mut out[p * rows..], rows, rows);
-            }
-            continue;
-        }
-        for (p, step) in out.chunks_exact_mut(rows).enumerate() {
-            let base = first * a.row_stride + (p0 + p) * a.col_stride;
-            for (r, value) in step.iter_mut().enumerate() {
-                *value = a.values[base + r * a.row_stride];
-            }
+        // 16 columns of the panel's rows at a time, turned in registers.
+        let source = &a.values[first * a.row_stride + p0..];
+        for p in (0..kc).step_by(LANES) {
+            let cols = LANES.min(kc - p);
+            let source = Strided::new(&source[p..], a.row_stride, rows, cols);
+            transpose(source, &mut out[p * rows..], rows, rows);
         }
     }
 }
@@ -302,31 +300,21 @@ fn pack_b(b: Matrix<'_>, (p0, kc): (usize, usize), (j0, nc): (usize, usize), out
     for (panel, out) in out.chunks_exact_mut(NR * kc).enumerate() {
         let first = j0 + panel * NR;
         let cols = NR.min(j0 + nc - first);
-        if b.row_stride == 1 {
-            // Stored transposed: 16 columns × 16 steps at a time, turned
-            // in registers; missing columns become zeros.
-            for half in 0..NV {
-                let start = first + half * LANES;
-                let valid = cols.saturating_sub(half * LANES).min(LANES);
-                for p in (0..kc).step_by(LANES) {
-                    let steps = LANES.min(kc - p);
-                    let values = if valid > 0 {
-                        &b.values[p0 + p + start * b.col_stride..]
-                    } else {
-                        &[]
-                    };
-                    let source = Strided::new(values, b.col_stride, valid, steps);
-                    transpose(source, &mut out[p * NR + half * LANES..], LANES, NR);
-                }
+        // Stored transposed (the other unit stride): 16 columns × 16 steps
+        // at a time, turned in registers; missing columns become zeros.
+        for half in 0..NV {
+            let start = first + half * LANES;
+            let valid = cols.saturating_sub(half * LANES).min(LANES);
+            for p in (0..kc).step_by(LANES) {
+                let steps = LANES.min(kc - p);
+                let values = if valid > 0 {
+                    &b.values[p0 + p + start * b.col_stride..]
+                } else {
+                    &[]
+                };
+                let source = Strided::new(values, b.col_stride, valid, steps);
+                transpose(source, &mut out[p * NR + half * LANES..], LANES, NR);
             }
-            continue;
-        }
-        for (p, step) in out.chunks_exact_mut(NR).enumerate() {
-            let base = (p0 + p) * b.row_stride + first * b.col_stride;
-            for (j, value) in step[..cols].iter_mut().enumerate() {
-                *value = b.values[base + j * b.col_stride];
-            }
-            step[cols..].fill(0.0);
         }
     }
 }
@@ -711,7 +699,9 @@ type FullTileLoop = unsafe fn(usize, *const f32, usize, *const f32, usize) -> [[
 /// each step is at `a + r * stride`, addressed from five row pointers
 /// (rows 0, 3, 6, 9, 12) plus the stride scaled by 1, 2, 4 or 8, all five
 /// moving on by one float per step. Measured in the same loop: as fast as
-/// broadcasts from a packed panel.
+/// broadcasts from a packed panel. One macro for both layouts (its loop
+/// naming every pointer of either) measured 1–3 % slower on whole
+/// products, so the two keep separate operand lists.
 macro_rules! row_major_tile_loop {
     ($name:ident: $( ($address:literal, $low:literal, $high:literal) )+) => {
         /// # Safety
