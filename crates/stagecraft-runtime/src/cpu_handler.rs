@@ -3,6 +3,7 @@
 //! once their inputs are ready (async mode).
 
 use crate::context::{execution_mode, ExecutionMode};
+use crate::fxhash::{FxBuild, FxHasher};
 use crate::handle::{MetadataState, TensorHandle};
 use crate::op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
 use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
@@ -13,38 +14,9 @@ use stagecraft_tensor::{
     DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,
 };
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
-
-/// A multiply-rotate hasher for small keys that are already well mixed
-/// (fingerprints); SipHash would dominate the cost of a tiny op.
-#[derive(Default)]
-struct FxHasher(u64);
-
-impl Hasher for FxHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(word));
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-    fn write_usize(&mut self, v: usize) {
-        self.write_u64(v as u64)
-    }
-    fn write_u8(&mut self, v: u8) {
-        self.write_u64(v as u64)
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-type FxBuild = BuildHasherDefault<FxHasher>;
 
 struct CacheEntry {
     op: usize,

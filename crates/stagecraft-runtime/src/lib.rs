@@ -13,6 +13,7 @@ pub mod cpu_handler;
 mod device;
 pub mod executor;
 pub mod format;
+mod fxhash;
 mod handle;
 pub mod lazy;
 pub mod logging;

@@ -2,6 +2,7 @@
 
 use crate::device::Device;
 use crate::executor::{instantiate, Executable};
+use crate::fxhash::{FxBuild, FxHasher};
 use crate::handle::TensorHandle;
 use crate::op_handler::{OpInvocation, Results};
 use crate::profile;
@@ -374,14 +375,14 @@ fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
         .first()
         .map(|(op, _)| op.target)
         .ok_or_else(|| Error::internal("an empty trace"))?;
-    let mut position: HashMap<usize, usize> = HashMap::new();
+    let mut position: HashMap<usize, usize, FxBuild> = HashMap::default();
     let mut ops: Vec<Arc<LazyOp>> = Vec::new();
     let mut nodes: Vec<SkeletonNode> = Vec::new();
     let mut locations = Vec::new();
     let mut leaves: Vec<Leaf> = Vec::new();
     let mut params: Vec<TensorMetadata> = Vec::new();
-    let mut leaf_ids: HashMap<(usize, u32), u32> = HashMap::new();
-    let mut inside_uses: HashMap<(usize, u32), u32> = HashMap::new();
+    let mut leaf_ids: HashMap<(usize, u32), u32, FxBuild> = HashMap::default();
+    let mut inside_uses: HashMap<(usize, u32), u32, FxBuild> = HashMap::default();
 
     // Iterative DFS: (op, visited-children?).
     let mut stack: Vec<(Arc<LazyOp>, bool)> = roots
@@ -554,7 +555,9 @@ struct Entry {
 }
 
 fn fingerprint(skeleton: &Skeleton) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
+    // Entries under one fingerprint are compared in full, so a fast hash
+    // is enough.
+    let mut h = FxHasher::default();
     skeleton.hash(&mut h);
     h.finish()
 }
