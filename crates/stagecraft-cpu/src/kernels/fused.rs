@@ -481,13 +481,19 @@ fn run_step<T: Real + Arith>(
 /// Which instruction set the block loops are compiled for, chosen once from
 /// what the CPU supports: the default build targets baseline x86-64 (SSE2,
 /// 4 f32 lanes), while the machines we run on have AVX2 or AVX-512.
-#[derive(Clone, Copy)]
-enum Isa {
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Isa {
     Baseline,
     #[cfg(target_arch = "x86_64")]
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Avx512,
+}
+
+/// The instruction set this CPU runs the multiversioned loops with
+/// (detected once).
+pub(crate) fn isa() -> Isa {
+    *ISA.get_or_init(detect_isa)
 }
 
 fn detect_isa() -> Isa {
