@@ -40,7 +40,6 @@ use crate::{
     with_any_type, with_float_type, Inputs, Kernel, KernelContext, KernelRegistry, Outputs,
     PARALLEL_THRESHOLD,
 };
-use rayon::prelude::*;
 use smallvec::smallvec;
 use stagecraft_ops::{arange_len, Attrs};
 use stagecraft_tensor::{
@@ -79,9 +78,7 @@ fn output_meta(ctx: &KernelContext<'_>) -> Result<TensorMetadata> {
 /// position of `chunk[0]`; in parallel above the threshold.
 fn fill_chunks<T: Send>(dst: &mut [T], fill: impl Fn(&mut [T], usize) + Sync) {
     if dst.len() > PARALLEL_THRESHOLD {
-        dst.par_chunks_mut(CHUNK)
-            .enumerate()
-            .for_each(|(c, chunk)| fill(chunk, c * CHUNK));
+        crate::pool::for_each_chunk(dst, CHUNK, |c, chunk| fill(chunk, c * CHUNK));
     } else {
         fill(dst, 0);
     }

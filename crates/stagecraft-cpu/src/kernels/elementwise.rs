@@ -13,7 +13,6 @@
 use crate::numeric::broadcast_strides;
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
 use half::{bf16, f16};
-use rayon::prelude::*;
 use smallvec::{smallvec, SmallVec};
 use stagecraft_ops::{Attrs, BinaryOp, CompareOp, OpKind, UnaryOp};
 use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, Shape, TensorMetadata};
@@ -115,9 +114,7 @@ where
         }
     }
     if out.len() > PARALLEL_THRESHOLD {
-        out.par_chunks_mut(CHUNK)
-            .zip(src.par_chunks(CHUNK))
-            .for_each(|(o, s)| serial(o, s, &f));
+        crate::pool::for_each_chunk(out, CHUNK, |c, o| serial(o, &src[c * CHUNK..], &f));
     } else {
         serial(out, src, &f);
     }
@@ -135,7 +132,7 @@ where
         }
     }
     if xs.len() > PARALLEL_THRESHOLD {
-        xs.par_chunks_mut(CHUNK).for_each(|c| serial(c, &f));
+        crate::pool::for_each_chunk(xs, CHUNK, |_, c| serial(c, &f));
     } else {
         serial(xs, &f);
     }
@@ -761,9 +758,7 @@ impl<const N: usize> Walk<N> {
     /// the threshold.
     pub(crate) fn run<U: Send>(&self, out: &mut [U], row: impl Fn(&mut [U], [usize; N]) + Sync) {
         if out.len() > PARALLEL_THRESHOLD {
-            out.par_chunks_mut(CHUNK)
-                .enumerate()
-                .for_each(|(i, part)| self.run_from(part, i * CHUNK, &row));
+            crate::pool::for_each_chunk(out, CHUNK, |i, part| self.run_from(part, i * CHUNK, &row));
         } else if !out.is_empty() {
             self.run_from(out, 0, &row);
         }

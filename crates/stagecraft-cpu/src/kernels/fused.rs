@@ -10,7 +10,6 @@ use super::linalg::{matmul_with_epilogue, GemmElement};
 use super::reduce::{float_fold, Source};
 use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
 use crate::Inputs;
-use rayon::prelude::*;
 use smallvec::{smallvec, SmallVec};
 use stagecraft_ops::{
     decode_fused, fused_operand, fused_output, fused_reduce_op, reduction_axes, Attrs, BinaryOp,
@@ -697,15 +696,13 @@ fn fused_typed<T: Real + Arith + Send + Sync>(
         // A streamed range starts and ends its pipeline (see
         // `stream_range`), so it takes longer ranges.
         let chunk_len = BLOCK * if stream { 64 } else { 16 };
-        y.par_chunks_mut(chunk_len)
-            .enumerate()
-            .for_each_init(fresh, |scratch, (c, chunk)| {
-                if stream {
-                    program.stream_range(isa, &srcs, c * chunk_len, chunk, scratch)
-                } else {
-                    program.run_range(isa, &srcs, c * chunk_len, chunk, scratch)
-                }
-            });
+        crate::pool::for_each_chunk_init(y, chunk_len, fresh, |scratch, c, chunk| {
+            if stream {
+                program.stream_range(isa, &srcs, c * chunk_len, chunk, scratch)
+            } else {
+                program.run_range(isa, &srcs, c * chunk_len, chunk, scratch)
+            }
+        });
     } else {
         program.run_range(isa, &srcs, 0, y, &mut fresh());
     }
@@ -850,12 +847,9 @@ fn epilogue_in_place<T: Real + Arith + Send + Sync>(
         )
     };
     if may_split && values.len() >= EPILOGUE_PARALLEL_MIN {
-        values
-            .par_chunks_mut(BLOCK * 16)
-            .enumerate()
-            .for_each_init(fresh, |state, (c, chunk)| {
-                run(first + c * BLOCK * 16, chunk, state)
-            });
+        crate::pool::for_each_chunk_init(values, BLOCK * 16, fresh, |state, c, chunk| {
+            run(first + c * BLOCK * 16, chunk, state)
+        });
     } else {
         run(first, values, &mut fresh());
     }

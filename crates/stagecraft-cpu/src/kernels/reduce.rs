@@ -669,9 +669,10 @@ fn softmax_in_place<T: Real>(data: &mut [T], n: usize, inner: usize, log: bool) 
     let isa = isa();
     let body = |s: &mut [T]| softmax_slab_on(isa, s, inner, log);
     if data.len() > PARALLEL_THRESHOLD {
-        data.par_chunks_mut(slab)
-            .with_min_len((CHUNK / slab).max(1))
-            .for_each(body);
+        let slabs = (CHUNK / slab).max(1);
+        crate::pool::for_each_chunk(data, slabs * slab, |_, group| {
+            group.chunks_mut(slab).for_each(body)
+        });
     } else {
         data.chunks_mut(slab).for_each(body);
     }

@@ -94,9 +94,7 @@ fn unravel(mut flat: usize, dims: &[usize]) -> Dims {
 /// position of `chunk[0]` in `dst`; in parallel above the threshold.
 fn fill_chunks<T: Send>(dst: &mut [T], fill: impl Fn(&mut [T], usize) + Sync) {
     if dst.len() > PARALLEL_THRESHOLD {
-        dst.par_chunks_mut(CHUNK)
-            .enumerate()
-            .for_each(|(c, chunk)| fill(chunk, c * CHUNK));
+        crate::pool::for_each_chunk(dst, CHUNK, |c, chunk| fill(chunk, c * CHUNK));
     } else {
         fill(dst, 0);
     }
@@ -107,9 +105,7 @@ fn fill_chunks<T: Send>(dst: &mut [T], fill: impl Fn(&mut [T], usize) + Sync) {
 fn fill_rows<T: Send>(dst: &mut [T], row_len: usize, fill: impl Fn(&mut [T], usize) + Sync) {
     if dst.len() > PARALLEL_THRESHOLD && dst.len() > row_len {
         let rows = (CHUNK / row_len).max(1);
-        dst.par_chunks_mut(rows * row_len)
-            .enumerate()
-            .for_each(|(c, chunk)| fill(chunk, c * rows));
+        crate::pool::for_each_chunk(dst, rows * row_len, |c, chunk| fill(chunk, c * rows));
     } else {
         fill(dst, 0);
     }

@@ -552,14 +552,12 @@ impl Executable {
             return self.run_parallel(args, arena, locations);
         }
         if self.schedule.splits && rayon::current_thread_index().is_none() {
-            // A kernel that splits its work from outside the pool hands it
-            // over and sleeps until it is done: two thread switches per
-            // kernel, tens of microseconds each on a virtual machine
-            // (measured: a 128×256×256 matmul with a bias and relu
-            // epilogue, 148 µs called from outside, 78 µs inside). One hop
-            // into the pool per run pays that once; inside, a kernel's
-            // split is a join the waiting thread helps with, and the
-            // pool's other threads stay awake to take their halves.
+            // A kernel that splits its work hands its parts to pool threads,
+            // and a sleeping one takes tens of microseconds to wake on a
+            // virtual machine (measured: a 128×256×256 matmul with a bias
+            // and relu epilogue, 148 µs with the pool asleep, 78 µs awake).
+            // While the run goes on, the pool's other threads stay awake to
+            // take those parts at once.
             let flags = current_stop_flags();
             let in_pool = || {
                 with_stop_flags(&flags, || match arena {

@@ -1,6 +1,6 @@
-//! A graph run in order whose kernels split their work runs on a pool
-//! thread, with the caller's arena (its own binary: profiling and the
-//! allocation counters are process-wide).
+//! A graph run in order whose kernels split their work stays on the
+//! calling thread, inside the run's arena (its own binary: profiling and
+//! the allocation counters are process-wide).
 
 use stagecraft_graph::{Function, Value};
 use stagecraft_ops::{OpAttrs, ABS};
@@ -11,13 +11,13 @@ use stagecraft_tensor::{Buffer, DType, DenseHostTensor, HostTensor, Location, Te
 use std::sync::Arc;
 
 #[test]
-fn a_run_with_a_splitting_kernel_hops_into_the_pool_once() {
+fn a_run_with_a_splitting_kernel_stays_on_the_calling_thread() {
     // One large step: run in order (nothing to overlap), but its kernel
     // splits over the pool.
     const N: usize = 1 << 18;
     let meta = TensorMetadata::new(DType::F32, [N]);
     let mut f = Function::new("abs", vec![meta]);
-    let at = Location::new("pool_hop.rs", 1, 1);
+    let at = Location::new("splitting_run.rs", 1, 1);
     let y = f
         .add_op(&ABS, &OpAttrs::new(), &[Value::Param(0)], at)
         .unwrap();
@@ -43,13 +43,10 @@ fn a_run_with_a_splitting_kernel_hops_into_the_pool_once() {
         .iter()
         .find(|e| e.category == profile::KERNEL && e.name == "Abs")
         .unwrap();
-    assert_ne!(
-        kernel.thread, caller,
-        "the kernel ran on the calling thread"
-    );
+    assert_eq!(kernel.thread, caller, "the kernel left the calling thread");
 
-    // The kernel's output came from the run's arena, entered on the pool
-    // thread.
+    // The kernel's output came from the run's arena, entered on the
+    // calling thread.
     assert_eq!(allocated, 0);
     let HostTensor::Dense(out) = &out[0] else {
         panic!("a dense result")
