@@ -5,7 +5,6 @@ use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
 use crate::numeric::broadcast_strides;
 use crate::Inputs;
 use half::{bf16, f16};
-use rayon::prelude::*;
 use smallvec::smallvec;
 use stagecraft_ops::{matmul_operand, matmul_shapes, matmul_transposes, Attrs};
 use stagecraft_tensor::{
@@ -604,9 +603,7 @@ fn batched<T: Element + Send + Sync>(
     };
     if items > 1 && work * items >= BATCH_SPLIT_FLOPS && work < BATCH_SPLIT_FLOPS * 8 {
         // Many modest products: one per task.
-        out.par_chunks_mut(m * n)
-            .enumerate()
-            .for_each(|item| run(item, false));
+        crate::pool::for_each_chunk(out, m * n, |i, c| run((i, c), false));
     } else {
         out.chunks_mut(m * n)
             .enumerate()

@@ -4,7 +4,6 @@ use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
 use crate::kernels::linalg::{gemm_into, GemmElement};
 use crate::Inputs;
 use half::{bf16, f16};
-use rayon::prelude::*;
 use smallvec::smallvec;
 use stagecraft_ops::{conv2d_window, pool_window, Attrs, Window2d};
 use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, TensorMetadata};
@@ -144,9 +143,7 @@ fn conv2d_typed<T: GemmElement + Send + Sync>(
     };
     let y = out.as_mut_slice::<T>()?;
     if g.n > 1 && g.n * image_out * patch >= crate::PARALLEL_THRESHOLD {
-        y.par_chunks_mut(image_out)
-            .enumerate()
-            .for_each(|item| per_image(item, false));
+        crate::pool::for_each_chunk(y, image_out, |i, image| per_image((i, image), false));
     } else {
         y.chunks_mut(image_out)
             .enumerate()
@@ -228,7 +225,7 @@ fn pool<T: Element + Send + Sync>(
     };
     let y = out.as_mut_slice::<T>()?;
     if y.len() >= crate::PARALLEL_THRESHOLD {
-        y.par_chunks_mut(oh * ow).enumerate().for_each(plane_job);
+        crate::pool::for_each_chunk(y, oh * ow, |i, plane| plane_job((i, plane)));
     } else {
         y.chunks_mut(oh * ow).enumerate().for_each(plane_job);
     }
@@ -443,7 +440,7 @@ fn backprop_input_typed<T: GemmElement + Send + Sync + std::ops::AddAssign>(
     };
     let dx = out.as_mut_slice::<T>()?;
     if g.n > 1 && g.n * image_in * og >= crate::PARALLEL_THRESHOLD {
-        dx.par_chunks_mut(image_in).enumerate().for_each(per_image);
+        crate::pool::for_each_chunk(dx, image_in, |i, image| per_image((i, image)));
     } else {
         dx.chunks_mut(image_in).enumerate().for_each(per_image);
     }

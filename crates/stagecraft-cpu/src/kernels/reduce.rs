@@ -341,10 +341,19 @@ where
             }
         };
         if parallel {
-            out.par_chunks_mut(per_read)
-                .enumerate()
-                .with_min_len((CHUNK / ROW_BLOCK).max(1))
-                .for_each_init(|| src.scratch(), group);
+            // A chunk holds several reads: one alone is too little work
+            // to be worth handing to another thread.
+            let reads = (CHUNK / ROW_BLOCK).max(1);
+            crate::pool::for_each_chunk_init(
+                &mut out,
+                reads * per_read,
+                || src.scratch(),
+                |scratch, c, chunk| {
+                    for (r, part) in chunk.chunks_mut(per_read).enumerate() {
+                        group(scratch, (c * reads + r, part));
+                    }
+                },
+            );
         } else {
             let mut scratch = src.scratch();
             out.chunks_mut(per_read)
@@ -353,13 +362,18 @@ where
         }
     } else if inner == 1 {
         if parallel {
-            out.par_iter_mut()
-                .enumerate()
-                .with_min_len((CHUNK / red.max(1)).max(1))
-                .for_each_init(
-                    || src.scratch(),
-                    |scratch, (o, v)| *v = fold.row(scratch, o * red, red, true),
-                );
+            let rows = (CHUNK / red.max(1)).max(1);
+            crate::pool::for_each_chunk_init(
+                &mut out,
+                rows,
+                || src.scratch(),
+                |scratch, c, chunk| {
+                    for (r, v) in chunk.iter_mut().enumerate() {
+                        let o = c * rows + r;
+                        *v = fold.row(scratch, o * red, red, true);
+                    }
+                },
+            );
         } else {
             let mut scratch = src.scratch();
             for (o, v) in out.iter_mut().enumerate() {
@@ -559,10 +573,12 @@ where
             arg_slab(&src[i * slab..(i + 1) * slab], inner, idx, better)
         };
         if src.len() > PARALLEL_THRESHOLD {
-            o.par_chunks_mut(inner)
-                .enumerate()
-                .with_min_len((CHUNK / slab).max(1))
-                .for_each(lane);
+            let lanes = (CHUNK / slab).max(1);
+            crate::pool::for_each_chunk(o, lanes * inner, |c, chunk| {
+                for (l, idx) in chunk.chunks_mut(inner).enumerate() {
+                    lane((c * lanes + l, idx));
+                }
+            });
         } else {
             o.chunks_mut(inner).enumerate().for_each(lane);
         }

@@ -302,14 +302,12 @@ fn permute<T: Copy + Send + Sync>(src: &[T], dst: &mut [T], dims: &[usize], src_
         rows = rows.div_ceil(TILE) * TILE;
     }
     let rows = rows.min(total_rows);
-    dst.par_chunks_mut(rows * row_len)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            let first = c * rows;
-            let mut sub: Dims = dims.into();
-            sub[0] = chunk.len() / row_len;
-            transpose_tiled(src, chunk, &sub, src_strides, j, first * src_strides[0]);
-        });
+    crate::pool::for_each_chunk(dst, rows * row_len, |c, chunk| {
+        let first = c * rows;
+        let mut sub: Dims = dims.into();
+        sub[0] = chunk.len() / row_len;
+        transpose_tiled(src, chunk, &sub, src_strides, j, first * src_strides[0]);
+    });
 }
 
 /// The blocked transpose: output axis `j` has source stride 1 and the last
