@@ -149,6 +149,10 @@ fn spin_until(ready: impl Fn() -> bool) {
 /// parallel iteration.
 pub(crate) fn split_with_caller<P: Send>(parts: Vec<P>, run: impl Fn(P) + Sync) {
     use rayon::prelude::*;
+    if parts.len() <= 1 {
+        // Nothing to share: no scope, and no thread left lingering.
+        return parts.into_iter().for_each(run);
+    }
     if rayon::current_thread_index().is_some() {
         return parts.into_par_iter().for_each(&run);
     }

@@ -24,6 +24,11 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
 /// wrote).
 const GEMM_PARALLEL_FLOPS: usize = 64 * 64 * 64;
 
+/// faer's products (f64, and f32 without AVX-512) split from this many
+/// multiply-adds on: [`GEMM_PARALLEL_FLOPS`] was measured on the own
+/// kernel only, and faer's 64³ was slower on two threads.
+const FAER_PARALLEL_FLOPS: usize = 128 * 128 * 128;
+
 /// A batch of products with this much work in all, each with less than 8
 /// times this, runs an item per task rather than splitting each item.
 const BATCH_SPLIT_FLOPS: usize = 128 * 128 * 128;
@@ -190,7 +195,7 @@ pub(crate) trait GemmElement: Element + faer::traits::ComplexField {
         // The epilogue may fork unless the caller is already a parallel
         // task: a large output of a small product (k of 1) still splits.
         let epilogue_may_split = parallel;
-        let parallel = parallel && threads > 1 && worth_splitting(m, n, k);
+        let parallel = parallel && threads > 1 && m * n * k >= FAER_PARALLEL_FLOPS;
         let a = view(a, m, k, a_layout);
         let b = view(b, k, n, b_layout);
         if parallel && m >= threads * GEMM_MIN_PANEL_ROWS {
