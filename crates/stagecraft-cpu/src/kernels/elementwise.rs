@@ -186,6 +186,17 @@ pub(crate) trait Real: Element {
     fn exp_wide(x: f64) -> f64 {
         x.exp()
     }
+    /// The values as f32, for the vector paths written for f32 alone
+    /// (`None` for every other type).
+    #[inline(always)]
+    fn as_f32(_values: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    /// [`Real::as_f32`] for writing.
+    #[inline(always)]
+    fn as_f32_mut(_values: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
 }
 
 /// `e^x` for a result that will be rounded to f32 or narrower, within
@@ -257,6 +268,14 @@ impl Real for f32 {
     #[inline(always)]
     fn narrow(v: f64) -> f32 {
         v as f32
+    }
+    #[inline(always)]
+    fn as_f32(values: &[f32]) -> Option<&[f32]> {
+        Some(values)
+    }
+    #[inline(always)]
+    fn as_f32_mut(values: &mut [f32]) -> Option<&mut [f32]> {
+        Some(values)
     }
     #[inline(always)]
     fn exp_wide(x: f64) -> f64 {

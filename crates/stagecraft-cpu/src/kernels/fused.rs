@@ -1,9 +1,12 @@
 //! The `FusedElementwise` kernel: a block interpreter. Each block of
 //! elements runs the whole program with its registers in cache, so every
 //! input is read once and the output written once; every instruction is a
-//! tight loop over the block with the op chosen outside the loop. Element
-//! functions are the same as the separate kernels', so fused and unfused
-//! results are bit-identical.
+//! tight loop over the block with the op chosen outside the loop, and runs
+//! of instructions that feed each other run as one chain with their values
+//! in vector registers (`chain`). Element functions are the same as the
+//! separate kernels', so fused and unfused results are bit-identical.
+
+mod chain;
 
 use super::elementwise::{gelu, relu, rsqrt, sigmoid, sign, Arith, Real};
 use super::linalg::{matmul_with_epilogue, GemmElement};
@@ -231,35 +234,57 @@ enum Operand {
 }
 
 /// An instruction over physical register slots.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum Step {
     Unary(UnaryOp, Operand, usize),
     Binary(BinaryOp, Operand, Operand, usize),
     Compare(CompareOp, Operand, Operand, usize),
+    /// Instructions whose values stay in vector registers (see `chain`).
+    Chain(Box<chain::Chain<Operand>>, usize),
+}
+
+impl Step {
+    fn dst(&self) -> usize {
+        match *self {
+            Step::Unary(_, _, d)
+            | Step::Binary(_, _, _, d)
+            | Step::Compare(_, _, _, d)
+            | Step::Chain(_, d) => d,
+        }
+    }
 }
 
 /// Assigns register slots so that a slot is reused once its value is dead:
-/// a chain of any length needs two slots, so registers stay in L1.
+/// a chain of any length needs two slots, so registers stay in L1. With
+/// `chains`, runs of instructions become [`Step::Chain`]s (see `chain`).
 /// Returns the steps, the slot count and the result's slot.
-fn allocate_registers(program: &[FusedInstr], inputs: usize) -> (Vec<Step>, usize, usize) {
-    let n = program.len();
-    let mut last_use = vec![0usize; n];
-    for (i, instr) in program.iter().enumerate() {
-        let reads: [Option<usize>; 2] = match *instr {
-            FusedInstr::Unary(_, a) => [Some(a), None],
-            FusedInstr::Binary(_, a, b) | FusedInstr::Compare(_, a, b) => [Some(a), Some(b)],
-        };
-        for r in reads.into_iter().flatten() {
-            if r >= inputs {
-                last_use[r - inputs] = i;
+fn allocate_registers(
+    program: &[FusedInstr],
+    inputs: usize,
+    chains: bool,
+) -> (Vec<Step>, usize, usize) {
+    let nodes = chain::plan_nodes(program, inputs, chains);
+    let reads = |node: &chain::Node| -> SmallVec<[usize; 8]> {
+        match node {
+            chain::Node::Single(FusedInstr::Unary(_, a)) => smallvec![*a],
+            chain::Node::Single(FusedInstr::Binary(_, a, b) | FusedInstr::Compare(_, a, b)) => {
+                smallvec![*a, *b]
             }
+            chain::Node::Chain(c) => c.reads().collect(),
+        }
+    };
+    // Values are program values: inputs, then instruction results.
+    let mut last_use = vec![0usize; inputs + program.len()];
+    for (k, (_, node)) in nodes.iter().enumerate() {
+        for r in reads(node) {
+            last_use[r] = k;
         }
     }
-    let mut slot_of = vec![0usize; n];
+    let mut slot_of = vec![0usize; inputs + program.len()];
     let mut free: Vec<usize> = Vec::new();
     let mut slots = 0;
-    let mut steps = Vec::with_capacity(n);
-    for (i, instr) in program.iter().enumerate() {
+    let mut steps = Vec::with_capacity(nodes.len());
+    for (k, (end, node)) in nodes.iter().enumerate() {
         let dst = free.pop().unwrap_or_else(|| {
             slots += 1;
             slots - 1
@@ -268,31 +293,33 @@ fn allocate_registers(program: &[FusedInstr], inputs: usize) -> (Vec<Step>, usiz
             if r < inputs {
                 Operand::Input(r)
             } else {
-                Operand::Slot(slot_of[r - inputs])
+                Operand::Slot(slot_of[r])
             }
         };
-        let step = match *instr {
-            FusedInstr::Unary(op, a) => Step::Unary(op, operand(a), dst),
-            FusedInstr::Binary(op, a, b) => Step::Binary(op, operand(a), operand(b), dst),
-            FusedInstr::Compare(op, a, b) => Step::Compare(op, operand(a), operand(b), dst),
+        let step = match node {
+            chain::Node::Single(FusedInstr::Unary(op, a)) => Step::Unary(*op, operand(*a), dst),
+            chain::Node::Single(FusedInstr::Binary(op, a, b)) => {
+                Step::Binary(*op, operand(*a), operand(*b), dst)
+            }
+            chain::Node::Single(FusedInstr::Compare(op, a, b)) => {
+                Step::Compare(*op, operand(*a), operand(*b), dst)
+            }
+            chain::Node::Chain(c) => Step::Chain(Box::new(c.map(operand)), dst),
         };
         steps.push(step);
-        slot_of[i] = dst;
+        slot_of[inputs + end] = dst;
         // Operands whose last reader this is free their slots for later
         // steps (not this one: a step never writes a slot it reads).
-        let reads: [Option<usize>; 2] = match *instr {
-            FusedInstr::Unary(_, a) => [Some(a), None],
-            FusedInstr::Binary(_, a, b) | FusedInstr::Compare(_, a, b) => {
-                [Some(a), if b == a { None } else { Some(b) }]
-            }
-        };
-        for r in reads.into_iter().flatten() {
-            if r >= inputs && last_use[r - inputs] == i {
-                free.push(slot_of[r - inputs]);
+        let mut read = reads(node);
+        read.sort_unstable();
+        read.dedup();
+        for r in read {
+            if r >= inputs && last_use[r] == k {
+                free.push(slot_of[r]);
             }
         }
     }
-    (steps, slots, slot_of[n - 1])
+    (steps, slots, slot_of[inputs + program.len() - 1])
 }
 
 /// Operand `op` within the current block.
@@ -415,10 +442,17 @@ unsafe fn stream_avx2(to: *mut u8, from: *const u8, bytes: usize) {
     unsafe { std::ptr::copy_nonoverlapping(from.add(whole), to.add(whole), bytes - whole) }
 }
 
+/// Parts a chain step's block runs in, each after its own `between` call:
+/// a streamed range spreads its memory traffic over a program's steps, and
+/// a whole program may be one chain.
+const CHAIN_PARTS: usize = 4;
+
 /// Runs the program over output elements `start..start + out.len()`,
-/// calling `between(i, steps)` before step `i` of the program's `steps`.
+/// calling `between(i, phases)` before phase `i` of the program's phases
+/// (a step, or a part of a chain step's block).
 #[inline(always)]
 fn run_block<T: Real + Arith>(
+    isa: Isa,
     steps: &[Step],
     inputs: &[Input<'_, T>],
     start: usize,
@@ -436,24 +470,70 @@ fn run_block<T: Real + Arith>(
     let Some((last, body)) = steps.split_last() else {
         return;
     };
-    for (i, step) in body.iter().enumerate() {
-        between(i, steps.len());
-        let dst_slot = match *step {
-            Step::Unary(_, _, d) | Step::Binary(_, _, _, d) | Step::Compare(_, _, _, d) => d,
+    let parts = |step: &Step| match step {
+        Step::Chain(..) => CHAIN_PARTS,
+        _ => 1,
+    };
+    let phases = steps.iter().map(parts).sum();
+    let mut phase = 0;
+    let mut run = |step: &Step, dst: &mut [T], regs: &[Vec<T>]| {
+        let Step::Chain(chain, _) = step else {
+            between(phase, phases);
+            phase += 1;
+            return run_step(isa, step, dst, &srcs, regs, n);
         };
+        let mut before_part = || {
+            between(phase, phases);
+            phase += 1;
+        };
+        run_chain_step(
+            isa,
+            chain,
+            dst,
+            (&srcs, regs),
+            CHAIN_PARTS,
+            &mut before_part,
+        );
+    };
+    for step in body {
         // The destination is never an operand of its own step, so it can be
         // taken out while the operands are borrowed.
-        let mut dst = std::mem::take(&mut regs[dst_slot]);
-        run_step(step, &mut dst[..n], &srcs, regs, n);
-        regs[dst_slot] = dst;
+        let mut dst = std::mem::take(&mut regs[step.dst()]);
+        run(step, &mut dst[..n], regs);
+        regs[step.dst()] = dst;
     }
-    between(body.len(), steps.len());
     // The result goes straight to the output: no copy out of a register.
-    run_step(last, out, &srcs, regs, n);
+    run(last, out, regs);
+}
+
+/// A chain step over its block, in `parts` ranges (see
+/// [`chain::run_chain`]).
+#[inline(always)]
+fn run_chain_step<T: Real + Arith>(
+    isa: Isa,
+    chain: &chain::Chain<Operand>,
+    dst: &mut [T],
+    (srcs, regs): (&[Src<'_, T>], &[Vec<T>]),
+    parts: usize,
+    before_part: &mut dyn FnMut(),
+) {
+    let n = dst.len();
+    let others: SmallVec<[chain::LinkSrc<'_, T>; 8]> = chain
+        .links
+        .iter()
+        .map(|link| match link.other {
+            chain::Other::None => chain::LinkSrc::None,
+            chain::Other::Itself => chain::LinkSrc::Itself,
+            chain::Other::Value(op) => chain::LinkSrc::Src(operand(op, srcs, regs, n)),
+        })
+        .collect();
+    let first = operand(chain.first, srcs, regs, n);
+    chain::run_chain(isa, &chain.links, (first, &others), dst, parts, before_part);
 }
 
 #[inline(always)]
 fn run_step<T: Real + Arith>(
+    isa: Isa,
     step: &Step,
     dst: &mut [T],
     srcs: &[Src<'_, T>],
@@ -474,6 +554,7 @@ fn run_step<T: Real + Arith>(
             operand(a, srcs, regs, n),
             operand(b, srcs, regs, n),
         ),
+        Step::Chain(ref chain, _) => run_chain_step(isa, chain, dst, (srcs, regs), 1, &mut || {}),
     }
 }
 
@@ -518,7 +599,7 @@ fn run_block_avx2<T: Real + Arith>(
     scratch: &mut Scratch<T>,
     between: impl FnMut(usize, usize),
 ) {
-    run_block(steps, inputs, start, out, scratch, between)
+    run_block(Isa::Avx2, steps, inputs, start, out, scratch, between)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -531,7 +612,7 @@ fn run_block_avx512<T: Real + Arith>(
     scratch: &mut Scratch<T>,
     between: impl FnMut(usize, usize),
 ) {
-    run_block(steps, inputs, start, out, scratch, between)
+    run_block(Isa::Avx512, steps, inputs, start, out, scratch, between)
 }
 
 /// Runs one block with the loops compiled for `isa`. Vector widths change
@@ -547,7 +628,7 @@ fn run_block_on<T: Real + Arith>(
     between: impl FnMut(usize, usize),
 ) {
     match isa {
-        Isa::Baseline => run_block(steps, inputs, start, out, scratch, between),
+        Isa::Baseline => run_block(isa, steps, inputs, start, out, scratch, between),
         // SAFETY: `detect_isa` chose this variant only after the CPU
         // reported AVX2, which is all `run_block_avx2` is compiled to use.
         #[cfg(target_arch = "x86_64")]
@@ -580,8 +661,10 @@ struct Program {
 }
 
 impl Program {
-    fn new(program: &[i64], inputs: usize) -> Result<Program> {
-        let (steps, slots, _) = allocate_registers(&decode_fused(program, inputs)?, inputs);
+    /// The program over `inputs` registers, planned for values of `dtype`.
+    fn new(program: &[i64], inputs: usize, dtype: DType) -> Result<Program> {
+        let chains = dtype == DType::F32 && isa() != Isa::Baseline;
+        let (steps, slots, _) = allocate_registers(&decode_fused(program, inputs)?, inputs, chains);
         Ok(Program { steps, slots })
     }
 
@@ -710,8 +793,8 @@ fn fused_typed<T: Real + Arith + Send + Sync>(
 }
 
 fn fused_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let program = Program::new(attrs.ints("program")?, inputs.len())?;
     let dtype = inputs[0].dtype;
+    let program = Program::new(attrs.ints("program")?, inputs.len(), dtype)?;
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
             let meta = &ctx.outputs[0];
@@ -786,8 +869,8 @@ fn fused_reduce_typed<T: Real + Arith + Send + Sync>(
 }
 
 fn fused_reduce_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let program = Program::new(attrs.ints("program")?, inputs.len())?;
     let dtype = fused_output(inputs)?.dtype;
+    let program = Program::new(attrs.ints("program")?, inputs.len(), dtype)?;
     let op = fused_reduce_op(attrs.int("reduce")?)?;
     let axes: SmallVec<[i64; 4]> = attrs.ints("axes")?.iter().copied().collect();
     Ok(Arc::new(
@@ -876,9 +959,13 @@ fn fused_matmul_typed<T: Real + Arith + GemmElement + Send + Sync>(
 
 fn fused_matmul_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
     // Registers: the product, then the inputs after a and b.
-    let program = Program::new(attrs.ints("program")?, inputs.len().saturating_sub(1))?;
     let transposes = stagecraft_ops::matmul_transposes(attrs)?;
     let dtype = inputs[0].dtype;
+    let program = Program::new(
+        attrs.ints("program")?,
+        inputs.len().saturating_sub(1),
+        dtype,
+    )?;
     Ok(Arc::new(
         move |inputs: Inputs, ctx: &KernelContext<'_>| -> Result<Outputs> {
             let meta = &ctx.outputs[0];
@@ -912,7 +999,7 @@ mod tests {
             FusedInstr::Compare(CompareOp::Gt, 0, 1),
             FusedInstr::Binary(BinaryOp::Mul, 7, 8),
         ];
-        let program = allocate_registers(&program, 2);
+        let program = allocate_registers(&program, 2, false);
         let n = 1000;
         let x: Vec<f32> = (0..n)
             .map(|i| match i % 7 {
@@ -977,8 +1064,12 @@ mod tests {
                     .position(|b| *b == op)
                     .unwrap() as i64
         };
-        let program =
-            Program::new(&[code(BinaryOp::Add), 0, 1, code(BinaryOp::Sub), 3, 2], 3).unwrap();
+        let program = Program::new(
+            &[code(BinaryOp::Add), 0, 1, code(BinaryOp::Sub), 3, 2],
+            3,
+            DType::F64,
+        )
+        .unwrap();
         let meta = TensorMetadata::new(DType::F64, [rows, cols]);
         let out = fused_typed::<f64>(&program, &tensors, &meta).unwrap();
         let got = out.as_slice::<f64>().unwrap();
@@ -1002,7 +1093,7 @@ mod tests {
             FusedInstr::Binary(BinaryOp::Add, 2, 0),
             FusedInstr::Unary(UnaryOp::Relu, 3),
         ];
-        let (steps, slots, _) = allocate_registers(&program, 2);
+        let (steps, slots, _) = allocate_registers(&program, 2, true);
         let program = Program { steps, slots };
         let n = (STREAM_BYTES / 4) + 3 * BLOCK + 17;
         let x: Vec<f32> = (0..n).map(|i| ((i % 1013) as f32 - 400.0) / 7.0).collect();
