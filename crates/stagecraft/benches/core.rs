@@ -1,7 +1,8 @@
 //! Core runtime benchmarks, each beside a baseline measured in the same run:
 //! - eager dispatch of a tiny add ([4] + [4]) vs a plain Rust add into a
 //!   fresh Vec (the floor for an allocating op);
-//! - f32 matmul at 256³ and 1024³ (GFLOP/s = 2n³ / time);
+//! - f32 matmul at 256³ and 1024³ (GFLOP/s = 2n³ / time), beside every
+//!   pool thread's FMA peak (no memory traffic);
 //! - a 16M-element f32 add, and the 8-op B3 chain at 16M on the lazy and
 //!   eager devices, each vs a plain copy of the same 64 MiB.
 //!
@@ -49,7 +50,88 @@ fn matmul(c: &mut Criterion) {
             bench.iter(|| a.matmul(&b).wait().unwrap())
         });
     }
+    // The ceiling in the same run: every pool thread multiplying-adding in
+    // registers, so the products read as a fraction of this machine's peak
+    // (which differs between the hosts these benchmarks run on).
+    #[cfg(target_arch = "x86_64")]
+    if let Some(flops_per_step) = fma_peak::flops_per_step() {
+        const STEPS: usize = 100_000;
+        let threads = rayon::current_num_threads();
+        group.throughput(Throughput::Elements(
+            (flops_per_step * STEPS * threads) as u64,
+        ));
+        group.sample_size(50);
+        group.bench_function("baseline_fma_peak", |bench| {
+            bench.iter(|| rayon::broadcast(|_| black_box(fma_peak::run(STEPS))))
+        });
+    }
     group.finish();
+}
+
+/// Independent fused multiply-adds, as many as the vector registers keep
+/// in flight: a core's arithmetic peak, with no memory traffic.
+#[cfg(target_arch = "x86_64")]
+mod fma_peak {
+    use std::arch::x86_64::*;
+
+    const AVX512_CHAINS: usize = 24;
+    const AVX2_CHAINS: usize = 12;
+
+    /// Flops per step of [`run`] on this CPU (`None` without FMA units).
+    pub fn flops_per_step() -> Option<usize> {
+        if is_x86_feature_detected!("avx512f") {
+            Some(AVX512_CHAINS * 16 * 2)
+        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            Some(AVX2_CHAINS * 8 * 2)
+        } else {
+            None
+        }
+    }
+
+    /// `steps` steps; the result keeps the work from being optimised away.
+    pub fn run(steps: usize) -> f32 {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU reported AVX-512F.
+            unsafe { avx512(steps) }
+        } else {
+            // SAFETY: only benchmarked where `flops_per_step` found AVX2
+            // and FMA.
+            unsafe { avx2(steps) }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn avx512(steps: usize) -> f32 {
+        let mut acc = [_mm512_set1_ps(1.0); AVX512_CHAINS];
+        let (x, y) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+        for _ in 0..steps {
+            for a in acc.iter_mut() {
+                *a = _mm512_fmadd_ps(*a, x, y);
+            }
+        }
+        let sum = acc
+            .iter()
+            .fold(_mm512_setzero_ps(), |s, &a| _mm512_add_ps(s, a));
+        _mm512_reduce_add_ps(sum)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2(steps: usize) -> f32 {
+        let mut acc = [_mm256_set1_ps(1.0); AVX2_CHAINS];
+        let (x, y) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+        for _ in 0..steps {
+            for a in acc.iter_mut() {
+                *a = _mm256_fmadd_ps(*a, x, y);
+            }
+        }
+        let mut lanes = [0.0f32; 8];
+        let sum = acc
+            .iter()
+            .fold(_mm256_setzero_ps(), |s, &a| _mm256_add_ps(s, a));
+        // SAFETY: `lanes` holds the 8 floats stored.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+        lanes.iter().sum()
+    }
 }
 
 fn big_add(c: &mut Criterion) {
