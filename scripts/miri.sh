@@ -11,7 +11,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if ! cargo +nightly miri --version >/dev/null 2>&1; then
-    rustup toolchain install nightly --profile minimal --component miri rust-src
+    # One component per `--component` flag would also do; `component add`
+    # covers a nightly that is installed without them, too.
+    rustup toolchain install nightly --profile minimal
+    rustup component add --toolchain nightly miri rust-src
 fi
 # Prepares Miri's sysroot once (quietly); later runs reuse it.
 cargo +nightly miri setup >/dev/null
