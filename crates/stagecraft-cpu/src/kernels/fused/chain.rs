@@ -561,37 +561,57 @@ mod vectors {
             for base in range.step_by(G * L::LANES) {
                 let mut value = group(first, base);
                 for (link, &other) in links.iter().zip(others) {
-                    let other = match other {
-                        LinkSrc::None | LinkSrc::Itself => value,
-                        LinkSrc::Src(src) => group(src, base),
-                    };
-                    let (x, y) = if link.chain_left {
-                        (value, other)
-                    } else {
-                        (other, value)
-                    };
-                    value = match link.op {
-                        LinkOp::Relu => std::array::from_fn(|g| L::relu(value[g])),
-                        LinkOp::Binary(BinaryOp::Add) => {
-                            std::array::from_fn(|g| L::add(x[g], y[g]))
+                    // Each (op, operand kind, side) is its own loop, the
+                    // operand loaded where it is used: built as arrays and
+                    // swapped by side, the operands cost a register move
+                    // per vector per link.
+                    macro_rules! link {
+                        ($f:path) => {
+                            match (other, link.chain_left) {
+                                (LinkSrc::Src(Src::Slice(o)), true) => {
+                                    for (g, v) in value.iter_mut().enumerate() {
+                                        *v = $f(*v, L::load(o.as_ptr().add(base + g * L::LANES)));
+                                    }
+                                }
+                                (LinkSrc::Src(Src::Slice(o)), false) => {
+                                    for (g, v) in value.iter_mut().enumerate() {
+                                        *v = $f(L::load(o.as_ptr().add(base + g * L::LANES)), *v);
+                                    }
+                                }
+                                (LinkSrc::Src(Src::Scalar(k)), true) => {
+                                    let k = L::splat(k);
+                                    for v in value.iter_mut() {
+                                        *v = $f(*v, k);
+                                    }
+                                }
+                                (LinkSrc::Src(Src::Scalar(k)), false) => {
+                                    let k = L::splat(k);
+                                    for v in value.iter_mut() {
+                                        *v = $f(k, *v);
+                                    }
+                                }
+                                (LinkSrc::None | LinkSrc::Itself, _) => {
+                                    for v in value.iter_mut() {
+                                        *v = $f(*v, *v);
+                                    }
+                                }
+                            }
+                        };
+                    }
+                    match link.op {
+                        LinkOp::Relu => {
+                            for v in value.iter_mut() {
+                                *v = L::relu(*v);
+                            }
                         }
-                        LinkOp::Binary(BinaryOp::Sub) => {
-                            std::array::from_fn(|g| L::sub(x[g], y[g]))
-                        }
-                        LinkOp::Binary(BinaryOp::Mul) => {
-                            std::array::from_fn(|g| L::mul(x[g], y[g]))
-                        }
-                        LinkOp::Binary(BinaryOp::Div) => {
-                            std::array::from_fn(|g| L::div(x[g], y[g]))
-                        }
-                        LinkOp::Binary(BinaryOp::Maximum) => {
-                            std::array::from_fn(|g| L::maximum(x[g], y[g]))
-                        }
-                        LinkOp::Binary(BinaryOp::Minimum) => {
-                            std::array::from_fn(|g| L::minimum(x[g], y[g]))
-                        }
+                        LinkOp::Binary(BinaryOp::Add) => link!(L::add),
+                        LinkOp::Binary(BinaryOp::Sub) => link!(L::sub),
+                        LinkOp::Binary(BinaryOp::Mul) => link!(L::mul),
+                        LinkOp::Binary(BinaryOp::Div) => link!(L::div),
+                        LinkOp::Binary(BinaryOp::Maximum) => link!(L::maximum),
+                        LinkOp::Binary(BinaryOp::Minimum) => link!(L::minimum),
                         LinkOp::Binary(op) => unreachable!("{op:?} is never chained"),
-                    };
+                    }
                 }
                 for (g, v) in value.into_iter().enumerate() {
                     L::store(dst.add(base + g * L::LANES), v);
