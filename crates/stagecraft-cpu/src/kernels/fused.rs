@@ -255,7 +255,7 @@ impl Step {
 }
 
 /// Assigns register slots so that a slot is reused once its value is dead:
-/// a chain of any length needs two slots, so registers stay in L1. With
+/// a sequence of any length needs two slots, so registers stay in L1. With
 /// `chains`, runs of instructions become [`Step::Chain`]s (see `chain`).
 /// Returns the steps, the slot count and the result's slot.
 fn allocate_registers(

@@ -138,16 +138,11 @@ pub(super) fn plan_nodes(
         } else {
             (None, true)
         };
-        let (mut chain, continued) = match chain {
-            Some(chain) => (chain, true),
-            None => (
-                Chain {
-                    first: a,
-                    links: SmallVec::new(),
-                },
-                false,
-            ),
-        };
+        // A new chain starts from `a`: its value is `a`, on the left.
+        let mut chain = chain.unwrap_or_else(|| Chain {
+            first: a,
+            links: SmallVec::new(),
+        });
         let (own, other) = if chain_left {
             (a, b)
         } else {
@@ -155,7 +150,7 @@ pub(super) fn plan_nodes(
         };
         let other = match other {
             None => Other::None,
-            Some(o) if o == own && (continued || o == chain.first) => Other::Itself,
+            Some(o) if o == own => Other::Itself,
             Some(o) => Other::Value(o),
         };
         chain.links.push(Link {
