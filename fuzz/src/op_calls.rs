@@ -21,7 +21,7 @@
 use stagecraft::layers::tensor::{Buffer, Scalar};
 use stagecraft::{
     bf16, f16, lazy, where_, Conv2dOptions, Device, Element, Error, ExecutionMode, FloatElement,
-    IndexElement, NumElement, Pool2dOptions, Rng, Tensor,
+    BinaryOp, IndexElement, NumElement, Pool2dOptions, Rng, Tensor, UnaryOp,
 };
 
 /// Most op calls one program makes; keeps a case fast.
@@ -156,6 +156,10 @@ impl<'a> Input<'a> {
 pub enum Val {
     /// A `bool` tensor.
     Bool(Tensor<bool>),
+    /// A `u8` tensor.
+    U8(Tensor<u8>),
+    /// An `i8` tensor.
+    I8(Tensor<i8>),
     /// An `i32` tensor.
     I32(Tensor<i32>),
     /// An `i64` tensor.
@@ -175,6 +179,8 @@ macro_rules! with_val {
     ($val:expr, $t:ident => $body:expr) => {
         match $val {
             Val::Bool($t) => $body,
+            Val::U8($t) => $body,
+            Val::I8($t) => $body,
             Val::I32($t) => $body,
             Val::I64($t) => $body,
             Val::F16($t) => $body,
@@ -253,6 +259,8 @@ macro_rules! kind {
 }
 
 kind!(bool, Bool, numeric: no, float: no, index: no, create: none);
+kind!(u8, U8, numeric: yes, float: no, index: no, create: numeric);
+kind!(i8, I8, numeric: yes, float: no, index: no, create: numeric);
 kind!(i32, I32, numeric: yes, float: no, index: yes, create: numeric);
 kind!(i64, I64, numeric: yes, float: no, index: yes, create: numeric);
 kind!(f16, F16, numeric: yes, float: yes, index: no, create: float);
@@ -574,8 +582,10 @@ fn element_op<T: Kind>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
                 call!(c, ["Select"], where_(&cond, &b, a))
             })
         }
-        14 => match inp.below(7) {
+        14 => match inp.below(9) {
             0 => Val::Bool(call!(c, ["Cast"], a.cast::<bool>())),
+            7 => Val::U8(call!(c, ["Cast"], a.cast::<u8>())),
+            8 => Val::I8(call!(c, ["Cast"], a.cast::<i8>())),
             1 => Val::I32(call!(c, ["Cast"], a.cast::<i32>())),
             2 => Val::I64(call!(c, ["Cast"], a.cast::<i64>())),
             3 => Val::F16(call!(c, ["Cast"], a.cast::<f16>())),
@@ -612,21 +622,33 @@ fn bool_op<T: Kind>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
 
 fn numeric_op<T: Kind + NumElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
     match inp.below(16) {
-        0 => T::wrap(match inp.below(4) {
+        0 => T::wrap(match inp.below(5) {
             0 => call!(c, ["Relu"], a.relu()),
             1 => call!(c, ["Abs"], a.abs()),
             2 => call!(c, ["Neg"], a.neg()),
-            _ => call!(c, ["Sign"], a.sign()),
+            3 => call!(c, ["Sign"], a.sign()),
+            // Any op of the unary table, whether or not it takes this
+            // dtype (then its error must name it and this line).
+            _ => {
+                let op = UnaryOp::ALL[inp.below(UnaryOp::ALL.len())];
+                c.site(std::slice::from_ref(&op.def().name), line!());
+                a.apply_unary(op)
+            }
         }),
         1..=3 => {
             let b = c.operand::<T>(inp);
-            T::wrap(match inp.below(6) {
+            T::wrap(match inp.below(7) {
                 0 => call!(c, ["Add"], a.add(&b)),
                 1 => call!(c, ["Sub"], a.sub(&b)),
                 2 => call!(c, ["Mul"], a.mul(&b)),
                 3 => call!(c, ["Div"], a.div(&b)),
                 4 => call!(c, ["Maximum"], a.maximum(&b)),
-                _ => call!(c, ["Minimum"], a.minimum(&b)),
+                5 => call!(c, ["Minimum"], a.minimum(&b)),
+                _ => {
+                    let op = BinaryOp::ALL[inp.below(BinaryOp::ALL.len())];
+                    c.site(std::slice::from_ref(&op.def().name), line!());
+                    a.apply_binary(op, &b)
+                }
             })
         }
         4 => {
@@ -681,7 +703,7 @@ fn index_op<T: Kind + IndexElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
 
 fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
     match inp.below(10) {
-        0..=2 => T::wrap(match inp.below(9) {
+        0..=2 => T::wrap(match inp.below(10) {
             0 => call!(c, ["Exp"], a.exp()),
             1 => call!(c, ["Log"], a.log()),
             2 => call!(c, ["Sqrt"], a.sqrt()),
@@ -690,7 +712,14 @@ fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
             5 => call!(c, ["Sigmoid"], a.sigmoid()),
             6 => call!(c, ["Gelu"], a.gelu()),
             7 => call!(c, ["Sin"], a.sin()),
-            _ => call!(c, ["Cos"], a.cos()),
+            8 => call!(c, ["Cos"], a.cos()),
+            _ => match inp.below(5) {
+                0 => call!(c, ["Maximum", "Minimum"], a.clamp(T::from_scalar(inp.scalar()), T::from_scalar(inp.scalar()))),
+                1 => call!(c, ["Maximum", "Minimum", "Mul", "Add"], a.leaky_relu(0.01)),
+                2 => call!(c, ["Maximum", "Minimum", "Expm1", "Mul", "Add"], a.elu(1.0)),
+                3 => call!(c, ["GeluTanh"], a.gelu_tanh()),
+                _ => call!(c, ["Silu"], a.silu()),
+            },
         }),
         3 => {
             let b = c.operand::<T>(inp);

@@ -39,6 +39,14 @@ macro_rules! with_any_type {
                 type $T = bool;
                 $body
             }
+            stagecraft_tensor::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            stagecraft_tensor::DType::I8 => {
+                type $T = i8;
+                $body
+            }
             stagecraft_tensor::DType::I32 => {
                 type $T = i32;
                 $body

@@ -160,6 +160,8 @@ fn write_const_attrs(out: &mut String, tensor: &HostTensor) -> fmt::Result {
             // floats (f16 and bf16 through f32) in shortest round-trip form.
             match t.dtype() {
                 DType::Bool => write_list::<bool>(out, t)?,
+                DType::U8 => write_list::<u8>(out, t)?,
+                DType::I8 => write_list::<i8>(out, t)?,
                 DType::I32 => write_list::<i32>(out, t)?,
                 DType::I64 => write_list::<i64>(out, t)?,
                 DType::F16 => write_list::<f16>(out, t)?,
@@ -658,6 +660,8 @@ fn parse_attr_value(
 fn parse_scalar(token: &str, dtype: DType) -> Option<Scalar> {
     Some(match dtype {
         DType::Bool => Scalar::Bool(parse_bool(token)?),
+        DType::U8 => Scalar::U8(token.parse().ok()?),
+        DType::I8 => Scalar::I8(token.parse().ok()?),
         DType::I32 => Scalar::I32(token.parse().ok()?),
         DType::I64 => Scalar::I64(token.parse().ok()?),
         // Printed through f32, which holds every f16 and bf16 exactly.
@@ -758,6 +762,8 @@ fn dense_tensor(dtype: DType, values: &[Scalar], shape: Shape) -> Result<DenseHo
     }
     match dtype {
         DType::Bool => build::<bool>(values, shape),
+        DType::U8 => build::<u8>(values, shape),
+        DType::I8 => build::<i8>(values, shape),
         DType::I32 => build::<i32>(values, shape),
         DType::I64 => build::<i64>(values, shape),
         DType::F16 => build::<f16>(values, shape),

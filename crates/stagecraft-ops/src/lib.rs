@@ -8,17 +8,20 @@
 
 mod attrs;
 pub mod defs;
+pub mod elementwise;
 pub mod func;
 pub mod grad;
 mod op;
+pub mod scalar;
 
 pub use attrs::{AttrKind, AttrValue, FrozenOpAttrs, OpAttrs, OpAttrsRef};
 pub use defs::*;
 pub use func::{FuncId, FunctionSignature};
 pub use grad::{GradBuilder, GradContext, GradFn, InputGrads, G};
+pub use elementwise::{BinaryFn, BinaryVisitor, DTypeClass, UnaryFn, UnaryVisitor};
 pub use op::{
-    AttrDefault, AttrSpec, Attrs, BinaryOp, CompareOp, ControlOp, Effect, MetadataFn, OpDef,
-    OpKind, OutputMetas, ReduceOp, ShapeKind, UnaryOp,
+    AttrDefault, AttrSpec, Attrs, CompareOp, ControlOp, Effect, MetadataFn, OpDef, OpKind,
+    OutputMetas, ReduceOp, ShapeKind,
 };
 
 /// Every registered op.

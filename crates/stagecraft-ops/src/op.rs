@@ -2,6 +2,7 @@
 //! properties, and its metadata function (the shape and dtype rule).
 
 use crate::attrs::{AttrKind, AttrValue, OpAttrs};
+use crate::defs::{BinaryOp, UnaryOp};
 use smallvec::SmallVec;
 use stagecraft_tensor::{DType, Error, Result, Scalar, TensorMetadata};
 use std::fmt;
@@ -72,62 +73,6 @@ impl AttrSpec {
             default: Some(default),
         }
     }
-}
-
-/// Elementwise functions of one tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum UnaryOp {
-    /// `-x`
-    Neg,
-    /// `|x|`
-    Abs,
-    /// `e^x`
-    Exp,
-    /// natural logarithm
-    Log,
-    /// square root
-    Sqrt,
-    /// `1/sqrt(x)`
-    Rsqrt,
-    /// hyperbolic tangent
-    Tanh,
-    /// `1/(1+e^-x)`
-    Sigmoid,
-    /// `max(x, 0)`
-    Relu,
-    /// Gaussian error linear unit, exact (erf) form
-    Gelu,
-    /// sine
-    Sin,
-    /// cosine
-    Cos,
-    /// sign: -1, 0 or 1 (NaN stays NaN)
-    Sign,
-    /// logical not, for bool
-    Not,
-}
-
-/// Elementwise functions of two broadcast tensors of one dtype.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BinaryOp {
-    /// `a + b`
-    Add,
-    /// `a - b`
-    Sub,
-    /// `a * b`
-    Mul,
-    /// `a / b` (integer division truncates; division by zero is an error)
-    Div,
-    /// `a ^ b`
-    Pow,
-    /// larger of the two (NaN wins)
-    Maximum,
-    /// smaller of the two (NaN wins)
-    Minimum,
-    /// logical and, for bool
-    And,
-    /// logical or, for bool
-    Or,
 }
 
 /// Elementwise comparisons; the result is bool.

@@ -10,6 +10,10 @@ use std::fmt;
 pub enum DType {
     /// `bool`, stored as one byte holding 0 or 1.
     Bool,
+    /// 8-bit unsigned integer (images, quantized data).
+    U8,
+    /// 8-bit signed integer.
+    I8,
     /// 32-bit signed integer.
     I32,
     /// 64-bit signed integer.
@@ -30,8 +34,10 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in promotion order.
-    pub const ALL: [DType; 7] = [
+    pub const ALL: [DType; 9] = [
         DType::Bool,
+        DType::U8,
+        DType::I8,
         DType::I32,
         DType::I64,
         DType::F16,
@@ -43,7 +49,7 @@ impl DType {
     /// Bytes per element.
     pub const fn size_in_bytes(self) -> usize {
         match self {
-            DType::Bool => 1,
+            DType::Bool | DType::U8 | DType::I8 => 1,
             DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,
@@ -57,8 +63,13 @@ impl DType {
         matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
     }
 
-    /// True for the signed integer dtypes.
+    /// True for the integer dtypes.
     pub const fn is_int(self) -> bool {
+        matches!(self, DType::U8 | DType::I8 | DType::I32 | DType::I64)
+    }
+
+    /// True for the dtypes that index tensors (i32, i64).
+    pub const fn is_index(self) -> bool {
         matches!(self, DType::I32 | DType::I64)
     }
 
@@ -71,6 +82,8 @@ impl DType {
     pub const fn name(self) -> &'static str {
         match self {
             DType::Bool => "bool",
+            DType::U8 => "u8",
+            DType::I8 => "i8",
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::F16 => "f16",
@@ -101,6 +114,10 @@ impl fmt::Display for DType {
 pub enum Scalar {
     /// A bool value.
     Bool(bool),
+    /// A u8 value.
+    U8(u8),
+    /// An i8 value.
+    I8(i8),
     /// An i32 value.
     I32(i32),
     /// An i64 value.
@@ -120,6 +137,8 @@ impl Scalar {
     pub fn dtype(self) -> DType {
         match self {
             Scalar::Bool(_) => DType::Bool,
+            Scalar::U8(_) => DType::U8,
+            Scalar::I8(_) => DType::I8,
             Scalar::I32(_) => DType::I32,
             Scalar::I64(_) => DType::I64,
             Scalar::F16(_) => DType::F16,
@@ -133,6 +152,8 @@ impl Scalar {
     pub fn to_f64(self) -> f64 {
         match self {
             Scalar::Bool(v) => v as u8 as f64,
+            Scalar::U8(v) => v as f64,
+            Scalar::I8(v) => v as f64,
             Scalar::I32(v) => v as f64,
             Scalar::I64(v) => v as f64,
             Scalar::F16(v) => v.to_f64(),
@@ -146,6 +167,8 @@ impl Scalar {
     pub fn to_i64(self) -> i64 {
         match self {
             Scalar::Bool(v) => v as i64,
+            Scalar::U8(v) => v as i64,
+            Scalar::I8(v) => v as i64,
             Scalar::I32(v) => v as i64,
             Scalar::I64(v) => v,
             other => other.to_f64() as i64,
@@ -158,6 +181,18 @@ impl Scalar {
             DType::Bool => Scalar::Bool(match self {
                 Scalar::I64(v) => v != 0,
                 other => other.to_f64() != 0.0,
+            }),
+            // Integers wrap to a narrower integer type (as Rust's `as`);
+            // floats truncate toward zero and saturate.
+            DType::U8 => Scalar::U8(if self.dtype().is_float() {
+                self.to_f64() as u8
+            } else {
+                self.to_i64() as u8
+            }),
+            DType::I8 => Scalar::I8(if self.dtype().is_float() {
+                self.to_f64() as i8
+            } else {
+                self.to_i64() as i8
             }),
             DType::I32 => Scalar::I32(match self {
                 Scalar::I64(v) => v as i32,
@@ -181,6 +216,8 @@ impl Scalar {
     pub fn to_bits(self) -> u64 {
         match self {
             Scalar::Bool(v) => v as u64,
+            Scalar::U8(v) => v as u64,
+            Scalar::I8(v) => v as u8 as u64,
             Scalar::I32(v) => v as u32 as u64,
             Scalar::I64(v) => v as u64,
             Scalar::F16(v) => v.to_bits() as u64,
@@ -194,6 +231,8 @@ impl Scalar {
     pub fn from_bits(dtype: DType, bits: u64) -> Scalar {
         match dtype {
             DType::Bool => Scalar::Bool(bits != 0),
+            DType::U8 => Scalar::U8(bits as u8),
+            DType::I8 => Scalar::I8(bits as u8 as i8),
             DType::I32 => Scalar::I32(bits as u32 as i32),
             DType::I64 => Scalar::I64(bits as i64),
             DType::F16 => Scalar::F16(f16::from_bits(bits as u16)),
@@ -208,6 +247,8 @@ impl fmt::Display for Scalar {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Scalar::Bool(v) => write!(f, "{v}"),
+            Scalar::U8(v) => write!(f, "{v}"),
+            Scalar::I8(v) => write!(f, "{v}"),
             Scalar::I32(v) => write!(f, "{v}"),
             Scalar::I64(v) => write!(f, "{v}"),
             Scalar::F16(v) => write!(f, "{v:?}"),
@@ -271,6 +312,8 @@ macro_rules! impl_element {
 }
 
 impl_element!(bool, Bool, Bool);
+impl_element!(u8, U8, U8);
+impl_element!(i8, I8, I8);
 impl_element!(i32, I32, I32);
 impl_element!(i64, I64, I64);
 impl_element!(f16, F16, F16);
@@ -278,6 +321,8 @@ impl_element!(bf16, BF16, BF16);
 impl_element!(f32, F32, F32);
 impl_element!(f64, F64, F64);
 
+impl NumElement for u8 {}
+impl NumElement for i8 {}
 impl NumElement for i32 {}
 impl NumElement for i64 {}
 impl NumElement for f16 {}
@@ -322,6 +367,13 @@ mod tests {
             Scalar::I64(i64::MAX)
         );
         assert_eq!(f16::from_scalar(Scalar::F32(1.5)), f16::from_f32(1.5));
+        // Integers wrap into a narrower integer; floats saturate.
+        assert_eq!(Scalar::I32(300).cast(DType::U8), Scalar::U8(44));
+        assert_eq!(Scalar::I32(-1).cast(DType::U8), Scalar::U8(255));
+        assert_eq!(Scalar::F32(300.0).cast(DType::U8), Scalar::U8(255));
+        assert_eq!(Scalar::F64(-3.9).cast(DType::I8), Scalar::I8(-3));
+        assert_eq!(Scalar::U8(200).cast(DType::I8), Scalar::I8(-56));
+        assert_eq!(Scalar::I8(-2).cast(DType::I64), Scalar::I64(-2));
     }
 
     #[test]

@@ -175,6 +175,8 @@ impl DenseHostTensor {
         }
         match self.dtype() {
             DType::Bool => get::<bool>(self, index),
+            DType::U8 => get::<u8>(self, index),
+            DType::I8 => get::<i8>(self, index),
             DType::I32 => get::<i32>(self, index),
             DType::I64 => get::<i64>(self, index),
             DType::F16 => get::<half::f16>(self, index),
@@ -223,6 +225,8 @@ impl ScalarHostTensor {
         }
         match self.meta.dtype {
             DType::Bool => fill::<bool>(&self.meta, self.value),
+            DType::U8 => fill::<u8>(&self.meta, self.value),
+            DType::I8 => fill::<i8>(&self.meta, self.value),
             DType::I32 => fill::<i32>(&self.meta, self.value),
             DType::I64 => fill::<i64>(&self.meta, self.value),
             DType::F16 => fill::<half::f16>(&self.meta, self.value),

@@ -4,10 +4,10 @@
 use crate::Tensor;
 use smallvec::{smallvec, SmallVec};
 use stagecraft_ops as ops;
-use stagecraft_ops::OpAttrs;
+use stagecraft_ops::{BinaryOp, OpAttrs, UnaryOp};
 use stagecraft_runtime::TensorHandle;
 use stagecraft_tensor::{
-    normalize_axis, Element, Error, FloatElement, IndexElement, Location, NumElement,
+    normalize_axis, Element, Error, FloatElement, IndexElement, Location, NumElement, Scalar,
 };
 
 macro_rules! unary_methods {
@@ -43,6 +43,21 @@ unary_methods!(FloatElement:
     sin => SIN,
     /// Cosine, elementwise.
     cos => COS,
+    /// The error function, elementwise.
+    erf => ERF,
+    /// GELU's tanh approximation, `x·(1 + tanh(√(2/π)(x + 0.044715x³)))/2`
+    /// (GPT-2's and BERT's form), elementwise.
+    gelu_tanh => GELU_TANH,
+    /// SiLU (swish), `x·sigmoid(x)`, elementwise.
+    silu => SILU,
+    /// Softplus, `ln(1 + e^x)`, elementwise, without overflow.
+    softplus => SOFTPLUS,
+    /// `ln(1 + x)`, elementwise, accurate near 0.
+    log1p => LOG1P,
+    /// `e^x - 1`, elementwise, accurate near 0.
+    expm1 => EXPM1,
+    /// `1/x`, elementwise.
+    reciprocal => RECIPROCAL,
 );
 
 unary_methods!(NumElement:
@@ -54,7 +69,97 @@ unary_methods!(NumElement:
     neg => NEG,
     /// -1, 0 or 1, elementwise.
     sign => SIGN,
+    /// The largest integer not above `x`, elementwise (integers are their
+    /// own floor).
+    floor => FLOOR,
+    /// The smallest integer not below `x`, elementwise.
+    ceil => CEIL,
+    /// The nearest integer, halves to even (as NumPy and PyTorch round),
+    /// elementwise.
+    round => ROUND,
+    /// `x²`, elementwise (integers wrap).
+    square => SQUARE,
 );
+
+impl<T: Element> Tensor<T> {
+    /// Any unary elementwise op, named by its [`UnaryOp`] (for code that
+    /// picks ops at run time: importers, generic tests). A dtype the op
+    /// does not accept is an error of the op, as with its method.
+    ///
+    /// ```
+    /// # use stagecraft::{Device, Tensor, UnaryOp};
+    /// let x = Tensor::from_vec(vec![-1.5f32, 2.5], &[2], &Device::cpu()).unwrap();
+    /// assert_eq!(x.apply_unary(UnaryOp::Round).to_vec().unwrap(), vec![-2.0, 2.0]);
+    /// ```
+    #[track_caller]
+    pub fn apply_unary(&self, op: UnaryOp) -> Tensor<T> {
+        self.unary(op.def(), &OpAttrs::new(), Location::caller())
+    }
+
+    /// Any binary elementwise op, named by its [`BinaryOp`], with
+    /// broadcasting.
+    #[track_caller]
+    pub fn apply_binary(&self, op: BinaryOp, other: &Tensor<T>) -> Tensor<T> {
+        self.binary(op.def(), other, Location::caller())
+    }
+}
+
+impl<T: NumElement> Tensor<T> {
+    /// Every element limited to `[min, max]`: `maximum(x, min)` then
+    /// `minimum(.., max)`, so NaN stays NaN, `min > max` gives `max`
+    /// everywhere (as PyTorch), and the gradient passes where
+    /// `min ≤ x ≤ max`. Fuses with its neighbours.
+    ///
+    /// ```
+    /// # use stagecraft::{Device, Tensor};
+    /// let x = Tensor::from_vec(vec![-2.0f32, 0.5, 3.0], &[3], &Device::cpu()).unwrap();
+    /// assert_eq!(x.clamp(-1.0, 1.0).to_vec().unwrap(), vec![-1.0, 0.5, 1.0]);
+    /// ```
+    #[track_caller]
+    pub fn clamp(&self, min: T, max: T) -> Tensor<T> {
+        self.maximum(&scalar_like(min, self))
+            .minimum(&scalar_like(max, self))
+    }
+}
+
+impl<T: FloatElement> Tensor<T> {
+    /// Leaky ReLU, `x` where `x > 0` and `negative_slope·x` elsewhere,
+    /// written as `max(x, 0) + negative_slope·min(0, x)` so that it fuses
+    /// with its neighbours; the gradient is 1 for `x ≥ 0` and
+    /// `negative_slope` below.
+    ///
+    /// ```
+    /// # use stagecraft::{Device, Tensor};
+    /// let x = Tensor::from_vec(vec![-2.0f32, 3.0], &[2], &Device::cpu()).unwrap();
+    /// assert_eq!(x.leaky_relu(0.5).to_vec().unwrap(), vec![-1.0, 3.0]);
+    /// ```
+    #[track_caller]
+    pub fn leaky_relu(&self, negative_slope: f64) -> Tensor<T> {
+        let zero = scalar_like(T::from_scalar(Scalar::F64(0.0)), self);
+        let slope = scalar_like(T::from_scalar(Scalar::F64(negative_slope)), self);
+        let positive = self.maximum(&zero);
+        let negative = zero.minimum(self).mul(&slope);
+        positive.add(&negative)
+    }
+
+    /// ELU, `x` where `x > 0` and `alpha·(e^x - 1)` elsewhere, written as
+    /// `max(x, 0) + min(0, alpha·expm1(x))` (for `alpha ≥ 0`) so that it
+    /// fuses; the gradient is 1 for `x ≥ 0` and `alpha·e^x` below.
+    ///
+    /// ```
+    /// # use stagecraft::{Device, Tensor};
+    /// let x = Tensor::from_vec(vec![0.0f64, 2.0], &[2], &Device::cpu()).unwrap();
+    /// assert_eq!(x.elu(1.0).to_vec().unwrap(), vec![0.0, 2.0]);
+    /// ```
+    #[track_caller]
+    pub fn elu(&self, alpha: f64) -> Tensor<T> {
+        let zero = scalar_like(T::from_scalar(Scalar::F64(0.0)), self);
+        let alpha = scalar_like(T::from_scalar(Scalar::F64(alpha)), self);
+        let positive = self.maximum(&zero);
+        let negative = zero.minimum(&self.expm1().mul(&alpha));
+        positive.add(&negative)
+    }
+}
 
 macro_rules! binary_methods {
     ($bound:ident -> $out:ty: $($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {

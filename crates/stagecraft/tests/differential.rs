@@ -72,7 +72,7 @@
 //! the minimized program, run through [`check`] like a generated one.
 
 use proptest::prelude::*;
-use stagecraft::{cond, function, lazy, while_loop, Device, Tensor};
+use stagecraft::{cond, function, lazy, while_loop, Device, Tensor, UnaryOp};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -101,9 +101,26 @@ enum Un {
     SqrtAbs,
     /// `rsqrt(|x| + 1)`
     RsqrtAbs1,
+    /// Any op of the unary table that takes floats, applied as it is
+    /// (a NaN outside its domain compares equal to any NaN), so a new
+    /// table entry is in these programs without a line here.
+    Table(UnaryOp),
 }
 
-const UNS: [Un; 12] = [
+/// The unary ops programs draw from: the hand-written ones, then every
+/// float op of the table.
+fn uns() -> &'static [Un] {
+    static UNS: OnceLock<Vec<Un>> = OnceLock::new();
+    UNS.get_or_init(|| {
+        let table = UnaryOp::ALL
+            .iter()
+            .filter(|op| op.class().accepts(stagecraft::DType::F32))
+            .map(|&op| Un::Table(op));
+        HAND_UNS.iter().copied().chain(table).collect()
+    })
+}
+
+const HAND_UNS: [Un; 12] = [
     Un::Tanh,
     Un::Sigmoid,
     Un::Sin,
@@ -323,7 +340,7 @@ fn resolve_inner(
 ) -> Vec<Inner> {
     raw.iter()
         .map(|&(kind, sub, i, value)| match kind {
-            0 => Inner::Un(UNS[sub as usize % UNS.len()]),
+            0 => Inner::Un(uns()[sub as usize % uns().len()]),
             1 => Inner::Scalar(BINS[sub as usize % BINS.len()], value),
             2 => {
                 // Outer values that broadcast into `shape` unchanged.
@@ -337,8 +354,8 @@ fn resolve_inner(
                 }
             }
             4 => Inner::Const(BINS[sub as usize % BINS.len()], i as u64 % 1000),
-            5 => Inner::Cond(value, UNS[sub as usize % UNS.len()], value * 0.75),
-            _ if shape.is_empty() => Inner::Un(UNS[sub as usize % UNS.len()]),
+            5 => Inner::Cond(value, uns()[sub as usize % uns().len()], value * 0.75),
+            _ if shape.is_empty() => Inner::Un(uns()[sub as usize % uns().len()]),
             _ => {
                 let r = shape.len();
                 let axis = (i % r) as isize - if sub & 1 == 1 { r as isize } else { 0 };
@@ -358,7 +375,7 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
         let x = r.i % n;
         let xs = shapes[x].clone();
         let rank = xs.len();
-        let un = Instr::Un(UNS[r.sub as usize % UNS.len()], x);
+        let un = Instr::Un(uns()[r.sub as usize % uns().len()], x);
         let instr = match r.kind {
             0 => un,
             1 => {
@@ -511,6 +528,7 @@ fn unary(op: Un, x: &T) -> T {
         Un::LogAbs1 => (x.abs() + 1.0).log(),
         Un::SqrtAbs => x.abs().sqrt(),
         Un::RsqrtAbs1 => (x.abs() + 1.0).rsqrt(),
+        Un::Table(op) => x.apply_unary(op),
     }
 }
 

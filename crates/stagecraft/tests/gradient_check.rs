@@ -64,6 +64,9 @@ const NOT_SMOOTH: &[(&str, &str)] = &[
     ("Abs", "kink at 0: the second derivative is 0 away from it"),
     ("Relu", "kink at 0"),
     ("Sign", "a step: its derivative is 0 wherever it exists"),
+    ("Floor", "a step: its derivative is 0 wherever it exists"),
+    ("Ceil", "a step: its derivative is 0 wherever it exists"),
+    ("Round", "a step: its derivative is 0 wherever it exists"),
     ("Maximum", "piecewise: selects one operand"),
     ("Minimum", "piecewise: selects one operand"),
     ("Max", "piecewise: selects one element"),
@@ -235,7 +238,7 @@ fn cases() -> Vec<Case> {
     let away = away_from_zero(&[2, 3], 3, &d);
     // Unary math.
     type Un = fn(&T) -> T;
-    let unary: [(&str, Un, &T); 14] = [
+    let unary: [(&str, Un, &T); 26] = [
         ("Neg", |x| -x, &x23),
         ("Abs", |x| x.abs(), &away),
         ("Exp", |x| x.exp(), &x23),
@@ -251,6 +254,21 @@ fn cases() -> Vec<Case> {
         // The rule gives no gradient: d(sign(x)·x) = sign(x).
         ("Sign", |x| x.sign() * x, &away),
         ("Print", |x| x.print("gradient_check"), &x23),
+        // Steps: no gradient through them, d(floor(x)·x) = floor(x).
+        ("Floor", |x| x.floor() * x, &away),
+        ("Ceil", |x| x.ceil() * x, &away),
+        ("Round", |x| x.round() * x, &away),
+        ("Erf", |x| x.erf(), &x23),
+        ("GeluTanh", |x| x.gelu_tanh(), &x23),
+        ("Silu", |x| x.silu(), &x23),
+        ("Softplus", |x| x.softplus(), &x23),
+        ("Log1p", |x| x.log1p(), &pos23),
+        ("Expm1", |x| x.expm1(), &x23),
+        ("Reciprocal", |x| x.reciprocal(), &pos23),
+        ("Square", |x| x.square(), &x23),
+        // Composites of table ops, away from their kinks.
+        ("Maximum", |x| x.leaky_relu(0.1), &away),
+        ("Minimum", |x| x.elu(0.7), &away),
     ];
     for (op, f, x) in unary {
         out.push(case(op, op, x.clone(), move |x| weighted(f(x))));

@@ -14,7 +14,10 @@ use crate::numeric::broadcast_strides;
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
 use half::{bf16, f16};
 use smallvec::{smallvec, SmallVec};
-use stagecraft_ops::{Attrs, BinaryOp, CompareOp, OpKind, UnaryOp};
+use stagecraft_ops::scalar::{exp_to_narrow, f64_to_f32_odd, Num};
+use stagecraft_ops::{
+    Attrs, BinaryFn, BinaryOp, BinaryVisitor, CompareOp, OpKind, UnaryFn, UnaryOp, UnaryVisitor,
+};
 use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, Shape, TensorMetadata};
 use std::sync::Arc;
 
@@ -23,38 +26,12 @@ pub(crate) const CHUNK: usize = 1 << 14;
 
 pub(crate) fn register(registry: &mut KernelRegistry) {
     use stagecraft_ops as ops;
-    let unary = [
-        &ops::NEG,
-        &ops::ABS,
-        &ops::EXP,
-        &ops::LOG,
-        &ops::SQRT,
-        &ops::RSQRT,
-        &ops::TANH,
-        &ops::SIGMOID,
-        &ops::RELU,
-        &ops::GELU,
-        &ops::SIN,
-        &ops::COS,
-        &ops::SIGN,
-        &ops::LOGICAL_NOT,
-    ];
-    for op in unary {
-        registry.add(op, unary_factory);
+    // Every unary and binary op's kernel derives from its definition.
+    for op in UnaryOp::ALL {
+        registry.add(op.def(), unary_factory);
     }
-    let binary = [
-        &ops::ADD,
-        &ops::SUB,
-        &ops::MUL,
-        &ops::DIV,
-        &ops::POW,
-        &ops::MAXIMUM,
-        &ops::MINIMUM,
-        &ops::LOGICAL_AND,
-        &ops::LOGICAL_OR,
-    ];
-    for op in binary {
-        registry.add(op, binary_factory);
+    for op in BinaryOp::ALL {
+        registry.add(op.def(), binary_factory);
     }
     let compare = [
         &ops::EQUAL,
@@ -199,56 +176,6 @@ pub(crate) trait Real: Element {
     }
 }
 
-/// `e^x` for a result that will be rounded to f32 or narrower, within
-/// 1e-15 relative of the exact value (2^-50, far below the 2^-44 that
-/// rounding to f32 can tell apart), or an exact 0, infinity or NaN where
-/// the f32 result is one. Branch-free, so the loops that call it
-/// vectorize: softmax and `exp` over f32 spent most of their time in
-/// calls to glibc's scalar `exp` (the MLP step's 128×10 log-softmax:
-/// 10 µs).
-///
-/// `x` is first clamped to [-110, 90], past which every f32 result is 0 or
-/// infinity anyway (NaN passes the clamp). Then `x = n·ln 2 + r` with
-/// `|r| ≤ ln 2 / 2` (Cody–Waite: `n · LN2_HI` is exact), `e^r` is its
-/// Taylor polynomial to degree 12 (truncation below 2e-16), and `2^n` is
-/// built from its bits.
-#[inline(always)]
-pub(crate) fn exp_to_narrow(x: f64) -> f64 {
-    // 1.5 · 2^52: adding it rounds to an integer (to nearest, even), which
-    // then sits in the low bits of the sum's representation.
-    const ROUNDER: f64 = 6_755_399_441_055_744.0;
-    // ln 2 split so that `n · LN2_HI` is exact for |n| < 2^20.
-    const LN2_HI: f64 = 6.931_471_803_691_238e-1;
-    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
-    let x = x.clamp(-110.0, 90.0);
-    let shifted = x * std::f64::consts::LOG2_E + ROUNDER;
-    let n = shifted - ROUNDER;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    // Horner, highest degree first.
-    let mut p = INVERSE_FACTORIALS[12];
-    for k in (0..12).rev() {
-        p = p * r + INVERSE_FACTORIALS[k];
-    }
-    // `shifted`'s low bits hold n (two's complement); n + 1023 in the
-    // exponent field is 2^n, normal for the clamped range.
-    let scale = f64::from_bits(shifted.to_bits().wrapping_add(1023) << 52);
-    p * scale
-}
-
-/// 1/k! for k = 0..=12 (each k! is exact in f64, so each entry is
-/// correctly rounded).
-const INVERSE_FACTORIALS: [f64; 13] = {
-    let mut inverse = [0.0; 13];
-    let mut factorial = 1.0;
-    let mut k = 0;
-    while k < 13 {
-        inverse[k] = 1.0 / factorial;
-        k += 1;
-        factorial *= k as f64;
-    }
-    inverse
-};
-
 impl Real for f64 {
     #[inline(always)]
     fn wide(self) -> f64 {
@@ -281,26 +208,6 @@ impl Real for f32 {
     fn exp_wide(x: f64) -> f64 {
         exp_to_narrow(x)
     }
-}
-
-/// `v` rounded to f32 toward the neighbour with an odd last bit when
-/// inexact ("round to odd"). Rounding that result to nearest in a format at
-/// least two bits narrower (f16, bf16) gives the correctly rounded value of
-/// `v`, which `half`'s own `from_f64` does not: it drops the low 32 bits of
-/// the f64 first, so a value just above a tie can round down.
-#[inline(always)]
-fn f64_to_f32_odd(v: f64) -> f32 {
-    let r = v as f32;
-    if !r.is_finite() || r as f64 == v {
-        return r;
-    }
-    // The neighbour of `v` toward zero, then its odd neighbour pair member.
-    let toward_zero = if (r as f64).abs() > v.abs() {
-        f32::from_bits(r.to_bits() - 1)
-    } else {
-        r
-    };
-    f32::from_bits(toward_zero.to_bits() | 1)
 }
 
 /// [`f64_to_f32_odd`] for an i64, exact beyond 2^53 too.
@@ -350,273 +257,18 @@ impl Real for bf16 {
     }
 }
 
-/// Arithmetic of a numeric element type, in its own precision: integers
-/// wrap, floats round once (f16 and bf16 go through f32, whose extra
-/// precision makes the double rounding of `+ - * /` harmless).
-pub(crate) trait Arith: Element {
-    /// True for the integer types, whose division needs a zero check.
-    const INT: bool;
-    fn add(self, other: Self) -> Self;
-    fn sub(self, other: Self) -> Self;
-    fn mul(self, other: Self) -> Self;
-    /// For integers the caller has checked that `other` is not 0.
-    fn div(self, other: Self) -> Self;
-    fn maximum(self, other: Self) -> Self;
-    fn minimum(self, other: Self) -> Self;
-    fn is_zero(self) -> bool;
-}
+/// A numeric element type with the arithmetic of the op definitions
+/// ([`Num`]: integers wrap, floats round once; f16 and bf16 go through
+/// f32, whose extra precision makes the double rounding of `+ - * /`
+/// harmless).
+pub(crate) trait Arith: Element + Num {}
 
-macro_rules! int_arith {
-    ($t:ty) => {
-        impl Arith for $t {
-            const INT: bool = true;
-            #[inline(always)]
-            fn add(self, o: $t) -> $t {
-                self.wrapping_add(o)
-            }
-            #[inline(always)]
-            fn sub(self, o: $t) -> $t {
-                self.wrapping_sub(o)
-            }
-            #[inline(always)]
-            fn mul(self, o: $t) -> $t {
-                self.wrapping_mul(o)
-            }
-            #[inline(always)]
-            fn div(self, o: $t) -> $t {
-                // MIN / -1 wraps to MIN instead of trapping; a zero divisor
-                // was rejected before the loop, and mapping it to 1 here
-                // keeps the loop free of a panic path.
-                self.wrapping_div(if o == 0 { 1 } else { o })
-            }
-            #[inline(always)]
-            fn maximum(self, o: $t) -> $t {
-                Ord::max(self, o)
-            }
-            #[inline(always)]
-            fn minimum(self, o: $t) -> $t {
-                Ord::min(self, o)
-            }
-            #[inline(always)]
-            fn is_zero(self) -> bool {
-                self == 0
-            }
-        }
-    };
-}
-int_arith!(i32);
-int_arith!(i64);
-
-macro_rules! float_arith {
-    ($t:ty) => {
-        impl Arith for $t {
-            const INT: bool = false;
-            #[inline(always)]
-            fn add(self, o: $t) -> $t {
-                self + o
-            }
-            #[inline(always)]
-            fn sub(self, o: $t) -> $t {
-                self - o
-            }
-            #[inline(always)]
-            fn mul(self, o: $t) -> $t {
-                self * o
-            }
-            #[inline(always)]
-            fn div(self, o: $t) -> $t {
-                self / o
-            }
-            #[inline(always)]
-            fn maximum(self, o: $t) -> $t {
-                if self > o || self.is_nan() {
-                    self
-                } else {
-                    o
-                }
-            }
-            #[inline(always)]
-            fn minimum(self, o: $t) -> $t {
-                if self < o || self.is_nan() {
-                    self
-                } else {
-                    o
-                }
-            }
-            #[inline(always)]
-            fn is_zero(self) -> bool {
-                self == 0.0
-            }
-        }
-    };
-}
-float_arith!(f32);
-float_arith!(f64);
-
-macro_rules! half_arith {
-    ($t:ty) => {
-        impl Arith for $t {
-            const INT: bool = false;
-            #[inline(always)]
-            fn add(self, o: $t) -> $t {
-                <$t>::from_f32(self.to_f32() + o.to_f32())
-            }
-            #[inline(always)]
-            fn sub(self, o: $t) -> $t {
-                <$t>::from_f32(self.to_f32() - o.to_f32())
-            }
-            #[inline(always)]
-            fn mul(self, o: $t) -> $t {
-                <$t>::from_f32(self.to_f32() * o.to_f32())
-            }
-            #[inline(always)]
-            fn div(self, o: $t) -> $t {
-                <$t>::from_f32(self.to_f32() / o.to_f32())
-            }
-            #[inline(always)]
-            fn maximum(self, o: $t) -> $t {
-                <$t>::from_f32(Arith::maximum(self.to_f32(), o.to_f32()))
-            }
-            #[inline(always)]
-            fn minimum(self, o: $t) -> $t {
-                <$t>::from_f32(Arith::minimum(self.to_f32(), o.to_f32()))
-            }
-            #[inline(always)]
-            fn is_zero(self) -> bool {
-                self.to_f32() == 0.0
-            }
-        }
-    };
-}
-half_arith!(f16);
-half_arith!(bf16);
-
-/// The integer-only unary functions (all wrap on overflow).
-trait IntUnary: Arith + Ord {
-    fn wrapping_neg_(self) -> Self;
-    fn wrapping_abs_(self) -> Self;
-    fn signum_(self) -> Self;
-    fn relu_(self) -> Self;
-}
-
-macro_rules! int_unary_impl {
-    ($t:ty) => {
-        impl IntUnary for $t {
-            #[inline(always)]
-            fn wrapping_neg_(self) -> $t {
-                self.wrapping_neg()
-            }
-            #[inline(always)]
-            fn wrapping_abs_(self) -> $t {
-                self.wrapping_abs()
-            }
-            #[inline(always)]
-            fn signum_(self) -> $t {
-                self.signum()
-            }
-            #[inline(always)]
-            fn relu_(self) -> $t {
-                self.max(0)
-            }
-        }
-    };
-}
-int_unary_impl!(i32);
-int_unary_impl!(i64);
+impl<T: Element + Num> Arith for T {}
 
 // ---------------------------------------------------------------------------
 // Unary.
 
-/// Logistic sigmoid without overflow: `e^x` is only formed for `x < 0`,
-/// where it is below 1.
-#[inline(always)]
-pub(crate) fn sigmoid(x: f64) -> f64 {
-    if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (1.0 + e)
-    }
-}
-
-/// `1/√2 - FRAC_1_SQRT_2`: the rounding error of the f64 constant.
-const FRAC_1_SQRT_2_LO: f64 = -4.833_646_656_726_457e-17;
-/// `1/√(2π)`.
-const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
-
-/// Exact GELU, `x·Φ(x)`, within 4 ulp in f64 (see `docs/accuracy.md`).
-///
-/// `Φ(x) = erfc(-x/√2)/2` is the same function as `(1 + erf(x/√2))/2` but
-/// keeps its relative accuracy for large negative `x`, where `1 + erf`
-/// cancels to 0. Two more things matter for negative `x` in f64:
-/// - erfc magnifies the relative error of its argument by about `2z²`, so
-///   the rounding error `δ` of `z = -x/√2` (up to 1,600 ulp of the result
-///   near x = -37) is corrected: `erfc(z + δ) ≈ erfc(z) - δ·(2/√π)·e^{-z²}`;
-/// - below x ≈ -36.8, erfc(z) is subnormal while the result is not yet, so
-///   the result comes from the asymptotic series `-φ(x)·(1 - 1/x² + 3/x⁴
-///   - ...)` with `e^{-x²/2}` evaluated from the exact square of `x`.
-#[inline(always)]
-pub(crate) fn gelu(x: f64) -> f64 {
-    if x == f64::NEG_INFINITY {
-        // The limit; the formula would give -inf · 0 = NaN.
-        return -0.0;
-    }
-    let z = -x * std::f64::consts::FRAC_1_SQRT_2;
-    if z <= 0.5 || z.is_nan() {
-        // Small magnification: the rounded argument is good enough.
-        return 0.5 * x * libm::erfc(z);
-    }
-    if z < 26.0 {
-        // The exact -x/√2 minus the rounded z (the product's error by FMA,
-        // plus the constant's own rounding error).
-        let delta = (-x).mul_add(std::f64::consts::FRAC_1_SQRT_2, -z) + (-x) * FRAC_1_SQRT_2_LO;
-        let slope = std::f64::consts::FRAC_2_SQRT_PI * (-z * z).exp();
-        return 0.5 * x * (libm::erfc(z) - delta * slope);
-    }
-    if x < -39.0 {
-        // |x·Φ(x)| < φ(39) < 1e-330: below half the smallest subnormal.
-        return -0.0;
-    }
-    // -39 ≤ x < -36.7: 1/x² < 7.5e-4, and eight terms leave an error below
-    // 2e-19.
-    let r = 1.0 / (x * x);
-    let series = 1.0
-        - r * (1.0
-            - 3.0
-                * r
-                * (1.0
-                    - 5.0
-                        * r
-                        * (1.0 - 7.0 * r * (1.0 - 9.0 * r * (1.0 - 11.0 * r * (1.0 - 13.0 * r))))));
-    // e^{-x²/2} = e^{-hi/2}·e^{-lo/2} with x² = hi + lo exactly; |lo| is
-    // below 2^-42 here, so e^{-lo/2} = 1 - lo/2.
-    let hi = x * x;
-    let lo = x.mul_add(x, -hi);
-    // The factor (about 0.4) first, so that the one multiplication into
-    // the subnormal range rounds once.
-    let factor = -FRAC_1_SQRT_2PI * series * (1.0 - 0.5 * lo);
-    factor * (-0.5 * hi).exp()
-}
-
-#[inline(always)]
-pub(crate) fn relu(x: f64) -> f64 {
-    if x > 0.0 || x.is_nan() {
-        x
-    } else {
-        0.0
-    }
-}
-
-#[inline(always)]
-pub(crate) fn sign(x: f64) -> f64 {
-    if x > 0.0 {
-        1.0
-    } else if x < 0.0 {
-        -1.0
-    } else {
-        x
-    }
-}
+pub(crate) use stagecraft_ops::scalar::relu;
 
 fn unary_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
     let OpKind::Unary(op) = attrs.op().kind else {
@@ -629,55 +281,48 @@ fn unary_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel>
         .first()
         .ok_or_else(|| Error::internal("unary op without input"))?
         .dtype;
-    let kernel = match dtype {
-        DType::Bool if op == UnaryOp::Not => Some(unary_kernel(|x: bool| !x)),
-        DType::Bool | DType::List => None,
-        DType::I32 => int_unary::<i32>(op),
-        DType::I64 => int_unary::<i64>(op),
-        DType::F16 => float_unary::<f16>(op),
-        DType::BF16 => float_unary::<bf16>(op),
-        DType::F32 => float_unary::<f32>(op),
-        DType::F64 => float_unary::<f64>(op),
-    };
-    kernel.ok_or_else(|| no_kernel(attrs, dtype))
-}
-
-fn int_unary<T: IntUnary>(op: UnaryOp) -> Option<Kernel> {
-    Some(match op {
-        UnaryOp::Neg => unary_kernel(T::wrapping_neg_),
-        UnaryOp::Abs => unary_kernel(T::wrapping_abs_),
-        UnaryOp::Sign => unary_kernel(T::signum_),
-        UnaryOp::Relu => unary_kernel(T::relu_),
-        _ => return None,
+    if !op.class().accepts(dtype) {
+        return Err(no_kernel(attrs, dtype));
+    }
+    Ok(match dtype {
+        // A bool op's meaning is defined on 0 and 1, and gives 0 or 1.
+        DType::Bool => op.visit(BoolUnaryKernel),
+        DType::List => return Err(no_kernel(attrs, dtype)),
+        DType::U8 => op.visit(UnaryKernel::<u8>::new()),
+        DType::I8 => op.visit(UnaryKernel::<i8>::new()),
+        DType::I32 => op.visit(UnaryKernel::<i32>::new()),
+        DType::I64 => op.visit(UnaryKernel::<i64>::new()),
+        DType::F16 => op.visit(UnaryKernel::<f16>::new()),
+        DType::BF16 => op.visit(UnaryKernel::<bf16>::new()),
+        DType::F32 => op.visit(UnaryKernel::<f32>::new()),
+        DType::F64 => op.visit(UnaryKernel::<f64>::new()),
     })
 }
 
-/// `f` evaluated in f64 and rounded once to `T`.
-fn via_f64<T: Real>(f: impl Fn(f64) -> f64 + Copy + Send + Sync + 'static) -> Kernel {
-    unary_kernel(move |x: T| T::narrow(f(x.wide())))
+/// Makes the eager kernel of a unary op over `T` from its definition.
+struct UnaryKernel<T>(std::marker::PhantomData<T>);
+
+impl<T> UnaryKernel<T> {
+    fn new() -> Self {
+        UnaryKernel(std::marker::PhantomData)
+    }
 }
 
-fn float_unary<T: Real>(op: UnaryOp) -> Option<Kernel> {
-    Some(match op {
-        UnaryOp::Neg => via_f64::<T>(|x| -x),
-        UnaryOp::Abs => via_f64::<T>(f64::abs),
-        UnaryOp::Exp => via_f64::<T>(T::exp_wide),
-        UnaryOp::Log => via_f64::<T>(f64::ln),
-        UnaryOp::Sqrt => via_f64::<T>(f64::sqrt),
-        UnaryOp::Rsqrt => via_f64::<T>(rsqrt),
-        UnaryOp::Tanh => via_f64::<T>(f64::tanh),
-        UnaryOp::Sigmoid => via_f64::<T>(sigmoid),
-        UnaryOp::Relu => via_f64::<T>(relu),
-        UnaryOp::Gelu => via_f64::<T>(gelu),
-        UnaryOp::Sin => via_f64::<T>(f64::sin),
-        UnaryOp::Cos => via_f64::<T>(f64::cos),
-        UnaryOp::Sign => via_f64::<T>(sign),
-        UnaryOp::Not => return None,
-    })
+impl<T: Arith> UnaryVisitor for UnaryKernel<T> {
+    type Output = Kernel;
+    fn visit<F: UnaryFn>(self) -> Kernel {
+        unary_kernel(F::eval::<T>)
+    }
 }
 
-pub(crate) fn rsqrt(x: f64) -> f64 {
-    1.0 / x.sqrt()
+/// Makes the eager kernel of a bool unary op from its definition on 0/1.
+struct BoolUnaryKernel;
+
+impl UnaryVisitor for BoolUnaryKernel {
+    type Output = Kernel;
+    fn visit<F: UnaryFn>(self) -> Kernel {
+        unary_kernel(|x: bool| F::eval::<u8>(x as u8) != 0)
+    }
 }
 
 fn unary_kernel<T, F>(f: F) -> Kernel
@@ -904,41 +549,51 @@ fn binary_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
         .first()
         .ok_or_else(|| Error::internal("binary op without inputs"))?
         .dtype;
-    let kernel = match (dtype, op) {
-        (DType::Bool, BinaryOp::And) => Some(binary_kernel(|a: bool, b: bool| a & b)),
-        (DType::Bool, BinaryOp::Or) => Some(binary_kernel(|a: bool, b: bool| a | b)),
-        (DType::Bool | DType::List, _) => None,
-        (DType::I32, _) => arith_binary::<i32>(op),
-        (DType::I64, _) => arith_binary::<i64>(op),
-        (DType::F16, _) => float_binary::<f16>(op),
-        (DType::BF16, _) => float_binary::<bf16>(op),
-        (DType::F32, _) => float_binary::<f32>(op),
-        (DType::F64, _) => float_binary::<f64>(op),
-    };
-    kernel.ok_or_else(|| no_kernel(attrs, dtype))
+    if !op.class().accepts(dtype) {
+        return Err(no_kernel(attrs, dtype));
+    }
+    Ok(match dtype {
+        DType::Bool => op.visit(BoolBinaryKernel),
+        DType::List => return Err(no_kernel(attrs, dtype)),
+        DType::U8 => op.visit(BinaryKernel::<u8>::new()),
+        DType::I8 => op.visit(BinaryKernel::<i8>::new()),
+        DType::I32 => op.visit(BinaryKernel::<i32>::new()),
+        DType::I64 => op.visit(BinaryKernel::<i64>::new()),
+        DType::F16 => op.visit(BinaryKernel::<f16>::new()),
+        DType::BF16 => op.visit(BinaryKernel::<bf16>::new()),
+        DType::F32 => op.visit(BinaryKernel::<f32>::new()),
+        DType::F64 => op.visit(BinaryKernel::<f64>::new()),
+    })
 }
 
-fn float_binary<T: Arith + Real>(op: BinaryOp) -> Option<Kernel> {
-    match op {
-        // powf in f64 then one rounding: within 1 ULP for the narrow types.
-        BinaryOp::Pow => Some(binary_kernel(|a: T, b: T| {
-            T::narrow(a.wide().powf(b.wide()))
-        })),
-        _ => arith_binary::<T>(op),
+/// Makes the eager kernel of a binary op over `T` from its definition.
+struct BinaryKernel<T>(std::marker::PhantomData<T>);
+
+impl<T> BinaryKernel<T> {
+    fn new() -> Self {
+        BinaryKernel(std::marker::PhantomData)
     }
 }
 
-fn arith_binary<T: Arith>(op: BinaryOp) -> Option<Kernel> {
-    Some(match op {
-        BinaryOp::Add => binary_kernel(T::add),
-        BinaryOp::Sub => binary_kernel(T::sub),
-        BinaryOp::Mul => binary_kernel(T::mul),
-        BinaryOp::Div if T::INT => int_div_kernel::<T>(),
-        BinaryOp::Div => binary_kernel(T::div),
-        BinaryOp::Maximum => binary_kernel(T::maximum),
-        BinaryOp::Minimum => binary_kernel(T::minimum),
-        BinaryOp::Pow | BinaryOp::And | BinaryOp::Or => return None,
-    })
+impl<T: Arith> BinaryVisitor for BinaryKernel<T> {
+    type Output = Kernel;
+    fn visit<F: BinaryFn>(self) -> Kernel {
+        if F::ZERO_DIVISOR_IS_ERROR && !T::FLOAT {
+            checked_divisor_kernel(F::eval::<T>)
+        } else {
+            binary_kernel(F::eval::<T>)
+        }
+    }
+}
+
+/// Makes the eager kernel of a bool binary op from its definition on 0/1.
+struct BoolBinaryKernel;
+
+impl BinaryVisitor for BoolBinaryKernel {
+    type Output = Kernel;
+    fn visit<F: BinaryFn>(self) -> Kernel {
+        binary_kernel(|a: bool, b: bool| F::eval::<u8>(a as u8, b as u8) != 0)
+    }
 }
 
 fn binary_kernel<T, F>(f: F) -> Kernel
@@ -952,19 +607,24 @@ where
     })
 }
 
-/// Integer division: every divisor element is checked first, so a zero
-/// divisor is an error rather than a trap.
-fn int_div_kernel<T: Arith>() -> Kernel {
-    Arc::new(|inputs: Inputs, ctx: &KernelContext<'_>| {
+/// An integer op that must not see a zero divisor (division): every
+/// divisor element is checked first, so a zero divisor is an error rather
+/// than a trap.
+fn checked_divisor_kernel<T, F>(f: F) -> Kernel
+where
+    T: Arith,
+    F: Fn(T, T) -> T + Copy + Send + Sync + 'static,
+{
+    Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
         let [a, b] = take(inputs)?;
-        if let Some(i) = b.as_slice::<T>()?.iter().position(|v| v.is_zero()) {
+        if let Some(i) = b.as_slice::<T>()?.iter().position(|v| *v == T::ZERO) {
             return Err(Error::invalid(format!(
                 "integer division by zero: the divisor {} is 0 at flat index {i} \
                  (every divisor element must be nonzero)",
                 b.metadata()
             )));
         }
-        Ok(smallvec![binary_apply(a, b, out_meta(ctx)?, T::div)?])
+        Ok(smallvec![binary_apply(a, b, out_meta(ctx)?, f)?])
     })
 }
 
@@ -1144,11 +804,13 @@ fn select_kernel<T: Element>() -> Kernel {
 
 /// Conversions from one element type with the rules of `Scalar::cast`
 /// (Rust `as`: floats to integers truncate toward zero and saturate, NaN
-/// becomes 0, i64 to i32 wraps; nonzero becomes `true`), except that
+/// becomes 0, integers to narrower integers wrap; nonzero becomes `true`), except that
 /// conversions to f16 and bf16 round the exact value correctly, where
 /// `Scalar::cast` (through `half`'s `from_f64`) may be 1 ULP off near ties.
 trait CastElem: Element {
     fn cast_bool(self) -> bool;
+    fn cast_u8(self) -> u8;
+    fn cast_i8(self) -> i8;
     fn cast_i32(self) -> i32;
     fn cast_i64(self) -> i64;
     fn cast_f16(self) -> f16;
@@ -1160,6 +822,12 @@ trait CastElem: Element {
 impl CastElem for bool {
     fn cast_bool(self) -> bool {
         self
+    }
+    fn cast_u8(self) -> u8 {
+        self as u8
+    }
+    fn cast_i8(self) -> i8 {
+        self as i8
     }
     fn cast_i32(self) -> i32 {
         self as i32
@@ -1197,6 +865,14 @@ macro_rules! cast_int {
                 self != 0
             }
             #[inline(always)]
+            fn cast_u8(self) -> u8 {
+                self as u8
+            }
+            #[inline(always)]
+            fn cast_i8(self) -> i8 {
+                self as i8
+            }
+            #[inline(always)]
             fn cast_i32(self) -> i32 {
                 self as i32
             }
@@ -1223,6 +899,8 @@ macro_rules! cast_int {
         }
     };
 }
+cast_int!(u8);
+cast_int!(i8);
 cast_int!(i32);
 cast_int!(i64);
 
@@ -1232,6 +910,14 @@ macro_rules! cast_float {
             #[inline(always)]
             fn cast_bool(self) -> bool {
                 self != 0.0
+            }
+            #[inline(always)]
+            fn cast_u8(self) -> u8 {
+                self as u8
+            }
+            #[inline(always)]
+            fn cast_i8(self) -> i8 {
+                self as i8
             }
             #[inline(always)]
             fn cast_i32(self) -> i32 {
@@ -1269,6 +955,14 @@ macro_rules! cast_half {
             #[inline(always)]
             fn cast_bool(self) -> bool {
                 self.to_f32() != 0.0
+            }
+            #[inline(always)]
+            fn cast_u8(self) -> u8 {
+                self.to_f32() as u8
+            }
+            #[inline(always)]
+            fn cast_i8(self) -> i8 {
+                self.to_f32() as i8
             }
             #[inline(always)]
             fn cast_i32(self) -> i32 {
@@ -1316,6 +1010,8 @@ macro_rules! cast_target {
     };
 }
 cast_target!(bool, cast_bool);
+cast_target!(u8, cast_u8);
+cast_target!(i8, cast_i8);
 cast_target!(i32, cast_i32);
 cast_target!(i64, cast_i64);
 cast_target!(f16, cast_f16);
@@ -1458,6 +1154,9 @@ pub(crate) mod tests {
                 .map(|_| match dtype {
                     DType::Bool => (self.next() % 2) as f64,
                     DType::I32 | DType::I64 => (self.next() % 200) as f64 - 100.0,
+                    // Every value of the 8-bit types, so wrapping shows.
+                    DType::U8 => (self.next() % 256) as f64,
+                    DType::I8 => (self.next() % 256) as f64 - 128.0,
                     _ if specials && self.next() & 7 == 0 => SPECIAL[(self.next() % 6) as usize],
                     _ => self.uniform(-5.0, 5.0),
                 })
@@ -1466,7 +1165,9 @@ pub(crate) mod tests {
     }
 
     const FLOATS: [DType; 4] = [DType::F16, DType::BF16, DType::F32, DType::F64];
-    const NUMERIC: [DType; 6] = [
+    const NUMERIC: [DType; 8] = [
+        DType::U8,
+        DType::I8,
         DType::I32,
         DType::I64,
         DType::F16,
@@ -1487,28 +1188,12 @@ pub(crate) mod tests {
         &[40_000],
     ];
 
-    const UNARY: [(&OpDef, UnaryOp); 14] = [
-        (&stagecraft_ops::NEG, UnaryOp::Neg),
-        (&stagecraft_ops::ABS, UnaryOp::Abs),
-        (&stagecraft_ops::EXP, UnaryOp::Exp),
-        (&stagecraft_ops::LOG, UnaryOp::Log),
-        (&stagecraft_ops::SQRT, UnaryOp::Sqrt),
-        (&stagecraft_ops::RSQRT, UnaryOp::Rsqrt),
-        (&stagecraft_ops::TANH, UnaryOp::Tanh),
-        (&stagecraft_ops::SIGMOID, UnaryOp::Sigmoid),
-        (&stagecraft_ops::RELU, UnaryOp::Relu),
-        (&stagecraft_ops::GELU, UnaryOp::Gelu),
-        (&stagecraft_ops::SIN, UnaryOp::Sin),
-        (&stagecraft_ops::COS, UnaryOp::Cos),
-        (&stagecraft_ops::SIGN, UnaryOp::Sign),
-        (&stagecraft_ops::LOGICAL_NOT, UnaryOp::Not),
-    ];
-
     #[test]
     fn unary_ops_match_the_reference() {
         let none = OpAttrs::new();
         let mut rng = Rng(1);
-        for (def, op) in UNARY {
+        for &op in UnaryOp::ALL {
+            let def = op.def();
             for dtype in DType::ALL {
                 let meta = TensorMetadata::new(dtype, [2]);
                 if def.infer(&[meta], &none).is_err() {
@@ -1529,58 +1214,6 @@ pub(crate) mod tests {
                 }
             }
         }
-    }
-
-    /// The vectorizing `exp` for narrow results is within 1e-15 of glibc's
-    /// over the whole range where an f32 result is neither 0 nor infinite,
-    /// and gives the exact special values past it (`tests/accuracy.rs`
-    /// measures the rounded f32, f16 and bf16 results against a
-    /// double-double reference).
-    #[test]
-    fn exp_for_narrow_results_matches_glibc() {
-        let steps = 2_000_000;
-        for i in 0..=steps {
-            let x = -110.0 + 200.0 * i as f64 / steps as f64;
-            let (got, want) = (exp_to_narrow(x), x.exp());
-            let rel = ((got - want) / want).abs();
-            assert!(rel < 1e-15, "exp({x}) = {got:e}, glibc {want:e}");
-        }
-        assert_eq!(exp_to_narrow(0.0), 1.0);
-        assert_eq!(exp_to_narrow(-0.0), 1.0);
-        assert!(exp_to_narrow(f64::NAN).is_nan());
-        assert_eq!(exp_to_narrow(f64::NEG_INFINITY) as f32, 0.0);
-        assert_eq!(exp_to_narrow(-1e300) as f32, 0.0);
-        assert_eq!(exp_to_narrow(f64::INFINITY) as f32, f32::INFINITY);
-        assert_eq!(exp_to_narrow(1e300) as f32, f32::INFINITY);
-        // The f32 overflow threshold and the smallest subnormal round as
-        // glibc's value does.
-        for x in [88.72283, 88.72284, -103.27893, -103.972_08, -87.33655] {
-            assert_eq!(exp_to_narrow(x) as f32, x.exp() as f32, "exp({x})");
-        }
-    }
-
-    #[test]
-    fn gelu_tail_constants_and_branches() {
-        // (C + lo)² = 1/2 to double-double precision.
-        let c = std::f64::consts::FRAC_1_SQRT_2;
-        let lo = -c.mul_add(c, -0.5) / (2.0 * c);
-        assert!((lo - FRAC_1_SQRT_2_LO).abs() < 1e-31, "{lo:e}");
-        assert_eq!(FRAC_1_SQRT_2PI, 1.0 / (2.0 * std::f64::consts::PI).sqrt());
-        // The branches meet smoothly: neighbours across each switch differ
-        // by the function's own slope, not by a jump. (tests/accuracy.rs
-        // measures the error against a double-double reference.)
-        for switch in [
-            -0.5 * std::f64::consts::SQRT_2,
-            -26.0 * std::f64::consts::SQRT_2,
-        ] {
-            let (a, b) = (gelu(switch * (1.0 + 1e-12)), gelu(switch * (1.0 - 1e-12)));
-            let rel = (a - b).abs() / a.abs();
-            assert!(rel < 1e-8, "gelu jumps at {switch}: {a:e} vs {b:e}");
-        }
-        // The tail is still x·Φ(x) ≈ -φ(x)/1.0007... near x = -38.
-        let x: f64 = -38.0;
-        let phi = (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
-        assert!((gelu(x) / -phi - (1.0 - 1.0 / (x * x))).abs() < 1e-5);
     }
 
     #[test]
@@ -1690,28 +1323,13 @@ pub(crate) mod tests {
         }
     }
 
+    /// Every binary op of the table that takes `dtype`.
     fn binary_ops(dtype: DType) -> Vec<(&'static OpDef, BinaryOp)> {
-        use stagecraft_ops as o;
-        match dtype {
-            DType::Bool => vec![
-                (&o::LOGICAL_AND, BinaryOp::And),
-                (&o::LOGICAL_OR, BinaryOp::Or),
-            ],
-            _ => {
-                let mut ops = vec![
-                    (&o::ADD, BinaryOp::Add),
-                    (&o::SUB, BinaryOp::Sub),
-                    (&o::MUL, BinaryOp::Mul),
-                    (&o::DIV, BinaryOp::Div),
-                    (&o::MAXIMUM, BinaryOp::Maximum),
-                    (&o::MINIMUM, BinaryOp::Minimum),
-                ];
-                if dtype.is_float() {
-                    ops.push((&o::POW, BinaryOp::Pow));
-                }
-                ops
-            }
-        }
+        BinaryOp::ALL
+            .iter()
+            .filter(|op| op.class().accepts(dtype))
+            .map(|&op| (op.def(), op))
+            .collect()
     }
 
     const PAIRS: &[(&[usize], &[usize])] = &[

@@ -8,15 +8,16 @@
 
 mod chain;
 
-use super::elementwise::{gelu, relu, rsqrt, sigmoid, sign, Arith, Real};
+use super::elementwise::{Arith, Real};
 use super::linalg::{matmul_with_epilogue, GemmElement};
 use super::reduce::{float_fold, Source};
 use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
 use crate::Inputs;
 use smallvec::{smallvec, SmallVec};
 use stagecraft_ops::{
-    decode_fused, fused_operand, fused_output, fused_reduce_op, reduction_axes, Attrs, BinaryOp,
-    CompareOp, FusedInstr, FusedOperand, ReduceOp, UnaryOp,
+    decode_fused, fused_operand, fused_output, fused_reduce_op, reduction_axes, Attrs, BinaryFn,
+    BinaryOp, BinaryVisitor, CompareOp, FusedInstr, FusedOperand, ReduceOp, UnaryFn, UnaryOp,
+    UnaryVisitor,
 };
 use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, TensorMetadata};
 use std::sync::Arc;
@@ -141,14 +142,14 @@ fn prefetch_line<const HINT: i32, T>(at: *const T) {
 }
 
 #[inline(always)]
-fn unary_loop<T: Real>(dst: &mut [T], a: Src<'_, T>, f: impl Fn(f64) -> f64) {
+fn unary_loop<T: Copy>(dst: &mut [T], a: Src<'_, T>, f: impl Fn(T) -> T) {
     match a {
         Src::Slice(x) => {
             for (d, &v) in dst.iter_mut().zip(x) {
-                *d = T::narrow(f(v.wide()));
+                *d = f(v);
             }
         }
-        Src::Scalar(v) => dst.fill(T::narrow(f(v.wide()))),
+        Src::Scalar(v) => dst.fill(f(v)),
     }
 }
 
@@ -174,40 +175,44 @@ fn binary_loop<T: Copy>(dst: &mut [T], a: Src<'_, T>, b: Src<'_, T>, f: impl Fn(
     }
 }
 
-#[inline(always)]
-fn run_unary<T: Real>(op: UnaryOp, dst: &mut [T], a: Src<'_, T>) {
-    match op {
-        UnaryOp::Neg => unary_loop(dst, a, |x| -x),
-        UnaryOp::Abs => unary_loop(dst, a, f64::abs),
-        UnaryOp::Exp => unary_loop(dst, a, T::exp_wide),
-        UnaryOp::Log => unary_loop(dst, a, f64::ln),
-        UnaryOp::Sqrt => unary_loop(dst, a, f64::sqrt),
-        UnaryOp::Rsqrt => unary_loop(dst, a, rsqrt),
-        UnaryOp::Tanh => unary_loop(dst, a, f64::tanh),
-        UnaryOp::Sigmoid => unary_loop(dst, a, sigmoid),
-        UnaryOp::Relu => unary_loop(dst, a, relu),
-        UnaryOp::Gelu => unary_loop(dst, a, gelu),
-        UnaryOp::Sin => unary_loop(dst, a, f64::sin),
-        UnaryOp::Cos => unary_loop(dst, a, f64::cos),
-        UnaryOp::Sign => unary_loop(dst, a, sign),
-        // Rejected by the op's metadata function.
-        UnaryOp::Not => {}
+/// One unary instruction over a block: the op's own meaning from its
+/// definition, the same function the eager kernel runs.
+struct RunUnary<'d, 's, T> {
+    dst: &'d mut [T],
+    a: Src<'s, T>,
+}
+
+impl<T: Arith> UnaryVisitor for RunUnary<'_, '_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn visit<F: UnaryFn>(self) {
+        unary_loop(self.dst, self.a, F::eval::<T>)
     }
 }
 
 #[inline(always)]
-fn run_binary<T: Real + Arith>(op: BinaryOp, dst: &mut [T], a: Src<'_, T>, b: Src<'_, T>) {
-    match op {
-        BinaryOp::Add => binary_loop(dst, a, b, T::add),
-        BinaryOp::Sub => binary_loop(dst, a, b, T::sub),
-        BinaryOp::Mul => binary_loop(dst, a, b, T::mul),
-        BinaryOp::Div => binary_loop(dst, a, b, T::div),
-        BinaryOp::Maximum => binary_loop(dst, a, b, T::maximum),
-        BinaryOp::Minimum => binary_loop(dst, a, b, T::minimum),
-        BinaryOp::Pow => binary_loop(dst, a, b, |x: T, y: T| T::narrow(x.wide().powf(y.wide()))),
-        // Rejected by the op's metadata function.
-        BinaryOp::And | BinaryOp::Or => {}
+fn run_unary<T: Arith>(op: UnaryOp, dst: &mut [T], a: Src<'_, T>) {
+    op.visit(RunUnary { dst, a })
+}
+
+/// One binary instruction over a block.
+struct RunBinary<'d, 's, T> {
+    dst: &'d mut [T],
+    a: Src<'s, T>,
+    b: Src<'s, T>,
+}
+
+impl<T: Arith> BinaryVisitor for RunBinary<'_, '_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn visit<F: BinaryFn>(self) {
+        binary_loop(self.dst, self.a, self.b, F::eval::<T>)
     }
+}
+
+#[inline(always)]
+fn run_binary<T: Arith>(op: BinaryOp, dst: &mut [T], a: Src<'_, T>, b: Src<'_, T>) {
+    op.visit(RunBinary { dst, a, b })
 }
 
 /// 1 where `op` holds, else 0 (NaN compares false), as a comparison cast

@@ -525,17 +525,16 @@ trait IntMulAdd: Copy {
     fn mul_add_wrapping(self, a: Self, b: Self) -> Self;
 }
 
-impl IntMulAdd for i32 {
-    fn mul_add_wrapping(self, a: i32, b: i32) -> i32 {
-        self.wrapping_add(a.wrapping_mul(b))
-    }
+macro_rules! int_mul_add {
+    ($($t:ty),*) => {$(
+        impl IntMulAdd for $t {
+            fn mul_add_wrapping(self, a: $t, b: $t) -> $t {
+                self.wrapping_add(a.wrapping_mul(b))
+            }
+        }
+    )*};
 }
-
-impl IntMulAdd for i64 {
-    fn mul_add_wrapping(self, a: i64, b: i64) -> i64 {
-        self.wrapping_add(a.wrapping_mul(b))
-    }
-}
+int_mul_add!(u8, i8, i32, i64);
 
 /// The geometry of a batched product, resolved once per call.
 struct Plan {
@@ -723,6 +722,8 @@ fn matmul_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
         DType::F64 => matmul_typed::<f64>,
         DType::F16 => |x, y, m, t| matmul_half::<f16>(x, y, m, t, f16::to_f32, f16::from_f32),
         DType::BF16 => |x, y, m, t| matmul_half::<bf16>(x, y, m, t, bf16::to_f32, bf16::from_f32),
+        DType::U8 => matmul_int::<u8>,
+        DType::I8 => matmul_int::<i8>,
         DType::I32 => matmul_int::<i32>,
         DType::I64 => matmul_int::<i64>,
         DType::Bool => return Err(Error::dtype("matmul is not defined for bool")),

@@ -87,6 +87,10 @@ fn reduce_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
         DType::BF16 => Some(float_reduce::<bf16>(op, axes)),
         DType::F32 => Some(float_reduce::<f32>(op, axes)),
         DType::F64 => Some(float_reduce::<f64>(op, axes)),
+        // Integer sums and products wrap in the input's type, as the
+        // elementwise ops do (cast first for a wider sum).
+        DType::U8 => int_reduce::<u8>(op, axes),
+        DType::I8 => int_reduce::<i8>(op, axes),
         DType::I32 => int_reduce::<i32>(op, axes),
         DType::I64 => int_reduce::<i64>(op, axes),
         DType::Bool | DType::List => None,
@@ -165,6 +169,8 @@ macro_rules! int_fold {
         }
     };
 }
+int_fold!(u8);
+int_fold!(i8);
 int_fold!(i32);
 int_fold!(i64);
 
@@ -527,6 +533,8 @@ fn arg_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
     let max = attrs.op() == &stagecraft_ops::ARGMAX;
     let dtype = first_dtype(inputs)?;
     Ok(match dtype {
+        DType::U8 => arg_for::<u8>(axis, max),
+        DType::I8 => arg_for::<i8>(axis, max),
         DType::I32 => arg_for::<i32>(axis, max),
         DType::I64 => arg_for::<i64>(axis, max),
         DType::F16 => arg_for::<f16>(axis, max),

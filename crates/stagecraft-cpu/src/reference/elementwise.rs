@@ -3,7 +3,7 @@
 //! plus dimensions, every element computed on its own from the textbook
 //! formula and rounded to the dtype with the `Cast` rules.
 
-use stagecraft_ops::{BinaryOp, CompareOp, UnaryOp};
+use stagecraft_ops::{BinaryFn, BinaryOp, BinaryVisitor, CompareOp, UnaryFn, UnaryOp, UnaryVisitor};
 use stagecraft_tensor::{DType, Error, Result, Scalar};
 
 /// Rounds `v` to `dtype` and back (the `Cast` rules: floats round to
@@ -52,49 +52,60 @@ pub fn broadcast_dims(shapes: &[&[usize]]) -> Result<Vec<usize>> {
     Ok(out)
 }
 
-/// `op` applied to every element of `x` (values of `dtype`), rounded to
-/// `dtype`.
+/// `op` applied to every element of `x` (values of `dtype`): floats
+/// through the op's f64 meaning, rounded once to `dtype`; integers in
+/// i64, wrapped to `dtype`; bools on 0 and 1.
 pub fn unary(op: UnaryOp, dtype: DType, x: &[f64]) -> Vec<f64> {
     x.iter()
-        .map(|&v| round_to(dtype, unary_value(op, v)))
+        .map(|&v| op.visit(UnaryValue { x: v, dtype }))
         .collect()
 }
 
-fn unary_value(op: UnaryOp, x: f64) -> f64 {
-    match op {
-        UnaryOp::Neg => -x,
-        UnaryOp::Abs => x.abs(),
-        UnaryOp::Exp => x.exp(),
-        UnaryOp::Log => x.ln(),
-        UnaryOp::Sqrt => x.sqrt(),
-        UnaryOp::Rsqrt => 1.0 / x.sqrt(),
-        UnaryOp::Tanh => x.tanh(),
-        UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
-        UnaryOp::Relu => {
-            if x.is_nan() {
-                x
-            } else {
-                x.max(0.0)
-            }
+/// One element of the reference unary op.
+struct UnaryValue {
+    x: f64,
+    dtype: DType,
+}
+
+impl UnaryVisitor for UnaryValue {
+    type Output = f64;
+    fn visit<F: UnaryFn>(self) -> f64 {
+        let (x, dtype) = (self.x, self.dtype);
+        if dtype.is_float() {
+            round_to(dtype, F::eval::<f64>(x))
+        } else if dtype == DType::Bool {
+            F::eval::<u8>(x as u8) as f64
+        } else {
+            wrap_to(dtype, F::eval::<i64>(x as i64))
         }
-        // x·Φ(x) with Φ(x) = erfc(-x/√2)/2, the same function as
-        // (1 + erf(x/√2))/2 but without cancelling to 0 for large negative x.
-        // At -inf the formula is -inf · 0; the limit is 0.
-        UnaryOp::Gelu if x == f64::NEG_INFINITY => 0.0,
-        UnaryOp::Gelu => 0.5 * x * libm::erfc(-x / std::f64::consts::SQRT_2),
-        UnaryOp::Sin => x.sin(),
-        UnaryOp::Cos => x.cos(),
-        UnaryOp::Sign => {
-            if x > 0.0 {
-                1.0
-            } else if x < 0.0 {
-                -1.0
-            } else {
-                x
-            }
-        }
-        UnaryOp::Not => (x == 0.0) as u8 as f64,
     }
+}
+
+/// One element of the reference binary op.
+struct BinaryValue {
+    a: f64,
+    b: f64,
+    dtype: DType,
+}
+
+impl BinaryVisitor for BinaryValue {
+    type Output = f64;
+    fn visit<F: BinaryFn>(self) -> f64 {
+        let (a, b, dtype) = (self.a, self.b, self.dtype);
+        if dtype.is_float() {
+            round_to(dtype, F::eval::<f64>(a, b))
+        } else if dtype == DType::Bool {
+            F::eval::<u8>(a as u8, b as u8) as f64
+        } else {
+            wrap_to(dtype, F::eval::<i64>(a as i64, b as i64))
+        }
+    }
+}
+
+/// An integer computed in i64, wrapped to the integer `dtype` (the
+/// integer ops wrap on overflow).
+fn wrap_to(dtype: DType, v: i64) -> f64 {
+    Scalar::I64(v).cast(dtype).to_f64()
 }
 
 /// Calls `f(out_index, sources)` for every output element of the broadcast
@@ -125,38 +136,10 @@ pub fn binary(
     let mut failure = None;
     let dims = broadcast_each(&[a_dims, b_dims], |src| {
         let (x, y) = (a[src[0]], b[src[1]]);
-        let v = match op {
-            BinaryOp::Add => x + y,
-            BinaryOp::Sub => x - y,
-            BinaryOp::Mul => x * y,
-            BinaryOp::Div if dtype.is_int() => {
-                if y == 0.0 {
-                    failure = Some(Error::invalid("integer division by zero"));
-                    0.0
-                } else {
-                    (x / y).trunc()
-                }
-            }
-            BinaryOp::Div => x / y,
-            BinaryOp::Pow => x.powf(y),
-            BinaryOp::Maximum => {
-                if x.is_nan() || y.is_nan() {
-                    f64::NAN
-                } else {
-                    x.max(y)
-                }
-            }
-            BinaryOp::Minimum => {
-                if x.is_nan() || y.is_nan() {
-                    f64::NAN
-                } else {
-                    x.min(y)
-                }
-            }
-            BinaryOp::And => (x != 0.0 && y != 0.0) as u8 as f64,
-            BinaryOp::Or => (x != 0.0 || y != 0.0) as u8 as f64,
-        };
-        out.push(round_to(dtype, v));
+        if op.is_zero_divisor_error() && dtype.is_int() && y == 0.0 {
+            failure = Some(Error::invalid("integer division by zero"));
+        }
+        out.push(op.visit(BinaryValue { a: x, b: y, dtype }));
     })?;
     match failure {
         Some(e) => Err(e),
@@ -216,6 +199,8 @@ pub fn cast(x: &[f64], from: DType, to: DType) -> Vec<f64> {
         .map(|&v| {
             let source = match from {
                 DType::Bool => Scalar::Bool(v != 0.0),
+                DType::U8 => Scalar::U8(v as u8),
+                DType::I8 => Scalar::I8(v as i8),
                 DType::I32 => Scalar::I32(v as i32),
                 DType::I64 => Scalar::I64(v as i64),
                 DType::F16 => Scalar::F16(half::f16::from_f64(v)),

@@ -1,13 +1,19 @@
 //! Elementwise ops: unary math, broadcasting binary arithmetic, comparisons,
 //! logical ops, select and cast.
 
-use super::{one, require_float, require_numeric, require_same_dtype};
+use super::{one, require_same_dtype};
 use crate::attrs::AttrKind;
-use crate::grad::{GradBuilder, GradContext, InputGrads};
+use crate::elementwise::DTypeClass;
+use crate::grad::{GradBuilder, GradContext, InputGrads, G};
 use crate::op::*;
+use crate::scalar::{
+    erf, exp_to_narrow, expm1, gelu, gelu_tanh, log1p, relu, rsqrt, sigmoid, sign, silu, softplus,
+};
 use stagecraft_tensor::{broadcast_shapes, DType, Error, Result, TensorMetadata};
 
-const fn unary(name: &'static str, op: UnaryOp) -> OpDef {
+/// The definition every unary op shares: one input, no attributes, the
+/// dtype class and gradient rule of its table entry.
+const fn unary_def(name: &'static str, op: UnaryOp) -> OpDef {
     OpDef {
         name,
         inputs: &["x"],
@@ -24,50 +30,27 @@ const fn unary(name: &'static str, op: UnaryOp) -> OpDef {
 
 fn unary_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let x = &inputs[0];
-    match attrs.op().kind {
-        OpKind::Unary(UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu) => {
-            require_numeric("x", x)?
-        }
-        OpKind::Unary(UnaryOp::Not) => {
-            if x.dtype != DType::Bool {
-                return Err(Error::dtype(format!("x must be bool, got {x}")));
-            }
-        }
-        _ => require_float("x", x)?,
-    }
+    let OpKind::Unary(op) = attrs.op().kind else {
+        return Err(Error::internal("unary_meta on a non-unary op"));
+    };
+    require_class(op.class(), "x", x)?;
     one(x.clone())
 }
 
-/// `-x`
-pub static NEG: OpDef = unary("Neg", UnaryOp::Neg);
-/// `|x|`
-pub static ABS: OpDef = unary("Abs", UnaryOp::Abs);
-/// `e^x`
-pub static EXP: OpDef = unary("Exp", UnaryOp::Exp);
-/// Natural logarithm.
-pub static LOG: OpDef = unary("Log", UnaryOp::Log);
-/// Square root.
-pub static SQRT: OpDef = unary("Sqrt", UnaryOp::Sqrt);
-/// Reciprocal square root.
-pub static RSQRT: OpDef = unary("Rsqrt", UnaryOp::Rsqrt);
-/// Hyperbolic tangent.
-pub static TANH: OpDef = unary("Tanh", UnaryOp::Tanh);
-/// Logistic sigmoid.
-pub static SIGMOID: OpDef = unary("Sigmoid", UnaryOp::Sigmoid);
-/// Rectified linear unit.
-pub static RELU: OpDef = unary("Relu", UnaryOp::Relu);
-/// Gaussian error linear unit (exact erf form).
-pub static GELU: OpDef = unary("Gelu", UnaryOp::Gelu);
-/// Sine.
-pub static SIN: OpDef = unary("Sin", UnaryOp::Sin);
-/// Cosine.
-pub static COS: OpDef = unary("Cos", UnaryOp::Cos);
-/// Sign (-1, 0, 1).
-pub static SIGN: OpDef = unary("Sign", UnaryOp::Sign);
-/// Logical not of a bool tensor.
-pub static LOGICAL_NOT: OpDef = unary("LogicalNot", UnaryOp::Not);
+fn require_class(class: DTypeClass, role: &str, meta: &TensorMetadata) -> Result<()> {
+    if class.accepts(meta.dtype) {
+        Ok(())
+    } else {
+        Err(Error::dtype(format!(
+            "{role} must be {}, got {meta}",
+            class.describe()
+        )))
+    }
+}
 
-const fn binary(name: &'static str, op: BinaryOp) -> OpDef {
+/// The definition every binary op shares: two broadcast inputs of one
+/// dtype, no attributes.
+const fn binary_def(name: &'static str, op: BinaryOp) -> OpDef {
     OpDef {
         name,
         inputs: &["a", "b"],
@@ -85,16 +68,14 @@ const fn binary(name: &'static str, op: BinaryOp) -> OpDef {
 fn binary_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let (a, b) = (&inputs[0], &inputs[1]);
     let dtype = require_same_dtype(a, b)?;
-    match attrs.op().kind {
-        OpKind::Binary(BinaryOp::And | BinaryOp::Or) => {
-            if dtype != DType::Bool {
-                return Err(Error::dtype(format!(
-                    "operands must be bool, got {a} and {b}"
-                )));
-            }
-        }
-        OpKind::Binary(BinaryOp::Pow) => require_float("a", a)?,
-        _ => require_numeric("a", a)?,
+    let OpKind::Binary(op) = attrs.op().kind else {
+        return Err(Error::internal("binary_meta on a non-binary op"));
+    };
+    if !op.class().accepts(dtype) {
+        return Err(Error::dtype(format!(
+            "operands must be {}, got {a} and {b}",
+            op.class().describe()
+        )));
     }
     one(TensorMetadata::new(
         dtype,
@@ -102,24 +83,324 @@ fn binary_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMet
     ))
 }
 
-/// `a + b`
-pub static ADD: OpDef = binary("Add", BinaryOp::Add);
-/// `a - b`
-pub static SUB: OpDef = binary("Sub", BinaryOp::Sub);
-/// `a * b`
-pub static MUL: OpDef = binary("Mul", BinaryOp::Mul);
-/// `a / b`
-pub static DIV: OpDef = binary("Div", BinaryOp::Div);
-/// `a ^ b` (floating point)
-pub static POW: OpDef = binary("Pow", BinaryOp::Pow);
-/// Elementwise maximum.
-pub static MAXIMUM: OpDef = binary("Maximum", BinaryOp::Maximum);
-/// Elementwise minimum.
-pub static MINIMUM: OpDef = binary("Minimum", BinaryOp::Minimum);
-/// Logical and of bool tensors.
-pub static LOGICAL_AND: OpDef = binary("LogicalAnd", BinaryOp::And);
-/// Logical or of bool tensors.
-pub static LOGICAL_OR: OpDef = binary("LogicalOr", BinaryOp::Or);
+// ---------------------------------------------------------------------------
+// The unary ops. To add one: an entry here, a method on `Tensor<T>`
+// (`stagecraft/src/ops.rs`) and a gradient-check case; the kernels, the
+// fused interpreter and the reference derive from the entry.
+
+crate::unary_ops! {
+    /// `-x`
+    Neg => NEG("Neg", Numeric) {
+        eval: |x| x.neg(),
+        grad: |b, _, _, g| b.neg(g),
+    }
+    /// `|x|`
+    Abs => ABS("Abs", Numeric) {
+        eval: |x| x.abs(),
+        grad: |b, x, _, g| {
+            let s = b.unary(&SIGN, x)?;
+            b.mul(g, s)
+        },
+    }
+    /// `e^x`
+    Exp => EXP("Exp", Float) {
+        eval: |x| x.float_fn(f64::exp, exp_to_narrow),
+        grad: |b, _, y, g| b.mul(g, y),
+    }
+    /// Natural logarithm.
+    Log => LOG("Log", Float) {
+        eval: |x| x.via_f64(f64::ln),
+        grad: |b, x, _, g| b.div(g, x),
+    }
+    /// Square root.
+    Sqrt => SQRT("Sqrt", Float) {
+        eval: |x| x.via_f64(f64::sqrt),
+        // d sqrt(x) = 1 / (2 sqrt(x))
+        grad: |b, _, y, g| {
+            let twice = b.scale(y, 2.0)?;
+            b.div(g, twice)
+        },
+    }
+    /// `1/sqrt(x)`
+    Rsqrt => RSQRT("Rsqrt", Float) {
+        eval: |x| x.via_f64(rsqrt),
+        // d x^(-1/2) = -x^(-3/2) / 2 = -y^3 / 2
+        grad: |b, _, y, g| {
+            let y2 = b.mul(y, y)?;
+            let y3 = b.mul(y2, y)?;
+            let d = b.scale(y3, -0.5)?;
+            b.mul(g, d)
+        },
+    }
+    /// Hyperbolic tangent.
+    Tanh => TANH("Tanh", Float) {
+        eval: |x| x.via_f64(f64::tanh),
+        grad: |b, x, y, g| {
+            let y2 = b.mul(y, y)?;
+            let one = b.scalar(1.0, b.meta(x).dtype)?;
+            let d = b.sub(one, y2)?;
+            b.mul(g, d)
+        },
+    }
+    /// Logistic sigmoid, `1/(1+e^-x)`.
+    Sigmoid => SIGMOID("Sigmoid", Float) {
+        eval: |x| x.via_f64(sigmoid),
+        grad: |b, x, y, g| {
+            let one = b.scalar(1.0, b.meta(x).dtype)?;
+            let rest = b.sub(one, y)?;
+            let d = b.mul(y, rest)?;
+            b.mul(g, d)
+        },
+    }
+    /// Rectified linear unit, `max(x, 0)` (NaN stays NaN).
+    Relu => RELU("Relu", Numeric) {
+        // Floats through f64, which quiets a NaN: the fused chains do the
+        // same, so fused and unfused results keep the same bits.
+        eval: |x| {
+            if T::FLOAT {
+                x.via_f64(relu)
+            } else if x > T::ZERO {
+                x
+            } else {
+                T::ZERO
+            }
+        },
+        // relu(x) > 0 exactly where x > 0 (NaN compares false in both).
+        // Reading the output instead of the input leaves the relu its
+        // input's only user, so a staged relu joins its producer's kernel
+        // (a matmul's epilogue) and the input is never kept for backward.
+        grad: |b, x, y, g| {
+            let dtype = b.meta(x).dtype;
+            let zero = b.scalar(0.0, dtype)?;
+            let positive = b.op(&GREATER, &[y, zero], &crate::OpAttrs::new())?;
+            let m = b.mask(positive, dtype)?;
+            b.mul(g, m)
+        },
+    }
+    /// Gaussian error linear unit, exact form `x·Φ(x)`.
+    Gelu => GELU("Gelu", Float) {
+        eval: |x| x.via_f64(gelu),
+        grad: |b, x, y, g| gelu_grad(b, x, y, g),
+    }
+    /// Sine.
+    Sin => SIN("Sin", Float) {
+        eval: |x| x.via_f64(f64::sin),
+        grad: |b, x, _, g| {
+            let c = b.unary(&COS, x)?;
+            b.mul(g, c)
+        },
+    }
+    /// Cosine.
+    Cos => COS("Cos", Float) {
+        eval: |x| x.via_f64(f64::cos),
+        grad: |b, x, _, g| {
+            let s = b.unary(&SIN, x)?;
+            let d = b.mul(g, s)?;
+            b.neg(d)
+        },
+    }
+    /// Sign: -1, 0 or 1 (±0 and NaN stay as they are).
+    Sign => SIGN("Sign", Numeric) {
+        eval: |x| {
+            if T::FLOAT {
+                x.via_f64(sign)
+            } else if x > T::ZERO {
+                T::ONE
+            } else if x < T::ZERO {
+                T::ZERO.sub(T::ONE)
+            } else {
+                T::ZERO
+            }
+        },
+        grad: none,
+    }
+    /// Logical not of a bool tensor.
+    Not => LOGICAL_NOT("LogicalNot", Bool) {
+        eval: |x| if x == T::ZERO { T::ONE } else { T::ZERO },
+        grad: none,
+    }
+    /// The largest integer not above `x` (integers are their own floor).
+    Floor => FLOOR("Floor", Numeric) {
+        eval: |x| if T::FLOAT { x.via_f64(f64::floor) } else { x },
+        grad: none,
+    }
+    /// The smallest integer not below `x`.
+    Ceil => CEIL("Ceil", Numeric) {
+        eval: |x| if T::FLOAT { x.via_f64(f64::ceil) } else { x },
+        grad: none,
+    }
+    /// The nearest integer, halves to even (as NumPy and PyTorch round).
+    Round => ROUND("Round", Numeric) {
+        eval: |x| if T::FLOAT { x.via_f64(f64::round_ties_even) } else { x },
+        grad: none,
+    }
+    /// The error function.
+    Erf => ERF("Erf", Float) {
+        eval: |x| x.via_f64(erf),
+        // d erf(x) = 2/√π · e^(-x²)
+        grad: |b, x, _, g| {
+            let x2 = b.mul(x, x)?;
+            let e = b.neg(x2)?;
+            let e = b.unary(&EXP, e)?;
+            let d = b.scale(e, std::f64::consts::FRAC_2_SQRT_PI)?;
+            b.mul(g, d)
+        },
+    }
+    /// GELU's tanh approximation, `x·(1 + tanh(√(2/π)(x + 0.044715x³)))/2`.
+    GeluTanh => GELU_TANH("GeluTanh", Float) {
+        eval: |x| x.via_f64(gelu_tanh),
+        // With s = σ(2u), u = c(x + k x³): y = x s, and
+        // dy/dx = s + x s (1 - s) · 2c (1 + 3k x²).
+        grad: |b, x, _, g| {
+            const C: f64 = 0.797_884_560_802_865_4;
+            const K: f64 = 0.044_715;
+            let dtype = b.meta(x).dtype;
+            let one = b.scalar(1.0, dtype)?;
+            let x2 = b.mul(x, x)?;
+            let kx2 = b.scale(x2, K)?;
+            let inner = b.add(one, kx2)?;
+            let u = b.mul(x, inner)?;
+            let two_u = b.scale(u, 2.0 * C)?;
+            let s = b.unary(&SIGMOID, two_u)?;
+            let rest = b.sub(one, s)?;
+            let ds = b.mul(s, rest)?;
+            let k3x2 = b.scale(x2, 3.0 * K)?;
+            let du = b.add(one, k3x2)?;
+            let du = b.scale(du, 2.0 * C)?;
+            let t = b.mul(ds, du)?;
+            let t = b.mul(x, t)?;
+            let d = b.add(s, t)?;
+            b.mul(g, d)
+        },
+    }
+    /// SiLU (swish), `x·σ(x)`.
+    Silu => SILU("Silu", Float) {
+        eval: |x| x.via_f64(silu),
+        // d x σ(x) = σ(x) (1 + x (1 - σ(x)))
+        grad: |b, x, _, g| {
+            let one = b.scalar(1.0, b.meta(x).dtype)?;
+            let s = b.unary(&SIGMOID, x)?;
+            let rest = b.sub(one, s)?;
+            let t = b.mul(x, rest)?;
+            let t = b.add(one, t)?;
+            let d = b.mul(s, t)?;
+            b.mul(g, d)
+        },
+    }
+    /// Softplus, `ln(1 + e^x)`, without overflow.
+    Softplus => SOFTPLUS("Softplus", Float) {
+        eval: |x| x.via_f64(softplus),
+        grad: |b, x, _, g| {
+            let s = b.unary(&SIGMOID, x)?;
+            b.mul(g, s)
+        },
+    }
+    /// `ln(1 + x)`, accurate near 0.
+    Log1p => LOG1P("Log1p", Float) {
+        eval: |x| x.via_f64(log1p),
+        grad: |b, x, _, g| {
+            let one = b.scalar(1.0, b.meta(x).dtype)?;
+            let d = b.add(one, x)?;
+            b.div(g, d)
+        },
+    }
+    /// `e^x - 1`, accurate near 0.
+    Expm1 => EXPM1("Expm1", Float) {
+        eval: |x| x.via_f64(expm1),
+        grad: |b, x, y, g| {
+            let one = b.scalar(1.0, b.meta(x).dtype)?;
+            let d = b.add(y, one)?;
+            b.mul(g, d)
+        },
+    }
+    /// `1/x`.
+    Reciprocal => RECIPROCAL("Reciprocal", Float) {
+        eval: |x| x.via_f64(|v| 1.0 / v),
+        // d 1/x = -1/x² = -y²
+        grad: |b, _, y, g| {
+            let y2 = b.mul(y, y)?;
+            let d = b.mul(g, y2)?;
+            b.neg(d)
+        },
+    }
+    /// `x²` (integers wrap).
+    Square => SQUARE("Square", Numeric) {
+        eval: |x| x.mul(x),
+        grad: |b, x, _, g| {
+            let twice = b.scale(x, 2.0)?;
+            b.mul(g, twice)
+        },
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The binary ops. To add one: an entry here, a method on `Tensor<T>` and a
+// gradient-check case.
+
+crate::binary_ops! {
+    /// `a + b`
+    Add => ADD("Add", Numeric) {
+        eval: |a, b| a.add(b),
+        grad: |_, _, _, _, g| Ok((g, g)),
+    }
+    /// `a - b`
+    Sub => SUB("Sub", Numeric) {
+        eval: |a, b| a.sub(b),
+        grad: |b, _, _, _, g| Ok((g, b.neg(g)?)),
+    }
+    /// `a * b`
+    Mul => MUL("Mul", Numeric) {
+        eval: |a, b| a.mul(b),
+        grad: |b, x, y, _, g| Ok((b.mul(g, y)?, b.mul(g, x)?)),
+    }
+    /// `a / b` (integer division truncates; an integer zero divisor is an
+    /// error)
+    Div => DIV("Div", Numeric) {
+        eval: |a, b| a.div(b),
+        zero_divisor_is_error: true,
+        // d(x/y) = g/y, -g x/y^2 = -g out / y
+        grad: |b, _, y, out, g| {
+            let dx = b.div(g, y)?;
+            let t = b.mul(dx, out)?;
+            Ok((dx, b.neg(t)?))
+        },
+    }
+    /// `a ^ b` (floating point)
+    Pow => POW("Pow", Float) {
+        eval: |a, b| T::from_f64(a.to_f64().powf(b.to_f64())),
+        // d x^y = y x^(y-1) and x^y ln x
+        grad: |b, x, y, out, g| {
+            let one = b.scalar(1.0, b.meta(x).dtype)?;
+            let ym1 = b.sub(y, one)?;
+            let p = b.op(&POW, &[x, ym1], &crate::OpAttrs::new())?;
+            let d = b.mul(y, p)?;
+            let dx = b.mul(g, d)?;
+            let lx = b.unary(&LOG, x)?;
+            let d = b.mul(out, lx)?;
+            Ok((dx, b.mul(g, d)?))
+        },
+    }
+    /// The larger of the two (NaN wins).
+    Maximum => MAXIMUM("Maximum", Numeric) {
+        eval: |a, b| a.maximum(b),
+        grad: |b, x, y, _, g| extremum_grad(b, &GREATER_EQUAL, x, y, g),
+    }
+    /// The smaller of the two (NaN wins).
+    Minimum => MINIMUM("Minimum", Numeric) {
+        eval: |a, b| a.minimum(b),
+        grad: |b, x, y, _, g| extremum_grad(b, &LESS_EQUAL, x, y, g),
+    }
+    /// Logical and of bool tensors.
+    And => LOGICAL_AND("LogicalAnd", Bool) {
+        eval: |a, b| if a != T::ZERO && b != T::ZERO { T::ONE } else { T::ZERO },
+        grad: none,
+    }
+    /// Logical or of bool tensors.
+    Or => LOGICAL_OR("LogicalOr", Bool) {
+        eval: |a, b| if a != T::ZERO || b != T::ZERO { T::ONE } else { T::ZERO },
+        grad: none,
+    }
+}
 
 const fn compare(name: &'static str, op: CompareOp) -> OpDef {
     OpDef {
@@ -209,134 +490,63 @@ fn cast_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas
 
 fn unary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
     let (x, y, g) = (ctx.inputs[0], ctx.outputs[0], ctx.grad()?);
-    let dtype = b.meta(x).dtype;
     let OpKind::Unary(op) = ctx.attrs.op().kind else {
         return Err(Error::internal("unary_grad on a non-unary op"));
     };
-    let dx = match op {
-        UnaryOp::Neg => b.neg(g)?,
-        UnaryOp::Abs => {
-            let s = b.unary(&SIGN, x)?;
-            b.mul(g, s)?
-        }
-        UnaryOp::Exp => b.mul(g, y)?,
-        UnaryOp::Log => b.div(g, x)?,
-        // d sqrt(x) = 1 / (2 sqrt(x))
-        UnaryOp::Sqrt => {
-            let twice = b.scale(y, 2.0)?;
-            b.div(g, twice)?
-        }
-        // d x^(-1/2) = -x^(-3/2) / 2 = -y^3 / 2
-        UnaryOp::Rsqrt => {
-            let y2 = b.mul(y, y)?;
-            let y3 = b.mul(y2, y)?;
-            let d = b.scale(y3, -0.5)?;
-            b.mul(g, d)?
-        }
-        UnaryOp::Tanh => {
-            let y2 = b.mul(y, y)?;
-            let one = b.scalar(1.0, dtype)?;
-            let d = b.sub(one, y2)?;
-            b.mul(g, d)?
-        }
-        UnaryOp::Sigmoid => {
-            let one = b.scalar(1.0, dtype)?;
-            let rest = b.sub(one, y)?;
-            let d = b.mul(y, rest)?;
-            b.mul(g, d)?
-        }
-        // relu(x) > 0 exactly where x > 0 (NaN compares false in both).
-        // Reading the output instead of the input leaves the relu its
-        // input's only user, so a staged relu joins its producer's kernel
-        // (a matmul's epilogue) and the input is never kept for backward.
-        UnaryOp::Relu => {
-            let zero = b.scalar(0.0, dtype)?;
-            let positive = b.op(&GREATER, &[y, zero], &crate::OpAttrs::new())?;
-            let m = b.mask(positive, dtype)?;
-            b.mul(g, m)?
-        }
-        // gelu(x) = x Φ(x): the derivative is Φ(x) + x φ(x), with Φ(x) read
-        // back as gelu(x) / x since there is no erf op. At 0 that ratio is
-        // undefined and Φ(x) is taken as 1/2 + x φ(x): exactly 1/2 there,
-        // and with Φ's derivative φ(0), so the second derivative is right
-        // at 0 too (a constant 1/2 would drop φ(0) from it).
-        UnaryOp::Gelu => {
-            let zero = b.scalar(0.0, dtype)?;
-            let half = b.scalar(0.5, dtype)?;
-            let at_zero = b.op(&EQUAL, &[x, zero], &crate::OpAttrs::new())?;
-            let one = b.scalar(1.0, dtype)?;
-            let safe_x = b.op(&SELECT, &[at_zero, one, x], &crate::OpAttrs::new())?;
-            let ratio = b.div(y, safe_x)?;
-            let x2 = b.mul(x, x)?;
-            let e = b.scale(x2, -0.5)?;
-            let e = b.unary(&EXP, e)?;
-            let pdf = b.scale(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
-            let xpdf = b.mul(x, pdf)?;
-            let near_zero = b.add(half, xpdf)?;
-            let cdf = b.op(
-                &SELECT,
-                &[at_zero, near_zero, ratio],
-                &crate::OpAttrs::new(),
-            )?;
-            let d = b.add(cdf, xpdf)?;
-            b.mul(g, d)?
-        }
-        UnaryOp::Sin => {
-            let c = b.unary(&COS, x)?;
-            b.mul(g, c)?
-        }
-        UnaryOp::Cos => {
-            let s = b.unary(&SIN, x)?;
-            let d = b.mul(g, s)?;
-            b.neg(d)?
-        }
-        UnaryOp::Sign | UnaryOp::Not => return Ok(smallvec::smallvec![None]),
-    };
-    crate::grad::only(dx)
+    Ok(smallvec::smallvec![unary_grad_rule(op, b, x, y, g)?])
+}
+
+// gelu(x) = x Φ(x): the derivative is Φ(x) + x φ(x), with Φ(x) read back
+// as gelu(x) / x, which does not cancel for negative x as 1 + erf would.
+// At 0 that ratio is undefined and Φ(x) is taken as 1/2 + x φ(x): exactly
+// 1/2 there, and with Φ's derivative φ(0), so the second derivative is
+// right at 0 too (a constant 1/2 would drop φ(0) from it).
+fn gelu_grad(b: &mut dyn GradBuilder, x: G, y: G, g: G) -> Result<G> {
+    let dtype = b.meta(x).dtype;
+    let zero = b.scalar(0.0, dtype)?;
+    let half = b.scalar(0.5, dtype)?;
+    let at_zero = b.op(&EQUAL, &[x, zero], &crate::OpAttrs::new())?;
+    let one = b.scalar(1.0, dtype)?;
+    let safe_x = b.op(&SELECT, &[at_zero, one, x], &crate::OpAttrs::new())?;
+    let ratio = b.div(y, safe_x)?;
+    let x2 = b.mul(x, x)?;
+    let e = b.scale(x2, -0.5)?;
+    let e = b.unary(&EXP, e)?;
+    let pdf = b.scale(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
+    let xpdf = b.mul(x, pdf)?;
+    let near_zero = b.add(half, xpdf)?;
+    let cdf = b.op(
+        &SELECT,
+        &[at_zero, near_zero, ratio],
+        &crate::OpAttrs::new(),
+    )?;
+    let d = b.add(cdf, xpdf)?;
+    b.mul(g, d)
+}
+
+/// Maximum's and minimum's gradient: ties send it to the first operand.
+fn extremum_grad(
+    b: &mut dyn GradBuilder,
+    first_wins: &'static OpDef,
+    x: G,
+    y: G,
+    g: G,
+) -> Result<(G, G)> {
+    let first = b.op(first_wins, &[x, y], &crate::OpAttrs::new())?;
+    let zero = b.scalar(0.0, b.meta(x).dtype)?;
+    let dx = b.op(&SELECT, &[first, g, zero], &crate::OpAttrs::new())?;
+    let dy = b.op(&SELECT, &[first, zero, g], &crate::OpAttrs::new())?;
+    Ok((dx, dy))
 }
 
 fn binary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
     let (x, y, out, g) = (ctx.inputs[0], ctx.inputs[1], ctx.outputs[0], ctx.grad()?);
     let (xs, ys) = (b.meta(x).shape, b.meta(y).shape);
-    let dtype = b.meta(x).dtype;
     let OpKind::Binary(op) = ctx.attrs.op().kind else {
         return Err(Error::internal("binary_grad on a non-binary op"));
     };
-    let (dx, dy) = match op {
-        BinaryOp::Add => (g, g),
-        BinaryOp::Sub => (g, b.neg(g)?),
-        BinaryOp::Mul => (b.mul(g, y)?, b.mul(g, x)?),
-        // d(x/y) = g/y, -g x/y^2 = -g out / y
-        BinaryOp::Div => {
-            let dx = b.div(g, y)?;
-            let t = b.mul(dx, out)?;
-            (dx, b.neg(t)?)
-        }
-        // d x^y = y x^(y-1) and x^y ln x
-        BinaryOp::Pow => {
-            let one = b.scalar(1.0, dtype)?;
-            let ym1 = b.sub(y, one)?;
-            let p = b.op(&POW, &[x, ym1], &crate::OpAttrs::new())?;
-            let d = b.mul(y, p)?;
-            let dx = b.mul(g, d)?;
-            let lx = b.unary(&LOG, x)?;
-            let d = b.mul(out, lx)?;
-            (dx, b.mul(g, d)?)
-        }
-        // Ties send the gradient to the first operand.
-        BinaryOp::Maximum | BinaryOp::Minimum => {
-            let cmp = if op == BinaryOp::Maximum {
-                &GREATER_EQUAL
-            } else {
-                &LESS_EQUAL
-            };
-            let first = b.op(cmp, &[x, y], &crate::OpAttrs::new())?;
-            let zero = b.scalar(0.0, dtype)?;
-            let dx = b.op(&SELECT, &[first, g, zero], &crate::OpAttrs::new())?;
-            let dy = b.op(&SELECT, &[first, zero, g], &crate::OpAttrs::new())?;
-            (dx, dy)
-        }
-        BinaryOp::And | BinaryOp::Or => return Ok(smallvec::smallvec![None, None]),
+    let Some((dx, dy)) = binary_grad_rule(op, b, x, y, out, g)? else {
+        return Ok(smallvec::smallvec![None, None]);
     };
     Ok(smallvec::smallvec![
         Some(b.unbroadcast(dx, &xs)?),

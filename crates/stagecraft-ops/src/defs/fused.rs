@@ -11,36 +11,16 @@
 
 use crate::attrs::AttrKind;
 use crate::op::*;
+use crate::{BinaryOp, UnaryOp};
 use stagecraft_tensor::{element_count, DType, Error, Result, Shape, TensorMetadata};
 
-/// Unary ops a fused program can contain, by code.
-pub const FUSED_UNARY: &[UnaryOp] = &[
-    UnaryOp::Neg,
-    UnaryOp::Abs,
-    UnaryOp::Exp,
-    UnaryOp::Log,
-    UnaryOp::Sqrt,
-    UnaryOp::Rsqrt,
-    UnaryOp::Tanh,
-    UnaryOp::Sigmoid,
-    UnaryOp::Relu,
-    UnaryOp::Gelu,
-    UnaryOp::Sin,
-    UnaryOp::Cos,
-    UnaryOp::Sign,
-];
+/// Unary ops a fused program can contain, by code: all of them (a fused
+/// kernel runs floats, and every unary op has a meaning over floats).
+pub const FUSED_UNARY: &[UnaryOp] = UnaryOp::ALL;
 
 /// Binary ops a fused program can contain, by code minus
-/// [`FUSED_BINARY_BASE`].
-pub const FUSED_BINARY: &[BinaryOp] = &[
-    BinaryOp::Add,
-    BinaryOp::Sub,
-    BinaryOp::Mul,
-    BinaryOp::Div,
-    BinaryOp::Pow,
-    BinaryOp::Maximum,
-    BinaryOp::Minimum,
-];
+/// [`FUSED_BINARY_BASE`]: all of them.
+pub const FUSED_BINARY: &[BinaryOp] = BinaryOp::ALL;
 
 /// The first binary code.
 pub const FUSED_BINARY_BASE: i64 = 100;

@@ -1,5 +1,6 @@
 //! The op set, grouped by family. Adding an op is one definition in its
-//! family's file and one line in [`ALL_OPS`].
+//! family's file and one line in [`OTHER_OPS`]; a unary or binary
+//! elementwise op is one entry of its table in `elementwise.rs` alone.
 
 mod control;
 mod creation;
@@ -31,32 +32,10 @@ use crate::op::{OpDef, OutputMetas};
 use smallvec::smallvec;
 use stagecraft_tensor::{DType, Error, Result, TensorMetadata};
 
-/// Every op, in a stable order.
-pub static ALL_OPS: &[&OpDef] = &[
+/// Every op but the unary and binary elementwise ones, which
+/// [`UnaryOp::ALL`] and [`BinaryOp::ALL`] list.
+const OTHER_OPS: &[&OpDef] = &[
     // elementwise
-    &NEG,
-    &ABS,
-    &EXP,
-    &LOG,
-    &SQRT,
-    &RSQRT,
-    &TANH,
-    &SIGMOID,
-    &RELU,
-    &GELU,
-    &SIN,
-    &COS,
-    &SIGN,
-    &LOGICAL_NOT,
-    &ADD,
-    &SUB,
-    &MUL,
-    &DIV,
-    &POW,
-    &MAXIMUM,
-    &MINIMUM,
-    &LOGICAL_AND,
-    &LOGICAL_OR,
     &EQUAL,
     &NOT_EQUAL,
     &LESS,
@@ -118,6 +97,30 @@ pub static ALL_OPS: &[&OpDef] = &[
     &LIST_POP,
 ];
 
+const OP_COUNT: usize = UnaryOp::ALL.len() + BinaryOp::ALL.len() + OTHER_OPS.len();
+
+/// Every op, in a stable order: the unary and binary elementwise ops in
+/// their tables' order, then the rest.
+pub static ALL_OPS: &[&OpDef] = &{
+    let mut all: [&OpDef; OP_COUNT] = [&CAST; OP_COUNT];
+    let mut i = 0;
+    while i < UnaryOp::ALL.len() {
+        all[i] = UnaryOp::ALL[i].def();
+        i += 1;
+    }
+    let mut j = 0;
+    while j < BinaryOp::ALL.len() {
+        all[i + j] = BinaryOp::ALL[j].def();
+        j += 1;
+    }
+    let mut k = 0;
+    while k < OTHER_OPS.len() {
+        all[i + j + k] = OTHER_OPS[k];
+        k += 1;
+    }
+    all
+};
+
 /// One output.
 pub(crate) fn one(meta: TensorMetadata) -> Result<OutputMetas> {
     Ok(smallvec![meta])
@@ -145,7 +148,7 @@ pub(crate) fn require_numeric(role: &str, meta: &TensorMetadata) -> Result<()> {
 
 /// Requires an integer input (indices).
 pub(crate) fn require_int(role: &str, meta: &TensorMetadata) -> Result<()> {
-    if meta.dtype.is_int() {
+    if meta.dtype.is_index() {
         Ok(())
     } else {
         Err(Error::dtype(format!(
