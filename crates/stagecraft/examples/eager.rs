@@ -5,6 +5,7 @@ use stagecraft::{Device, Rng, Tensor};
 use std::error::Error;
 use std::io::Write;
 
+/// Runs the example, printing to the standard output.
 pub fn main() -> Result<(), Box<dyn Error>> {
     run(&mut std::io::stdout().lock())
 }

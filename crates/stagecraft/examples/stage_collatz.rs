@@ -27,6 +27,7 @@ fn collatz_steps(start: Tensor<i64>) -> Tensor<i64> {
     steps
 }
 
+/// Runs the example, printing to the standard output.
 pub fn main() -> Result<(), Box<dyn Error>> {
     run(&mut std::io::stdout().lock())
 }

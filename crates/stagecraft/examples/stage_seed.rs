@@ -79,6 +79,7 @@ fn show(out: &mut dyn Write, name: &str) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Runs the example, printing to the standard output.
 pub fn main() -> Result<(), Box<dyn Error>> {
     run(&mut std::io::stdout().lock())
 }

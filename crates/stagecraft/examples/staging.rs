@@ -6,6 +6,7 @@ use stagecraft::{cond, function, grad, while_loop, Device, Tensor};
 use std::error::Error;
 use std::io::Write;
 
+/// Runs the example, printing to the standard output.
 pub fn main() -> Result<(), Box<dyn Error>> {
     run(&mut std::io::stdout().lock())
 }
