@@ -4,8 +4,17 @@
 
 use stagecraft::layers::graph::text;
 use stagecraft::{function, Device, Rng, Tensor};
+use std::error::Error;
+use std::io::Write;
 
-pub fn main() -> stagecraft::Result<()> {
+/// Runs the example, printing to the standard output.
+pub fn main() -> Result<(), Box<dyn Error>> {
+    run(&mut std::io::stdout().lock())
+}
+
+/// The program, printing to `out` (`tests/examples.rs` runs it and checks
+/// what it prints).
+pub fn run(out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let cpu = Device::cpu();
     let mut rng = Rng::new(0);
     // One dense layer with a tanh; the bias is captured from outside.
@@ -15,12 +24,12 @@ pub fn main() -> stagecraft::Result<()> {
     let w = Tensor::<f32>::rand_normal(&[3, 4], 0.0, 0.5, &mut rng, &cpu);
     let x = Tensor::<f32>::rand_uniform(&[2, 3], -1.0, 1.0, &mut rng, &cpu);
     let y = layer.call((x.clone(), w.clone()));
-    println!("layer(x, w) =\n{y}");
+    writeln!(out, "layer(x, w) =\n{y}")?;
     // A second call with the same shapes reuses the traced function.
     let y2 = layer.call((&x * 2.0, w.clone()));
-    println!("layer(2x, w) =\n{y2}");
+    writeln!(out, "layer(2x, w) =\n{y2}")?;
     if let Some(f) = layer.traced_function(&(x, w)) {
-        println!("the traced function:\n{}", text::print(&f));
+        writeln!(out, "the traced function:\n{}", text::print(&f))?;
     }
     Ok(())
 }

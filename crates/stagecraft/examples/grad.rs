@@ -3,8 +3,17 @@
 //! for a second derivative.
 
 use stagecraft::{grad, value_and_grad, Device, Tensor};
+use std::error::Error;
+use std::io::Write;
 
-pub fn main() -> stagecraft::Result<()> {
+/// Runs the example, printing to the standard output.
+pub fn main() -> Result<(), Box<dyn Error>> {
+    run(&mut std::io::stdout().lock())
+}
+
+/// The program, printing to `out` (`tests/examples.rs` runs it and checks
+/// what it prints).
+pub fn run(out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let cpu = Device::cpu();
 
     // One step of logistic regression with the tape API.
@@ -15,16 +24,21 @@ pub fn main() -> stagecraft::Result<()> {
     let loss = -(&labels * p.log() + (1.0 - &labels) * (1.0 - &p).log()).mean(&[], false);
     let grads = loss.backward()?;
     let g = grads.get(&w).expect("the loss depends on w");
-    println!("loss {} and its gradient {}", loss.item()?, g.reshape(&[2]));
+    writeln!(
+        out,
+        "loss {} and its gradient {}",
+        loss.item()?,
+        g.reshape(&[2])
+    )?;
     let w = &w - &(g * 0.5);
-    println!("after one step w = {}", w.reshape(&[2]));
+    writeln!(out, "after one step w = {}", w.reshape(&[2]))?;
 
     // f(x) = sum(x³): f' = 3x², f'' = 6x.
     let t = Tensor::<f64>::from_vec(vec![0.5, -1.0], &[2], &cpu)?;
     let cube = |x: &Tensor<f64>| (x * x * x).sum(&[0], false);
     let (value, slope) = value_and_grad(cube)(&t);
-    println!("f = {}, f' = {slope}", value.item()?);
+    writeln!(out, "f = {}, f' = {slope}", value.item()?)?;
     let curvature = grad(|x: &Tensor<f64>| grad(cube)(x).sum(&[0], false))(&t);
-    println!("f'' = {curvature}");
+    writeln!(out, "f'' = {curvature}")?;
     Ok(())
 }

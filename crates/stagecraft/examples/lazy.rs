@@ -2,8 +2,17 @@
 //! and a training loop whose every step is one cached trace.
 
 use stagecraft::{lazy, Device, Rng, Tensor};
+use std::error::Error;
+use std::io::Write;
 
-pub fn main() -> stagecraft::Result<()> {
+/// Runs the example, printing to the standard output.
+pub fn main() -> Result<(), Box<dyn Error>> {
+    run(&mut std::io::stdout().lock())
+}
+
+/// The program, printing to `out` (`tests/examples.rs` runs it and checks
+/// what it prints).
+pub fn run(out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let dev = Device::lazy(&Device::cpu());
     let a = Tensor::<f32>::scalar(10.0, &dev);
     let b = Tensor::<f32>::scalar(2.0, &dev);
@@ -12,11 +21,11 @@ pub fn main() -> stagecraft::Result<()> {
     let x = &w - &c;
     let y = &(&x + &x) + &w;
     let z = &y + &y;
-    println!("z has shape {:?} before anything ran", z.dims());
-    println!("{}", lazy::trace_text(&z)?);
+    writeln!(out, "z has shape {:?} before anything ran", z.dims())?;
+    writeln!(out, "{}", lazy::trace_text(&z)?)?;
     drop((w, x, y));
-    println!("after dropping w, x, y:\n{}", lazy::trace_text(&z)?);
-    println!("z = {}", z.item()?);
+    writeln!(out, "after dropping w, x, y:\n{}", lazy::trace_text(&z)?)?;
+    writeln!(out, "z = {}", z.item()?)?;
 
     // A small regression trained with backward(): one trace per step.
     lazy::reset_metrics();
@@ -34,10 +43,10 @@ pub fn main() -> stagecraft::Result<()> {
         weights = &w - &(grads.get(&w).expect("w is tracked") * 0.3);
         lazy::mark_step();
         if step % 10 == 9 {
-            println!("step {:2}: loss {:.6}", step + 1, loss.item()?);
+            writeln!(out, "step {:2}: loss {:.6}", step + 1, loss.item()?)?;
         }
     }
-    println!("learned {}", weights.reshape(&[4]));
-    println!("{:#?}", lazy::metrics());
+    writeln!(out, "learned {}", weights.reshape(&[4]))?;
+    writeln!(out, "{:#?}", lazy::metrics())?;
     Ok(())
 }

@@ -7,6 +7,8 @@
 //! `cargo run --release -p stagecraft --example stage_collatz`
 
 use stagecraft::{staged_graphs, transfer_guard, transfer_stats, Device, Tensor, TransferGuard};
+use std::error::Error;
+use std::io::Write;
 
 #[stagecraft::stage]
 fn collatz_steps(start: Tensor<i64>) -> Tensor<i64> {
@@ -25,25 +27,36 @@ fn collatz_steps(start: Tensor<i64>) -> Tensor<i64> {
     steps
 }
 
-fn main() -> stagecraft::Result<()> {
+/// Runs the example, printing to the standard output.
+pub fn main() -> Result<(), Box<dyn Error>> {
+    run(&mut std::io::stdout().lock())
+}
+
+/// The program, printing to `out` (`tests/examples.rs` runs it and checks
+/// what it prints).
+pub fn run(out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let cpu = Device::cpu();
     for start in [6i64, 7, 27, 97, 871] {
         let steps = collatz_steps(Tensor::scalar(start, &cpu));
         // An explicit copy: allowed even where implicit ones are refused.
         let steps = transfer_guard(TransferGuard::Disallow, || steps.to_host().item())?;
-        println!("collatz({start}) takes {steps} steps");
+        writeln!(out, "collatz({start}) takes {steps} steps")?;
     }
-    println!("--- the extracted graph (one trace for every start value) ---");
+    writeln!(
+        out,
+        "--- the extracted graph (one trace for every start value) ---"
+    )?;
     for text in staged_graphs("collatz_steps") {
-        println!("{text}");
+        writeln!(out, "{text}")?;
     }
     // An implicit read, logged with its source line.
     let steps = transfer_guard(TransferGuard::Log, || {
         collatz_steps(Tensor::scalar(9, &cpu)).item()
     })?;
-    println!(
+    writeln!(
+        out,
         "collatz(9) takes {steps} steps; transfers so far: {:?}",
         transfer_stats()
-    );
+    )?;
     Ok(())
 }

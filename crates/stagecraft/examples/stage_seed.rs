@@ -12,6 +12,8 @@
 //! `cargo run --release -p stagecraft --example stage_seed`
 
 use stagecraft::{host_call, host_call_with, staged_graphs, Device, Tensor};
+use std::error::Error;
+use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 fn cpu() -> Device {
@@ -69,14 +71,22 @@ fn count_until_key_pressed(start: Tensor<f32>) -> (Tensor<f32>, Tensor<i64>) {
     (result, count)
 }
 
-fn show(name: &str) {
-    println!("--- graphs extracted from `{name}` ---");
+fn show(out: &mut dyn Write, name: &str) -> std::io::Result<()> {
+    writeln!(out, "--- graphs extracted from `{name}` ---")?;
     for text in staged_graphs(name) {
-        println!("{text}");
+        writeln!(out, "{text}")?;
     }
+    Ok(())
 }
 
-fn main() -> stagecraft::Result<()> {
+/// Runs the example, printing to the standard output.
+pub fn main() -> Result<(), Box<dyn Error>> {
+    run(&mut std::io::stdout().lock())
+}
+
+/// The program, printing to `out` (`tests/examples.rs` runs it and checks
+/// what it prints).
+pub fn run(out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let v = |values: &[f32]| Tensor::from_vec(values.to_vec(), &[values.len()], &cpu());
     let (a, b, c, d) = (
         v(&[1.0, 2.0])?,
@@ -84,15 +94,18 @@ fn main() -> stagecraft::Result<()> {
         v(&[10.0, 10.0])?,
         v(&[1.0, 1.0])?,
     );
-    println!("conditional_code = {}", conditional_code(a, b, c, d));
-    show("conditional_code");
+    writeln!(out, "conditional_code = {}", conditional_code(a, b, c, d))?;
+    show(out, "conditional_code")?;
 
     let trained = host_and_graph_communication(v(&[0.1, 0.2, 0.3])?, 3);
-    println!("host_and_graph_communication = {trained}");
-    show("host_and_graph_communication");
+    writeln!(out, "host_and_graph_communication = {trained}")?;
+    show(out, "host_and_graph_communication")?;
 
     let (result, count) = count_until_key_pressed(v(&[0.1])?);
-    println!("count_until_key_pressed: {count} steps, result {result}");
-    show("count_until_key_pressed");
+    writeln!(
+        out,
+        "count_until_key_pressed: {count} steps, result {result}"
+    )?;
+    show(out, "count_until_key_pressed")?;
     Ok(())
 }

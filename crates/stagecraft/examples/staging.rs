@@ -3,8 +3,17 @@
 
 use stagecraft::layers::graph::text;
 use stagecraft::{cond, function, grad, while_loop, Device, Tensor};
+use std::error::Error;
+use std::io::Write;
 
-pub fn main() -> stagecraft::Result<()> {
+/// Runs the example, printing to the standard output.
+pub fn main() -> Result<(), Box<dyn Error>> {
+    run(&mut std::io::stdout().lock())
+}
+
+/// The program, printing to `out` (`tests/examples.rs` runs it and checks
+/// what it prints).
+pub fn run(out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let cpu = Device::cpu();
     let one = Tensor::<f64>::scalar(1.0, &cpu);
 
@@ -21,7 +30,7 @@ pub fn main() -> stagecraft::Result<()> {
             (cond(&even, || &n / &two, || &n * 3 + 1), k + 1)
         },
     );
-    println!("Collatz steps of 27: {}", steps.item()?);
+    writeln!(out, "Collatz steps of 27: {}", steps.item()?)?;
 
     // A staged function, traced once per input signature.
     let shrink = function(|x: Tensor<f64>| {
@@ -32,12 +41,13 @@ pub fn main() -> stagecraft::Result<()> {
         )
     });
     let x = Tensor::<f64>::full(&[1000], 0.194, &cpu);
-    println!(
+    writeln!(
+        out,
         "sum after the loop: {}",
         shrink.call(x.clone()).sum(&[0], false).item()?
-    );
+    )?;
     if let Some(f) = shrink.traced_function(&x) {
-        println!("{}", text::print(&f));
+        writeln!(out, "{}", text::print(&f))?;
     }
 
     // Gradients flow through cond and while_loop.
@@ -52,6 +62,6 @@ pub fn main() -> stagecraft::Result<()> {
         .sum(&[0], false)
     };
     let x = Tensor::<f64>::from_vec(vec![0.3, 0.4], &[2], &cpu)?;
-    println!("f(x) = {}, grad = {}", f(&x).item()?, grad(f)(&x));
+    writeln!(out, "f(x) = {}, grad = {}", f(&x).item()?, grad(f)(&x))?;
     Ok(())
 }

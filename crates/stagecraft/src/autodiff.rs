@@ -341,13 +341,20 @@ fn with_tape<R>(f: impl FnOnce() -> R) -> R {
 
 /// `value_and_grad(f)(x)` is `(f(x), ∇f(x))` for a function with a
 /// one-element result. Composes with itself and with [`grad`].
+///
+/// Errors of ops inside `f` name their own lines; an error of the
+/// differentiation itself names the line that called `value_and_grad`.
+#[track_caller]
 pub fn value_and_grad<T, F>(f: F) -> impl Fn(&Tensor<T>) -> (Tensor<T>, Tensor<T>)
 where
     T: FloatElement,
     F: Fn(&Tensor<T>) -> Tensor<T>,
 {
+    // A closure cannot be `#[track_caller]`: inside it `Location::caller()`
+    // would name this file, so the user's line is taken here, where the
+    // function is built (in `grad(f)(x)`, the same line as the call).
+    let location = Location::caller();
     move |x: &Tensor<T>| {
-        let location = Location::caller();
         with_tape(|| {
             // A fresh handle for x, so this tape tracks exactly this use.
             let x_var = crate::tensor::run::<T>(
@@ -382,6 +389,7 @@ where
 /// assert_eq!(dd(&x).to_vec()?, vec![3.0, -6.0]); // 6x
 /// # Ok::<(), stagecraft::Error>(())
 /// ```
+#[track_caller]
 pub fn grad<T, F>(f: F) -> impl Fn(&Tensor<T>) -> Tensor<T>
 where
     T: FloatElement,

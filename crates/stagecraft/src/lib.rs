@@ -55,6 +55,13 @@ pub use stagecraft_tensor::{
     Result, Shape,
 };
 
+/// The README's Rust samples, compiled and run as doctests (`cargo test
+/// --doc`), so that they keep compiling and every value they say they
+/// print is checked.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+mod readme {}
+
 /// The layers underneath, for code that works below the typed API.
 pub mod layers {
     pub use stagecraft_cpu as cpu;
