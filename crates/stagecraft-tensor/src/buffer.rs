@@ -506,7 +506,7 @@ impl Buffer {
     /// bytes are a valid `T` (for `bool`: each byte is 0 or 1).
     pub(crate) unsafe fn typed_unchecked<T: Element>(&self) -> &[T] {
         let size = std::mem::size_of::<T>();
-        debug_assert_eq!(self.0.len % size, 0, "a partial element");
+        debug_assert!(self.0.len.is_multiple_of(size), "a partial element");
         // SAFETY: the pointer is at least 16-byte aligned (enough for every
         // `Element`, see its contract), valid for `len` initialised bytes
         // while `&self` keeps the `Arc` alive, and never written while a
@@ -534,7 +534,7 @@ impl Buffer {
     /// As for [`Buffer::typed_unchecked`].
     pub(crate) unsafe fn typed_mut_unchecked<T: Element>(&mut self) -> Option<&mut [T]> {
         let size = std::mem::size_of::<T>();
-        debug_assert_eq!(self.0.len % size, 0, "a partial element");
+        debug_assert!(self.0.len.is_multiple_of(size), "a partial element");
         let raw = Arc::get_mut(&mut self.0)?;
         // SAFETY: unique access (`Arc::get_mut` succeeded and we hold
         // `&mut self`); alignment and initialisation as in
@@ -710,12 +710,12 @@ impl std::fmt::Debug for Arena {
 }
 
 /// Checks that `bytes` are whole elements of `T`, each a valid value:
-/// every element type accepts any bytes but `bool`, whose bytes must be 0 or
-/// 1. The dtype test is a constant per `T`, so other types pay no pass over
-/// their bytes.
+/// every element type accepts any bytes but `bool`, whose bytes must each
+/// be 0 or 1. The dtype test is a constant per `T`, so other types pay no
+/// pass over their bytes.
 pub(crate) fn check_element_bytes<T: Element>(bytes: &[u8]) -> Result<()> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(Error::invalid(format!(
             "{} bytes are not a whole number of {} elements ({size} bytes each)",
             bytes.len(),

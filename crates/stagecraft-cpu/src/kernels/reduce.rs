@@ -874,6 +874,9 @@ mod tests {
         for (def, op) in REDUCE {
             for dtype in NUMERIC {
                 for &(dims, axes) in CASES {
+                    if !crate::kernels::runs_in_this_build(dims) {
+                        continue;
+                    }
                     for keepdim in [false, true] {
                         let attrs = reduce_attrs(axes, keepdim);
                         let meta = TensorMetadata::new(dtype, dims);
@@ -1057,6 +1060,9 @@ mod tests {
         ] {
             for dtype in NUMERIC {
                 for &(dims, axis) in cases {
+                    if !crate::kernels::runs_in_this_build(dims) {
+                        continue;
+                    }
                     for keepdim in [false, true] {
                         let mut attrs = OpAttrs::new();
                         attrs.set_int("axis", axis).set_bool("keepdim", keepdim);
@@ -1134,6 +1140,9 @@ mod tests {
         ] {
             for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64] {
                 for &(dims, axis) in cases {
+                    if !crate::kernels::runs_in_this_build(dims) {
+                        continue;
+                    }
                     let mut attrs = OpAttrs::new();
                     attrs.set_int("axis", axis);
                     let n: usize = dims.iter().product();
