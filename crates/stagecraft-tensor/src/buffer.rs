@@ -376,11 +376,11 @@ impl Buffer {
             }
         }
         let (ptr, reused) = if len == 0 {
-            // A dangling but aligned pointer: zero-length slices need no memory.
-            (
-                NonNull::new(SMALL_ALIGN as *mut u8).expect("non-null constant"),
-                false,
-            )
+            // A dangling but aligned pointer: zero-length slices need no
+            // memory. Made without provenance rather than cast from an
+            // integer, which would make Miri treat pointers permissively.
+            let dangling = std::ptr::without_provenance_mut::<u8>(SMALL_ALIGN);
+            (NonNull::new(dangling).expect("non-null constant"), false)
         } else if let Some(ptr) = pool::take(len) {
             (ptr, true)
         } else {
@@ -815,7 +815,10 @@ mod tests {
         assert!(err.message().contains("byte 2 holds 2"), "{err}");
         assert!(err.location().unwrap().file().ends_with("buffer.rs"));
         let mut bad = bad;
-        assert!(bad.typed_mut::<bool>().is_err(), "a &mut [bool] can be read");
+        assert!(
+            bad.typed_mut::<bool>().is_err(),
+            "a &mut [bool] can be read"
+        );
         let good = Buffer::copy_of(&[0, 1, 1]);
         assert_eq!(good.typed::<bool>().unwrap(), &[false, true, true]);
         assert!(Buffer::copy_of(&[0; 6]).typed::<f32>().is_err(), "1.5 f32s");

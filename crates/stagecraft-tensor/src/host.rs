@@ -90,10 +90,8 @@ impl DenseHostTensor {
             .at(location));
         }
         if meta.dtype == DType::Bool {
-            check_element_bytes::<bool>(buffer.bytes()).map_err(|e| {
-                e.with_op("DenseHostTensor::from_buffer")
-                    .at(location)
-            })?;
+            check_element_bytes::<bool>(buffer.bytes())
+                .map_err(|e| e.with_op("DenseHostTensor::from_buffer").at(location))?;
         }
         Ok(DenseHostTensor { meta, buffer })
     }
@@ -452,8 +450,8 @@ mod tests {
     fn bool_metadata_over_bytes_that_are_not_bools_is_refused() {
         let meta = TensorMetadata::new(DType::Bool, [3]);
         let line = line!() + 1;
-        let err = DenseHostTensor::from_buffer(meta.clone(), Buffer::copy_of(&[1, 0, 2]))
-            .unwrap_err();
+        let err =
+            DenseHostTensor::from_buffer(meta.clone(), Buffer::copy_of(&[1, 0, 2])).unwrap_err();
         assert_eq!(err.kind(), crate::ErrorKind::InvalidArgument);
         assert_eq!(err.op(), Some("DenseHostTensor::from_buffer"));
         assert!(err.message().contains("byte 2 holds 2"), "{err}");

@@ -355,9 +355,15 @@ fn bytes_that_are_not_bools_are_refused_where_they_become_bools() {
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     assert!(err.message().contains("byte 1 holds 2"), "{err}");
     let loc = err.location().expect("location");
-    assert!(loc.file().ends_with("bad_input.rs") && loc.line() == line, "{err}");
+    assert!(
+        loc.file().ends_with("bad_input.rs") && loc.line() == line,
+        "{err}"
+    );
     let mut unique = Buffer::copy_of(&[2]);
-    assert!(unique.typed_mut::<bool>().is_err(), "a &mut [bool] is readable");
+    assert!(
+        unique.typed_mut::<bool>().is_err(),
+        "a &mut [bool] is readable"
+    );
     // Other element types take any bytes.
     assert_eq!(bytes.len(), 3);
     assert!(Buffer::copy_of(&[2, 0, 0, 0]).typed::<i32>().unwrap() == [2]);
