@@ -449,9 +449,9 @@ mod tests {
     #[test]
     fn bool_metadata_over_bytes_that_are_not_bools_is_refused() {
         let meta = TensorMetadata::new(DType::Bool, [3]);
+        let bad = Buffer::copy_of(&[1, 0, 2]);
         let line = line!() + 1;
-        let err =
-            DenseHostTensor::from_buffer(meta.clone(), Buffer::copy_of(&[1, 0, 2])).unwrap_err();
+        let err = DenseHostTensor::from_buffer(meta.clone(), bad).unwrap_err();
         assert_eq!(err.kind(), crate::ErrorKind::InvalidArgument);
         assert_eq!(err.op(), Some("DenseHostTensor::from_buffer"));
         assert!(err.message().contains("byte 2 holds 2"), "{err}");
