@@ -1,6 +1,6 @@
 //! Aligned, reference-counted byte buffers that hold tensor values.
 
-use crate::{DType, Element};
+use crate::{DType, Element, Error, Location, Result};
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,6 +23,11 @@ static ALLOCATED_BYTES: AtomicU64 = AtomicU64::new(0);
 /// See `Buffer::set_memory_limit`; `u64::MAX` when unset.
 static MEMORY_LIMIT: AtomicU64 = AtomicU64::new(u64::MAX);
 
+/// One block of memory. Every byte of it is initialised, for the block's
+/// whole life in a buffer, the pools and arenas: blocks come from
+/// `alloc_zeroed`, and buffers are written only with whole element values
+/// (no padding) or copies of initialised bytes. That is what lets
+/// [`Buffer::for_overwrite`] hand out a reused block without clearing it.
 struct RawBuffer {
     ptr: NonNull<u8>,
     len: usize,
@@ -331,8 +336,13 @@ impl Buffer {
 
     /// A buffer of `len` initialised bytes whose values are unspecified
     /// (zero, or what a freed buffer of the same size held), for a kernel
-    /// that overwrites every element. Only for dtypes valid for any bit
-    /// pattern: bool buffers must come from [`Buffer::zeroed`].
+    /// that overwrites every element.
+    ///
+    /// Safe for every element type: the bytes are initialised (see
+    /// `RawBuffer`), every element type but `bool` is valid for any bytes,
+    /// and [`Buffer::typed`] checks that bytes read as `bool` are 0 or 1.
+    /// A bool result should still start from [`Buffer::zeroed`], which
+    /// passes that check.
     pub fn for_overwrite(len: usize) -> Buffer {
         Buffer::try_for_overwrite(len).unwrap_or_else(|| out_of_memory(len))
     }
@@ -366,11 +376,11 @@ impl Buffer {
             }
         }
         let (ptr, reused) = if len == 0 {
-            // A dangling but aligned pointer: zero-length slices need no memory.
-            (
-                NonNull::new(SMALL_ALIGN as *mut u8).expect("non-null constant"),
-                false,
-            )
+            // A dangling but aligned pointer: zero-length slices need no
+            // memory. Made without provenance rather than cast from an
+            // integer, which would make Miri treat pointers permissively.
+            let dangling = std::ptr::without_provenance_mut::<u8>(SMALL_ALIGN);
+            (NonNull::new(dangling).expect("non-null constant"), false)
         } else if let Some(ptr) = pool::take(len) {
             (ptr, true)
         } else {
@@ -472,36 +482,64 @@ impl Buffer {
         unsafe { std::slice::from_raw_parts(self.0.ptr.as_ptr(), self.0.len) }
     }
 
-    /// The values as a slice of `T`; the caller has checked the dtype.
+    /// The values as a slice of `T`.
     ///
-    /// # Panics
-    /// If the length is not a multiple of `size_of::<T>()` (a bug in the
-    /// caller: tensors check their dtype first).
-    pub fn typed<T: Element>(&self) -> &[T] {
+    /// Fails when the length is not a multiple of `size_of::<T>()`, or, for
+    /// `bool`, when a byte is neither 0 nor 1 (bytes from
+    /// [`Buffer::copy_of`], a reused [`Buffer::for_overwrite`] block or
+    /// another type's values): reading such a byte as a `bool` would be
+    /// undefined behaviour. Every other element type is valid for any
+    /// bytes, so for them this is only the length check.
+    #[track_caller]
+    pub fn typed<T: Element>(&self) -> Result<&[T]> {
+        let location = Location::caller();
+        check_element_bytes::<T>(self.bytes()).map_err(|e| e.at(location))?;
+        // SAFETY: just checked: whole elements, each a valid `T`.
+        Ok(unsafe { self.typed_unchecked() })
+    }
+
+    /// [`Buffer::typed`] without the checks, for host tensors, whose
+    /// constructors check their bytes once.
+    ///
+    /// # Safety
+    /// The length is a multiple of `size_of::<T>()` and every element's
+    /// bytes are a valid `T` (for `bool`: each byte is 0 or 1).
+    pub(crate) unsafe fn typed_unchecked<T: Element>(&self) -> &[T] {
         let size = std::mem::size_of::<T>();
-        assert_eq!(
-            self.0.len % size,
-            0,
-            "buffer length is not a multiple of the element size"
-        );
-        // SAFETY: the pointer is at least 16-byte aligned (enough for every Element),
-        // valid for `len` initialised bytes, and `Element` types are plain
-        // data valid for any bytes that an `Element` write or zeroing put
-        // there.
+        debug_assert!(self.0.len.is_multiple_of(size), "a partial element");
+        // SAFETY: the pointer is at least 16-byte aligned (enough for every
+        // `Element`, see its contract), valid for `len` initialised bytes
+        // while `&self` keeps the `Arc` alive, and never written while a
+        // `&self` borrow exists (writes need `&mut self` and a unique `Arc`);
+        // the caller promises whole, valid elements.
         unsafe { std::slice::from_raw_parts(self.0.ptr.as_ptr() as *const T, self.0.len / size) }
     }
 
-    /// The values as a mutable slice of `T`, if this is the only reference.
-    pub fn typed_mut<T: Element>(&mut self) -> Option<&mut [T]> {
+    /// The values as a mutable slice of `T`, if this is the only reference;
+    /// fails like [`Buffer::typed`] on bytes that are not valid `T`s (a
+    /// `&mut [bool]` can be read too).
+    #[track_caller]
+    pub fn typed_mut<T: Element>(&mut self) -> Result<&mut [T]> {
+        let location = Location::caller();
+        check_element_bytes::<T>(self.bytes()).map_err(|e| e.at(location))?;
+        // SAFETY: just checked: whole elements, each a valid `T`.
+        unsafe { self.typed_mut_unchecked() }
+            .ok_or_else(|| Error::internal("cannot write to a shared buffer").at(location))
+    }
+
+    /// [`Buffer::typed_mut`] without the byte checks (the uniqueness check
+    /// stays: it is what makes the slice exclusive); `None` when shared.
+    ///
+    /// # Safety
+    /// As for [`Buffer::typed_unchecked`].
+    pub(crate) unsafe fn typed_mut_unchecked<T: Element>(&mut self) -> Option<&mut [T]> {
         let size = std::mem::size_of::<T>();
-        assert_eq!(
-            self.0.len % size,
-            0,
-            "buffer length is not a multiple of the element size"
-        );
+        debug_assert!(self.0.len.is_multiple_of(size), "a partial element");
         let raw = Arc::get_mut(&mut self.0)?;
         // SAFETY: unique access (`Arc::get_mut` succeeded and we hold
-        // `&mut self`), alignment and validity as in `typed`.
+        // `&mut self`); alignment and initialisation as in
+        // `typed_unchecked`; the caller promises whole, valid elements, and
+        // every value written through the slice is a valid `T`.
         Some(unsafe { std::slice::from_raw_parts_mut(raw.ptr.as_ptr() as *mut T, raw.len / size) })
     }
 
@@ -671,6 +709,30 @@ impl std::fmt::Debug for Arena {
     }
 }
 
+/// Checks that `bytes` are whole elements of `T`, each a valid value:
+/// every element type accepts any bytes but `bool`, whose bytes must each
+/// be 0 or 1. The dtype test is a constant per `T`, so other types pay no
+/// pass over their bytes.
+pub(crate) fn check_element_bytes<T: Element>(bytes: &[u8]) -> Result<()> {
+    let size = std::mem::size_of::<T>();
+    if !bytes.len().is_multiple_of(size) {
+        return Err(Error::invalid(format!(
+            "{} bytes are not a whole number of {} elements ({size} bytes each)",
+            bytes.len(),
+            T::DTYPE
+        )));
+    }
+    if matches!(T::DTYPE, DType::Bool) {
+        if let Some(at) = bytes.iter().position(|&b| b > 1) {
+            return Err(Error::invalid(format!(
+                "byte {at} holds {}, which is not a bool (bool bytes must be 0 or 1)",
+                bytes[at]
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Bytes for `numel` elements of `dtype`.
 pub(crate) fn bytes_for(dtype: DType, numel: usize) -> usize {
     numel * dtype.size_in_bytes()
@@ -689,29 +751,26 @@ mod tests {
         assert!(b.bytes().iter().all(|&x| x == 0));
         let mut c = b.clone();
         assert!(!c.is_unique());
-        assert!(c.typed_mut::<u8_like>().is_none());
+        assert!(c.typed_mut::<bool>().is_err());
         drop(b);
         assert!(c.is_unique());
         c.typed_mut::<f32>().unwrap()[0] = 1.5;
-        assert_eq!(c.typed::<f32>()[0], 1.5);
+        assert_eq!(c.typed::<f32>().unwrap()[0], 1.5);
     }
-
-    #[allow(non_camel_case_types)]
-    type u8_like = bool;
 
     #[test]
     fn empty_buffers_need_no_memory() {
         let before = Buffer::allocation_count();
         let b = Buffer::zeroed(0);
         assert!(b.is_empty());
-        assert_eq!(b.typed::<f64>().len(), 0);
+        assert_eq!(b.typed::<f64>().unwrap().len(), 0);
         assert_eq!(Buffer::allocation_count(), before);
     }
 
     #[test]
     fn from_slice_copies() {
         let b = Buffer::from_slice(&[1i64, -2, 3]);
-        assert_eq!(b.typed::<i64>(), &[1, -2, 3]);
+        assert_eq!(b.typed::<i64>().unwrap(), &[1, -2, 3]);
         assert_eq!(b.len(), 24);
     }
 
@@ -747,6 +806,38 @@ mod tests {
             "reused from this thread's cache"
         );
         assert!(b.bytes().iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn bytes_that_are_not_bools_are_refused_as_bools() {
+        let bad = Buffer::copy_of(&[0, 1, 2]);
+        let err = bad.typed::<bool>().unwrap_err();
+        assert!(err.message().contains("byte 2 holds 2"), "{err}");
+        assert!(err.location().unwrap().file().ends_with("buffer.rs"));
+        let mut bad = bad;
+        assert!(
+            bad.typed_mut::<bool>().is_err(),
+            "a &mut [bool] can be read"
+        );
+        let good = Buffer::copy_of(&[0, 1, 1]);
+        assert_eq!(good.typed::<bool>().unwrap(), &[false, true, true]);
+        assert!(Buffer::copy_of(&[0; 6]).typed::<f32>().is_err(), "1.5 f32s");
+    }
+
+    #[test]
+    fn a_reused_block_holding_other_values_is_refused_as_bools() {
+        let mut a = Buffer::zeroed(48);
+        // 3.0f32 is 0x4040_0000: bytes 2 and 3 of each element are 0x40.
+        a.typed_mut::<f32>().unwrap().fill(3.0);
+        let addr = a.bytes().as_ptr() as usize;
+        drop(a);
+        let mut b = Buffer::for_overwrite(48);
+        assert_eq!(b.bytes().as_ptr() as usize, addr, "from the thread cache");
+        assert!(b.typed::<bool>().is_err());
+        assert!(b.typed_mut::<bool>().is_err());
+        // Overwriting through another type keeps working, as kernels do.
+        b.typed_mut::<i32>().unwrap().fill(1);
+        assert_eq!(b.typed::<i32>().unwrap(), &[1; 12]);
     }
 
     #[test]

@@ -262,9 +262,12 @@ impl fmt::Display for Scalar {
 /// A Rust type that is the element of a tensor.
 ///
 /// # Safety
-/// Implementors must be plain data: no padding, no drop glue, valid when all
-/// bytes are zero, and `DTYPE.size_in_bytes() == size_of::<Self>()`. Buffers
-/// are reinterpreted as slices of `Self`.
+/// Buffers are reinterpreted as slices of `Self`, so implementors must be
+/// plain data: no padding, no drop glue, alignment at most 16 (a small
+/// buffer's), `DTYPE.size_in_bytes() == size_of::<Self>()`, valid when all
+/// bytes are zero, and valid for *any* bytes unless `DTYPE` is
+/// [`DType::Bool`]: bool is the one dtype whose bytes are checked (0 or 1)
+/// where bytes from outside become typed values.
 pub unsafe trait Element:
     Copy + Send + Sync + PartialEq + PartialOrd + fmt::Debug + fmt::Display + Default + 'static
 {

@@ -1,13 +1,23 @@
 //! Host tensors: dense values in a shared buffer, and a broadcast scalar that
 //! needs no buffer at all until it is converted.
 
-use crate::buffer::bytes_for;
-use crate::{Buffer, DType, Element, Error, Result, Scalar, Shape, TensorMetadata};
+use crate::buffer::{bytes_for, check_element_bytes};
+use crate::{Buffer, DType, Element, Error, Location, Result, Scalar, Shape, TensorMetadata};
 
 /// A dense, row-major tensor in host memory.
 ///
 /// Cloning shares the buffer. Kernels may write into the buffer in place when
 /// [`DenseHostTensor::is_unique`] holds.
+///
+/// Invariant, which [`DenseHostTensor::as_slice`] relies on to hand out
+/// slices without a pass over the bytes: the buffer holds exactly the
+/// metadata's elements, each a valid value of the dtype (a bool tensor's
+/// bytes are 0 or 1). Every constructor establishes it ([`from_buffer`]
+/// checks bool bytes), and the buffer is written only through
+/// [`DenseHostTensor::as_mut_slice`] (typed values) while the tensor holds
+/// it.
+///
+/// [`from_buffer`]: DenseHostTensor::from_buffer
 #[derive(Clone, Debug)]
 pub struct DenseHostTensor {
     meta: TensorMetadata,
@@ -23,7 +33,8 @@ impl DenseHostTensor {
     }
 
     /// A tensor whose values are unspecified, for a kernel that writes every
-    /// element (bool tensors are zeroed: not every byte is a valid bool).
+    /// element (bool tensors are zeroed: a reused block may hold bytes that
+    /// are not bools, and a tensor's bytes must be valid values).
     pub fn for_overwrite(meta: TensorMetadata) -> Result<DenseHostTensor> {
         let bytes = meta.checked_size_in_bytes()?;
         let buffer = if meta.dtype == DType::Bool {
@@ -63,13 +74,24 @@ impl DenseHostTensor {
         })
     }
 
-    /// Wraps an existing buffer; its length must match the metadata.
+    /// Wraps an existing buffer; its length must match the metadata, and
+    /// under bool metadata every byte must be 0 or 1 (checked: one pass over
+    /// the bytes for bool, none for other dtypes, whose values any bytes
+    /// are).
+    #[track_caller]
     pub fn from_buffer(meta: TensorMetadata, buffer: Buffer) -> Result<DenseHostTensor> {
+        let location = Location::caller();
         if buffer.len() != bytes_for(meta.dtype, meta.shape.numel()) {
-            return Err(Error::internal(format!(
+            return Err(Error::invalid(format!(
                 "a buffer of {} bytes cannot hold {meta}",
                 buffer.len()
-            )));
+            ))
+            .with_op("DenseHostTensor::from_buffer")
+            .at(location));
+        }
+        if meta.dtype == DType::Bool {
+            check_element_bytes::<bool>(buffer.bytes())
+                .map_err(|e| e.with_op("DenseHostTensor::from_buffer").at(location))?;
         }
         Ok(DenseHostTensor { meta, buffer })
     }
@@ -132,7 +154,9 @@ impl DenseHostTensor {
     }
 
     /// Reuses this tensor's buffer for a result of the same byte size,
-    /// relabelled with `meta`.
+    /// relabelled with `meta` (checked as [`DenseHostTensor::from_buffer`]
+    /// checks).
+    #[track_caller]
     pub fn into_relabelled(self, meta: TensorMetadata) -> Result<DenseHostTensor> {
         DenseHostTensor::from_buffer(meta, self.buffer)
     }
@@ -151,15 +175,18 @@ impl DenseHostTensor {
     /// The values as a slice, if `T` is the tensor's dtype.
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
         self.check_dtype::<T>()?;
-        Ok(self.buffer.typed())
+        // SAFETY: `T` is the dtype, and by the type's invariant the buffer
+        // holds whole elements of it, each a valid value.
+        Ok(unsafe { self.buffer.typed_unchecked() })
     }
 
     /// The values as a mutable slice, if `T` is the dtype and the buffer is
     /// not shared.
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
         self.check_dtype::<T>()?;
-        self.buffer
-            .typed_mut()
+        // SAFETY: as in `as_slice`; what is written through the slice is
+        // valid `T`s, so the invariant still holds afterwards.
+        unsafe { self.buffer.typed_mut_unchecked() }
             .ok_or_else(|| Error::internal("cannot write to a shared buffer"))
     }
 
@@ -171,7 +198,7 @@ impl DenseHostTensor {
     /// The value at a flat (row-major) index, as a [`Scalar`].
     pub fn get_scalar(&self, index: usize) -> Option<Scalar> {
         fn get<T: Element>(t: &DenseHostTensor, i: usize) -> Option<Scalar> {
-            t.buffer.typed::<T>().get(i).map(|v| v.to_scalar())
+            t.as_slice::<T>().ok()?.get(i).map(|v| v.to_scalar())
         }
         match self.dtype() {
             DType::Bool => get::<bool>(self, index),
@@ -421,6 +448,24 @@ mod tests {
     fn huge_shapes_fail_cleanly() {
         let meta = TensorMetadata::new(DType::F64, [usize::MAX / 2, 4]);
         assert!(DenseHostTensor::zeros(meta).is_err());
+    }
+
+    #[test]
+    fn bool_metadata_over_bytes_that_are_not_bools_is_refused() {
+        let meta = TensorMetadata::new(DType::Bool, [3]);
+        let bad = Buffer::copy_of(&[1, 0, 2]);
+        let line = line!() + 1;
+        let err = DenseHostTensor::from_buffer(meta.clone(), bad).unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::InvalidArgument);
+        assert_eq!(err.op(), Some("DenseHostTensor::from_buffer"));
+        assert!(err.message().contains("byte 2 holds 2"), "{err}");
+        assert_eq!(err.location().unwrap().line(), line);
+        let ok = DenseHostTensor::from_buffer(meta, Buffer::copy_of(&[1, 0, 1])).unwrap();
+        assert_eq!(ok.to_vec::<bool>().unwrap(), vec![true, false, true]);
+        // Relabelling another dtype's buffer as bools checks the same way.
+        let ints = DenseHostTensor::from_slice(&[2i32], [1]).unwrap();
+        let relabelled = ints.into_relabelled(TensorMetadata::new(DType::Bool, [4]));
+        assert!(relabelled.is_err());
     }
 
     #[test]

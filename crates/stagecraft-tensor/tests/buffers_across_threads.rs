@@ -35,7 +35,7 @@ fn buffers_cross_threads_through_the_caches_and_the_pool() {
         let mut seen = 0;
         for (len, b) in inbox {
             assert_eq!(b.len(), len);
-            let values = b.typed::<i32>();
+            let values = b.typed::<i32>().unwrap();
             assert!(values.iter().all(|&x| x == values[0]));
             seen += 1;
             // Freed here: into this thread's cache or the shared pool.

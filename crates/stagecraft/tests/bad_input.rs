@@ -341,3 +341,47 @@ fn empty_tensors_whose_other_dims_overflow_work_or_fail_cleanly() {
         assert_eq!(out.to_vec().unwrap(), Vec::<f32>::new());
     }
 }
+
+/// Bytes that are not bools (anything but 0 and 1) never become `bool`
+/// values through the layers' public API: reading one would be undefined
+/// behaviour, so each entry point that turns bytes into typed values
+/// checks them and names the caller's line.
+#[test]
+fn bytes_that_are_not_bools_are_refused_where_they_become_bools() {
+    use stagecraft::layers::tensor::{Buffer, TensorMetadata};
+    let bytes = Buffer::copy_of(&[1, 2, 0]);
+    let line = line!() + 1;
+    let err = bytes.typed::<bool>().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert!(err.message().contains("byte 1 holds 2"), "{err}");
+    let loc = err.location().expect("location");
+    assert!(
+        loc.file().ends_with("bad_input.rs") && loc.line() == line,
+        "{err}"
+    );
+    let mut unique = Buffer::copy_of(&[2]);
+    assert!(
+        unique.typed_mut::<bool>().is_err(),
+        "a &mut [bool] is readable"
+    );
+    // Other element types take any bytes.
+    assert_eq!(bytes.len(), 3);
+    assert!(Buffer::copy_of(&[2, 0, 0, 0]).typed::<i32>().unwrap() == [2]);
+
+    let meta = TensorMetadata::new(DType::Bool, [3]);
+    let line = line!() + 1;
+    let err = DenseHostTensor::from_buffer(meta.clone(), bytes).unwrap_err();
+    assert_eq!(err.op(), Some("DenseHostTensor::from_buffer"), "{err}");
+    assert!(err.message().contains("not a bool"), "{err}");
+    assert_eq!(err.location().map(|l| l.line()), Some(line), "{err}");
+    // The same bytes relabelled from another dtype are refused too.
+    let int = DenseHostTensor::from_slice(&[0x0201_0001i32], [1]).unwrap();
+    let relabelled = int.into_relabelled(TensorMetadata::new(DType::Bool, [4]));
+    assert!(relabelled.is_err());
+
+    // Valid bytes make a tensor the typed API reads as usual.
+    let ok = DenseHostTensor::from_buffer(meta, Buffer::copy_of(&[1, 0, 1])).unwrap();
+    let handle = TensorHandle::available(Device::cpu(), ok.into());
+    let t = Tensor::<bool>::try_from_handle(handle).unwrap();
+    assert_eq!(t.not().to_vec().unwrap(), vec![false, true, false]);
+}

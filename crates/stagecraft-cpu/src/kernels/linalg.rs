@@ -483,7 +483,9 @@ impl<T: Element> std::ops::Deref for RowMajor<'_, T> {
     fn deref(&self) -> &[T] {
         match self {
             RowMajor::Borrowed(values) => values,
-            RowMajor::Copied(buffer) => buffer.typed(),
+            RowMajor::Copied(buffer) => buffer
+                .typed()
+                .expect("`row_major` filled the buffer with whole `T` values"),
         }
     }
 }
@@ -498,7 +500,9 @@ fn row_major<T: Element>(
         Layout::AsIs => RowMajor::Borrowed(&values[..rows * cols]),
         Layout::Transposed => {
             let mut buffer = Buffer::for_overwrite(rows * cols * std::mem::size_of::<T>());
-            let out = buffer.typed_mut::<T>().expect("a fresh buffer is unique");
+            let out = buffer
+                .typed_mut::<T>()
+                .expect("a fresh buffer is unique, and matmul's numeric types accept any bytes");
             // Element (r, c) sits at `c * rows + r`: output axis 0 has
             // source stride 1, the transpose kernel's tiled case.
             super::shape::transpose_tiled(values, out, &[rows, cols], &[1, rows], 0, 0);

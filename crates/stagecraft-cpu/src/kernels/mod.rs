@@ -14,6 +14,20 @@ mod reduce;
 mod sgemm;
 mod shape;
 
+/// Whether a test case of `dtype` over `dims` runs in this build: every
+/// case does, except that under Miri, which interprets each kernel call
+/// thousands of times slower, a case runs only with one dtype of each
+/// element width (bool, bf16, f32, i64) and at most 1,000 elements. Larger
+/// cases exist to cross the kernels' parallel thresholds, where the work is
+/// split by safe code (`pool`) over the same loops.
+#[cfg(test)]
+pub(crate) fn runs_in_this_build(dtype: stagecraft_tensor::DType, dims: &[usize]) -> bool {
+    use stagecraft_tensor::DType;
+    let miri_sized = matches!(dtype, DType::Bool | DType::BF16 | DType::F32 | DType::I64)
+        && dims.iter().product::<usize>() <= 1_000;
+    !cfg!(miri) || miri_sized
+}
+
 pub(crate) fn register_all(registry: &mut KernelRegistry) {
     creation::register(registry);
     effects::register(registry);

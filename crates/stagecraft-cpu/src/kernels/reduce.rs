@@ -1065,6 +1065,9 @@ mod tests {
         ] {
             for dtype in NUMERIC {
                 for &(dims, axis) in cases {
+                    if !crate::kernels::runs_in_this_build(dtype, dims) {
+                        continue;
+                    }
                     for keepdim in [false, true] {
                         let mut attrs = OpAttrs::new();
                         attrs.set_int("axis", axis).set_bool("keepdim", keepdim);
@@ -1142,6 +1145,9 @@ mod tests {
         ] {
             for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64] {
                 for &(dims, axis) in cases {
+                    if !crate::kernels::runs_in_this_build(dtype, dims) {
+                        continue;
+                    }
                     let mut attrs = OpAttrs::new();
                     attrs.set_int("axis", axis);
                     let n: usize = dims.iter().product();
@@ -1209,8 +1215,10 @@ mod tests {
                 _ => ((i * 7919) % 1000) as f64 / 37.0 - 13.0,
             })
             .collect();
+        // Under Miri, narrower columns: fewer values, the same paths.
+        let widest = if cfg!(miri) { 20 } else { 50 };
         for log in [false, true] {
-            for inner in [1, 3, 50] {
+            for inner in [1, 3, widest] {
                 let f32s: Vec<f32> = xs.iter().map(|&x| x as f32).collect();
                 check(&f32s[..10 * inner], inner, log);
                 check(&f32s[..(20 * inner).min(1000)], inner, log);

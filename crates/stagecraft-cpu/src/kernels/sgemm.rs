@@ -905,9 +905,9 @@ unsafe fn tile<const R: usize>(
     }
     let mut acc = [[_mm512_setzero_ps(); NV]; R];
     let step = |acc: &mut [[__m512; NV]; R], p: usize| {
-        // SAFETY (whole block): `p < kc`, so by the contract above the `R`
-        // values of `a` and the unmasked lanes of `b` at step `p` are
-        // readable.
+        // SAFETY: (for the whole block) `p < kc`, so by the contract above
+        // the `R` values of `a` and the unmasked lanes of `b` at step `p`
+        // are readable; the CPU has AVX-512F.
         unsafe {
             let row = b.add(p * b_step);
             let bv: [__m512; NV] =

@@ -846,6 +846,9 @@ mod tests {
     }
 
     fn check_transpose(dtype: DType, dims: &[usize], perm: &[usize]) {
+        if !crate::kernels::runs_in_this_build(dtype, dims) {
+            return;
+        }
         let x = sample(dtype, numel(dims));
         let mut a = OpAttrs::new();
         a.set_ints("perm", &perm.iter().map(|&p| p as i64).collect::<Vec<_>>());

@@ -393,7 +393,8 @@ mod vectors {
     /// operation (or selection) of the scalar element function.
     ///
     /// # Safety
-    /// Every method needs the CPU feature its implementation names.
+    /// Every method needs the CPU feature its implementation names; `load`
+    /// and `store` need `LANES` readable or writable floats at `at`.
     trait Lanes {
         type V: Copy;
         const LANES: usize;
@@ -425,47 +426,54 @@ mod vectors {
             impl Lanes for $name {
                 type V = $v;
                 const LANES: usize = $lanes;
-                // SAFETY (every method): the trait's contract (the CPU has
-                // the feature these intrinsics need); `load` and `store`
-                // pass their caller's pointers on.
                 #[inline(always)]
                 unsafe fn load(at: *const f32) -> $v {
+                    // SAFETY: the caller has the feature and a readable vector at `at`.
                     unsafe { $load(at) }
                 }
                 #[inline(always)]
                 unsafe fn store(at: *mut f32, v: $v) {
+                    // SAFETY: the caller has the feature and a writable vector at `at`.
                     unsafe { $store(at, v) }
                 }
                 #[inline(always)]
                 unsafe fn splat(v: f32) -> $v {
+                    // SAFETY: the caller has the feature (the trait's contract).
                     unsafe { $splat(v) }
                 }
                 #[inline(always)]
                 unsafe fn add(x: $v, y: $v) -> $v {
+                    // SAFETY: the caller has the feature (the trait's contract).
                     unsafe { $add(x, y) }
                 }
                 #[inline(always)]
                 unsafe fn sub(x: $v, y: $v) -> $v {
+                    // SAFETY: the caller has the feature (the trait's contract).
                     unsafe { $sub(x, y) }
                 }
                 #[inline(always)]
                 unsafe fn mul(x: $v, y: $v) -> $v {
+                    // SAFETY: the caller has the feature (the trait's contract).
                     unsafe { $mul(x, y) }
                 }
                 #[inline(always)]
                 unsafe fn div(x: $v, y: $v) -> $v {
+                    // SAFETY: the caller has the feature (the trait's contract).
                     unsafe { $div(x, y) }
                 }
                 #[inline(always)]
                 unsafe fn maximum(x: $v, y: $v) -> $v {
+                    // SAFETY: the caller has the feature (the trait's contract).
                     unsafe { $keep::<_CMP_GT_OQ>(x, y) }
                 }
                 #[inline(always)]
                 unsafe fn minimum(x: $v, y: $v) -> $v {
+                    // SAFETY: the caller has the feature (the trait's contract).
                     unsafe { $keep::<_CMP_LT_OQ>(x, y) }
                 }
                 #[inline(always)]
                 unsafe fn relu(x: $v) -> $v {
+                    // SAFETY: the caller has the feature (the trait's contract).
                     unsafe { $relu(x) }
                 }
             }
@@ -541,9 +549,9 @@ mod vectors {
         dst: *mut f32,
         range: std::ops::Range<usize>,
     ) {
-        // SAFETY (whole loop): each group's vectors lie within `range`
-        // (whole groups), inside every operand and `dst` by the contract;
-        // the CPU has `L`'s feature.
+        // SAFETY: (for the whole loop) each group's vectors lie within
+        // `range` (whole groups), inside every operand and `dst` by the
+        // contract; the CPU has `L`'s feature.
         unsafe {
             let group = |src: Src<'_, f32>, base: usize| -> [L::V; G] {
                 match src {
