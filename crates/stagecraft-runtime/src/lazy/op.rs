@@ -263,13 +263,13 @@ impl LazyRef {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
     use super::*;
     use stagecraft_ops::OpAttrs;
     use stagecraft_tensor::{DType, TensorMetadata};
 
     /// A pending `Neg` of a concrete [2] f32, with no user handle.
-    pub(crate) fn pending_op() -> Arc<LazyOp> {
+    fn pending_op() -> Arc<LazyOp> {
         let cpu = Device::cpu();
         let meta = TensorMetadata::new(DType::F32, [2]);
         let value = stagecraft_tensor::DenseHostTensor::from_slice(&[1.0f32, 2.0], [2])
