@@ -274,7 +274,11 @@ fn a_lazy_tensor_made_on_one_thread_is_read_on_another() {
         let want: Vec<f32> = (0..16).map(|i| (i as f32 * 2.0 + 1.0) * 3.0).collect();
         assert_eq!(theirs.unwrap(), want, "round {round}");
         assert_eq!(mine.unwrap(), 240.0, "round {round}");
-        assert_eq!(printed.count(&label), 1, "the shared op ran once (round {round})");
+        assert_eq!(
+            printed.count(&label),
+            1,
+            "the shared op ran once (round {round})"
+        );
         assert_eq!(shared.to_vec().unwrap()[15], 31.0);
         assert_eq!(printed.count(&label), 1, "reading it runs nothing again");
     }

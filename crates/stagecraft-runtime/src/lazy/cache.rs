@@ -321,8 +321,8 @@ mod tests {
 
     #[test]
     fn the_same_structure_hits_and_new_constants_widen_once() {
-        let (exe, args) = lookup_or_compile(&trace(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[2.0; 7]))
-            .unwrap();
+        let (exe, args) =
+            lookup_or_compile(&trace(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[2.0; 7])).unwrap();
         assert!(args.is_empty(), "both leaves are small: baked");
         let (again, _) =
             lookup_or_compile(&trace(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[2.0; 7])).unwrap();
@@ -339,7 +339,10 @@ mod tests {
         let (hit, args) = lookup_or_compile(&trace(&[0.5; 7], &[9.0; 7])).unwrap();
         assert!(Arc::ptr_eq(&widened, &hit));
         let out = hit.run(args).unwrap();
-        assert_eq!(out[0].to_dense().unwrap().to_vec::<f32>().unwrap(), [4.5; 7]);
+        assert_eq!(
+            out[0].to_dense().unwrap().to_vec::<f32>().unwrap(),
+            [4.5; 7]
+        );
     }
 
     #[test]
@@ -361,9 +364,17 @@ mod tests {
             let c = collect(&[(r.op.clone(), r.index)]).unwrap();
             miss_reason(&c.skeleton, &cache)
         };
-        let add = binary(&stagecraft_ops::ADD, &vector(&[1.0; 11], d), &vector(&[1.0; 11], d));
+        let add = binary(
+            &stagecraft_ops::ADD,
+            &vector(&[1.0; 11], d),
+            &vector(&[1.0; 11], d),
+        );
         assert_eq!(reason_for(add), "op 0 changed");
-        let longer = binary(&stagecraft_ops::MUL, &vector(&[1.0; 12], d), &vector(&[1.0; 12], d));
+        let longer = binary(
+            &stagecraft_ops::MUL,
+            &vector(&[1.0; 12], d),
+            &vector(&[1.0; 12], d),
+        );
         assert_eq!(
             reason_for(longer),
             "the output shape or dtype of op 0 changed"
@@ -373,7 +384,11 @@ mod tests {
     }
 
     fn add_pair(d: crate::device::Device) -> crate::handle::TensorHandle {
-        binary(&stagecraft_ops::ADD, &vector(&[1.0; 11], d), &vector(&[2.0; 11], d))
+        binary(
+            &stagecraft_ops::ADD,
+            &vector(&[1.0; 11], d),
+            &vector(&[2.0; 11], d),
+        )
     }
 
     /// Baked constants become constant nodes, arguments parameters; nodes

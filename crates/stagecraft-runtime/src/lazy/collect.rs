@@ -243,7 +243,6 @@ pub(super) fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
     })
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::super::tests::{binary, lazy_device, scalar, unary};

@@ -134,10 +134,16 @@ mod tests {
         assert!(text.starts_with("lazyTrace_2("), "{text}");
         assert!(text.contains("Neg") && text.contains("Mul"), "{text}");
         let last = text.lines().last().unwrap();
-        assert!(last.starts_with("// requested: %") && !last.ends_with("live: none"), "{text}");
+        assert!(
+            last.starts_with("// requested: %") && !last.ends_with("live: none"),
+            "{text}"
+        );
         drop(w);
         let text = trace_text(&y).unwrap();
-        assert!(text.lines().last().unwrap().ends_with("live: none"), "{text}");
+        assert!(
+            text.lines().last().unwrap().ends_with("live: none"),
+            "{text}"
+        );
         assert!(trace_dot(&y).unwrap().starts_with("digraph"));
     }
 

@@ -12,7 +12,9 @@
 
 use super::cache::lookup_or_compile;
 use super::collect::{collect, Collected};
-use super::metrics::{count_bytes_to_host, count_execution, count_materialization, count_step, Trigger};
+use super::metrics::{
+    count_bytes_to_host, count_execution, count_materialization, count_step, Trigger,
+};
 use super::op::{ClaimOutcome, LazyOp, Outputs, TraceId};
 use super::record::live_roots;
 use crate::device::Device;
@@ -105,7 +107,11 @@ pub(super) fn claim(roots: &mut Vec<Root>, trace: TraceId) -> Claim {
 /// Stores `error` as every output of the ops `trace` may finish.
 fn fail(trace: TraceId, ops: &[Arc<LazyOp>], error: &Error) {
     for op in ops {
-        let outputs: Outputs = op.outputs.iter().map(|_| Some(Err(error.clone()))).collect();
+        let outputs: Outputs = op
+            .outputs
+            .iter()
+            .map(|_| Some(Err(error.clone())))
+            .collect();
         op.finish(trace, outputs);
     }
 }
@@ -290,7 +296,11 @@ mod tests {
         std::thread::scope(|s| {
             let waiting = s.spawn(|| mine.wait().err().map(|e| e.to_string()));
             std::thread::sleep(std::time::Duration::from_millis(20));
-            fail(other, &[root(&shared).0], &Error::invalid("the other trace failed"));
+            fail(
+                other,
+                &[root(&shared).0],
+                &Error::invalid("the other trace failed"),
+            );
             let err = waiting.join().unwrap().expect("an error");
             assert!(err.contains("the other trace failed"), "{err}");
         });

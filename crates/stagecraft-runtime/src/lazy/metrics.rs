@@ -139,9 +139,7 @@ thread_local! {
 }
 
 fn recording_threads() -> std::sync::MutexGuard<'static, Vec<Arc<AtomicU64>>> {
-    RECORDING_THREADS
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    RECORDING_THREADS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Counts one recorded op (on this thread's own counter).
@@ -151,7 +149,9 @@ pub(super) fn count_recorded_op() {
     let counted = OPS_RECORDED_HERE.try_with(|c| c.0.fetch_add(1, Relaxed));
     if counted.is_err() {
         // Recording from a thread-local destructor, after ours was dropped.
-        COUNTERS.ops_recorded_by_exited_threads.fetch_add(1, Relaxed);
+        COUNTERS
+            .ops_recorded_by_exited_threads
+            .fetch_add(1, Relaxed);
     }
 }
 

@@ -38,8 +38,8 @@ mod op;
 mod record;
 
 pub use inspect::{step_trace, trace_dot, trace_text, StepTrace};
-pub(crate) use materialize::materialize_handle;
 pub use materialize::mark_step;
+pub(crate) use materialize::materialize_handle;
 pub use metrics::{metrics, reset_metrics, LazyMetrics, Trigger};
 pub(crate) use op::LazyRef;
 pub use record::set_trace_limit;
@@ -149,7 +149,12 @@ pub(crate) mod tests {
 
     /// The f32 values of `h` (reading it materializes it).
     pub(crate) fn values(h: &TensorHandle) -> Vec<f32> {
-        h.wait().unwrap().to_dense().unwrap().to_vec::<f32>().unwrap()
+        h.wait()
+            .unwrap()
+            .to_dense()
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
     }
 
     /// An op on a lazy device is recorded; reading it runs its trace.

@@ -215,13 +215,17 @@ impl LazyOp {
     /// The stored value of output `index`, once the op is done.
     pub(super) fn output(&self, index: u32) -> Option<Result<HostTensor>> {
         match &self.lock().state {
-            State::Done(values) => Some(values.get(index as usize).cloned().flatten().unwrap_or_else(
-                || {
-                    Err(stagecraft_tensor::Error::internal(
-                        "a materialized lazy value was dropped",
-                    ))
-                },
-            )),
+            State::Done(values) => Some(
+                values
+                    .get(index as usize)
+                    .cloned()
+                    .flatten()
+                    .unwrap_or_else(|| {
+                        Err(stagecraft_tensor::Error::internal(
+                            "a materialized lazy value was dropped",
+                        ))
+                    }),
+            ),
             _ => None,
         }
     }
@@ -298,7 +302,11 @@ mod tests {
         assert_eq!(op.try_claim(b), ClaimOutcome::Busy);
         assert!(!op.finish(b, smallvec::smallvec![None]), "b holds no claim");
         op.unclaim(b);
-        assert_eq!(op.try_claim(b), ClaimOutcome::Busy, "b cannot unclaim a's op");
+        assert_eq!(
+            op.try_claim(b),
+            ClaimOutcome::Busy,
+            "b cannot unclaim a's op"
+        );
         assert!(op.finish(a, smallvec::smallvec![None]));
         assert_eq!(op.try_claim(b), ClaimOutcome::Done);
         assert!(!op.finish(a, smallvec::smallvec![None]), "done once");
@@ -320,9 +328,11 @@ mod tests {
         let op = pending_op();
         let (owner, waiter) = (TraceId::next(), TraceId::next());
         op.try_claim(owner);
-        let value = || Some(Ok(HostTensor::from(
-            stagecraft_tensor::DenseHostTensor::from_slice(&[-1.0f32, -2.0], [2]).unwrap(),
-        )));
+        let value = || {
+            Some(Ok(HostTensor::from(
+                stagecraft_tensor::DenseHostTensor::from_slice(&[-1.0f32, -2.0], [2]).unwrap(),
+            )))
+        };
         std::thread::scope(|s| {
             let waiting = s.spawn(|| {
                 op.wait_while_claimed_by_other(waiter);
@@ -333,7 +343,10 @@ mod tests {
             assert!(!waiting.is_finished(), "the claim is still held");
             op.finish(owner, smallvec::smallvec![value()]);
             let got = waiting.join().unwrap().expect("done").unwrap();
-            assert_eq!(got.to_dense().unwrap().to_vec::<f32>().unwrap(), [-1.0, -2.0]);
+            assert_eq!(
+                got.to_dense().unwrap().to_vec::<f32>().unwrap(),
+                [-1.0, -2.0]
+            );
         });
     }
 

@@ -223,6 +223,14 @@ mod tests {
             op = next;
         }
         assert_eq!(pending, 4);
-        assert_eq!(t.wait().unwrap().to_dense().unwrap().to_vec::<f32>().unwrap(), [1.0]);
+        assert_eq!(
+            t.wait()
+                .unwrap()
+                .to_dense()
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
+            [1.0]
+        );
     }
 }
