@@ -12,6 +12,8 @@ use stagecraft::{
     cond, function, lazy, while_loop, with_execution_mode, Device, ExecutionMode, Rng,
     StagedFunction, Tensor,
 };
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
 
 const THREADS: usize = 16;
 const ROUNDS: usize = 40;
@@ -214,35 +216,93 @@ fn threads_record_and_materialize_their_own_lazy_traces_at_once() {
     });
 }
 
-/// Lines the `Print` op wrote with `label`, from a sink installed for the
-/// test (other tests here print nothing).
-struct PrintCounter(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
-
-impl PrintCounter {
-    fn install() -> PrintCounter {
-        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let sink = lines.clone();
-        stagecraft::layers::cpu::set_print_sink(Some(std::sync::Arc::new(move |l: &str| {
-            sink.lock().unwrap().push(l.to_string());
+/// The lines `Print` ops wrote, through a sink installed once for every
+/// test here. A line labelled `hold` keeps its trace running (inside the
+/// `Print` kernel) until [`Hold::release`], for at most 20 seconds.
+fn printed() -> &'static Mutex<Vec<String>> {
+    static LINES: OnceLock<&'static Mutex<Vec<String>>> = OnceLock::new();
+    LINES.get_or_init(|| {
+        let lines: &'static Mutex<Vec<String>> = Box::leak(Box::default());
+        stagecraft::layers::cpu::set_print_sink(Some(Arc::new(move |l: &str| {
+            lines.lock().unwrap().push(l.to_string());
+            if l.starts_with("hold: ") {
+                HOLD.wait_for_release();
+            }
         })));
-        PrintCounter(lines)
+        lines
+    })
+}
+
+fn count_printed(label: &str) -> usize {
+    let prefix = format!("{label}: ");
+    printed()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|l| l.starts_with(&prefix))
+        .count()
+}
+
+/// Whether a `hold` print is running, and whether it may end.
+struct Hold {
+    state: Mutex<(bool, bool)>,
+    changed: Condvar,
+}
+
+static HOLD: Hold = Hold {
+    state: Mutex::new((false, false)),
+    changed: Condvar::new(),
+};
+
+impl Hold {
+    fn wait_for_release(&self) {
+        let mut state = self.state.lock().unwrap();
+        state.0 = true;
+        self.changed.notify_all();
+        let timeout = Duration::from_secs(20);
+        let _ = self.changed.wait_timeout_while(state, timeout, |s| !s.1);
     }
 
-    fn count(&self, label: &str) -> usize {
-        let prefix = format!("{label}: ");
-        self.0
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|l| l.starts_with(&prefix))
-            .count()
+    /// Waits (at most 20 seconds) until a `hold` print runs.
+    fn wait_until_held(&self) -> bool {
+        let state = self.state.lock().unwrap();
+        let timeout = Duration::from_secs(20);
+        let (state, _) = self.changed.wait_timeout_while(state, timeout, |s| !s.0).unwrap();
+        state.0
+    }
+
+    fn release(&self) {
+        self.state.lock().unwrap().1 = true;
+        self.changed.notify_all();
     }
 }
 
-impl Drop for PrintCounter {
-    fn drop(&mut self) {
-        stagecraft::layers::cpu::set_print_sink(None);
-    }
+/// One thread's trace is in the middle of running (held inside its `Print`
+/// kernel) while another thread records, materializes and reads a trace of
+/// its own: traces of different threads run at the same time. (With one
+/// trace at a time, the second thread would wait for the first, which
+/// waits for it: the read below would time out.)
+#[test]
+fn a_thread_materializes_while_another_threads_trace_runs() {
+    printed();
+    let d = Device::lazy(&Device::cpu());
+    std::thread::scope(|s| {
+        let held = s.spawn(|| {
+            let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2], &d).unwrap();
+            ((&x * 2.0).print("hold") + 1.0).to_vec()
+        });
+        assert!(HOLD.wait_until_held(), "the first trace started");
+        let (sender, receiver) = std::sync::mpsc::channel();
+        s.spawn(move || {
+            let x = Tensor::<f32>::from_vec(vec![3.0, 4.0], &[2], &d).unwrap();
+            let _ = sender.send((x.exp().log() * 10.0).to_vec());
+        });
+        let second = receiver.recv_timeout(Duration::from_secs(10));
+        HOLD.release();
+        let second = second.expect("the second trace ran while the first was running");
+        assert_eq!(second.unwrap(), vec![30.0, 40.0]);
+        assert_eq!(held.join().unwrap().unwrap(), vec![3.0, 5.0]);
+    });
 }
 
 /// A pending lazy tensor made on one thread is handed to another, and both
@@ -251,7 +311,7 @@ impl Drop for PrintCounter {
 /// runs exactly once, and both threads get values computed from it.
 #[test]
 fn a_lazy_tensor_made_on_one_thread_is_read_on_another() {
-    let printed = PrintCounter::install();
+    printed();
     let d = Device::lazy(&Device::cpu());
     for round in 0..30 {
         let label = format!("shared-{round}");
@@ -275,12 +335,12 @@ fn a_lazy_tensor_made_on_one_thread_is_read_on_another() {
         assert_eq!(theirs.unwrap(), want, "round {round}");
         assert_eq!(mine.unwrap(), 240.0, "round {round}");
         assert_eq!(
-            printed.count(&label),
+            count_printed(&label),
             1,
             "the shared op ran once (round {round})"
         );
         assert_eq!(shared.to_vec().unwrap()[15], 31.0);
-        assert_eq!(printed.count(&label), 1, "reading it runs nothing again");
+        assert_eq!(count_printed(&label), 1, "reading it runs nothing again");
     }
     // Made here, read only there: the other thread's trace runs it, and
     // this thread's step finds nothing left to run.
@@ -289,7 +349,7 @@ fn a_lazy_tensor_made_on_one_thread_is_read_on_another() {
     let read = std::thread::scope(|s| s.spawn(|| moved.sum(&[0], false).item()).join());
     assert_eq!(read.unwrap().unwrap(), 80.0);
     lazy::mark_step();
-    assert_eq!(printed.count(label), 1);
+    assert_eq!(count_printed(label), 1);
     assert_eq!(moved.to_vec().unwrap(), vec![5.0; 16]);
 }
 
