@@ -267,7 +267,10 @@ impl Hold {
     fn wait_until_held(&self) -> bool {
         let state = self.state.lock().unwrap();
         let timeout = Duration::from_secs(20);
-        let (state, _) = self.changed.wait_timeout_while(state, timeout, |s| !s.0).unwrap();
+        let (state, _) = self
+            .changed
+            .wait_timeout_while(state, timeout, |s| !s.0)
+            .unwrap();
         state.0
     }
 

@@ -65,6 +65,10 @@ pub(super) fn claim(roots: &mut Vec<Root>, trace: TraceId) -> Claim {
                 return Claim::Failed(e);
             }
         };
+        if collected.ops.is_empty() {
+            // The roots ran elsewhere while this trace was being collected.
+            continue;
+        }
         let mut order: Vec<&Arc<LazyOp>> = collected.ops.iter().collect();
         order.sort_unstable_by_key(|op| address(op));
         let mut all_claimed = true;
