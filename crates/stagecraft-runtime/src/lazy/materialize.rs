@@ -147,7 +147,11 @@ fn run_claimed(trace: TraceId, collected: Collected, trigger: Trigger, start: In
     for (&(pos, index), value) in collected.outputs.iter().zip(results) {
         produced[pos][index as usize] = Some(Ok(value));
     }
-    for (op, values) in collected.ops.iter().zip(produced) {
+    // Readers before the ops they read (reverse post-order): an output
+    // the trace did not return (`None`) belongs to an op whose readers in
+    // the trace are all done by then, so a thread collecting at this
+    // moment never takes it for a leaf.
+    for (op, values) in collected.ops.iter().zip(produced).rev() {
         op.finish(trace, values);
     }
 }
