@@ -17,14 +17,32 @@
 //!   arguments; small constants are baked in until a trace differs from a
 //!   cached one only in their values, which turns them into arguments
 //!   (widening), so per-step scalars cost at most one extra compile.
+//! - Threads record and materialize independently: each keeps its own list
+//!   of recorded ops, recording takes no lock another thread takes, and
+//!   two threads run their traces at the same time. An op that two
+//!   threads' traces share (a lazy tensor handed to another thread) is
+//!   claimed by one trace, which runs it; the other waits for it and reads
+//!   its value.
+//!
+//! The modules follow an op's life: `op` (a recorded op, its states and
+//! claims), `record`, `collect` (a trace's ops and structure), `cache`
+//! (compiled traces by structure), `materialize` (claim, run, store), plus
+//! `inspect` (a trace printed without running it) and `metrics`.
 
-mod trace;
+mod cache;
+mod collect;
+mod inspect;
+mod materialize;
+mod metrics;
+mod op;
+mod record;
 
-pub use trace::{
-    mark_step, metrics, reset_metrics, set_trace_limit, step_trace, trace_dot, trace_text,
-    LazyMetrics, StepTrace, Trigger,
-};
-pub(crate) use trace::{materialize_handle, LazyRef};
+pub use inspect::{step_trace, trace_dot, trace_text, StepTrace};
+pub use materialize::mark_step;
+pub(crate) use materialize::materialize_handle;
+pub use metrics::{metrics, reset_metrics, LazyMetrics, Trigger};
+pub(crate) use op::LazyRef;
+pub use record::set_trace_limit;
 
 use crate::device::Device;
 use crate::handle::TensorHandle;
@@ -65,13 +83,87 @@ impl OpHandler for LazyOpHandler {
         // op has run, and every op recorded after it infers its metadata
         // from that shape: run such an op now, as the eager mode does.
         if self.eager || inv.op.shape_kind == stagecraft_ops::ShapeKind::DataDependent {
-            return trace::execute_eagerly(self.target, inv);
+            return record::execute_eagerly(self.target, inv);
         }
-        trace::record(self.target, inv)
+        record::record(self.target, inv)
     }
 }
 
 /// Whether a handle lives on a lazy device.
 pub fn is_lazy_handle(handle: &TensorHandle) -> bool {
     handle.device().kind() == crate::device::DeviceKind::Lazy
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use stagecraft_ops::{OpAttrs, OpDef};
+    use stagecraft_tensor::{DenseHostTensor, Location};
+
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// Held by tests that change process-wide settings (the trace cap).
+    pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
+        SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn lazy_device() -> Device {
+        Device::lazy(&Device::cpu())
+    }
+
+    /// A concrete f32 scalar on `d`.
+    pub(crate) fn scalar(v: f32, d: Device) -> TensorHandle {
+        let value = DenseHostTensor::from_slice(&[v], [0usize; 0]).unwrap();
+        TensorHandle::available(d, value.into())
+    }
+
+    /// A concrete f32 vector on `d`.
+    pub(crate) fn vector(v: &[f32], d: Device) -> TensorHandle {
+        let value = DenseHostTensor::from_slice(v, [v.len()]).unwrap();
+        TensorHandle::available(d, value.into())
+    }
+
+    pub(crate) fn unary(op: &'static OpDef, x: &TensorHandle) -> TensorHandle {
+        let attrs = OpAttrs::new();
+        crate::runtime::execute(
+            op,
+            x.device(),
+            Location::caller(),
+            smallvec::smallvec![x.clone()],
+            (&attrs).into(),
+        )
+        .remove(0)
+    }
+
+    pub(crate) fn binary(op: &'static OpDef, a: &TensorHandle, b: &TensorHandle) -> TensorHandle {
+        let attrs = OpAttrs::new();
+        crate::runtime::execute(
+            op,
+            a.device(),
+            Location::caller(),
+            smallvec::smallvec![a.clone(), b.clone()],
+            (&attrs).into(),
+        )
+        .remove(0)
+    }
+
+    /// The f32 values of `h` (reading it materializes it).
+    pub(crate) fn values(h: &TensorHandle) -> Vec<f32> {
+        h.wait()
+            .unwrap()
+            .to_dense()
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+    }
+
+    /// An op on a lazy device is recorded; reading it runs its trace.
+    #[test]
+    fn a_lazy_device_records_and_a_read_runs_the_trace() {
+        let d = lazy_device();
+        let y = binary(&stagecraft_ops::ADD, &scalar(1.0, d), &scalar(2.0, d));
+        assert!(is_lazy_handle(&y));
+        assert!(!y.is_resolved(), "recorded, not run");
+        assert_eq!(values(&y), [3.0]);
+    }
 }

@@ -1,0 +1,407 @@
+//! The trace cache: compiled traces keyed by their structure, shared by
+//! every thread. Its lock is held to look an entry up or to insert one,
+//! never while a trace compiles or runs, so threads running cached traces
+//! only ever share it for reading.
+
+use super::collect::{Collected, Leaf, Skeleton};
+use super::metrics::{count_cache_hit, count_cache_miss, count_compile};
+use super::op::LazyOp;
+use crate::executor::{instantiate, Executable};
+use crate::fxhash::FxHasher;
+use crate::profile;
+use stagecraft_graph::{Function, Node, NodeOp, Value};
+use stagecraft_tensor::{HostTensor, Location, Result, TensorMetadata};
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+/// How a trace treats one of its leaves.
+#[derive(Clone)]
+pub(super) enum Mode {
+    /// The leaf is a parameter of the compiled trace.
+    Argument,
+    /// The leaf is baked in as this constant.
+    Baked(HostTensor),
+}
+
+struct Entry {
+    skeleton: Skeleton,
+    modes: Vec<Mode>,
+    executable: Arc<Executable>,
+}
+
+/// Entries by [`fingerprint`]; entries under one fingerprint are told
+/// apart by comparing skeletons in full.
+type Cache = HashMap<u64, Vec<Entry>>;
+
+static CACHE: RwLock<Option<Cache>> = RwLock::new(None);
+
+/// Numbers the compiled traces' names.
+static TRACE_NUMBER: AtomicUsize = AtomicUsize::new(0);
+
+fn read_cache<R>(f: impl FnOnce(Option<&Cache>) -> R) -> R {
+    f(CACHE.read().unwrap_or_else(|p| p.into_inner()).as_ref())
+}
+
+fn write_cache<R>(f: impl FnOnce(&mut Cache) -> R) -> R {
+    let mut cache = CACHE.write().unwrap_or_else(|p| p.into_inner());
+    f(cache.get_or_insert_with(HashMap::new))
+}
+
+fn debug_log(message: &str) {
+    if std::env::var("STAGECRAFT_LAZY_LOG").is_ok_and(|v| v == "1") {
+        eprintln!("[stagecraft lazy] {message}");
+    }
+}
+
+fn fingerprint(skeleton: &Skeleton) -> u64 {
+    // Entries under one fingerprint are compared in full, so a fast hash
+    // is enough.
+    let mut h = FxHasher::default();
+    skeleton.hash(&mut h);
+    h.finish()
+}
+
+/// Explains a miss against the cached trace most like this one.
+fn miss_reason(skeleton: &Skeleton, cache: &Cache) -> String {
+    let nearest = cache
+        .values()
+        .flatten()
+        .filter(|e| e.skeleton.nodes.len() == skeleton.nodes.len())
+        .map(|e| &e.skeleton)
+        .next();
+    let Some(old) = nearest else {
+        return format!("no cached trace has {} ops", skeleton.nodes.len());
+    };
+    for (i, (a, b)) in skeleton.nodes.iter().zip(&old.nodes).enumerate() {
+        if a.op != b.op {
+            return format!("op {i} changed");
+        }
+        if a.attrs != b.attrs {
+            return format!(
+                "an attribute of op {i} changed ({} vs {})",
+                &*a.attrs, &*b.attrs
+            );
+        }
+        if a.inputs != b.inputs {
+            return format!("the inputs of op {i} are wired differently");
+        }
+        if a.outputs != b.outputs {
+            return format!("the output shape or dtype of op {i} changed");
+        }
+    }
+    for (i, (a, b)) in skeleton.params.iter().zip(&old.params).enumerate() {
+        if a.dtype != b.dtype {
+            return format!("argument {i} changed dtype ({} vs {})", a.dtype, b.dtype);
+        }
+        if a.shape != b.shape {
+            return format!("argument {i} changed shape ({} vs {})", a.shape, b.shape);
+        }
+    }
+    if skeleton.params.len() != old.params.len() {
+        return "the number of arguments changed".into();
+    }
+    "the set of live outputs changed".into()
+}
+
+/// Builds the graph function for `skeleton` with baked leaves as constants.
+///
+/// Every node's origin is the trace entry it stands for (baked constants
+/// go with the first entry, whose location they take): a cached compile
+/// of this function runs for later recordings too, which pass their own
+/// `locations` to [`Executable::run_recorded`] so that errors name their
+/// lines rather than these.
+pub(super) fn build_function(
+    name: String,
+    skeleton: &Skeleton,
+    modes: &[Mode],
+    collected_ops: &[Arc<LazyOp>],
+    locations: &[Location],
+) -> Function {
+    let args: Vec<TensorMetadata> = skeleton
+        .params
+        .iter()
+        .zip(modes)
+        .filter(|(_, m)| matches!(m, Mode::Argument))
+        .map(|(p, _)| p.clone())
+        .collect();
+    let mut f = Function::new(name, args);
+    // Leaf i becomes parameter k (arguments) or a constant node.
+    let mut leaf_value = Vec::with_capacity(modes.len());
+    let mut next_arg = 0u32;
+    let first_location = locations.first().copied().unwrap_or_else(Location::caller);
+    let first_origin = (!locations.is_empty()).then_some(0);
+    for mode in modes {
+        match mode {
+            Mode::Argument => {
+                leaf_value.push(Value::Param(next_arg));
+                next_arg += 1;
+            }
+            Mode::Baked(v) => {
+                let node = f.add_const(v.clone(), first_location);
+                f.nodes[node].origin = first_origin;
+                leaf_value.push(Value::node(node));
+            }
+        }
+    }
+    let base = f.nodes.len() as u32;
+    let remap = |v: Value| match v {
+        Value::Param(i) => leaf_value[i as usize],
+        Value::Output { node, output } => Value::Output {
+            node: node + base,
+            output,
+        },
+    };
+    for (i, node) in skeleton.nodes.iter().enumerate() {
+        let op = &collected_ops[i];
+        f.push(Node {
+            op: NodeOp::Op(op.def, node.attrs.clone()),
+            inputs: node.inputs.iter().map(|v| remap(*v)).collect(),
+            outputs: node.outputs.clone(),
+            device: None,
+            location: locations[i],
+            origin: u32::try_from(i).ok(),
+        });
+    }
+    f.results = skeleton.results.iter().map(|v| remap(*v)).collect();
+    f
+}
+
+/// The compiled trace for `collected`, from the cache or compiled now,
+/// with the arguments to pass.
+///
+/// Two threads that miss on the same structure at once both compile it
+/// and the later insert replaces the earlier: a rare extra compile, in
+/// exchange for never holding the cache while compiling.
+pub(super) fn lookup_or_compile(
+    collected: &Collected,
+) -> Result<(Arc<Executable>, Vec<HostTensor>)> {
+    let key = fingerprint(&collected.skeleton);
+    let leaves = &collected.leaves;
+    let found = read_cache(|cache| {
+        let entries = cache?.get(&key)?;
+        let entry = entries.iter().find(|e| e.skeleton == collected.skeleton)?;
+        let mut widened = Vec::new();
+        for (i, (mode, leaf)) in entry.modes.iter().zip(leaves).enumerate() {
+            if let Mode::Baked(v) = mode {
+                if !(leaf.bakeable && v.same_value(&leaf.value)) {
+                    widened.push(i);
+                }
+            }
+        }
+        if widened.is_empty() {
+            // A hit needs only the arguments, not a copy of the modes.
+            let args = arguments(&entry.modes, leaves);
+            return Some(Ok((entry.executable.clone(), args)));
+        }
+        Some(Err((entry.modes.clone(), widened)))
+    });
+    let modes = match found {
+        Some(Ok(hit)) => {
+            count_cache_hit();
+            profile::instant(
+                profile::CACHE,
+                "cache hit",
+                vec![("ops", collected.ops.len().to_string())],
+            );
+            return Ok(hit);
+        }
+        Some(Err((mut modes, widened))) => {
+            let reason =
+                format!("the values of constants {widened:?} changed: promoting them to arguments");
+            note_miss(reason);
+            for i in widened {
+                modes[i] = Mode::Argument;
+            }
+            modes
+        }
+        None => {
+            let reason = read_cache(|cache| match cache {
+                Some(cache) => miss_reason(&collected.skeleton, cache),
+                None => miss_reason(&collected.skeleton, &HashMap::new()),
+            });
+            note_miss(reason);
+            first_modes(leaves)
+        }
+    };
+    let start = Instant::now();
+    let span = profile::begin();
+    let name = format!("lazyTrace_{}", TRACE_NUMBER.fetch_add(1, Ordering::Relaxed));
+    let function = build_function(
+        name.clone(),
+        &collected.skeleton,
+        &modes,
+        &collected.ops,
+        &collected.locations,
+    );
+    let exe = Arc::new(instantiate(Arc::new(function), collected.target)?);
+    if let Some(span) = span {
+        let ops = collected.ops.len().to_string();
+        span.end(profile::COMPILE, name, vec![("ops", ops)]);
+    }
+    let args = arguments(&modes, leaves);
+    count_compile(start.elapsed());
+    write_cache(|cache| {
+        let entries = cache.entry(key).or_default();
+        entries.retain(|e| e.skeleton != collected.skeleton);
+        entries.push(Entry {
+            skeleton: collected.skeleton.clone(),
+            modes,
+            executable: exe.clone(),
+        });
+    });
+    Ok((exe, args))
+}
+
+fn note_miss(reason: String) {
+    debug_log(&format!("trace cache miss: {reason}"));
+    profile::instant(
+        profile::CACHE,
+        "cache miss",
+        vec![("reason", reason.clone())],
+    );
+    count_cache_miss(reason);
+}
+
+/// How the trace cache would treat `collected`'s leaves: as its cached
+/// entry does, else as a first trace.
+pub(super) fn cached_modes(collected: &Collected) -> Vec<Mode> {
+    let key = fingerprint(&collected.skeleton);
+    read_cache(|cache| {
+        cache?
+            .get(&key)?
+            .iter()
+            .find(|e| e.skeleton == collected.skeleton)
+            .map(|e| e.modes.clone())
+    })
+    .unwrap_or_else(|| first_modes(&collected.leaves))
+}
+
+/// How a trace seen for the first time treats its leaves: small constants
+/// are baked in (until widening promotes them), everything else is an
+/// argument.
+fn first_modes(leaves: &[Leaf]) -> Vec<Mode> {
+    leaves
+        .iter()
+        .map(|l| {
+            if l.bakeable {
+                Mode::Baked(l.value.clone())
+            } else {
+                Mode::Argument
+            }
+        })
+        .collect()
+}
+
+fn arguments(modes: &[Mode], leaves: &[Leaf]) -> Vec<HostTensor> {
+    modes
+        .iter()
+        .zip(leaves)
+        .filter(|(m, _)| matches!(m, Mode::Argument))
+        .map(|(_, l)| l.value.clone())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::collect::collect;
+    use super::super::tests::{binary, lazy_device, vector};
+    use super::*;
+
+    /// The trace of `x * k` for two small (bakeable) vectors. Each test
+    /// uses its own length, so other tests' traces never share its entry.
+    fn trace(x: &[f32], k: &[f32]) -> Collected {
+        let d = lazy_device();
+        let y = binary(&stagecraft_ops::MUL, &vector(x, d), &vector(k, d));
+        let r = y.lazy_ref().unwrap();
+        collect(&[(r.op.clone(), r.index)]).unwrap()
+    }
+
+    #[test]
+    fn the_same_structure_hits_and_new_constants_widen_once() {
+        let (exe, args) =
+            lookup_or_compile(&trace(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[2.0; 7])).unwrap();
+        assert!(args.is_empty(), "both leaves are small: baked");
+        let (again, _) =
+            lookup_or_compile(&trace(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[2.0; 7])).unwrap();
+        assert!(Arc::ptr_eq(&exe, &again), "a hit");
+        // Other values: both constants become arguments, in a new compile...
+        let other = trace(&[7.0; 7], &[3.0; 7]);
+        let (widened, args) = lookup_or_compile(&other).unwrap();
+        assert!(!Arc::ptr_eq(&exe, &widened));
+        assert_eq!(args.len(), 2);
+        assert!(cached_modes(&other)
+            .iter()
+            .all(|m| matches!(m, Mode::Argument)));
+        // ...which then serves any values.
+        let (hit, args) = lookup_or_compile(&trace(&[0.5; 7], &[9.0; 7])).unwrap();
+        assert!(Arc::ptr_eq(&widened, &hit));
+        let out = hit.run(args).unwrap();
+        assert_eq!(
+            out[0].to_dense().unwrap().to_vec::<f32>().unwrap(),
+            [4.5; 7]
+        );
+    }
+
+    #[test]
+    fn a_miss_names_what_changed() {
+        let seen = trace(&[1.0; 11], &[1.0; 11]);
+        let (executable, _) = lookup_or_compile(&seen).unwrap();
+        let mut cache = Cache::new();
+        cache.insert(
+            0,
+            vec![Entry {
+                skeleton: seen.skeleton.clone(),
+                modes: Vec::new(),
+                executable,
+            }],
+        );
+        let d = lazy_device();
+        let reason_for = |y: crate::handle::TensorHandle| {
+            let r = y.lazy_ref().unwrap();
+            let c = collect(&[(r.op.clone(), r.index)]).unwrap();
+            miss_reason(&c.skeleton, &cache)
+        };
+        let add = binary(
+            &stagecraft_ops::ADD,
+            &vector(&[1.0; 11], d),
+            &vector(&[1.0; 11], d),
+        );
+        assert_eq!(reason_for(add), "op 0 changed");
+        let longer = binary(
+            &stagecraft_ops::MUL,
+            &vector(&[1.0; 12], d),
+            &vector(&[1.0; 12], d),
+        );
+        assert_eq!(
+            reason_for(longer),
+            "the output shape or dtype of op 0 changed"
+        );
+        let two = binary(&stagecraft_ops::ADD, &add_pair(d), &vector(&[1.0; 11], d));
+        assert_eq!(reason_for(two), "no cached trace has 2 ops");
+    }
+
+    fn add_pair(d: crate::device::Device) -> crate::handle::TensorHandle {
+        binary(
+            &stagecraft_ops::ADD,
+            &vector(&[1.0; 11], d),
+            &vector(&[2.0; 11], d),
+        )
+    }
+
+    /// Baked constants become constant nodes, arguments parameters; nodes
+    /// keep the recording's locations and their position as origin.
+    #[test]
+    fn build_function_bakes_and_numbers_origins() {
+        let c = trace(&[1.0; 5], &[2.0; 5]);
+        let modes = vec![Mode::Argument, Mode::Baked(c.leaves[1].value.clone())];
+        let f = build_function("t".into(), &c.skeleton, &modes, &c.ops, &c.locations);
+        assert_eq!(f.params.len(), 1);
+        let last = f.nodes.last().unwrap();
+        assert_eq!(last.origin, Some(0));
+        assert_eq!(last.location, c.locations[0]);
+        assert_eq!(f.results.len(), 1);
+    }
+}

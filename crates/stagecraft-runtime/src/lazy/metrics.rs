@@ -1,0 +1,292 @@
+//! The lazy runtime's counters, kept so that no thread waits for another
+//! to count: ops recorded are counted per thread (summed when read), the
+//! per-trace counters are process-wide atomics.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What made a trace run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Trigger {
+    /// The user read a value (`to_vec`, `item`, `Display`).
+    ValueRead,
+    /// The host branched on a value (`item()` of a bool tensor).
+    HostControlFlow,
+    /// [`mark_step`](super::mark_step).
+    MarkStep,
+    /// The pending work reached the trace-length cap.
+    TraceLimit,
+}
+
+/// Counters of the lazy runtime since the last [`reset_metrics`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LazyMetrics {
+    /// Ops recorded on lazy devices.
+    pub ops_recorded: u64,
+    /// Traces compiled (cache misses, including widenings).
+    pub traces_compiled: u64,
+    /// Trace-cache lookups that found a compiled trace.
+    pub cache_hits: u64,
+    /// Lookups that had to compile.
+    pub cache_misses: u64,
+    /// Traces run.
+    pub materializations: u64,
+    /// Time spent building and compiling traces.
+    pub compile_time: Duration,
+    /// Time spent running traces.
+    pub execute_time: Duration,
+    /// Bytes of values handed to the host by reads.
+    pub bytes_to_host: u64,
+    /// Materializations caused by value reads.
+    pub by_value_read: u64,
+    /// Materializations caused by host decisions on values.
+    pub by_host_control_flow: u64,
+    /// Materializations caused by `mark_step`.
+    pub by_mark_step: u64,
+    /// Materializations caused by the trace-length cap.
+    pub by_trace_limit: u64,
+    /// Why the last cache miss missed (which part of the key changed).
+    pub last_miss_reason: Option<String>,
+    /// Buffers allocated fresh from the system (pool misses) since the
+    /// last reset. Buffers are process-wide, so eager work counts too.
+    pub buffer_allocations: u64,
+    /// Buffer requests the pool served since the last reset.
+    pub buffer_pool_hits: u64,
+    /// Fresh buffer allocations between the last two `mark_step`s: 0 in a
+    /// steady-state training loop.
+    pub allocations_last_step: u64,
+    /// Bytes held by live buffers now.
+    pub live_bytes: u64,
+    /// The most bytes live at once, over the process's life.
+    pub peak_bytes: u64,
+}
+
+/// Per-trace counters: bumped a few times per materialization, never per
+/// op, so threads sharing them cost each other nothing measurable.
+struct Counters {
+    traces_compiled: AtomicU64,
+    cache_hits: AtomicU64,
+    cache_misses: AtomicU64,
+    materializations: AtomicU64,
+    compile_nanos: AtomicU64,
+    execute_nanos: AtomicU64,
+    bytes_to_host: AtomicU64,
+    by_value_read: AtomicU64,
+    by_host_control_flow: AtomicU64,
+    by_mark_step: AtomicU64,
+    by_trace_limit: AtomicU64,
+    /// Ops recorded by threads that have exited.
+    ops_recorded_by_exited_threads: AtomicU64,
+    /// The allocator's counters at the last reset and the last `mark_step`.
+    allocations_at_reset: AtomicU64,
+    pool_hits_at_reset: AtomicU64,
+    allocations_at_step: AtomicU64,
+    allocations_last_step: AtomicU64,
+}
+
+static COUNTERS: Counters = Counters {
+    traces_compiled: AtomicU64::new(0),
+    cache_hits: AtomicU64::new(0),
+    cache_misses: AtomicU64::new(0),
+    materializations: AtomicU64::new(0),
+    compile_nanos: AtomicU64::new(0),
+    execute_nanos: AtomicU64::new(0),
+    bytes_to_host: AtomicU64::new(0),
+    by_value_read: AtomicU64::new(0),
+    by_host_control_flow: AtomicU64::new(0),
+    by_mark_step: AtomicU64::new(0),
+    by_trace_limit: AtomicU64::new(0),
+    ops_recorded_by_exited_threads: AtomicU64::new(0),
+    allocations_at_reset: AtomicU64::new(0),
+    pool_hits_at_reset: AtomicU64::new(0),
+    allocations_at_step: AtomicU64::new(0),
+    allocations_last_step: AtomicU64::new(0),
+};
+
+/// Written on cache misses only.
+static LAST_MISS_REASON: Mutex<Option<String>> = Mutex::new(None);
+
+/// Every running thread's count of ops it recorded. Locked when a thread
+/// records its first op, when it exits, and when the counters are read or
+/// reset: never per op.
+static RECORDING_THREADS: Mutex<Vec<Arc<AtomicU64>>> = Mutex::new(Vec::new());
+
+/// This thread's entry in [`RECORDING_THREADS`]; on exit its count moves
+/// to `ops_recorded_by_exited_threads`.
+struct ThreadOpCount(Arc<AtomicU64>);
+
+impl ThreadOpCount {
+    fn register() -> ThreadOpCount {
+        let count = Arc::new(AtomicU64::new(0));
+        recording_threads().push(count.clone());
+        ThreadOpCount(count)
+    }
+}
+
+impl Drop for ThreadOpCount {
+    fn drop(&mut self) {
+        let mut threads = recording_threads();
+        threads.retain(|c| !Arc::ptr_eq(c, &self.0));
+        COUNTERS
+            .ops_recorded_by_exited_threads
+            .fetch_add(self.0.load(Relaxed), Relaxed);
+    }
+}
+
+thread_local! {
+    static OPS_RECORDED_HERE: ThreadOpCount = ThreadOpCount::register();
+}
+
+fn recording_threads() -> std::sync::MutexGuard<'static, Vec<Arc<AtomicU64>>> {
+    RECORDING_THREADS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Counts one recorded op (on this thread's own counter).
+pub(super) fn count_recorded_op() {
+    // A thread's counter is written by that thread alone (and zeroed by a
+    // reset), so the add never contends with another thread's.
+    let counted = OPS_RECORDED_HERE.try_with(|c| c.0.fetch_add(1, Relaxed));
+    if counted.is_err() {
+        // Recording from a thread-local destructor, after ours was dropped.
+        COUNTERS
+            .ops_recorded_by_exited_threads
+            .fetch_add(1, Relaxed);
+    }
+}
+
+pub(super) fn count_materialization(trigger: Trigger, build_time: Duration) {
+    COUNTERS.materializations.fetch_add(1, Relaxed);
+    let by = match trigger {
+        Trigger::ValueRead => &COUNTERS.by_value_read,
+        Trigger::HostControlFlow => &COUNTERS.by_host_control_flow,
+        Trigger::MarkStep => &COUNTERS.by_mark_step,
+        Trigger::TraceLimit => &COUNTERS.by_trace_limit,
+    };
+    by.fetch_add(1, Relaxed);
+    add_nanos(&COUNTERS.compile_nanos, build_time);
+}
+
+pub(super) fn count_cache_hit() {
+    COUNTERS.cache_hits.fetch_add(1, Relaxed);
+}
+
+/// A miss, whose reason stays readable until the next one.
+pub(super) fn count_cache_miss(reason: String) {
+    *LAST_MISS_REASON.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+}
+
+pub(super) fn count_compile(time: Duration) {
+    COUNTERS.cache_misses.fetch_add(1, Relaxed);
+    COUNTERS.traces_compiled.fetch_add(1, Relaxed);
+    add_nanos(&COUNTERS.compile_nanos, time);
+}
+
+pub(super) fn count_execution(time: Duration) {
+    add_nanos(&COUNTERS.execute_nanos, time);
+}
+
+pub(super) fn count_bytes_to_host(bytes: u64) {
+    COUNTERS.bytes_to_host.fetch_add(bytes, Relaxed);
+}
+
+/// Notes a `mark_step`: the allocations since the previous one become
+/// `allocations_last_step`.
+pub(super) fn count_step() {
+    let now = stagecraft_tensor::Buffer::stats().allocations;
+    let previous = COUNTERS.allocations_at_step.swap(now, Relaxed);
+    COUNTERS
+        .allocations_last_step
+        .store(now.saturating_sub(previous), Relaxed);
+}
+
+fn add_nanos(counter: &AtomicU64, time: Duration) {
+    counter.fetch_add(u64::try_from(time.as_nanos()).unwrap_or(u64::MAX), Relaxed);
+}
+
+/// The current counters.
+pub fn metrics() -> LazyMetrics {
+    let c = &COUNTERS;
+    let recorded_by_running: u64 = recording_threads().iter().map(|n| n.load(Relaxed)).sum();
+    let stats = stagecraft_tensor::Buffer::stats();
+    let allocations_at_reset = c.allocations_at_reset.load(Relaxed);
+    LazyMetrics {
+        ops_recorded: c.ops_recorded_by_exited_threads.load(Relaxed) + recorded_by_running,
+        traces_compiled: c.traces_compiled.load(Relaxed),
+        cache_hits: c.cache_hits.load(Relaxed),
+        cache_misses: c.cache_misses.load(Relaxed),
+        materializations: c.materializations.load(Relaxed),
+        compile_time: Duration::from_nanos(c.compile_nanos.load(Relaxed)),
+        execute_time: Duration::from_nanos(c.execute_nanos.load(Relaxed)),
+        bytes_to_host: c.bytes_to_host.load(Relaxed),
+        by_value_read: c.by_value_read.load(Relaxed),
+        by_host_control_flow: c.by_host_control_flow.load(Relaxed),
+        by_mark_step: c.by_mark_step.load(Relaxed),
+        by_trace_limit: c.by_trace_limit.load(Relaxed),
+        last_miss_reason: LAST_MISS_REASON
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
+        buffer_allocations: stats.allocations.saturating_sub(allocations_at_reset),
+        buffer_pool_hits: stats
+            .pool_hits
+            .saturating_sub(c.pool_hits_at_reset.load(Relaxed)),
+        allocations_last_step: c.allocations_last_step.load(Relaxed),
+        live_bytes: stats.live_bytes,
+        peak_bytes: stats.peak_bytes,
+    }
+}
+
+/// Zeroes the counters (the trace cache is kept).
+pub fn reset_metrics() {
+    let c = &COUNTERS;
+    for counter in [
+        &c.traces_compiled,
+        &c.cache_hits,
+        &c.cache_misses,
+        &c.materializations,
+        &c.compile_nanos,
+        &c.execute_nanos,
+        &c.bytes_to_host,
+        &c.by_value_read,
+        &c.by_host_control_flow,
+        &c.by_mark_step,
+        &c.by_trace_limit,
+        &c.ops_recorded_by_exited_threads,
+        &c.allocations_last_step,
+    ] {
+        counter.store(0, Relaxed);
+    }
+    for count in recording_threads().iter() {
+        count.store(0, Relaxed);
+    }
+    *LAST_MISS_REASON.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    let stats = stagecraft_tensor::Buffer::stats();
+    c.allocations_at_reset.store(stats.allocations, Relaxed);
+    c.pool_hits_at_reset.store(stats.pool_hits, Relaxed);
+    c.allocations_at_step.store(stats.allocations, Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A thread's count lives in the registry while it runs and moves to
+    /// the exited threads' total when it ends, so no recording is lost.
+    #[test]
+    fn an_exited_threads_recordings_stay_counted() {
+        let counter = std::thread::spawn(|| {
+            for _ in 0..5 {
+                count_recorded_op();
+            }
+            let mine = OPS_RECORDED_HERE.with(|c| c.0.clone());
+            assert!(recording_threads().iter().any(|c| Arc::ptr_eq(c, &mine)));
+            mine
+        })
+        .join()
+        .unwrap();
+        assert!(!recording_threads().iter().any(|c| Arc::ptr_eq(c, &counter)));
+        assert_eq!(counter.load(Relaxed), 5);
+        assert!(COUNTERS.ops_recorded_by_exited_threads.load(Relaxed) >= 5);
+    }
+}
