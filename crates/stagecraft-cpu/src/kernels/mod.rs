@@ -13,6 +13,7 @@ mod reduce;
 #[cfg(target_arch = "x86_64")]
 mod sgemm;
 mod shape;
+mod sort;
 
 pub(crate) fn register_all(registry: &mut KernelRegistry) {
     creation::register(registry);
@@ -24,4 +25,5 @@ pub(crate) fn register_all(registry: &mut KernelRegistry) {
     nn::register(registry);
     reduce::register(registry);
     shape::register(registry);
+    sort::register(registry);
 }

@@ -12,6 +12,7 @@ mod list;
 mod nn;
 mod reduce;
 mod shape;
+mod sort;
 mod transfer;
 
 pub use control::*;
@@ -25,6 +26,7 @@ pub use list::*;
 pub use nn::*;
 pub use reduce::*;
 pub use shape::*;
+pub use sort::*;
 pub use transfer::*;
 
 use crate::op::{OpDef, OutputMetas};
@@ -83,6 +85,11 @@ pub static ALL_OPS: &[&OpDef] = &[
     &ARGMIN,
     &SOFTMAX,
     &LOG_SOFTMAX,
+    // sorting
+    &SORT,
+    &TOP_K,
+    &TAKE_ALONG_AXIS,
+    &TAKE_ALONG_AXIS_GRAD,
     // linear algebra
     &MATMUL,
     // shape and indexing
@@ -103,6 +110,7 @@ pub static ALL_OPS: &[&OpDef] = &[
     &CONV2D_BACKPROP_FILTER,
     &MAX_POOL2D_GRAD,
     &AVG_POOL2D_GRAD,
+    &CONV_TRANSPOSE2D,
     // side effects
     &PRINT,
     &HOST_CALL,
