@@ -620,7 +620,11 @@ impl<T: FloatElement> Tensor<T> {
         let var: Tensor<T> = mean_square.binary(&ops::SUB, &offset_squared, location);
         // Rounding can leave a near-constant input's variance a hair below
         // zero, whose square root would be NaN.
-        let var: Tensor<T> = var.binary(&ops::MAXIMUM, &scalar_like(T::from_scalar(Scalar::F64(0.0)), &var), location);
+        let var: Tensor<T> = var.binary(
+            &ops::MAXIMUM,
+            &scalar_like(T::from_scalar(Scalar::F64(0.0)), &var),
+            location,
+        );
         if correction == 0 {
             return var;
         }
@@ -629,7 +633,11 @@ impl<T: FloatElement> Tensor<T> {
         } else {
             f64::INFINITY
         };
-        var.binary(&ops::MUL, &scalar_like(T::from_scalar(Scalar::F64(scale)), &var), location)
+        var.binary(
+            &ops::MUL,
+            &scalar_like(T::from_scalar(Scalar::F64(scale)), &var),
+            location,
+        )
     }
 
     /// 1-D convolution (cross-correlation) of `self: [N, C, L]` with
@@ -657,7 +665,8 @@ impl<T: FloatElement> Tensor<T> {
             .set_dims("dilation", &[1, options.dilation])
             .set_int("groups", i64::try_from(options.groups).unwrap_or(i64::MAX));
         let (xd, wd) = (self.dims(), weight.dims());
-        let failed = self.handle.resolved_error().is_some() || weight.handle.resolved_error().is_some();
+        let failed =
+            self.handle.resolved_error().is_some() || weight.handle.resolved_error().is_some();
         if !failed {
             if xd.len() != 3 || wd.len() != 3 {
                 let e = Error::shape(format!(
@@ -679,7 +688,11 @@ impl<T: FloatElement> Tensor<T> {
         }
         let image = |t: &Tensor<T>| {
             let d = t.dims();
-            let dims = if d.len() == 3 { vec![d[0], d[1], 1, d[2]] } else { d.to_vec() };
+            let dims = if d.len() == 3 {
+                vec![d[0], d[1], 1, d[2]]
+            } else {
+                d.to_vec()
+            };
             let mut shape = OpAttrs::new();
             shape.set_dims("shape", &dims);
             t.unary::<T>(&ops::RESHAPE, &shape, location)
@@ -687,7 +700,11 @@ impl<T: FloatElement> Tensor<T> {
         let args = smallvec![image(self).handle.clone(), image(weight).handle.clone()];
         let y: Tensor<T> = crate::tensor::run(&ops::CONV2D, args, &attrs, location);
         let yd = y.dims();
-        let dims = if yd.len() == 4 { vec![yd[0], yd[1], yd[3]] } else { yd.to_vec() };
+        let dims = if yd.len() == 4 {
+            vec![yd[0], yd[1], yd[3]]
+        } else {
+            yd.to_vec()
+        };
         let mut shape = OpAttrs::new();
         shape.set_dims("shape", &dims);
         y.unary(&ops::RESHAPE, &shape, location)
@@ -713,7 +730,11 @@ impl<T: FloatElement> Tensor<T> {
     /// # Ok::<(), stagecraft::Error>(())
     /// ```
     #[track_caller]
-    pub fn conv_transpose2d(&self, weight: &Tensor<T>, options: ConvTranspose2dOptions) -> Tensor<T> {
+    pub fn conv_transpose2d(
+        &self,
+        weight: &Tensor<T>,
+        options: ConvTranspose2dOptions,
+    ) -> Tensor<T> {
         let mut attrs = OpAttrs::new();
         attrs
             .set_dims("stride", &options.stride)

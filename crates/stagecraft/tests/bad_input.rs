@@ -264,11 +264,19 @@ fn sorting_variance_and_convolution_errors() {
         (x.argsort(-3, true).cast::<f32>(), "Sort", line!()),
         (x.topk(4, 1, true, true).0, "TopK", line!()),
         (x.topk(1, 5, false, true).1.cast::<f32>(), "TopK", line!()),
-        (Tensor::<f32>::scalar(1.0, &cpu).sort(0, false).0, "Sort", line!()),
+        (
+            Tensor::<f32>::scalar(1.0, &cpu).sort(0, false).0,
+            "Sort",
+            line!(),
+        ),
         (x.var(&[2], false, 1), "Var", line!()),
         (x.var(&[0, -2], true, 0), "Var", line!()),
         (x.std(&[-3], false, 1), "Std", line!()),
-        (x.conv1d(&ones(&[1, 1, 1]), Default::default()), "Conv1d", line!()),
+        (
+            x.conv1d(&ones(&[1, 1, 1]), Default::default()),
+            "Conv1d",
+            line!(),
+        ),
         (
             x.reshape(&[1, 2, 3])
                 .conv1d(&ones(&[1, 3, 1]), Default::default()),
@@ -276,10 +284,8 @@ fn sorting_variance_and_convolution_errors() {
             line!(),
         ),
         (
-            x.reshape(&[1, 2, 3]).conv1d(
-                &ones(&[1, 2, 4]),
-                Default::default(),
-            ),
+            x.reshape(&[1, 2, 3])
+                .conv1d(&ones(&[1, 2, 4]), Default::default()),
             "Conv1d",
             line!(),
         ),

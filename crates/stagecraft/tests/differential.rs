@@ -471,9 +471,22 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
             14 => {
                 let axes: Vec<isize> = (0..rank)
                     .filter(|k| r.j >> k & 1 == 1)
-                    .map(|k| k as isize - if r.sub >> k & 1 == 1 { rank as isize } else { 0 })
+                    .map(|k| {
+                        k as isize
+                            - if r.sub >> k & 1 == 1 {
+                                rank as isize
+                            } else {
+                                0
+                            }
+                    })
                     .collect();
-                Instr::Var(x, axes, r.j & 8 != 0, (r.sub as usize / 16) % 3, r.sub & 8 != 0)
+                Instr::Var(
+                    x,
+                    axes,
+                    r.j & 8 != 0,
+                    (r.sub as usize / 16) % 3,
+                    r.sub & 8 != 0,
+                )
             }
             15 if rank == 2 => {
                 let k = 1 + r.sub as usize % xs[1].min(3);
@@ -663,9 +676,7 @@ fn straight(instr: &Instr, env: &[T]) -> T {
         Instr::Reshape(x, dims) => env[*x].reshape(dims),
         Instr::Transpose(x, p, q) => env[*x].transpose(*p, *q),
         Instr::Sort(x, axis, descending, false) => env[*x].sort(*axis, *descending).0,
-        Instr::Sort(x, axis, descending, true) => {
-            env[*x].argsort(*axis, *descending).cast::<f32>()
-        }
+        Instr::Sort(x, axis, descending, true) => env[*x].argsort(*axis, *descending).cast::<f32>(),
         Instr::TopK(x, k, axis, largest, sorted) => env[*x].topk(*k, *axis, *largest, *sorted).0,
         Instr::Var(x, axes, keep, correction, false) => env[*x].var(axes, *keep, *correction),
         Instr::Var(x, axes, keep, correction, true) => env[*x].std(axes, *keep, *correction),
@@ -682,7 +693,8 @@ fn straight(instr: &Instr, env: &[T]) -> T {
         }
         Instr::ConvTranspose2d(x, k, stride, padding, seed) => {
             let y = &env[*x];
-            let w = Tensor::from_vec(seeded(2 * k * k, *seed), &[1, 2, *k, *k], &y.device()).unwrap();
+            let w =
+                Tensor::from_vec(seeded(2 * k * k, *seed), &[1, 2, *k, *k], &y.device()).unwrap();
             let options = stagecraft::ConvTranspose2dOptions {
                 stride: [*stride; 2],
                 padding: [*padding; 2],

@@ -46,8 +46,8 @@ use stagecraft::layers::ops::{self as ops, OpAttrs};
 use stagecraft::layers::runtime::{self as runtime, Args, TensorHandle};
 use stagecraft::layers::tensor::{HostTensor, Scalar, TensorList};
 use stagecraft::{
-    cond, function, grad, where_, while_loop, Conv1dOptions, Conv2dOptions,
-    ConvTranspose2dOptions, Device, Location, Pool2dOptions, Tensor,
+    cond, function, grad, where_, while_loop, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
+    Device, Location, Pool2dOptions, Tensor,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -611,9 +611,12 @@ fn cases() -> Vec<Case> {
     ));
     // Variance and standard deviation are composites of Mean, Sub, Mul,
     // Maximum and Sqrt: checked as wholes here.
-    out.push(case("Mean", "var axis keepdim, unbiased", x234.clone(), |x| {
-        weighted(x.var(&[1], true, 1))
-    }));
+    out.push(case(
+        "Mean",
+        "var axis keepdim, unbiased",
+        x234.clone(),
+        |x| weighted(x.var(&[1], true, 1)),
+    ));
     out.push(case("Mean", "var all, population", x234.clone(), |x| {
         weighted(x.var(&[], false, 0))
     }));

@@ -79,9 +79,7 @@ fn inputs(d: &Device) -> Vec<T> {
     ]
     .iter()
     .enumerate()
-    .map(|(i, dims)| {
-        Tensor::from_vec(seeded(dims.iter().product(), i as u64), dims, d).unwrap()
-    })
+    .map(|(i, dims)| Tensor::from_vec(seeded(dims.iter().product(), i as u64), dims, d).unwrap())
     .collect()
 }
 
@@ -114,16 +112,25 @@ fn gradients_agree_across_modes() {
     let loss = |x: &Tensor<f64>| {
         let (top, _) = x.topk(2, 1, true, true);
         let s = x.sort(0, false).0;
-        (&top * &top).sum(&[], false) + (&s * 0.5).sum(&[], false) + x.std(&[1], false, 1).sum(&[], false)
+        (&top * &top).sum(&[], false)
+            + (&s * 0.5).sum(&[], false)
+            + x.std(&[1], false, 1).sum(&[], false)
     };
-    let x = Tensor::<f64>::from_vec((0..12).map(|i| ((i * 7) % 12) as f64 * 0.3 - 1.0).collect(), &[3, 4], &cpu).unwrap();
+    let x = Tensor::<f64>::from_vec(
+        (0..12).map(|i| ((i * 7) % 12) as f64 * 0.3 - 1.0).collect(),
+        &[3, 4],
+        &cpu,
+    )
+    .unwrap();
     let eager = grad(loss)(&x).to_vec().unwrap();
     let lazy = Device::lazy(&cpu);
     let on_lazy = Tensor::from_vec(x.to_vec().unwrap(), &[3, 4], &lazy).unwrap();
     assert_eq!(grad(loss)(&on_lazy).to_vec().unwrap(), eager);
     let staged = function(move |x: Tensor<f64>| loss(&x));
     assert_eq!(
-        grad(|x: &Tensor<f64>| staged.call(x.clone()))(&x).to_vec().unwrap(),
+        grad(|x: &Tensor<f64>| staged.call(x.clone()))(&x)
+            .to_vec()
+            .unwrap(),
         eager
     );
 }
@@ -205,8 +212,18 @@ fn var_is_accurate_for_f32() {
 #[test]
 fn conv1d_matches_the_reference_conv2d() {
     let cpu = Device::cpu();
-    let x = Tensor::<f64>::from_vec((0..2 * 4 * 11).map(|i| (i % 7) as f64 - 3.0).collect(), &[2, 4, 11], &cpu).unwrap();
-    let w = Tensor::<f64>::from_vec((0..6 * 2 * 3).map(|i| (i % 5) as f64 * 0.5 - 1.0).collect(), &[6, 2, 3], &cpu).unwrap();
+    let x = Tensor::<f64>::from_vec(
+        (0..2 * 4 * 11).map(|i| (i % 7) as f64 - 3.0).collect(),
+        &[2, 4, 11],
+        &cpu,
+    )
+    .unwrap();
+    let w = Tensor::<f64>::from_vec(
+        (0..6 * 2 * 3).map(|i| (i % 5) as f64 * 0.5 - 1.0).collect(),
+        &[6, 2, 3],
+        &cpu,
+    )
+    .unwrap();
     let options = Conv1dOptions {
         stride: 2,
         padding: 2,
@@ -234,8 +251,21 @@ fn conv1d_matches_the_reference_conv2d() {
 #[test]
 fn conv_transpose2d_is_the_adjoint_of_conv2d() {
     let cpu = Device::cpu();
-    let x = Tensor::<f64>::from_vec(seeded(2 * 4 * 3 * 5, 9).iter().map(|&v| v as f64).collect(), &[2, 4, 3, 5], &cpu).unwrap();
-    let w = Tensor::<f64>::from_vec(seeded(4 * 3 * 2 * 3, 10).iter().map(|&v| v as f64).collect(), &[4, 3, 2, 3], &cpu).unwrap();
+    let x = Tensor::<f64>::from_vec(
+        seeded(2 * 4 * 3 * 5, 9).iter().map(|&v| v as f64).collect(),
+        &[2, 4, 3, 5],
+        &cpu,
+    )
+    .unwrap();
+    let w = Tensor::<f64>::from_vec(
+        seeded(4 * 3 * 2 * 3, 10)
+            .iter()
+            .map(|&v| v as f64)
+            .collect(),
+        &[4, 3, 2, 3],
+        &cpu,
+    )
+    .unwrap();
     let t = ConvTranspose2dOptions {
         stride: [2, 2],
         padding: [1, 0],
@@ -262,7 +292,15 @@ fn conv_transpose2d_is_the_adjoint_of_conv2d() {
     for (g, w) in got.iter().zip(&want) {
         assert!((g - w).abs() <= 1e-12 * (1.0 + w.abs()), "{g} vs {w}");
     }
-    let y = Tensor::<f64>::from_vec(seeded(2 * 6 * 6 * 11, 11).iter().map(|&v| v as f64).collect(), &[2, 6, 6, 11], &cpu).unwrap();
+    let y = Tensor::<f64>::from_vec(
+        seeded(2 * 6 * 6 * 11, 11)
+            .iter()
+            .map(|&v| v as f64)
+            .collect(),
+        &[2, 6, 6, 11],
+        &cpu,
+    )
+    .unwrap();
     let c = Conv2dOptions {
         stride: t.stride,
         padding: t.padding,
@@ -271,5 +309,8 @@ fn conv_transpose2d_is_the_adjoint_of_conv2d() {
     };
     let lhs = (y.conv2d(&w, c) * &x).sum(&[], false).item().unwrap();
     let rhs = (&y * &up).sum(&[], false).item().unwrap();
-    assert!((lhs - rhs).abs() <= 1e-10 * lhs.abs().max(1.0), "{lhs} vs {rhs}");
+    assert!(
+        (lhs - rhs).abs() <= 1e-10 * lhs.abs().max(1.0),
+        "{lhs} vs {rhs}"
+    );
 }

@@ -228,7 +228,12 @@ fn along_axis(dims: &[usize], axis: usize, size: usize, mut f: impl FnMut(usize,
 
 fn take_factory(attrs: &stagecraft_ops::Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
     let axis = attrs.int("axis")?;
-    let run: fn(&DenseHostTensor, &DenseHostTensor, usize, &TensorMetadata) -> Result<DenseHostTensor> =
+    let run: fn(
+        &DenseHostTensor,
+        &DenseHostTensor,
+        usize,
+        &TensorMetadata,
+    ) -> Result<DenseHostTensor> =
         crate::with_any_type!(first_dtype(inputs)?, T => take_typed::<T>);
     Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
         let [x, indices] = take(inputs)?;
@@ -260,13 +265,17 @@ fn take_grad_factory(
     inputs: &[TensorMetadata],
 ) -> Result<Kernel> {
     let axis = attrs.int("axis")?;
-    let run: fn(&DenseHostTensor, &DenseHostTensor, usize, &TensorMetadata) -> Result<DenseHostTensor> =
-        crate::with_float_type!(first_dtype(inputs)?, T => take_grad_typed::<T>, _ => {
-            return Err(Error::dtype(format!(
-                "TakeAlongAxisGrad has no CPU kernel for {}",
-                first_dtype(inputs)?
-            )))
-        });
+    let run: fn(
+        &DenseHostTensor,
+        &DenseHostTensor,
+        usize,
+        &TensorMetadata,
+    ) -> Result<DenseHostTensor> = crate::with_float_type!(first_dtype(inputs)?, T => take_grad_typed::<T>, _ => {
+        return Err(Error::dtype(format!(
+            "TakeAlongAxisGrad has no CPU kernel for {}",
+            first_dtype(inputs)?
+        )))
+    });
     Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
         let [g, indices] = take(inputs)?;
         let axis = normalize_axis(axis as isize, g.shape().rank())?;
@@ -306,7 +315,11 @@ mod tests {
     use stagecraft_tensor::{DType, DenseHostTensor, TensorMetadata};
 
     /// Runs `op`'s kernel on `inputs`, returning every output.
-    fn run(op: &'static OpDef, inputs: Vec<DenseHostTensor>, attrs: &OpAttrs) -> Vec<DenseHostTensor> {
+    fn run(
+        op: &'static OpDef,
+        inputs: Vec<DenseHostTensor>,
+        attrs: &OpAttrs,
+    ) -> Vec<DenseHostTensor> {
         let metas: Vec<TensorMetadata> = inputs.iter().map(|t| t.metadata().clone()).collect();
         let outputs = op.infer(&metas, attrs).unwrap();
         let ctx = crate::KernelContext {
@@ -314,12 +327,16 @@ mod tests {
             outputs: &outputs,
         };
         let kernel = (crate::registry().get(op).unwrap())(&ctx.attrs, &metas).unwrap();
-        kernel(inputs.into_iter().collect(), &ctx).unwrap().into_vec()
+        kernel(inputs.into_iter().collect(), &ctx)
+            .unwrap()
+            .into_vec()
     }
 
     fn same(a: &[f64], b: &[f64]) -> bool {
         a.len() == b.len()
-            && a.iter().zip(b).all(|(x, y)| x == y || (x.is_nan() && y.is_nan()))
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| x == y || (x.is_nan() && y.is_nan()))
     }
 
     /// Values with many ties, NaNs, infinities and signed zeros.
@@ -422,9 +439,16 @@ mod tests {
 
     #[test]
     fn sort_is_stable_and_puts_nan_last() {
-        let x = tensor(DType::F32, &[2.0, f64::NAN, -0.0, 1.0, 0.0, 2.0, f64::NAN], &[7]);
+        let x = tensor(
+            DType::F32,
+            &[2.0, f64::NAN, -0.0, 1.0, 0.0, 2.0, f64::NAN],
+            &[7],
+        );
         let out = run(&stagecraft_ops::SORT, vec![x.clone()], &OpAttrs::new());
-        assert!(same(&values(&out[0]), &[-0.0, 0.0, 1.0, 2.0, 2.0, f64::NAN, f64::NAN]));
+        assert!(same(
+            &values(&out[0]),
+            &[-0.0, 0.0, 1.0, 2.0, 2.0, f64::NAN, f64::NAN]
+        ));
         assert_eq!(out[1].as_slice::<i64>().unwrap(), &[2, 4, 3, 0, 5, 1, 6]);
         let mut down = OpAttrs::new();
         down.set_bool("descending", true);
@@ -439,14 +463,16 @@ mod tests {
         let mut attrs = OpAttrs::new();
         attrs.set_int("axis", 0);
         let metas = [x.metadata().clone(), idx.metadata().clone()];
-        let outputs = stagecraft_ops::TAKE_ALONG_AXIS.infer(&metas, &attrs).unwrap();
+        let outputs = stagecraft_ops::TAKE_ALONG_AXIS
+            .infer(&metas, &attrs)
+            .unwrap();
         let ctx = crate::KernelContext {
             attrs: stagecraft_ops::Attrs::new(&attrs, &stagecraft_ops::TAKE_ALONG_AXIS),
             outputs: &outputs,
         };
-        let kernel = (crate::registry().get(&stagecraft_ops::TAKE_ALONG_AXIS).unwrap())(
-            &ctx.attrs, &metas,
-        )
+        let kernel = (crate::registry()
+            .get(&stagecraft_ops::TAKE_ALONG_AXIS)
+            .unwrap())(&ctx.attrs, &metas)
         .unwrap();
         let err = kernel([x, idx].into_iter().collect(), &ctx).unwrap_err();
         assert_eq!(err.kind(), stagecraft_tensor::ErrorKind::Index);

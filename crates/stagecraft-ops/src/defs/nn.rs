@@ -310,7 +310,12 @@ pub static CONV_TRANSPOSE2D: OpDef = OpDef {
 
 /// The output size of a transposed convolution along spatial `axis` for
 /// an input of `input` (at least 1).
-fn transposed_dim(win: &Window2d, output_padding: usize, axis: usize, input: usize) -> Result<usize> {
+fn transposed_dim(
+    win: &Window2d,
+    output_padding: usize,
+    axis: usize,
+    input: usize,
+) -> Result<usize> {
     let overflow = || {
         Error::shape(format!(
             "the output of the transposed convolution overflows on spatial axis {axis} (input {input}, {win:?})"
@@ -373,7 +378,10 @@ fn conv_transpose2d_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result
         )));
     }
     let o = w.shape[1].checked_mul(groups).ok_or_else(|| {
-        Error::shape(format!("{groups} groups of {} output channels overflow", w.shape[1]))
+        Error::shape(format!(
+            "{groups} groups of {} output channels overflow",
+            w.shape[1]
+        ))
     })?;
     let (oh, ow) = (
         transposed_dim(&win, output_padding[0], 0, x.shape[2])?,

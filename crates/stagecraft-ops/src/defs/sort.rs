@@ -111,14 +111,11 @@ fn top_k_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMeta
     let axis = normalize_axis(attrs.int("axis")? as isize, x.shape.rank())?;
     let k = attrs.int("k")?;
     let n = x.shape[axis];
-    let k = usize::try_from(k)
-        .ok()
-        .filter(|&k| k <= n)
-        .ok_or_else(|| {
-            Error::shape(format!(
-                "k = {k} must be between 0 and the length {n} of axis {axis} of {x}"
-            ))
-        })?;
+    let k = usize::try_from(k).ok().filter(|&k| k <= n).ok_or_else(|| {
+        Error::shape(format!(
+            "k = {k} must be between 0 and the length {n} of axis {axis} of {x}"
+        ))
+    })?;
     let mut shape = x.shape.clone();
     shape.dims_mut()[axis] = k;
     Ok(smallvec![
@@ -240,13 +237,14 @@ mod tests {
         let mut a = OpAttrs::new();
         a.set_int("axis", 0).set_bool("descending", true);
         let out = SORT.infer(&[m(DType::I32, &[3, 4])], &a).unwrap();
-        assert_eq!(out.as_slice(), &[m(DType::I32, &[3, 4]), m(DType::I64, &[3, 4])]);
+        assert_eq!(
+            out.as_slice(),
+            &[m(DType::I32, &[3, 4]), m(DType::I64, &[3, 4])]
+        );
         assert!(SORT.infer(&[m(DType::F32, &[0, 2])], &a).is_ok());
         a.set_int("axis", 2);
         assert!(SORT.infer(&[m(DType::F32, &[3, 4])], &a).is_err());
-        assert!(SORT
-            .infer(&[m(DType::F32, &[])], &OpAttrs::new())
-            .is_err());
+        assert!(SORT.infer(&[m(DType::F32, &[])], &OpAttrs::new()).is_err());
         assert!(SORT
             .infer(&[m(DType::Bool, &[3])], &OpAttrs::new())
             .is_err());
@@ -257,7 +255,10 @@ mod tests {
         let mut a = OpAttrs::new();
         a.set_int("k", 2).set_int("axis", -2);
         let out = TOP_K.infer(&[m(DType::F64, &[5, 3])], &a).unwrap();
-        assert_eq!(out.as_slice(), &[m(DType::F64, &[2, 3]), m(DType::I64, &[2, 3])]);
+        assert_eq!(
+            out.as_slice(),
+            &[m(DType::F64, &[2, 3]), m(DType::I64, &[2, 3])]
+        );
         a.set_int("k", 0);
         assert_eq!(
             TOP_K.infer(&[m(DType::F64, &[5, 3])], &a).unwrap()[0],
