@@ -972,7 +972,7 @@ fn the_generator_covers_every_instruction_kind() {
     use proptest::test_runner::TestRunner;
     let mut runner = TestRunner::deterministic();
     let mut seen = std::collections::BTreeSet::new();
-    for _ in 0..300 {
+    for _ in 0..600 {
         let p = program().new_tree(&mut runner).unwrap().current();
         let mut shapes = input_shapes(p.dims);
         for instr in &p.instrs {
@@ -1053,7 +1053,7 @@ fn the_generator_covers_every_instruction_kind() {
         "nested cond",
     ];
     for k in want {
-        assert!(seen.contains(k), "no {k} in 300 programs: {seen:?}");
+        assert!(seen.contains(k), "no {k} in 600 programs: {seen:?}");
     }
 }
 
