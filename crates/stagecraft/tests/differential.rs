@@ -463,8 +463,11 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                 if r.kind == 12 {
                     Instr::Sort(x, axis, r.sub & 2 != 0, r.sub & 4 != 0)
                 } else {
+                    // k ≥ 1: an empty value would break later steps that
+                    // reduce it (a `while` body is traced even when it
+                    // runs zero times); `k = 0` is covered in bad_input.rs.
                     let n = xs[r.j % rank];
-                    let k = (r.sub as usize / 8) % (n + 1);
+                    let k = 1 + (r.sub as usize / 8) % n;
                     Instr::TopK(x, k, axis, r.sub & 2 != 0, r.sub & 4 != 0)
                 }
             }
