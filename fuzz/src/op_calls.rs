@@ -20,8 +20,9 @@
 
 use stagecraft::layers::tensor::{Buffer, Scalar};
 use stagecraft::{
-    bf16, f16, lazy, where_, Conv2dOptions, Device, Element, Error, ExecutionMode, FloatElement,
-    BinaryOp, IndexElement, NumElement, Pool2dOptions, Rng, Tensor, UnaryOp,
+    bf16, f16, lazy, where_, BinaryOp, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
+    Device, Element, Error, ExecutionMode, FloatElement, IndexElement, NumElement, Pool2dOptions,
+    Rng, Tensor, UnaryOp,
 };
 
 /// Most op calls one program makes; keeps a case fast.
@@ -621,7 +622,7 @@ fn bool_op<T: Kind>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
 }
 
 fn numeric_op<T: Kind + NumElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
-    match inp.below(16) {
+    match inp.below(18) {
         0 => T::wrap(match inp.below(5) {
             0 => call!(c, ["Relu"], a.relu()),
             1 => call!(c, ["Abs"], a.abs()),
@@ -686,6 +687,22 @@ fn numeric_op<T: Kind + NumElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
             let zero = T::from_scalar(Scalar::I64(0));
             T::wrap(call!(c, ["Div"], a / zero))
         }
+        13 | 14 => {
+            let (axis, flag) = (inp.axis(), inp.flag());
+            match inp.below(3) {
+                0 => T::wrap(call!(c, ["Sort"], a.sort(axis, flag).0)),
+                1 => Val::I64(call!(c, ["Sort"], a.argsort(axis, flag))),
+                _ => {
+                    let (k, sorted) = (inp.count(), inp.flag());
+                    let (values, indices) = call!(c, ["TopK"], a.topk(k, axis, flag, sorted));
+                    if inp.flag() {
+                        T::wrap(values)
+                    } else {
+                        Val::I64(indices)
+                    }
+                }
+            }
+        }
         _ => T::index_op(c, inp, a)
             .or_else(|| T::float_op(c, inp, a))
             .unwrap_or_else(|| element_op(c, inp, a)),
@@ -702,7 +719,7 @@ fn index_op<T: Kind + IndexElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
 }
 
 fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
-    match inp.below(10) {
+    match inp.below(13) {
         0..=2 => T::wrap(match inp.below(10) {
             0 => call!(c, ["Exp"], a.exp()),
             1 => call!(c, ["Log"], a.log()),
@@ -746,6 +763,53 @@ fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
                 groups: inp.count(),
             };
             T::wrap(call!(c, ["Conv2d"], a.conv2d(&w, options)))
+        }
+        10 => {
+            let (axes, keep, correction) = (inp.axes(), inp.flag(), inp.count());
+            // Composites: an error (say, running out of memory) may come
+            // from one of their ops.
+            T::wrap(if inp.flag() {
+                call!(
+                    c,
+                    ["Var", "Mean", "Sub", "Mul", "Maximum"],
+                    a.var(&axes, keep, correction)
+                )
+            } else {
+                call!(
+                    c,
+                    ["Std", "Mean", "Sub", "Mul", "Maximum", "Sqrt"],
+                    a.std(&axes, keep, correction)
+                )
+            })
+        }
+        11 => {
+            let w = c.operand::<T>(inp);
+            let options = Conv1dOptions {
+                stride: inp.count(),
+                padding: inp.count(),
+                dilation: inp.count(),
+                groups: inp.count(),
+            };
+            T::wrap(call!(
+                c,
+                ["Conv1d", "Reshape", "Conv2d"],
+                a.conv1d(&w, options)
+            ))
+        }
+        12 => {
+            let w = c.operand::<T>(inp);
+            let options = ConvTranspose2dOptions {
+                stride: inp.pair(),
+                padding: inp.pair(),
+                output_padding: inp.pair(),
+                dilation: inp.pair(),
+                groups: inp.count(),
+            };
+            T::wrap(call!(
+                c,
+                ["ConvTranspose2d"],
+                a.conv_transpose2d(&w, options)
+            ))
         }
         _ => {
             let options = Pool2dOptions {

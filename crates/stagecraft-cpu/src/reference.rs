@@ -11,3 +11,4 @@ pub mod linalg;
 pub mod nn;
 pub mod reduce;
 pub mod shape;
+pub mod sort;

@@ -511,6 +511,83 @@ impl<T: NumElement> Tensor<T> {
         self.unary(&ops::ARGMIN, &attrs, Location::caller())
     }
 
+    /// Sorts along `axis` (ascending, or descending), returning the values
+    /// and the i64 position along `axis` each came from. The sort is
+    /// stable (equal values keep their order), NaN sorts after every
+    /// number (first when descending) and `-0.0` equals `0.0`. The
+    /// gradient of the values goes back to the positions they came from.
+    ///
+    /// ```
+    /// use stagecraft::{Device, Tensor};
+    /// let x = Tensor::<f32>::from_vec(vec![3.0, 1.0, 2.0, 1.0], &[4], &Device::cpu())?;
+    /// let (values, indices) = x.sort(-1, false);
+    /// assert_eq!(values.to_vec()?, vec![1.0, 1.0, 2.0, 3.0]);
+    /// assert_eq!(indices.to_vec()?, vec![1, 3, 2, 0]);
+    /// # Ok::<(), stagecraft::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn sort(&self, axis: isize, descending: bool) -> (Tensor<T>, Tensor<i64>) {
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_int("axis", axis as i64)
+            .set_bool("descending", descending);
+        let args = smallvec![self.handle.clone()];
+        crate::tensor::run_pair(&ops::SORT, args, &attrs, Location::caller())
+    }
+
+    /// The positions that sort `self` along `axis`: the indices of
+    /// [`Tensor::sort`] (stable; an error names `Sort`).
+    ///
+    /// ```
+    /// use stagecraft::{Device, Tensor};
+    /// let x = Tensor::<i32>::from_vec(vec![5, 7, 5, 1], &[4], &Device::cpu())?;
+    /// assert_eq!(x.argsort(0, true).to_vec()?, vec![1, 0, 2, 3]);
+    /// # Ok::<(), stagecraft::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn argsort(&self, axis: isize, descending: bool) -> Tensor<i64> {
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_int("axis", axis as i64)
+            .set_bool("descending", descending);
+        let args = smallvec![self.handle.clone()];
+        crate::tensor::run_pair::<T, i64>(&ops::SORT, args, &attrs, Location::caller()).1
+    }
+
+    /// The `k` largest (or, with `largest == false`, smallest) entries
+    /// along `axis` and their i64 positions. Ties go to the earlier
+    /// position (the first `k` of the stable [`Tensor::sort`]); with
+    /// `sorted` the entries come in that order, otherwise in the order
+    /// they have in `self`. `k` larger than the axis is an error.
+    ///
+    /// ```
+    /// use stagecraft::{Device, Tensor};
+    /// let x = Tensor::<f64>::from_vec(vec![0.5, 4.0, -1.0, 4.0, 2.0], &[5], &Device::cpu())?;
+    /// let (values, indices) = x.topk(3, 0, true, true);
+    /// assert_eq!(values.to_vec()?, vec![4.0, 4.0, 2.0]);
+    /// assert_eq!(indices.to_vec()?, vec![1, 3, 4]);
+    /// let (_, in_place) = x.topk(3, 0, true, false);
+    /// assert_eq!(in_place.to_vec()?, vec![1, 3, 4]);
+    /// # Ok::<(), stagecraft::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn topk(
+        &self,
+        k: usize,
+        axis: isize,
+        largest: bool,
+        sorted: bool,
+    ) -> (Tensor<T>, Tensor<i64>) {
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_int("k", i64::try_from(k).unwrap_or(i64::MAX))
+            .set_int("axis", axis as i64)
+            .set_bool("largest", largest)
+            .set_bool("sorted", sorted);
+        let args = smallvec![self.handle.clone()];
+        crate::tensor::run_pair(&ops::TOP_K, args, &attrs, Location::caller())
+    }
+
     /// Matrix product with NumPy `matmul` semantics (batched, broadcast
     /// batch dimensions, vectors promoted).
     #[track_caller]
@@ -564,6 +641,214 @@ impl<T: FloatElement> Tensor<T> {
             .set_int("groups", options.groups as i64);
         let args = smallvec![self.handle.clone(), weight.handle.clone()];
         crate::tensor::run(&ops::CONV2D, args, &attrs, Location::caller())
+    }
+
+    /// Variance over `axes` (every axis when empty): the mean squared
+    /// deviation from the mean, times `n / (n - correction)` for `n`
+    /// elements per result (`correction = 1` is the unbiased sample
+    /// variance, PyTorch's default; `0` the population variance). `n ≤
+    /// correction` gives infinity (NaN for constant values) and zero
+    /// elements give NaN, as in PyTorch.
+    ///
+    /// Two passes: the deviations from the computed mean `m̂`, then
+    /// `mean(d²) - mean(d)²`, whose second term removes the error of `m̂`
+    /// to first order, so values far from zero keep their precision (see
+    /// `docs/accuracy.md`). Composed of existing ops, so it has their
+    /// gradients and fuses where they do.
+    ///
+    /// ```
+    /// use stagecraft::{Device, Tensor};
+    /// let x = Tensor::<f64>::from_vec(vec![1.0, 3.0, 5.0, 5.0], &[2, 2], &Device::cpu())?;
+    /// assert_eq!(x.var(&[1], false, 1).to_vec()?, vec![2.0, 0.0]);
+    /// assert_eq!(x.var(&[1], true, 0).dims(), &[2, 1]);
+    /// # Ok::<(), stagecraft::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn var(&self, axes: &[isize], keepdim: bool, correction: usize) -> Tensor<T> {
+        self.variance("Var", axes, keepdim, correction, Location::caller())
+    }
+
+    /// Standard deviation: the square root of [`Tensor::var`] (same
+    /// `correction`). Its gradient where the variance is 0 is NaN (the
+    /// derivative of the square root there is infinite and meets a zero
+    /// derivative of the variance), as in PyTorch.
+    ///
+    /// ```
+    /// use stagecraft::{Device, Tensor};
+    /// let x = Tensor::<f32>::from_vec(vec![2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0], &[8], &Device::cpu())?;
+    /// assert_eq!(x.std(&[], false, 0).item()?, 2.0);
+    /// # Ok::<(), stagecraft::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn std(&self, axes: &[isize], keepdim: bool, correction: usize) -> Tensor<T> {
+        let location = Location::caller();
+        let var = self.variance("Std", axes, keepdim, correction, location);
+        var.unary(&ops::SQRT, &OpAttrs::new(), location)
+    }
+
+    fn variance(
+        &self,
+        name: &str,
+        axes: &[isize],
+        keepdim: bool,
+        correction: usize,
+        location: Location,
+    ) -> Tensor<T> {
+        let axes = axes_attr(axes);
+        // An input that already failed passes its error on through the ops
+        // below; its shape says nothing.
+        let count = if self.handle.resolved_error().is_some() {
+            1
+        } else {
+            match ops::reduction_axes(&axes, self.rank()) {
+                Ok(resolved) => {
+                    let dims: SmallVec<[usize; 4]> =
+                        resolved.iter().map(|&a| self.dims()[a]).collect();
+                    stagecraft_tensor::element_count(&dims)
+                }
+                Err(e) => return self.fail(name, location, e),
+            }
+        };
+        let reduce = |x: &Tensor<T>, keep: bool| {
+            let mut attrs = OpAttrs::new();
+            attrs.set_ints("axes", &axes).set_bool("keepdim", keep);
+            x.unary::<T>(&ops::MEAN, &attrs, location)
+        };
+        let mean = reduce(self, true);
+        let d: Tensor<T> = self.binary(&ops::SUB, &mean, location);
+        let squares: Tensor<T> = d.binary(&ops::MUL, &d, location);
+        let mean_square = reduce(&squares, keepdim);
+        // mean(d) is m - m̂ (the mean's rounding error, up to rounding),
+        // and mean((x - m̂)²) - (m - m̂)² is the variance exactly.
+        let offset = reduce(&d, keepdim);
+        let offset_squared: Tensor<T> = offset.binary(&ops::MUL, &offset, location);
+        let var: Tensor<T> = mean_square.binary(&ops::SUB, &offset_squared, location);
+        // Rounding can leave a near-constant input's variance a hair below
+        // zero, whose square root would be NaN.
+        let var: Tensor<T> = var.binary(
+            &ops::MAXIMUM,
+            &scalar_like(T::from_scalar(Scalar::F64(0.0)), &var),
+            location,
+        );
+        if correction == 0 {
+            return var;
+        }
+        let scale = if count > correction {
+            count as f64 / (count - correction) as f64
+        } else {
+            f64::INFINITY
+        };
+        var.binary(
+            &ops::MUL,
+            &scalar_like(T::from_scalar(Scalar::F64(scale)), &var),
+            location,
+        )
+    }
+
+    /// 1-D convolution (cross-correlation) of `self: [N, C, L]` with
+    /// `weight: [O, C/groups, K]`, giving `[N, O, L']` with `L' = (L +
+    /// 2·padding - dilation·(K-1) - 1) / stride + 1`. Runs as a
+    /// [`Tensor::conv2d`] of height 1, whose gradients it has; bad shapes
+    /// and attributes are errors naming `Conv1d`.
+    ///
+    /// ```
+    /// use stagecraft::{Conv1dOptions, Device, Tensor};
+    /// let d = Device::cpu();
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[1, 1, 4], &d)?;
+    /// let w = Tensor::<f32>::from_vec(vec![1.0, -1.0], &[1, 1, 2], &d)?;
+    /// let y = x.conv1d(&w, Conv1dOptions { padding: 1, ..Default::default() });
+    /// assert_eq!(y.to_vec()?, vec![-1.0, -1.0, -1.0, -1.0, 4.0]);
+    /// # Ok::<(), stagecraft::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn conv1d(&self, weight: &Tensor<T>, options: Conv1dOptions) -> Tensor<T> {
+        let location = Location::caller();
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_dims("stride", &[1, options.stride])
+            .set_dims("padding", &[0, options.padding])
+            .set_dims("dilation", &[1, options.dilation])
+            .set_int("groups", i64::try_from(options.groups).unwrap_or(i64::MAX));
+        let (xd, wd) = (self.dims(), weight.dims());
+        let failed =
+            self.handle.resolved_error().is_some() || weight.handle.resolved_error().is_some();
+        if !failed {
+            if xd.len() != 3 || wd.len() != 3 {
+                let e = Error::shape(format!(
+                    "conv1d needs x: [N, C, L] and w: [O, C/groups, K], got {xd:?} and {wd:?}"
+                ));
+                return self.fail("Conv1d", location, e);
+            }
+            let as_image = |m: &stagecraft_tensor::TensorMetadata| {
+                let d = m.shape.dims();
+                stagecraft_tensor::TensorMetadata::new(m.dtype, [d[0], d[1], 1, d[2]])
+            };
+            let metas = [
+                as_image(self.handle.metadata()),
+                as_image(weight.handle.metadata()),
+            ];
+            if let Err(e) = ops::CONV2D.infer(&metas, &attrs) {
+                return self.fail("Conv1d", location, e);
+            }
+        }
+        let image = |t: &Tensor<T>| {
+            let d = t.dims();
+            let dims = if d.len() == 3 {
+                vec![d[0], d[1], 1, d[2]]
+            } else {
+                d.to_vec()
+            };
+            let mut shape = OpAttrs::new();
+            shape.set_dims("shape", &dims);
+            t.unary::<T>(&ops::RESHAPE, &shape, location)
+        };
+        let args = smallvec![image(self).handle.clone(), image(weight).handle.clone()];
+        let y: Tensor<T> = crate::tensor::run(&ops::CONV2D, args, &attrs, location);
+        let yd = y.dims();
+        let dims = if yd.len() == 4 {
+            vec![yd[0], yd[1], yd[3]]
+        } else {
+            yd.to_vec()
+        };
+        let mut shape = OpAttrs::new();
+        shape.set_dims("shape", &dims);
+        y.unary(&ops::RESHAPE, &shape, location)
+    }
+
+    /// Transposed 2-D convolution of `self: [N, C, H, W]` with `weight:
+    /// [C, O/groups, KH, KW]` (PyTorch's layout), giving `[N, O, OH, OW]`
+    /// with `OH = (H-1)·stride - 2·padding + dilation·(KH-1) +
+    /// output_padding + 1`: the adjoint of [`Tensor::conv2d`] with the
+    /// same options, so it maps a convolution's output shape back to its
+    /// input's (`output_padding`, smaller than the stride, picks among the
+    /// sizes a strided convolution maps to the same output).
+    ///
+    /// ```
+    /// use stagecraft::{ConvTranspose2dOptions, Device, Tensor};
+    /// let d = Device::cpu();
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[1, 1, 1, 2], &d)?;
+    /// let w = Tensor::<f32>::ones(&[1, 1, 2, 2], &d);
+    /// let options = ConvTranspose2dOptions { stride: [2, 2], ..Default::default() };
+    /// let y = x.conv_transpose2d(&w, options);
+    /// assert_eq!(y.dims(), &[1, 1, 2, 4]);
+    /// assert_eq!(y.to_vec()?, vec![1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 2.0]);
+    /// # Ok::<(), stagecraft::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn conv_transpose2d(
+        &self,
+        weight: &Tensor<T>,
+        options: ConvTranspose2dOptions,
+    ) -> Tensor<T> {
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_dims("stride", &options.stride)
+            .set_dims("padding", &options.padding)
+            .set_dims("output_padding", &options.output_padding)
+            .set_dims("dilation", &options.dilation)
+            .set_int("groups", i64::try_from(options.groups).unwrap_or(i64::MAX));
+        let args = smallvec![self.handle.clone(), weight.handle.clone()];
+        crate::tensor::run(&ops::CONV_TRANSPOSE2D, args, &attrs, Location::caller())
     }
 
     /// Max pooling of `self: [N, C, H, W]` (stride defaults to the kernel).
@@ -662,6 +947,58 @@ impl Default for Conv2dOptions {
         Conv2dOptions {
             stride: [1, 1],
             padding: [0, 0],
+            dilation: [1, 1],
+            groups: 1,
+        }
+    }
+}
+
+/// Options of [`Tensor::conv1d`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv1dOptions {
+    /// Step between windows.
+    pub stride: usize,
+    /// Zero padding on each side.
+    pub padding: usize,
+    /// Spacing between kernel taps.
+    pub dilation: usize,
+    /// Channel groups.
+    pub groups: usize,
+}
+
+impl Default for Conv1dOptions {
+    fn default() -> Self {
+        Conv1dOptions {
+            stride: 1,
+            padding: 0,
+            dilation: 1,
+            groups: 1,
+        }
+    }
+}
+
+/// Options of [`Tensor::conv_transpose2d`]: `(height, width)` pairs, with
+/// the meaning they have for the [`Tensor::conv2d`] it is the adjoint of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvTranspose2dOptions {
+    /// Step between the convolution's windows (the output's upsampling).
+    pub stride: [usize; 2],
+    /// The convolution's zero padding, cropped from each side of the output.
+    pub padding: [usize; 2],
+    /// Extra rows and columns at the end of the output (below the stride).
+    pub output_padding: [usize; 2],
+    /// Spacing between kernel taps.
+    pub dilation: [usize; 2],
+    /// Channel groups.
+    pub groups: usize,
+}
+
+impl Default for ConvTranspose2dOptions {
+    fn default() -> Self {
+        ConvTranspose2dOptions {
+            stride: [1, 1],
+            padding: [0, 0],
+            output_padding: [0, 0],
             dilation: [1, 1],
             groups: 1,
         }

@@ -328,7 +328,32 @@ pub(crate) fn run<U: Element>(
     attrs: &OpAttrs,
     location: Location,
 ) -> Tensor<U> {
-    let handle = run_handle(op, args, attrs, location);
+    typed(op, run_handle(op, args, attrs, location))
+}
+
+/// Runs a two-output `op` (values and indices), returning both typed.
+pub(crate) fn run_pair<A: Element, B: Element>(
+    op: &'static OpDef,
+    args: Args,
+    attrs: &OpAttrs,
+    location: Location,
+) -> (Tensor<A>, Tensor<B>) {
+    let outputs = run_handles(op, args, attrs, location);
+    if let [first, second] = &outputs[..] {
+        return (typed(op, first.clone()), typed(op, second.clone()));
+    }
+    let device = outputs
+        .first()
+        .map_or_else(|| runtime::place(&[]), |h| h.device());
+    let err = Error::internal(format!("{} gave {} outputs, not 2", op.name, outputs.len()));
+    (
+        Tensor::error_at(op.name, location, device, &[], err.clone()),
+        Tensor::error_at(op.name, location, device, &[], err),
+    )
+}
+
+/// `handle` as a `Tensor<U>`.
+fn typed<U: Element>(op: &'static OpDef, handle: TensorHandle) -> Tensor<U> {
     let device = handle.device();
     if handle.dtype() != U::DTYPE {
         // Only an error handle whose op failed before its output dtype was

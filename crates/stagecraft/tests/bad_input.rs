@@ -5,7 +5,10 @@
 use stagecraft::layers::ops::{self as ops, OpAttrs};
 use stagecraft::layers::runtime::{self as rt, TensorHandle};
 use stagecraft::layers::tensor::{DenseHostTensor, ScalarHostTensor};
-use stagecraft::{Conv2dOptions, DType, Device, ErrorKind, Pool2dOptions, Tensor};
+use stagecraft::{
+    Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, DType, Device, ErrorKind, Pool2dOptions,
+    Tensor,
+};
 
 fn f32s(values: &[f32], dims: &[usize]) -> Tensor<f32> {
     Tensor::from_slice(values, dims, &Device::cpu()).unwrap()
@@ -246,6 +249,147 @@ fn empty_zero_size_and_nan_inputs() {
     assert_eq!(scalar.exp().item().unwrap(), 2.0f64.exp());
     assert_eq!(scalar.sum(&[], false).dims(), &[] as &[usize]);
     assert!(scalar.sum(&[0], false).check().is_err());
+}
+
+/// Sorting, variance and the new convolutions: each bad call is an error
+/// naming the op (the composite `var`, `std` and `conv1d` name themselves).
+#[test]
+fn sorting_variance_and_convolution_errors() {
+    let cpu = Device::cpu();
+    let x = f32s(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    let ones = |dims: &[usize]| Tensor::<f32>::ones(dims, &cpu);
+    let image = ones(&[1, 4, 3, 3]);
+    let cases: Vec<(Tensor<f32>, &str, u32)> = vec![
+        (x.sort(2, false).0, "Sort", line!()),
+        (x.argsort(-3, true).cast::<f32>(), "Sort", line!()),
+        (x.topk(4, 1, true, true).0, "TopK", line!()),
+        (x.topk(1, 5, false, true).1.cast::<f32>(), "TopK", line!()),
+        (
+            Tensor::<f32>::scalar(1.0, &cpu).sort(0, false).0,
+            "Sort",
+            line!(),
+        ),
+        (x.var(&[2], false, 1), "Var", line!()),
+        (x.var(&[0, -2], true, 0), "Var", line!()),
+        (x.std(&[-3], false, 1), "Std", line!()),
+        (
+            x.conv1d(&ones(&[1, 1, 1]), Default::default()),
+            "Conv1d",
+            line!(),
+        ),
+        (
+            x.reshape(&[1, 2, 3])
+                .conv1d(&ones(&[1, 3, 1]), Default::default()),
+            "Conv1d",
+            line!(),
+        ),
+        (
+            x.reshape(&[1, 2, 3])
+                .conv1d(&ones(&[1, 2, 4]), Default::default()),
+            "Conv1d",
+            line!(),
+        ),
+        (
+            x.reshape(&[1, 2, 3]).conv1d(
+                &ones(&[2, 1, 1]),
+                Conv1dOptions {
+                    groups: 0,
+                    ..Default::default()
+                },
+            ),
+            "Conv1d",
+            line!(),
+        ),
+        (
+            image.conv_transpose2d(&ones(&[3, 1, 2, 2]), Default::default()),
+            "ConvTranspose2d",
+            line!(),
+        ),
+        (
+            image.conv_transpose2d(
+                &ones(&[4, 1, 2, 2]),
+                ConvTranspose2dOptions {
+                    groups: 3,
+                    ..Default::default()
+                },
+            ),
+            "ConvTranspose2d",
+            line!(),
+        ),
+        (
+            image.conv_transpose2d(
+                &ones(&[4, 1, 2, 2]),
+                ConvTranspose2dOptions {
+                    stride: [2, 2],
+                    output_padding: [2, 0],
+                    ..Default::default()
+                },
+            ),
+            "ConvTranspose2d",
+            line!(),
+        ),
+        (
+            image.conv_transpose2d(
+                &ones(&[4, 1, 1, 1]),
+                ConvTranspose2dOptions {
+                    padding: [2, 2],
+                    ..Default::default()
+                },
+            ),
+            "ConvTranspose2d",
+            line!(),
+        ),
+        (
+            ones(&[1, 4, 0, 3]).conv_transpose2d(&ones(&[4, 1, 2, 2]), Default::default()),
+            "ConvTranspose2d",
+            line!(),
+        ),
+        (
+            x.conv_transpose2d(&ones(&[4, 1, 2, 2]), Default::default()),
+            "ConvTranspose2d",
+            line!(),
+        ),
+    ];
+    for (t, op, line) in cases {
+        assert_fails(t, op, line);
+    }
+    // An input that already failed passes its own error on.
+    let failed = x.sum(&[7], false);
+    let err = failed.var(&[0], false, 1).check().unwrap_err();
+    assert_eq!(err.op(), Some("Sum"), "{err}");
+    let err = failed
+        .reshape(&[1, 1, 2])
+        .conv1d(&ones(&[1, 1, 1]), Default::default())
+        .check()
+        .unwrap_err();
+    assert_eq!(err.op(), Some("Sum"), "{err}");
+}
+
+/// The documented answers at the edges: empty axes, `k = 0`, too few
+/// elements for the correction, and std's gradient at zero variance.
+#[test]
+fn sorting_and_variance_edge_cases() {
+    let cpu = Device::cpu();
+    let empty = f32s(&[], &[0, 3]);
+    let (v, i) = empty.sort(0, false);
+    assert_eq!((v.dims(), i.dims()), (&[0, 3][..], &[0, 3][..]));
+    let (v, i) = f32s(&[1.0, 2.0], &[2]).topk(0, 0, true, true);
+    assert_eq!(v.to_vec().unwrap(), Vec::<f32>::new());
+    assert_eq!(i.to_vec().unwrap(), Vec::<i64>::new());
+    let (v, i) = empty.topk(0, 0, true, true);
+    assert_eq!((v.dims(), i.dims()), (&[0, 3][..], &[0, 3][..]));
+    // Zero elements: NaN, as a mean of nothing.
+    let m = empty.var(&[0], false, 1).to_vec().unwrap();
+    assert!(m.len() == 3 && m.iter().all(|v| v.is_nan()), "{m:?}");
+    // n ≤ correction: infinity, or NaN where the values are constant.
+    let two = f32s(&[1.0, 3.0, 2.0, 2.0], &[2, 2]);
+    let v = two.var(&[1], false, 2).to_vec().unwrap();
+    assert!(v[0] == f32::INFINITY && v[1].is_nan(), "{v:?}");
+    // The gradient of std where the variance is 0 is NaN.
+    let constant = Tensor::<f64>::full(&[3], 2.0, &cpu);
+    let g = stagecraft::grad(|x: &Tensor<f64>| x.std(&[], false, 1))(&constant);
+    assert!(g.to_vec().unwrap().iter().all(|v| v.is_nan()));
+    assert_eq!(constant.std(&[], false, 1).item().unwrap(), 0.0);
 }
 
 /// A broadcast value standing for more elements than memory holds is

@@ -8,7 +8,8 @@
 //! instruction appends one value: unary math, broadcasting binary ops,
 //! ops with a Rust number, reductions (axes, negative axes, keepdim),
 //! softmax / log-softmax, matmul (matrix, vector and batched), reshape,
-//! transpose, `cond` on a data-dependent predicate (the sum of a value
+//! transpose, sort / argsort / topk, var / std, conv1d and
+//! conv_transpose2d (on a rank-2 value seen as one image), `cond` on a data-dependent predicate (the sum of a value
 //! against a threshold) and `while` whose trip count depends on the data
 //! (a running sum against a limit) and is bounded by a counter. Branches
 //! and loop bodies are chains of shape-preserving steps ([`Inner`]): unary
@@ -201,6 +202,20 @@ enum Instr {
     Gram(usize),
     Reshape(usize, Vec<usize>),
     Transpose(usize, isize, isize),
+    /// `sort(env[x], axis, descending)`: the values, or (with the last
+    /// flag) the indices cast to f32.
+    Sort(usize, isize, bool, bool),
+    /// `topk(env[x], k, axis, largest, sorted)`: the values.
+    TopK(usize, usize, isize, bool, bool),
+    /// `var` (or, with the flag, `std`) over axes, keepdim, correction.
+    Var(usize, Vec<isize>, bool, usize, bool),
+    /// `conv1d` of `env[x]` (`[C, L]`, as a batch of one) with a seeded
+    /// `[2, C, K]` filter, stride and padding.
+    Conv1d(usize, usize, usize, usize, u64),
+    /// `conv_transpose2d` of `env[x]` (`[H, W]`, as one image of one
+    /// channel) with a seeded `[1, 2, K, K]` filter, stride `s`, padding
+    /// `p` and output padding `s - 1`.
+    ConvTranspose2d(usize, usize, usize, usize, u64),
     /// `cond(sum(env[pred]) > threshold, then(env[x]), else(env[x]))`.
     Cond {
         pred: usize,
@@ -313,7 +328,7 @@ fn raw_inner() -> impl Strategy<Value = (u8, u8, usize, f32)> {
 
 fn raw_instr() -> impl Strategy<Value = RawInstr> {
     (
-        0u8..12,
+        0u8..17,
         any::<u8>(),
         any::<usize>(),
         any::<usize>(),
@@ -460,6 +475,52 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                     body,
                 }
             }
+            12 | 13 if rank > 0 => {
+                let axis = (r.j % rank) as isize - if r.sub & 1 == 1 { rank as isize } else { 0 };
+                if r.kind == 12 {
+                    Instr::Sort(x, axis, r.sub & 2 != 0, r.sub & 4 != 0)
+                } else {
+                    // k ≥ 1: an empty value would break later steps that
+                    // reduce it (a `while` body is traced even when it
+                    // runs zero times); `k = 0` is covered in bad_input.rs.
+                    let n = xs[r.j % rank];
+                    let k = 1 + (r.sub as usize / 8) % n;
+                    Instr::TopK(x, k, axis, r.sub & 2 != 0, r.sub & 4 != 0)
+                }
+            }
+            14 => {
+                let axes: Vec<isize> = (0..rank)
+                    .filter(|k| r.j >> k & 1 == 1)
+                    .map(|k| {
+                        k as isize
+                            - if r.sub >> k & 1 == 1 {
+                                rank as isize
+                            } else {
+                                0
+                            }
+                    })
+                    .collect();
+                Instr::Var(
+                    x,
+                    axes,
+                    r.j & 8 != 0,
+                    (r.sub as usize / 16) % 3,
+                    r.sub & 8 != 0,
+                )
+            }
+            15 if rank == 2 => {
+                let k = 1 + r.sub as usize % xs[1].min(3);
+                let (stride, padding) = (1 + (r.sub as usize / 4) % 2, (r.sub as usize / 8) % 2);
+                Instr::Conv1d(x, k, stride, padding, r.j as u64 % 1000)
+            }
+            16 if rank == 2 => {
+                let k = 1 + r.sub as usize % 3;
+                let stride = 1 + (r.sub as usize / 4) % 2;
+                // Padding that leaves at least one output row and column.
+                let full = (xs[0].min(xs[1]) - 1) * stride + k + stride - 1;
+                let padding = ((r.sub as usize / 8) % 2).min((full - 1) / 2);
+                Instr::ConvTranspose2d(x, k, stride, padding, r.j as u64 % 1000)
+            }
             _ => un,
         };
         shapes.push(shape_of(&instr, &shapes));
@@ -494,6 +555,23 @@ fn shape_of(instr: &Instr, shapes: &[Vec<usize>]) -> Vec<usize> {
             let r = s.len() as isize;
             s.swap(((p + r) % r) as usize, ((q + r) % r) as usize);
             s
+        }
+        Instr::Sort(x, ..) => shapes[*x].clone(),
+        Instr::TopK(x, k, axis, ..) => {
+            let mut s = shapes[*x].clone();
+            let r = s.len() as isize;
+            s[((axis + r) % r) as usize] = *k;
+            s
+        }
+        Instr::Var(x, axes, keep, ..) => reduced(&shapes[*x], axes, *keep),
+        Instr::Conv1d(x, k, stride, padding, _) => {
+            let s = &shapes[*x];
+            vec![1, 2, (s[1] + 2 * padding - k) / stride + 1]
+        }
+        Instr::ConvTranspose2d(x, k, stride, padding, _) => {
+            let s = &shapes[*x];
+            let out = |d: usize| (d - 1) * stride + k + stride - 1 - 2 * padding;
+            vec![1, 2, out(s[0]), out(s[1])]
         }
         Instr::Cond { x, .. } | Instr::While { x, .. } => shapes[*x].clone(),
     }
@@ -618,6 +696,35 @@ fn straight(instr: &Instr, env: &[T]) -> T {
         Instr::Gram(x) => env[*x].matmul(&env[*x].transpose(-2, -1)),
         Instr::Reshape(x, dims) => env[*x].reshape(dims),
         Instr::Transpose(x, p, q) => env[*x].transpose(*p, *q),
+        Instr::Sort(x, axis, descending, false) => env[*x].sort(*axis, *descending).0,
+        Instr::Sort(x, axis, descending, true) => env[*x].argsort(*axis, *descending).cast::<f32>(),
+        Instr::TopK(x, k, axis, largest, sorted) => env[*x].topk(*k, *axis, *largest, *sorted).0,
+        Instr::Var(x, axes, keep, correction, false) => env[*x].var(axes, *keep, *correction),
+        Instr::Var(x, axes, keep, correction, true) => env[*x].std(axes, *keep, *correction),
+        Instr::Conv1d(x, k, stride, padding, seed) => {
+            let y = &env[*x];
+            let c = y.dims()[0];
+            let w = Tensor::from_vec(seeded(2 * c * k, *seed), &[2, c, *k], &y.device()).unwrap();
+            let options = stagecraft::Conv1dOptions {
+                stride: *stride,
+                padding: *padding,
+                ..Default::default()
+            };
+            y.reshape(&[1, c, y.dims()[1]]).conv1d(&w, options)
+        }
+        Instr::ConvTranspose2d(x, k, stride, padding, seed) => {
+            let y = &env[*x];
+            let w =
+                Tensor::from_vec(seeded(2 * k * k, *seed), &[1, 2, *k, *k], &y.device()).unwrap();
+            let options = stagecraft::ConvTranspose2dOptions {
+                stride: [*stride; 2],
+                padding: [*padding; 2],
+                output_padding: [*stride - 1; 2],
+                ..Default::default()
+            };
+            y.reshape(&[1, 1, y.dims()[0], y.dims()[1]])
+                .conv_transpose2d(&w, options)
+        }
         Instr::Cond { .. } | Instr::While { .. } => unreachable!("control flow is not straight"),
     }
 }
@@ -886,7 +993,7 @@ fn the_generator_covers_every_instruction_kind() {
     use proptest::test_runner::TestRunner;
     let mut runner = TestRunner::deterministic();
     let mut seen = std::collections::BTreeSet::new();
-    for _ in 0..300 {
+    for _ in 0..600 {
         let p = program().new_tree(&mut runner).unwrap().current();
         let mut shapes = input_shapes(p.dims);
         for instr in &p.instrs {
@@ -908,6 +1015,13 @@ fn the_generator_covers_every_instruction_kind() {
                 Instr::Gram(..) => "gram",
                 Instr::Reshape(..) => "reshape",
                 Instr::Transpose(..) => "transpose",
+                Instr::Sort(.., true) => "argsort",
+                Instr::Sort(..) => "sort",
+                Instr::TopK(..) => "topk",
+                Instr::Var(.., true) => "std",
+                Instr::Var(..) => "var",
+                Instr::Conv1d(..) => "conv1d",
+                Instr::ConvTranspose2d(..) => "conv_transpose2d",
                 Instr::Cond { .. } => "cond",
                 Instr::While { .. } => "while",
             };
@@ -943,6 +1057,13 @@ fn the_generator_covers_every_instruction_kind() {
         "gram",
         "reshape",
         "transpose",
+        "sort",
+        "argsort",
+        "topk",
+        "var",
+        "std",
+        "conv1d",
+        "conv_transpose2d",
         "cond",
         "while",
         "inner unary",
@@ -953,7 +1074,7 @@ fn the_generator_covers_every_instruction_kind() {
         "nested cond",
     ];
     for k in want {
-        assert!(seen.contains(k), "no {k} in 300 programs: {seen:?}");
+        assert!(seen.contains(k), "no {k} in 600 programs: {seen:?}");
     }
 }
 

@@ -46,8 +46,8 @@ use stagecraft::layers::ops::{self as ops, OpAttrs};
 use stagecraft::layers::runtime::{self as runtime, Args, TensorHandle};
 use stagecraft::layers::tensor::{HostTensor, Scalar, TensorList};
 use stagecraft::{
-    cond, function, grad, where_, while_loop, Conv2dOptions, Device, Location, Pool2dOptions,
-    Tensor,
+    cond, function, grad, where_, while_loop, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
+    Device, Location, Pool2dOptions, Tensor,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -487,6 +487,42 @@ fn cases() -> Vec<Case> {
     out.push(case("Conv2d", "conv2d filter", filt.clone(), move |w| {
         weighted(on(&ii, &w.device()).conv2d(w, opts))
     }));
+    let t_opts = ConvTranspose2dOptions {
+        stride: [2, 1],
+        padding: [1, 0],
+        output_padding: [1, 0],
+        dilation: [1, 2],
+        groups: 2,
+    };
+    let t_img = tensor(&[2, 4, 3, 3], 28, -1.0, 1.0, &d);
+    let t_filt = tensor(&[4, 2, 3, 2], 29, -0.5, 0.5, &d);
+    let ff = t_filt.clone();
+    out.push(case(
+        "ConvTranspose2d",
+        "conv_transpose2d input",
+        t_img.clone(),
+        move |x| weighted(x.conv_transpose2d(&on(&ff, &x.device()), t_opts)),
+    ));
+    let ii = t_img.clone();
+    out.push(case(
+        "ConvTranspose2d",
+        "conv_transpose2d filter",
+        t_filt.clone(),
+        move |w| weighted(on(&ii, &w.device()).conv_transpose2d(w, t_opts)),
+    ));
+    let c1_opts = Conv1dOptions {
+        stride: 2,
+        padding: 1,
+        dilation: 2,
+        groups: 2,
+    };
+    let c1_filt = tensor(&[4, 2, 3], 30, -0.5, 0.5, &d);
+    out.push(case(
+        "Conv2d",
+        "conv1d input",
+        tensor(&[2, 4, 9], 31, -1.0, 1.0, &d),
+        move |x| weighted(x.conv1d(&on(&c1_filt, &x.device()), c1_opts)),
+    ));
     let pool = Pool2dOptions {
         kernel: [2, 3],
         stride: Some([2, 2]),
@@ -557,6 +593,55 @@ fn cases() -> Vec<Case> {
             weighted(g)
         },
     ));
+
+    // Sorting: the values' gradient goes back through the permutation
+    // (distinct values, so no tie sits within a step of flipping).
+    out.push(case("Sort", "sort last, ascending", s234.clone(), |x| {
+        weighted(x.sort(-1, false).0)
+    }));
+    out.push(case("Sort", "sort middle, descending", s234.clone(), |x| {
+        weighted(x.sort(1, true).0)
+    }));
+    out.push(case("TopK", "topk largest, sorted", s234.clone(), |x| {
+        weighted(x.topk(2, -1, true, true).0)
+    }));
+    out.push(case("TopK", "topk smallest, in place", s234.clone(), |x| {
+        weighted(x.topk(2, 0, false, false).0)
+    }));
+    // The ops sorting's gradient is made of, reached through inner
+    // gradients: ∇ Σ w·sort(x)³ runs TakeAlongAxisGrad, and the gradient
+    // of a weighted sum of that runs its adjoint TakeAlongAxis (a cube, so
+    // that even this second gradient still depends on x).
+    fn sort_energy(x: &T) -> T {
+        let v = x.sort(1, false).0;
+        weighted(&v * &v * &v)
+    }
+    out.push(case(
+        "TakeAlongAxisGrad",
+        "∇ₓ Σ w·sort(x)³",
+        s234.clone(),
+        |x| weighted(grad(sort_energy)(x)),
+    ));
+    out.push(case(
+        "TakeAlongAxis",
+        "∇ₓ Σ w·∇ₓ Σ w·sort(x)³",
+        s234.clone(),
+        |x| weighted(grad(|x: &T| weighted(grad(sort_energy)(x)))(x)),
+    ));
+    // Variance and standard deviation are composites of Mean, Sub, Mul,
+    // Maximum and Sqrt: checked as wholes here.
+    out.push(case(
+        "Mean",
+        "var axis keepdim, unbiased",
+        x234.clone(),
+        |x| weighted(x.var(&[1], true, 1)),
+    ));
+    out.push(case("Mean", "var all, population", x234.clone(), |x| {
+        weighted(x.var(&[], false, 0))
+    }));
+    out.push(case("Sqrt", "std axes", x234.clone(), |x| {
+        weighted(x.std(&[0, -1], false, 1))
+    }));
 
     // Control flow and functions.
     let then_x = tensor(&[3], 20, 0.1, 1.0, &d);

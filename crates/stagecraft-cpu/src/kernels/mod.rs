@@ -13,6 +13,7 @@ mod reduce;
 #[cfg(target_arch = "x86_64")]
 mod sgemm;
 mod shape;
+mod sort;
 
 /// Whether a test case of `dtype` over `dims` runs in this build: every
 /// case does, except that under Miri, which interprets each kernel call
@@ -38,4 +39,5 @@ pub(crate) fn register_all(registry: &mut KernelRegistry) {
     nn::register(registry);
     reduce::register(registry);
     shape::register(registry);
+    sort::register(registry);
 }

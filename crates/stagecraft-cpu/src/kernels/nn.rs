@@ -21,6 +21,10 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
         &stagecraft_ops::CONV2D_BACKPROP_FILTER,
         backprop_filter_factory,
     );
+    // A transposed convolution computes the input gradient of the
+    // convolution with the same window: `(x, w)` play the roles of `(g, w)`
+    // and the output metadata carries the size `output_padding` chose.
+    registry.add(&stagecraft_ops::CONV_TRANSPOSE2D, backprop_input_factory);
     registry.add(&stagecraft_ops::MAX_POOL2D_GRAD, max_pool_grad_factory);
     registry.add(&stagecraft_ops::AVG_POOL2D_GRAD, avg_pool_grad_factory);
 }
@@ -818,6 +822,72 @@ mod tests {
             .is_nan());
     }
 
+    /// ConvTranspose2d against the direct reference in f64 and f32.
+    #[allow(clippy::too_many_arguments)]
+    fn check_conv_transpose(
+        xd: [usize; 4],
+        opg: usize,
+        k: [usize; 2],
+        stride: [usize; 2],
+        pad: [usize; 2],
+        output_pad: [usize; 2],
+        dil: [usize; 2],
+        groups: usize,
+    ) {
+        let wd = [xd[1], opg, k[0], k[1]];
+        let (xv, wv) = (
+            values(xd.iter().product(), 4),
+            values(wd.iter().product(), 5),
+        );
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_dims("stride", &stride)
+            .set_dims("padding", &pad)
+            .set_dims("output_padding", &output_pad)
+            .set_dims("dilation", &dil)
+            .set_int("groups", groups as i64);
+        let (want, want_dims) =
+            reference::conv_transpose2d(&xv, xd, &wv, wd, stride, pad, output_pad, dil, groups);
+        let got = run(
+            &stagecraft_ops::CONV_TRANSPOSE2D,
+            &[
+                DenseHostTensor::from_slice(&xv, xd).unwrap(),
+                DenseHostTensor::from_slice(&wv, wd).unwrap(),
+            ],
+            &attrs,
+        )
+        .unwrap();
+        assert_eq!(got.shape().dims(), want_dims.as_slice());
+        close(got.as_slice::<f64>().unwrap(), &want, 1e-12);
+        let x32: Vec<f32> = xv.iter().map(|&v| v as f32).collect();
+        let w32: Vec<f32> = wv.iter().map(|&v| v as f32).collect();
+        let got = run(
+            &stagecraft_ops::CONV_TRANSPOSE2D,
+            &[
+                DenseHostTensor::from_slice(&x32, xd).unwrap(),
+                DenseHostTensor::from_slice(&w32, wd).unwrap(),
+            ],
+            &attrs,
+        )
+        .unwrap();
+        let got: Vec<f64> = got
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        close(&got, &want, 1e-4);
+    }
+
+    #[test]
+    fn conv_transpose2d_matches_reference() {
+        check_conv_transpose([1, 1, 3, 3], 1, [3, 3], [1, 1], [0, 0], [0, 0], [1, 1], 1);
+        check_conv_transpose([2, 4, 5, 4], 3, [3, 2], [2, 3], [1, 0], [1, 2], [1, 2], 2);
+        check_conv_transpose([1, 3, 4, 4], 1, [1, 1], [1, 1], [0, 0], [0, 0], [1, 1], 3);
+        check_conv_transpose([0, 2, 4, 4], 2, [3, 3], [2, 2], [1, 1], [1, 0], [1, 1], 1);
+        check_conv_transpose([3, 8, 14, 14], 4, [4, 4], [2, 2], [1, 1], [0, 0], [1, 1], 1);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         #[test]
@@ -829,6 +899,22 @@ mod tests {
             let span = dh * (kh - 1) + 1;
             prop_assume!(h + 2 * ph >= span && w + 2 * pw >= kw);
             check_conv(n, cpg * groups, h, w, opg * groups, [kh, kw], [sh, sw], [ph, pw], [dh, 1], groups);
+        }
+
+        #[test]
+        fn conv_transpose2d_random_geometry(
+            n in 1usize..3, cpg in 1usize..3, groups in 1usize..3, opg in 1usize..3,
+            h in 1usize..6, w in 1usize..6, kh in 1usize..4, kw in 1usize..4,
+            sh in 1usize..4, sw in 1usize..3, ph in 0usize..2, pw in 0usize..2,
+            dh in 1usize..3, dw in 1usize..3, oph in 0usize..3, opw in 0usize..3,
+        ) {
+            let (oph, opw) = (oph % sh, opw % sw);
+            let full_h = (h - 1) * sh + dh * (kh - 1) + oph + 1;
+            let full_w = (w - 1) * sw + dw * (kw - 1) + opw + 1;
+            prop_assume!(full_h > 2 * ph && full_w > 2 * pw);
+            check_conv_transpose(
+                [n, cpg * groups, h, w], opg, [kh, kw], [sh, sw], [ph, pw], [oph, opw], [dh, dw], groups,
+            );
         }
     }
 }

@@ -46,6 +46,55 @@ pub fn conv2d(
     out
 }
 
+/// Direct transposed 2-D convolution (NCHW input, `[C, O/groups, KH, KW]`
+/// weights): every input pixel times every tap is added at the output
+/// position the tap reaches, `iy·stride + ky·dilation - padding`. Returns
+/// the values and the output dimensions (PyTorch's formula).
+#[allow(clippy::too_many_arguments)]
+pub fn conv_transpose2d(
+    x: &[f64],
+    xd: [usize; 4],
+    w: &[f64],
+    wd: [usize; 4],
+    stride: [usize; 2],
+    pad: [usize; 2],
+    output_pad: [usize; 2],
+    dil: [usize; 2],
+    groups: usize,
+) -> (Vec<f64>, Vec<usize>) {
+    let [n, c, h, wi] = xd;
+    let [_, og, kh, kw] = wd;
+    let o = og * groups;
+    let cg = c / groups;
+    let oh = (h - 1) * stride[0] + dil[0] * (kh - 1) + output_pad[0] + 1 - 2 * pad[0];
+    let ow = (wi - 1) * stride[1] + dil[1] * (kw - 1) + output_pad[1] + 1 - 2 * pad[1];
+    let mut out = vec![0.0; n * o * oh * ow];
+    for b in 0..n {
+        for ic in 0..c {
+            let g = ic / cg;
+            for iy in 0..h {
+                for ix in 0..wi {
+                    let v = x[((b * c + ic) * h + iy) * wi + ix];
+                    for oc_in in 0..og {
+                        let oc = g * og + oc_in;
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let y = (iy * stride[0] + ky * dil[0]) as isize - pad[0] as isize;
+                                let xx = (ix * stride[1] + kx * dil[1]) as isize - pad[1] as isize;
+                                if y >= 0 && xx >= 0 && (y as usize) < oh && (xx as usize) < ow {
+                                    out[((b * o + oc) * oh + y as usize) * ow + xx as usize] +=
+                                        v * w[((ic * og + oc_in) * kh + ky) * kw + kx];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (out, vec![n, o, oh, ow])
+}
+
 fn pool(
     x: &[f64],
     xd: [usize; 4],

@@ -13,6 +13,7 @@ mod list;
 mod nn;
 mod reduce;
 mod shape;
+mod sort;
 mod transfer;
 
 pub use control::*;
@@ -26,6 +27,7 @@ pub use list::*;
 pub use nn::*;
 pub use reduce::*;
 pub use shape::*;
+pub use sort::*;
 pub use transfer::*;
 
 use crate::op::{OpDef, OutputMetas};
@@ -62,6 +64,11 @@ const OTHER_OPS: &[&OpDef] = &[
     &ARGMIN,
     &SOFTMAX,
     &LOG_SOFTMAX,
+    // sorting
+    &SORT,
+    &TOP_K,
+    &TAKE_ALONG_AXIS,
+    &TAKE_ALONG_AXIS_GRAD,
     // linear algebra
     &MATMUL,
     // shape and indexing
@@ -82,6 +89,7 @@ const OTHER_OPS: &[&OpDef] = &[
     &CONV2D_BACKPROP_FILTER,
     &MAX_POOL2D_GRAD,
     &AVG_POOL2D_GRAD,
+    &CONV_TRANSPOSE2D,
     // side effects
     &PRINT,
     &HOST_CALL,

@@ -283,6 +283,130 @@ pub static CONV2D_BACKPROP_FILTER: OpDef = OpDef {
     grad: Some(backprop_filter_grad),
 };
 
+/// Transposed 2-D convolution (the adjoint of [`CONV2D`], PyTorch's
+/// `conv_transpose2d`) of `x: [N, C, H, W]` with `w: [C, O/groups, KH,
+/// KW]`, giving `[N, O, OH, OW]` with `OH = (H-1)·stride - 2·padding +
+/// dilation·(KH-1) + output_padding + 1` (and the same for the width).
+/// `output_padding` picks among the output sizes a strided convolution
+/// maps onto `H`, so it must be smaller than the stride.
+pub static CONV_TRANSPOSE2D: OpDef = OpDef {
+    name: "ConvTranspose2d",
+    inputs: &["x", "w"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[
+        AttrSpec::optional("stride", AttrKind::Ints, AttrDefault::Ints(&[1, 1])),
+        AttrSpec::optional("padding", AttrKind::Ints, AttrDefault::Ints(&[0, 0])),
+        AttrSpec::optional("output_padding", AttrKind::Ints, AttrDefault::Ints(&[0, 0])),
+        AttrSpec::optional("dilation", AttrKind::Ints, AttrDefault::Ints(&[1, 1])),
+        AttrSpec::optional("groups", AttrKind::Int, AttrDefault::Int(1)),
+    ],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: conv_transpose2d_meta,
+    grad: Some(conv_transpose2d_grad),
+};
+
+/// The output size of a transposed convolution along spatial `axis` for
+/// an input of `input` (at least 1).
+fn transposed_dim(
+    win: &Window2d,
+    output_padding: usize,
+    axis: usize,
+    input: usize,
+) -> Result<usize> {
+    let overflow = || {
+        Error::shape(format!(
+            "the output of the transposed convolution overflows on spatial axis {axis} (input {input}, {win:?})"
+        ))
+    };
+    let full = (input - 1)
+        .checked_mul(win.stride[axis])
+        .and_then(|v| v.checked_add(win.dilation[axis].checked_mul(win.kernel[axis] - 1)?))
+        .and_then(|v| v.checked_add(output_padding + 1))
+        .ok_or_else(overflow)?;
+    let cropped = win.padding[axis].checked_mul(2).ok_or_else(overflow)?;
+    if cropped >= full {
+        return Err(Error::shape(format!(
+            "padding {} on each side leaves nothing of the {full} outputs on spatial axis {axis}",
+            win.padding[axis]
+        )));
+    }
+    Ok(full - cropped)
+}
+
+fn conv_transpose2d_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let (x, w) = (&inputs[0], &inputs[1]);
+    require_float("x", x)?;
+    require_same_dtype(x, w)?;
+    if x.shape.rank() != 4 || w.shape.rank() != 4 {
+        return Err(Error::shape(format!(
+            "conv_transpose2d needs x: [N, C, H, W] and w: [C, O/groups, KH, KW], got {} and {}",
+            x.shape, w.shape
+        )));
+    }
+    let groups = attrs.int("groups")?;
+    if groups < 1 {
+        return Err(Error::attribute(format!(
+            "groups must be at least 1, got {groups}"
+        )));
+    }
+    let groups = groups as usize;
+    let c = x.shape[1];
+    if w.shape[0] != c || c % groups != 0 {
+        return Err(Error::shape(format!(
+            "with {groups} groups, x has {c} channels and w {} input channels: need them equal and divisible by groups",
+            w.shape[0]
+        )));
+    }
+    if w.shape[2] == 0 || w.shape[3] == 0 {
+        return Err(Error::shape(format!("empty kernel {}", w.shape)));
+    }
+    if x.shape[2] == 0 || x.shape[3] == 0 {
+        return Err(Error::shape(format!(
+            "conv_transpose2d needs a non-empty image, got {}",
+            x.shape
+        )));
+    }
+    let win = conv2d_window(attrs, [w.shape[2], w.shape[3]])?;
+    let output_padding = pair(attrs, "output_padding", 0)?;
+    if (0..2).any(|i| output_padding[i] >= win.stride[i]) {
+        return Err(Error::attribute(format!(
+            "output_padding {output_padding:?} must be smaller than the stride {:?}",
+            win.stride
+        )));
+    }
+    let o = w.shape[1].checked_mul(groups).ok_or_else(|| {
+        Error::shape(format!(
+            "{groups} groups of {} output channels overflow",
+            w.shape[1]
+        ))
+    })?;
+    let (oh, ow) = (
+        transposed_dim(&win, output_padding[0], 0, x.shape[2])?,
+        transposed_dim(&win, output_padding[1], 1, x.shape[3])?,
+    );
+    one(TensorMetadata::new(x.dtype, [x.shape[0], o, oh, ow]))
+}
+
+/// `ConvTranspose2d(x, w) = Cᵀ_w x`, `C_w` the convolution with `w` under
+/// the same window attributes: its gradient for `x` is `conv2d(G, w)` and
+/// the one for `w` the filter gradient of that convolution,
+/// `Conv2dBackpropFilter(G, x)` (as for [`CONV2D_BACKPROP_INPUT`], which
+/// computes the same product).
+fn conv_transpose2d_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, w, gg) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
+    let ws = b.meta(w).shape;
+    let dx = b.op(&CONV2D, &[gg, w], &forward_conv_attrs(&ctx.attrs)?)?;
+    let dw = b.op(
+        &CONV2D_BACKPROP_FILTER,
+        &[gg, x],
+        &backprop_attrs(&ctx.attrs, &ws)?,
+    )?;
+    Ok(smallvec::smallvec![Some(dx), Some(dw)])
+}
+
 fn pool_grad_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let (x, g) = (&inputs[0], &inputs[1]);
     require_same_dtype(x, g)?;
@@ -453,6 +577,90 @@ mod tests {
         assert!(CONV2D
             .infer(&[f(&[1, 3, 5, 5]), f(&[6, 3, 3, 3])], &a)
             .is_err());
+    }
+
+    #[test]
+    fn conv_transpose_shapes_follow_pytorch() {
+        let mut a = OpAttrs::new();
+        a.set_ints("stride", &[2, 3])
+            .set_ints("padding", &[1, 0])
+            .set_ints("output_padding", &[1, 2])
+            .set_ints("dilation", &[1, 2])
+            .set_int("groups", 2);
+        // H: (5-1)·2 - 2 + 1·2 + 1 + 1 = 10; W: (4-1)·3 - 0 + 2·1 + 2 + 1 = 14.
+        assert_eq!(
+            CONV_TRANSPOSE2D
+                .infer(&[f(&[3, 4, 5, 4]), f(&[4, 3, 3, 2])], &a)
+                .unwrap()[0],
+            f(&[3, 6, 10, 14])
+        );
+        // Mismatched channels, channels not divisible by groups, output
+        // padding not below the stride, padding eating the output.
+        assert!(CONV_TRANSPOSE2D
+            .infer(&[f(&[3, 4, 5, 4]), f(&[2, 3, 3, 2])], &a)
+            .is_err());
+        a.set_int("groups", 3);
+        assert!(CONV_TRANSPOSE2D
+            .infer(&[f(&[3, 3, 5, 4]), f(&[3, 3, 3, 2])], &a)
+            .is_ok());
+        assert!(CONV_TRANSPOSE2D
+            .infer(&[f(&[3, 4, 5, 4]), f(&[4, 3, 3, 2])], &a)
+            .is_err());
+        a.set_int("groups", 1).set_ints("output_padding", &[2, 0]);
+        assert!(CONV_TRANSPOSE2D
+            .infer(&[f(&[3, 4, 5, 4]), f(&[4, 3, 3, 2])], &a)
+            .is_err());
+        let mut p = OpAttrs::new();
+        p.set_ints("padding", &[1, 1]);
+        assert!(CONV_TRANSPOSE2D
+            .infer(&[f(&[1, 1, 1, 1]), f(&[1, 1, 1, 1])], &p)
+            .is_err());
+        assert!(CONV_TRANSPOSE2D
+            .infer(&[f(&[1, 1, 0, 1]), f(&[1, 1, 1, 1])], &OpAttrs::new())
+            .is_err());
+    }
+
+    proptest::proptest! {
+        /// A convolution with the same attributes maps the transposed
+        /// convolution's output shape back onto its input shape, and the
+        /// sizes are PyTorch's formula.
+        #[test]
+        fn conv_transpose_inverts_conv_shapes(
+            h in 1usize..6, w in 1usize..6, kh in 1usize..4, kw in 1usize..4,
+            stride in (1usize..4, 1usize..4), pad in (0usize..3, 0usize..3),
+            dil in (1usize..3, 1usize..3), extra in (0usize..3, 0usize..3),
+            groups in 1usize..3, per_group in 1usize..3,
+        ) {
+            let c = groups * per_group;
+            let op = [extra.0 % stride.0, extra.1 % stride.1];
+            let mut a = OpAttrs::new();
+            a.set_dims("stride", &[stride.0, stride.1])
+                .set_dims("padding", &[pad.0, pad.1])
+                .set_dims("output_padding", &op)
+                .set_dims("dilation", &[dil.0, dil.1])
+                .set_int("groups", groups as i64);
+            let x = f(&[2, c, h, w]);
+            let wt = f(&[c, 2, kh, kw]);
+            let formula = |i: usize, s: usize, p: usize, d: usize, k: usize, o: usize| {
+                ((i - 1) * s + d * (k - 1) + o + 1) as i64 - 2 * p as i64
+            };
+            let oh = formula(h, stride.0, pad.0, dil.0, kh, op[0]);
+            let ow = formula(w, stride.1, pad.1, dil.1, kw, op[1]);
+            let out = CONV_TRANSPOSE2D.infer(&[x.clone(), wt.clone()], &a);
+            if oh < 1 || ow < 1 {
+                proptest::prop_assert!(out.is_err());
+                return Ok(());
+            }
+            let out = out.unwrap();
+            proptest::prop_assert_eq!(&out[0], &f(&[2, 2 * groups, oh as usize, ow as usize]));
+            let mut fwd = OpAttrs::new();
+            fwd.set_dims("stride", &[stride.0, stride.1])
+                .set_dims("padding", &[pad.0, pad.1])
+                .set_dims("dilation", &[dil.0, dil.1])
+                .set_int("groups", groups as i64);
+            let back = CONV2D.infer(&[out[0].clone(), f(&[c, 2, kh, kw])], &fwd).unwrap();
+            proptest::prop_assert_eq!(&back[0], &x);
+        }
     }
 
     #[test]
