@@ -35,7 +35,7 @@ mod staging;
 mod tensor;
 
 pub use autodiff::{grad, value_and_grad, Gradients};
-pub use ops::{where_, Conv2dOptions, Pool2dOptions};
+pub use ops::{where_, Conv2dOptions, CumsumOptions, Pool2dOptions};
 pub use random::Rng;
 pub use stage::{
     __stage, current_transfer_guard, host_call, host_call_with, staged_graphs, take_transfer_log,

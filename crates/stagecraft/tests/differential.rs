@@ -8,7 +8,10 @@
 //! instruction appends one value: unary math, broadcasting binary ops,
 //! ops with a Rust number, reductions (axes, negative axes, keepdim),
 //! softmax / log-softmax, matmul (matrix, vector and batched), reshape,
-//! transpose, `cond` on a data-dependent predicate (the sum of a value
+//! transpose, the everyday shape and indexing ops (cumsum, tril/triu,
+//! stack, chunk, tile, index-add, scatter-add and take-along-axis, their
+//! index tensors made from a seed on the value's device), `cond` on a
+//! data-dependent predicate (the sum of a value
 //! against a threshold) and `while` whose trip count depends on the data
 //! (a running sum against a limit) and is bounded by a counter. Branches
 //! and loop bodies are chains of shape-preserving steps ([`Inner`]): unary
@@ -72,7 +75,7 @@
 //! the minimized program, run through [`check`] like a generated one.
 
 use proptest::prelude::*;
-use stagecraft::{cond, function, lazy, while_loop, Device, Tensor};
+use stagecraft::{cond, function, lazy, while_loop, CumsumOptions, Device, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -199,6 +202,22 @@ enum Instr {
         limit: f32,
         body: Vec<Inner>,
     },
+    /// `cumsum_with(axis, exclusive, reverse)`.
+    Cumsum(usize, isize, bool, bool),
+    /// `triu(k)` when the flag is set, else `tril(k)`.
+    Trilu(usize, bool, i64),
+    /// `stack([env[x], env[y]], axis)` (same shapes).
+    Stack(usize, usize, isize),
+    /// Piece `k` (mod the count) of `chunk(chunks, axis)`.
+    Chunk(usize, usize, isize, usize),
+    /// `tile(reps)`.
+    Tile(usize, Vec<usize>),
+    /// `x.index_add(axis, indices, x)`, indices from a seed.
+    IndexAdd(usize, isize, u64),
+    /// `x.scatter_add(axis, indices, x)`, indices of `x`'s shape from a seed.
+    ScatterAdd(usize, isize, u64),
+    /// `x.take_along_axis(axis, indices)`, indices of `x`'s shape from a seed.
+    TakeAlong(usize, isize, u64),
 }
 
 /// A program over the five inputs; its results are its last `outputs`
@@ -296,7 +315,7 @@ fn raw_inner() -> impl Strategy<Value = (u8, u8, usize, f32)> {
 
 fn raw_instr() -> impl Strategy<Value = RawInstr> {
     (
-        0u8..12,
+        0u8..20,
         any::<u8>(),
         any::<usize>(),
         any::<usize>(),
@@ -431,6 +450,7 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                     else_: resolve_inner(&r.else_, &ys, &shapes),
                 }
             }
+            12..=19 => resolve_everyday(r, x, &shapes).unwrap_or(un),
             10 | 11 => {
                 let mut body = resolve_inner(&r.then_, &xs, &shapes);
                 // A body that changes nothing would make the trip count
@@ -453,6 +473,52 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
         outputs: outputs.clamp(1, instrs.len().max(1)),
         instrs,
     }
+}
+
+/// The everyday shape and indexing ops (kinds 12 to 19), `None` where
+/// `env[x]` does not suit the drawn one.
+fn resolve_everyday(r: &RawInstr, x: usize, shapes: &[Vec<usize>]) -> Option<Instr> {
+    let xs = &shapes[x];
+    let rank = xs.len();
+    // An axis in range, written negative when the low bit of `sub` says so.
+    let axis_in = |rank: usize| {
+        (r.j % rank.max(1)) as isize - if r.sub & 1 == 1 { rank as isize } else { 0 }
+    };
+    let seed = r.j as u64 ^ r.sub as u64;
+    Some(match r.kind {
+        12 if rank > 0 => Instr::Cumsum(x, axis_in(rank), r.sub & 2 != 0, r.sub & 4 != 0),
+        13 if rank >= 2 => Instr::Trilu(x, r.sub & 2 != 0, (r.j % 7) as i64 - 3),
+        14 => {
+            let same: Vec<usize> = (0..shapes.len()).filter(|&y| &shapes[y] == xs).collect();
+            Instr::Stack(x, same[r.j % same.len()], axis_in(rank + 1))
+        }
+        15 if rank > 0 => Instr::Chunk(x, 1 + (r.sub as usize >> 1) % 4, axis_in(rank), r.j >> 8),
+        16 => {
+            let reps = (0..rank + (r.sub as usize >> 1) % 2)
+                .map(|k| 1 + (r.j >> k & 1))
+                .collect();
+            Instr::Tile(x, reps)
+        }
+        17 if rank > 0 => Instr::IndexAdd(x, axis_in(rank), seed),
+        18 if rank > 0 => Instr::ScatterAdd(x, axis_in(rank), seed),
+        19 if rank > 0 => Instr::TakeAlong(x, axis_in(rank), seed),
+        _ => return None,
+    })
+}
+
+/// `axis` (possibly negative) resolved for `rank`.
+fn axis_of(axis: isize, rank: usize) -> usize {
+    (axis + rank as isize) as usize % rank
+}
+
+/// The size of piece `piece` (mod the count) of `chunk(chunks)` of a `dim`.
+fn chunk_len(dim: usize, chunks: usize, piece: usize) -> usize {
+    if dim == 0 {
+        return 0;
+    }
+    let size = dim.div_ceil(chunks);
+    let k = piece % dim.div_ceil(size);
+    size.min(dim - k * size)
 }
 
 /// The shape an instruction produces (the generator's type checker).
@@ -479,6 +545,29 @@ fn shape_of(instr: &Instr, shapes: &[Vec<usize>]) -> Vec<usize> {
             s
         }
         Instr::Cond { x, .. } | Instr::While { x, .. } => shapes[*x].clone(),
+        Instr::Cumsum(x, ..)
+        | Instr::Trilu(x, ..)
+        | Instr::IndexAdd(x, ..)
+        | Instr::ScatterAdd(x, ..)
+        | Instr::TakeAlong(x, ..) => shapes[*x].clone(),
+        Instr::Stack(x, _, axis) => {
+            let mut s = shapes[*x].clone();
+            s.insert(axis_of(*axis, s.len() + 1), 2);
+            s
+        }
+        Instr::Chunk(x, chunks, axis, piece) => {
+            let mut s = shapes[*x].clone();
+            let a = axis_of(*axis, s.len());
+            s[a] = chunk_len(s[a], *chunks, *piece);
+            s
+        }
+        Instr::Tile(x, reps) => {
+            let s = &shapes[*x];
+            let lead = reps.len() - s.len();
+            (0..reps.len())
+                .map(|k| reps[k] * if k < lead { 1 } else { s[k - lead] })
+                .collect()
+        }
     }
 }
 
@@ -587,6 +676,22 @@ fn inner(steps: &[Inner], y: T, env: &[T], control: Control) -> T {
     })
 }
 
+/// Indices for an axis of `size`, in `[-size, size)`, from a seed.
+fn seeded_indices(n: usize, size: usize, seed: u64) -> Vec<i64> {
+    seeded(n, seed)
+        .iter()
+        .map(|v| ((v + 2.0) / 4.0 * (2 * size) as f32) as i64 - size as i64)
+        .map(|i| i.clamp(-(size as i64), size as i64 - 1))
+        .collect()
+}
+
+/// Indices of `x`'s shape into its `axis`, from a seed, on its device.
+fn index_tensor(x: &T, axis: isize, dims: &[usize], seed: u64) -> Tensor<i64> {
+    let size = x.dims()[axis_of(axis, x.rank())];
+    let n = dims.iter().product();
+    Tensor::from_vec(seeded_indices(n, size, seed), dims, &x.device()).unwrap()
+}
+
 /// An instruction without control flow.
 fn straight(instr: &Instr, env: &[T]) -> T {
     match instr {
@@ -600,6 +705,34 @@ fn straight(instr: &Instr, env: &[T]) -> T {
         Instr::Gram(x) => env[*x].matmul(&env[*x].transpose(-2, -1)),
         Instr::Reshape(x, dims) => env[*x].reshape(dims),
         Instr::Transpose(x, p, q) => env[*x].transpose(*p, *q),
+        Instr::Cumsum(x, axis, exclusive, reverse) => {
+            let options = CumsumOptions {
+                exclusive: *exclusive,
+                reverse: *reverse,
+            };
+            env[*x].cumsum_with(*axis, options)
+        }
+        Instr::Trilu(x, true, k) => env[*x].triu(*k),
+        Instr::Trilu(x, false, k) => env[*x].tril(*k),
+        Instr::Stack(x, y, axis) => Tensor::stack(&[&env[*x], &env[*y]], *axis),
+        Instr::Chunk(x, chunks, axis, piece) => {
+            let parts = env[*x].chunk(*chunks, *axis);
+            parts[piece % parts.len()].clone()
+        }
+        Instr::Tile(x, reps) => env[*x].tile(reps),
+        Instr::IndexAdd(x, axis, seed) => {
+            let t = &env[*x];
+            let n = t.dims()[axis_of(*axis, t.rank())];
+            t.index_add(*axis, &index_tensor(t, *axis, &[n], *seed), t)
+        }
+        Instr::ScatterAdd(x, axis, seed) => {
+            let t = &env[*x];
+            t.scatter_add(*axis, &index_tensor(t, *axis, t.dims(), *seed), t)
+        }
+        Instr::TakeAlong(x, axis, seed) => {
+            let t = &env[*x];
+            t.take_along_axis(*axis, &index_tensor(t, *axis, t.dims(), *seed))
+        }
         Instr::Cond { .. } | Instr::While { .. } => unreachable!("control flow is not straight"),
     }
 }
@@ -892,6 +1025,14 @@ fn the_generator_covers_every_instruction_kind() {
                 Instr::Transpose(..) => "transpose",
                 Instr::Cond { .. } => "cond",
                 Instr::While { .. } => "while",
+                Instr::Cumsum(..) => "cumsum",
+                Instr::Trilu(..) => "trilu",
+                Instr::Stack(..) => "stack",
+                Instr::Chunk(..) => "chunk",
+                Instr::Tile(..) => "tile",
+                Instr::IndexAdd(..) => "index_add",
+                Instr::ScatterAdd(..) => "scatter_add",
+                Instr::TakeAlong(..) => "take_along_axis",
             };
             seen.insert(kind);
             if let Instr::Cond { then_: body, .. } | Instr::While { body, .. } = instr {
@@ -927,6 +1068,14 @@ fn the_generator_covers_every_instruction_kind() {
         "transpose",
         "cond",
         "while",
+        "cumsum",
+        "trilu",
+        "stack",
+        "chunk",
+        "tile",
+        "index_add",
+        "scatter_add",
+        "take_along_axis",
         "inner unary",
         "inner scalar",
         "inner captured value",

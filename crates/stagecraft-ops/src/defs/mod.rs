@@ -7,10 +7,12 @@ mod effects;
 mod elementwise;
 mod fused;
 mod host;
+mod indexing;
 mod linalg;
 mod list;
 mod nn;
 mod reduce;
+mod scan;
 mod shape;
 mod transfer;
 
@@ -20,10 +22,12 @@ pub use effects::*;
 pub use elementwise::*;
 pub use fused::*;
 pub use host::*;
+pub use indexing::*;
 pub use linalg::*;
 pub use list::*;
 pub use nn::*;
 pub use reduce::*;
+pub use scan::*;
 pub use shape::*;
 pub use transfer::*;
 
@@ -83,6 +87,8 @@ pub static ALL_OPS: &[&OpDef] = &[
     &ARGMIN,
     &SOFTMAX,
     &LOG_SOFTMAX,
+    // scans
+    &CUMSUM,
     // linear algebra
     &MATMUL,
     // shape and indexing
@@ -95,6 +101,10 @@ pub static ALL_OPS: &[&OpDef] = &[
     &ONE_HOT,
     &PAD,
     &NONZERO,
+    &GATHER_ELEMENTS,
+    &SCATTER_ADD,
+    &INDEX_ADD,
+    &TRILU,
     // neural network
     &CONV2D,
     &MAX_POOL2D,
