@@ -433,7 +433,7 @@ mod tests {
     fn sample(dtype: DType, n: usize, seed: usize) -> Vec<f64> {
         (0..n)
             .map(|i| {
-                let v = ((i * 7 + seed * 13) % 23) as f64 - 11.0;
+                let v = (i.wrapping_mul(7).wrapping_add(seed.wrapping_mul(13)) % 23) as f64 - 11.0;
                 match dtype {
                     DType::Bool => (v > 0.0) as u8 as f64,
                     d if d.is_float() => v * 0.25,

@@ -229,7 +229,8 @@ impl<T: Element> Tensor<T> {
             (Err(e), _) | (_, Err(e)) => return self.fail_unless_failed("Flatten", location, e),
         };
         let merged = element_count(&dims[first..=last]);
-        dims.splice(first..=last, [merged]);
+        dims.drain(first..=last);
+        dims.insert(first, merged);
         let mut attrs = OpAttrs::new();
         attrs.set_dims("shape", &dims);
         self.unary(&ops::RESHAPE, &attrs, location)
