@@ -634,16 +634,8 @@ fn element_op<T: Kind>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
             let n = inp.below(5);
             let counts: Vec<usize> = (0..n).map(|_| inp.count()).collect();
             T::wrap(match inp.below(3) {
-                0 => call!(
-                    c,
-                    ["Repeat", "Reshape", "BroadcastTo"],
-                    a.repeat(&counts)
-                ),
-                1 => call!(
-                    c,
-                    ["Tile", "Reshape", "BroadcastTo"],
-                    a.tile(&counts)
-                ),
+                0 => call!(c, ["Repeat", "Reshape", "BroadcastTo"], a.repeat(&counts)),
+                1 => call!(c, ["Tile", "Reshape", "BroadcastTo"], a.tile(&counts)),
                 _ => {
                     let sizes: Vec<isize> = counts
                         .iter()

@@ -189,7 +189,11 @@ fn everyday_shape_and_indexing_errors() {
             "ScatterAdd",
             line!(),
         ),
-        (x.scatter_add(0, &i, &f32s(&[1.0, 2.0], &[2])), "ScatterAdd", line!()),
+        (
+            x.scatter_add(0, &i, &f32s(&[1.0, 2.0], &[2])),
+            "ScatterAdd",
+            line!(),
+        ),
         (
             x.index_add(0, &i2, &f32s(&[1.0, 2.0, 3.0], &[1, 3])),
             "IndexAdd",
@@ -211,7 +215,11 @@ fn everyday_shape_and_indexing_errors() {
             "ScatterAdd",
             line!(),
         ),
-        (x.index_add(0, &below, &f32s(&[1.0; 3], &[1, 3])), "IndexAdd", line!()),
+        (
+            x.index_add(0, &below, &f32s(&[1.0; 3], &[1, 3])),
+            "IndexAdd",
+            line!(),
+        ),
     ];
     for (t, op, line) in cases {
         let err = t.to_vec().unwrap_err();
@@ -281,16 +289,38 @@ fn dtype_errors_through_the_untyped_runtime() {
     check(&ops::SOFTMAX, vec![f.clone()], &unknown);
     check(&ops::CAST, vec![f.clone()], &none);
     check(&ops::GATHER_ELEMENTS, vec![f.clone(), f.clone()], &none);
-    check(&ops::SCATTER_ADD, vec![f.clone(), i.clone(), d.clone()], &none);
-    check(&ops::SCATTER_ADD, vec![f.clone(), f.clone(), f.clone()], &none);
-    check(&ops::INDEX_ADD, vec![f.clone(), i.clone(), d.clone()], &none);
-    check(&ops::INDEX_ADD, vec![i.clone(), f.clone(), i.clone()], &none);
+    check(
+        &ops::SCATTER_ADD,
+        vec![f.clone(), i.clone(), d.clone()],
+        &none,
+    );
+    check(
+        &ops::SCATTER_ADD,
+        vec![f.clone(), f.clone(), f.clone()],
+        &none,
+    );
+    check(
+        &ops::INDEX_ADD,
+        vec![f.clone(), i.clone(), d.clone()],
+        &none,
+    );
+    check(
+        &ops::INDEX_ADD,
+        vec![i.clone(), f.clone(), i.clone()],
+        &none,
+    );
     let b = TensorHandle::available(
         cpu,
-        DenseHostTensor::from_slice(&[true, false], [2]).unwrap().into(),
+        DenseHostTensor::from_slice(&[true, false], [2])
+            .unwrap()
+            .into(),
     );
     check(&ops::CUMSUM, vec![b.clone()], &none);
-    check(&ops::INDEX_ADD, vec![b.clone(), i.clone(), b.clone()], &none);
+    check(
+        &ops::INDEX_ADD,
+        vec![b.clone(), i.clone(), b.clone()],
+        &none,
+    );
     let s = TensorHandle::available(
         cpu,
         ScalarHostTensor::new(stagecraft::layers::tensor::Scalar::Bool(true), [2]).into(),

@@ -481,9 +481,8 @@ fn resolve_everyday(r: &RawInstr, x: usize, shapes: &[Vec<usize>]) -> Option<Ins
     let xs = &shapes[x];
     let rank = xs.len();
     // An axis in range, written negative when the low bit of `sub` says so.
-    let axis_in = |rank: usize| {
-        (r.j % rank.max(1)) as isize - if r.sub & 1 == 1 { rank as isize } else { 0 }
-    };
+    let axis_in =
+        |rank: usize| (r.j % rank.max(1)) as isize - if r.sub & 1 == 1 { rank as isize } else { 0 };
     let seed = r.j as u64 ^ r.sub as u64;
     Some(match r.kind {
         12 if rank > 0 => Instr::Cumsum(x, axis_in(rank), r.sub & 2 != 0, r.sub & 4 != 0),

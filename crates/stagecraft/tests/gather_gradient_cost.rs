@@ -63,7 +63,10 @@ fn the_gather_gradient_is_an_index_add_in_every_mode() {
             g = Some(dg);
         });
         assert!(ran.iter().any(|k| k == "IndexAdd"), "{ran:?}");
-        assert!(!ran.iter().any(|k| k == "OneHot" || k == "MatMul"), "{ran:?}");
+        assert!(
+            !ran.iter().any(|k| k == "OneHot" || k == "MatMul"),
+            "{ran:?}"
+        );
         check_gradient(&g.unwrap(), &values, rows);
     }
     // Through `function`: the gradient graph is built by the IR autodiff.
@@ -75,7 +78,10 @@ fn the_gather_gradient_is_an_index_add_in_every_mode() {
         g = Some(dg);
     });
     assert!(ran.iter().any(|k| k == "IndexAdd"), "{ran:?}");
-    assert!(!ran.iter().any(|k| k == "OneHot" || k == "MatMul"), "{ran:?}");
+    assert!(
+        !ran.iter().any(|k| k == "OneHot" || k == "MatMul"),
+        "{ran:?}"
+    );
     check_gradient(&g.unwrap(), &values, rows);
 }
 
@@ -89,10 +95,16 @@ fn a_large_table_gradient_touches_only_the_picked_rows() {
     let table = Tensor::<f32>::full(&[rows, 8], 0.5, &cpu);
     let mut g = None;
     let ran = kernels_run(|| g = Some(grad(lookup)(&table)));
-    assert!(!ran.iter().any(|k| k == "OneHot" || k == "MatMul"), "{ran:?}");
+    assert!(
+        !ran.iter().any(|k| k == "OneHot" || k == "MatMul"),
+        "{ran:?}"
+    );
     let g = g.unwrap();
     // Row 4 (not picked), row 5 (picked twice) and the last row (once).
-    let picked = g.index_select(0, &Tensor::<i64>::from_vec(vec![4, 5, -1], &[3], &cpu).unwrap());
+    let picked = g.index_select(
+        0,
+        &Tensor::<i64>::from_vec(vec![4, 5, -1], &[3], &cpu).unwrap(),
+    );
     assert_eq!(
         picked.sum(&[1], false).to_vec().unwrap(),
         vec![0.0, 2.0 * 2.0 * 0.5 * 8.0, 2.0 * 0.5 * 8.0]

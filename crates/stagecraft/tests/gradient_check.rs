@@ -484,17 +484,25 @@ fn cases() -> Vec<Case> {
     out.push(case("Cumsum", "cumsum", x234.clone(), |x| {
         weighted(x.cumsum(1))
     }));
-    out.push(case("Cumsum", "exclusive reverse cumsum", x234.clone(), |x| {
-        let options = CumsumOptions {
-            exclusive: true,
-            reverse: true,
-        };
-        weighted(x.cumsum_with(-1, options))
-    }));
+    out.push(case(
+        "Cumsum",
+        "exclusive reverse cumsum",
+        x234.clone(),
+        |x| {
+            let options = CumsumOptions {
+                exclusive: true,
+                reverse: true,
+            };
+            weighted(x.cumsum_with(-1, options))
+        },
+    ));
     out.push(case("Trilu", "tril", x234.clone(), |x| weighted(x.tril(0))));
-    out.push(case("Trilu", "triu below the diagonal", x234.clone(), |x| {
-        weighted(x.triu(-1))
-    }));
+    out.push(case(
+        "Trilu",
+        "triu below the diagonal",
+        x234.clone(),
+        |x| weighted(x.triu(-1)),
+    ));
     // Repeated indices: the gradients of the picks add up.
     let pick = |dims: &[usize], values: &[i64], d: &Device| {
         Tensor::<i64>::from_vec(values.to_vec(), dims, d).unwrap()
@@ -504,17 +512,26 @@ fn cases() -> Vec<Case> {
         "take_along_axis, repeated indices",
         x234.clone(),
         move |x| {
-            let idx = pick(&[2, 4, 2], &[2, 0, 2, 2, 1, -1, 0, 0, 1, 1, 2, 0, 0, 2, 1, 1], &x.device());
+            let idx = pick(
+                &[2, 4, 2],
+                &[2, 0, 2, 2, 1, -1, 0, 0, 1, 1, 2, 0, 0, 2, 1, 1],
+                &x.device(),
+            );
             weighted(x.take_along_axis(1, &idx))
         },
     ));
     let src = tensor(&[2, 2, 4], 32, -1.0, 1.0, &d);
     let scatter_idx = [0, 2, 2, 1, 2, 2, 0, -1, 1, 1, 1, 0, 0, 2, 1, 2];
     let ss = src.clone();
-    out.push(case("ScatterAdd", "scatter_add, by x", x234.clone(), move |x| {
-        let idx = pick(&[2, 2, 4], &scatter_idx, &x.device());
-        weighted(x.scatter_add(1, &idx, &on(&ss, &x.device())).tanh())
-    }));
+    out.push(case(
+        "ScatterAdd",
+        "scatter_add, by x",
+        x234.clone(),
+        move |x| {
+            let idx = pick(&[2, 2, 4], &scatter_idx, &x.device());
+            weighted(x.scatter_add(1, &idx, &on(&ss, &x.device())).tanh())
+        },
+    ));
     let base = x234.clone();
     out.push(case("ScatterAdd", "scatter_add, by src", src, move |s| {
         let idx = pick(&[2, 2, 4], &scatter_idx, &s.device());
@@ -522,10 +539,15 @@ fn cases() -> Vec<Case> {
     }));
     let rows = tensor(&[2, 4, 4], 33, -1.0, 1.0, &d);
     let rr = rows.clone();
-    out.push(case("IndexAdd", "index_add, by x", x234.clone(), move |x| {
-        let idx = pick(&[4], &[0, 2, 0, -1], &x.device());
-        weighted(x.index_add(1, &idx, &on(&rr, &x.device())).tanh())
-    }));
+    out.push(case(
+        "IndexAdd",
+        "index_add, by x",
+        x234.clone(),
+        move |x| {
+            let idx = pick(&[4], &[0, 2, 0, -1], &x.device());
+            weighted(x.index_add(1, &idx, &on(&rr, &x.device())).tanh())
+        },
+    ));
     let base = x234.clone();
     out.push(case("IndexAdd", "index_add, by src", rows, move |s| {
         let idx = pick(&[4], &[0, 2, 0, -1], &s.device());

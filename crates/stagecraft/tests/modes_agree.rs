@@ -169,7 +169,10 @@ fn everyday_shape_and_indexing_ops_agree_across_modes() {
             let got = g.to_vec().unwrap();
             assert_eq!(got.len(), want.len());
             for (a, b) in got.iter().zip(&want) {
-                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{mode} gradient: {got:?} vs {want:?}");
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{mode} gradient: {got:?} vs {want:?}"
+                );
             }
         }
     }

@@ -230,7 +230,12 @@ fn gather_elements<T: Element>(
 // ------------------------------------------------------------- scatter_add
 
 fn scatter_add_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let f: fn(DenseHostTensor, &DenseHostTensor, &DenseHostTensor, usize) -> Result<DenseHostTensor> =
+    let f: fn(
+        DenseHostTensor,
+        &DenseHostTensor,
+        &DenseHostTensor,
+        usize,
+    ) -> Result<DenseHostTensor> =
         with_accumulate_type!(first_dtype(inputs)?, attrs, T => scatter_add::<T>);
     Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
         let [x, indices, src] = take(inputs)?;
@@ -264,7 +269,12 @@ fn scatter_add<T: Accumulate>(
 // --------------------------------------------------------------- index_add
 
 fn index_add_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let f: fn(DenseHostTensor, &DenseHostTensor, &DenseHostTensor, usize) -> Result<DenseHostTensor> =
+    let f: fn(
+        DenseHostTensor,
+        &DenseHostTensor,
+        &DenseHostTensor,
+        usize,
+    ) -> Result<DenseHostTensor> =
         with_accumulate_type!(first_dtype(inputs)?, attrs, T => index_add::<T>);
     Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
         let [x, indices, src] = take(inputs)?;
@@ -480,29 +490,57 @@ mod tests {
                 let g = values(&g);
                 assert_eq!(g.len(), w.len(), "{what}");
                 for (a, b) in g.iter().zip(&w) {
-                    assert!(a == b || (a.is_nan() && b.is_nan()), "{what}: {g:?} vs {w:?}");
+                    assert!(
+                        a == b || (a.is_nan() && b.is_nan()),
+                        "{what}: {g:?} vs {w:?}"
+                    );
                 }
             }
             (Err(e), Err(_)) => assert_eq!(e.kind(), ErrorKind::Index, "{what}: {e}"),
-            (g, w) => panic!("{what}: kernel {:?}, reference {:?}", g.map(|t| values(&t)), w),
+            (g, w) => panic!(
+                "{what}: kernel {:?}, reference {:?}",
+                g.map(|t| values(&t)),
+                w
+            ),
         }
     }
 
-    fn check_gather_elements(dtype: DType, dims: &[usize], index_dims: &[usize], axis: usize, seed: u64, wild: bool) {
+    fn check_gather_elements(
+        dtype: DType,
+        dims: &[usize],
+        index_dims: &[usize],
+        axis: usize,
+        seed: u64,
+        wild: bool,
+    ) {
         let x = sample(dtype, element_count(dims), seed as usize);
         let idx = index_sample(element_count(index_dims), dims[axis], seed, wild);
         for index_dtype in [DType::I32, DType::I64] {
             let got = run(
                 &stagecraft_ops::GATHER_ELEMENTS,
                 &axis_attrs(axis as i64),
-                vec![tensor(dtype, &x, dims), indices(index_dtype, &idx, index_dims)],
+                vec![
+                    tensor(dtype, &x, dims),
+                    indices(index_dtype, &idx, index_dims),
+                ],
             );
             let want = reference::gather_elements(&x, dims, &idx, index_dims, axis);
-            assert_same(&format!("gather_elements {dims:?} by {index_dims:?} on {axis}"), got, want);
+            assert_same(
+                &format!("gather_elements {dims:?} by {index_dims:?} on {axis}"),
+                got,
+                want,
+            );
         }
     }
 
-    fn check_scatter_add(dtype: DType, dims: &[usize], index_dims: &[usize], axis: usize, seed: u64, wild: bool) {
+    fn check_scatter_add(
+        dtype: DType,
+        dims: &[usize],
+        index_dims: &[usize],
+        axis: usize,
+        seed: u64,
+        wild: bool,
+    ) {
         let x = sample(dtype, element_count(dims), seed as usize);
         let src = sample(dtype, element_count(index_dims), seed as usize + 5);
         let idx = index_sample(element_count(index_dims), dims[axis], seed, wild);
@@ -516,10 +554,21 @@ mod tests {
             ],
         );
         let want = reference::scatter_add(&x, dims, &idx, index_dims, &src, axis, &rounder(dtype));
-        assert_same(&format!("scatter_add {dims:?} by {index_dims:?} on {axis} ({dtype})"), got, want);
+        assert_same(
+            &format!("scatter_add {dims:?} by {index_dims:?} on {axis} ({dtype})"),
+            got,
+            want,
+        );
     }
 
-    fn check_index_add(dtype: DType, dims: &[usize], count: usize, axis: usize, seed: u64, wild: bool) {
+    fn check_index_add(
+        dtype: DType,
+        dims: &[usize],
+        count: usize,
+        axis: usize,
+        seed: u64,
+        wild: bool,
+    ) {
         let mut src_dims = dims.to_vec();
         src_dims[axis] = count;
         let x = sample(dtype, element_count(dims), seed as usize);
@@ -535,21 +584,40 @@ mod tests {
             ],
         );
         let want = reference::index_add(&x, dims, &idx, &src, axis, &rounder(dtype));
-        assert_same(&format!("index_add {dims:?} with {count} on {axis} ({dtype})"), got, want);
+        assert_same(
+            &format!("index_add {dims:?} with {count} on {axis} ({dtype})"),
+            got,
+            want,
+        );
     }
 
     fn check_trilu(dtype: DType, dims: &[usize], upper: bool, k: i64) {
         let x = sample(dtype, element_count(dims), 1);
         let mut attrs = OpAttrs::new();
         attrs.set_bool("upper", upper).set_int("k", k);
-        let got = run(&stagecraft_ops::TRILU, &attrs, vec![tensor(dtype, &x, dims)]);
+        let got = run(
+            &stagecraft_ops::TRILU,
+            &attrs,
+            vec![tensor(dtype, &x, dims)],
+        );
         let want = reference::trilu(&x, dims, upper, k);
-        assert_same(&format!("trilu {dims:?} upper {upper} k {k}"), got, Ok(want));
+        assert_same(
+            &format!("trilu {dims:?} upper {upper} k {k}"),
+            got,
+            Ok(want),
+        );
     }
 
     #[test]
     fn fixed_cases_match_the_reference() {
-        for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64, DType::I32, DType::I64] {
+        for dtype in [
+            DType::F16,
+            DType::BF16,
+            DType::F32,
+            DType::F64,
+            DType::I32,
+            DType::I64,
+        ] {
             check_gather_elements(dtype, &[3, 4], &[5, 2], 0, 1, false);
             check_scatter_add(dtype, &[3, 4], &[5, 2], 0, 2, false);
             check_scatter_add(dtype, &[2, 3, 4], &[2, 6, 3], 1, 3, false);
@@ -580,7 +648,11 @@ mod tests {
         let err = run(
             &stagecraft_ops::SCATTER_ADD,
             &axis_attrs(1),
-            vec![x.clone(), indices(DType::I64, &[3], &[1, 1]), tensor(DType::F32, &[1.0], &[1, 1])],
+            vec![
+                x.clone(),
+                indices(DType::I64, &[3], &[1, 1]),
+                tensor(DType::F32, &[1.0], &[1, 1]),
+            ],
         )
         .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Index);
@@ -597,7 +669,11 @@ mod tests {
             run(
                 &stagecraft_ops::INDEX_ADD,
                 &axis_attrs(0),
-                vec![x, indices(DType::I64, &[1], &[1]), tensor(DType::F32, &[5.0], &[1])],
+                vec![
+                    x,
+                    indices(DType::I64, &[1], &[1]),
+                    tensor(DType::F32, &[5.0], &[1]),
+                ],
             )
             .unwrap()
         };
@@ -609,7 +685,14 @@ mod tests {
     }
 
     fn dtype_strategy() -> impl Strategy<Value = DType> {
-        prop::sample::select(vec![DType::F16, DType::BF16, DType::F32, DType::F64, DType::I32, DType::I64])
+        prop::sample::select(vec![
+            DType::F16,
+            DType::BF16,
+            DType::F32,
+            DType::F64,
+            DType::I32,
+            DType::I64,
+        ])
     }
 
     /// `x` dims (rank 1 to 3, zero sizes included), an axis, and index dims

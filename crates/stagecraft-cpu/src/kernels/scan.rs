@@ -220,23 +220,39 @@ mod tests {
         let held: Vec<f64> = (0..n).map(|i| t.get_scalar(i).unwrap().to_f64()).collect();
         let mut attrs = OpAttrs::new();
         attrs
-            .set_int("axis", axis as i64 - if reverse { dims.len() as i64 } else { 0 })
+            .set_int(
+                "axis",
+                axis as i64 - if reverse { dims.len() as i64 } else { 0 },
+            )
             .set_bool("exclusive", exclusive)
             .set_bool("reverse", reverse);
         let out = run(t, &attrs).unwrap();
         let want = reference::cumsum(&held, dims, axis, exclusive, reverse);
-        let got: Vec<f64> = (0..n).map(|i| out.get_scalar(i).unwrap().to_f64()).collect();
+        let got: Vec<f64> = (0..n)
+            .map(|i| out.get_scalar(i).unwrap().to_f64())
+            .collect();
         let rounded: Vec<f64> = want
             .iter()
             .map(|&v| Scalar::F64(v).cast(dtype).to_f64())
             .collect();
-        assert_eq!(got, rounded, "cumsum {dims:?} axis {axis} exclusive {exclusive} reverse {reverse} ({dtype})");
+        assert_eq!(
+            got, rounded,
+            "cumsum {dims:?} axis {axis} exclusive {exclusive} reverse {reverse} ({dtype})"
+        );
     }
 
     #[test]
     fn fixed_cases_match_the_reference() {
-        for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64, DType::I32, DType::I64] {
-            for (exclusive, reverse) in [(false, false), (true, false), (false, true), (true, true)] {
+        for dtype in [
+            DType::F16,
+            DType::BF16,
+            DType::F32,
+            DType::F64,
+            DType::I32,
+            DType::I64,
+        ] {
+            for (exclusive, reverse) in [(false, false), (true, false), (false, true), (true, true)]
+            {
                 check(dtype, &[5], 0, exclusive, reverse);
                 check(dtype, &[3, 4, 2], 1, exclusive, reverse);
                 check(dtype, &[3, 4, 2], 2, exclusive, reverse);

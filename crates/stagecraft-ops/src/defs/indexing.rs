@@ -256,7 +256,11 @@ pub(crate) fn gather_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Res
     slices[axis] = count;
     let g = b.reshape(g, &slices)?;
     let zeros = b.fill(0.0, &xm)?;
-    let dx = b.op(&INDEX_ADD, &[zeros, flat_indices, g], &with_axis(axis as i64))?;
+    let dx = b.op(
+        &INDEX_ADD,
+        &[zeros, flat_indices, g],
+        &with_axis(axis as i64),
+    )?;
     Ok(smallvec![Some(dx), None])
 }
 
