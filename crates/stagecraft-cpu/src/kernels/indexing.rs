@@ -4,7 +4,7 @@
 //! The two adds validate every index before touching the output, so an
 //! out-of-range index is an `Index` error of the op, never a panic or a
 //! half-written result. Each addition is rounded to the element type, in
-//! row-major order of the source, as PyTorch's CPU kernels add; integer
+//! row-major order of the source, so results do not depend on threads; integer
 //! sums wrap.
 
 use super::shape::{index_error, index_values};
