@@ -50,11 +50,12 @@ pub fn scatter_add(
     round: &dyn Fn(f64) -> f64,
 ) -> Result<Vec<f64>> {
     let mut out = x.to_vec();
-    for position in 0..numel(index_dims) {
+    // `src` has the shape of the indices: one value per position.
+    for (position, &value) in src.iter().enumerate() {
         let mut at = unravel(position, index_dims);
         at[axis] = resolve(indices, position, dims[axis])?;
         let target = ravel(&at, dims);
-        out[target] = round(out[target] + src[position]);
+        out[target] = round(out[target] + value);
     }
     Ok(out)
 }
