@@ -21,8 +21,8 @@
 use stagecraft::layers::tensor::{Buffer, Scalar};
 use stagecraft::{
     bf16, f16, lazy, where_, BinaryOp, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
-    Device, Element, Error, ExecutionMode, FloatElement, IndexElement, NumElement, Pool2dOptions,
-    Rng, Tensor, UnaryOp,
+    CumsumOptions, Device, Element, Error, ExecutionMode, FloatElement, IndexElement, NumElement,
+    Pool2dOptions, Rng, Tensor, UnaryOp,
 };
 
 /// Most op calls one program makes; keeps a case fast.
@@ -499,7 +499,10 @@ fn create_any(c: &mut Case, inp: &mut Input) -> Val {
 
 /// The ops every dtype has: shape ops, comparisons, casts, gathers.
 fn element_op<T: Kind>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
-    match inp.below(20) {
+    // Cases 16 to 19 go on to the ops of narrower dtype classes; the
+    // everyday shape ops came later and took 20 to 23, so the committed
+    // byte strings keep decoding to the programs they were written for.
+    match inp.below(24) {
         0 => {
             let dims = inp.dims();
             T::wrap(call!(c, ["Reshape"], a.reshape(&dims)))
@@ -604,10 +607,85 @@ fn element_op<T: Kind>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
             }
             T::wrap(a.clone())
         }
+        20 => {
+            let axis = inp.axis();
+            match inp.below(4) {
+                0 => {
+                    let b = c.operand::<T>(inp);
+                    let parts: Vec<&Tensor<T>> = match inp.below(3) {
+                        0 => vec![],
+                        1 => vec![a],
+                        _ => vec![a, &b],
+                    };
+                    let stacked = call!(
+                        c,
+                        ["Stack", "Reshape", "Concat"],
+                        Tensor::stack(&parts, axis)
+                    );
+                    T::wrap(stacked)
+                }
+                1 => {
+                    let n = inp.below(4);
+                    let sizes: Vec<usize> = (0..n).map(|_| inp.count()).collect();
+                    let parts = call!(c, ["Split", "Slice"], a.split(&sizes, axis));
+                    T::wrap(one_of(inp, parts, a))
+                }
+                2 => {
+                    let chunks = inp.count();
+                    let parts = call!(c, ["Chunk", "Slice"], a.chunk(chunks, axis));
+                    T::wrap(one_of(inp, parts, a))
+                }
+                _ => {
+                    let end = inp.axis();
+                    T::wrap(call!(c, ["Flatten", "Reshape"], a.flatten(axis, end)))
+                }
+            }
+        }
+        21 => {
+            let n = inp.below(5);
+            let counts: Vec<usize> = (0..n).map(|_| inp.count()).collect();
+            T::wrap(match inp.below(3) {
+                0 => call!(c, ["Repeat", "Reshape", "BroadcastTo"], a.repeat(&counts)),
+                1 => call!(c, ["Tile", "Reshape", "BroadcastTo"], a.tile(&counts)),
+                _ => {
+                    let sizes: Vec<isize> = counts
+                        .iter()
+                        .map(|&k| if k == 3 { -1 } else { k as isize })
+                        .collect();
+                    call!(c, ["Expand", "BroadcastTo"], a.expand(&sizes))
+                }
+            })
+        }
+        22 => {
+            let k = inp.bound();
+            T::wrap(if inp.flag() {
+                call!(c, ["Trilu"], a.tril(k))
+            } else {
+                call!(c, ["Trilu"], a.triu(k))
+            })
+        }
+        23 => {
+            let axis = inp.axis();
+            T::wrap(match c.indices(inp) {
+                Val::I32(i) => call!(c, ["GatherElements"], a.take_along_axis(axis, &i)),
+                Val::I64(i) => call!(c, ["GatherElements"], a.take_along_axis(axis, &i)),
+                _ => unreachable!("indices are i32 or i64"),
+            })
+        }
         _ => T::numeric_op(c, inp, a)
             .or_else(|| T::float_op(c, inp, a))
             .unwrap_or_else(|| bool_op(c, inp, a)),
     }
+}
+
+/// One of the pieces a split made (`a` itself when there are none: an
+/// empty axis split into no sizes).
+fn one_of<T: Kind>(inp: &mut Input, pieces: Vec<Tensor<T>>, a: &Tensor<T>) -> Tensor<T> {
+    if pieces.is_empty() {
+        return a.clone();
+    }
+    let k = inp.below(pieces.len());
+    pieces[k].clone()
 }
 
 /// The logical ops, on bool values (other dtypes are cast first).
@@ -622,7 +700,9 @@ fn bool_op<T: Kind>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
 }
 
 fn numeric_op<T: Kind + NumElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
-    match inp.below(18) {
+    // 15 to 17 go on to narrower classes; sorting took 13 and 14, the
+    // scans and adds 18 to 20 (see `element_op`).
+    match inp.below(21) {
         0 => T::wrap(match inp.below(5) {
             0 => call!(c, ["Relu"], a.relu()),
             1 => call!(c, ["Abs"], a.abs()),
@@ -702,6 +782,26 @@ fn numeric_op<T: Kind + NumElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
                     }
                 }
             }
+        }
+        18 => {
+            let axis = inp.axis();
+            let options = CumsumOptions {
+                exclusive: inp.flag(),
+                reverse: inp.flag(),
+            };
+            T::wrap(call!(c, ["Cumsum"], a.cumsum_with(axis, options)))
+        }
+        19 | 20 => {
+            let axis = inp.axis();
+            let src = c.operand::<T>(inp);
+            let scatter = inp.flag();
+            T::wrap(match (c.indices(inp), scatter) {
+                (Val::I32(i), true) => call!(c, ["ScatterAdd"], a.scatter_add(axis, &i, &src)),
+                (Val::I64(i), true) => call!(c, ["ScatterAdd"], a.scatter_add(axis, &i, &src)),
+                (Val::I32(i), false) => call!(c, ["IndexAdd"], a.index_add(axis, &i, &src)),
+                (Val::I64(i), false) => call!(c, ["IndexAdd"], a.index_add(axis, &i, &src)),
+                _ => unreachable!("indices are i32 or i64"),
+            })
         }
         _ => T::index_op(c, inp, a)
             .or_else(|| T::float_op(c, inp, a))

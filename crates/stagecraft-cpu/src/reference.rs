@@ -7,8 +7,10 @@
 
 pub mod creation;
 pub mod elementwise;
+pub mod indexing;
 pub mod linalg;
 pub mod nn;
 pub mod reduce;
+pub mod scan;
 pub mod shape;
 pub mod sort;

@@ -35,7 +35,9 @@ mod staging;
 mod tensor;
 
 pub use autodiff::{grad, value_and_grad, Gradients};
-pub use ops::{where_, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, Pool2dOptions};
+pub use ops::{
+    where_, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, CumsumOptions, Pool2dOptions,
+};
 pub use random::Rng;
 pub use stagecraft_ops::{BinaryOp, UnaryOp};
 pub use stage::{

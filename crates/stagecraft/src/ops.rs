@@ -10,6 +10,9 @@ use stagecraft_tensor::{
     normalize_axis, Element, Error, FloatElement, IndexElement, Location, NumElement, Scalar,
 };
 
+mod everyday;
+pub use everyday::CumsumOptions;
+
 macro_rules! unary_methods {
     ($bound:ident: $($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {
         impl<T: $bound> Tensor<T> {

@@ -140,6 +140,108 @@ fn shape_axis_and_attribute_errors() {
     for (t, op, line) in cases {
         assert_fails(t, op, line);
     }
+}
+
+/// The everyday shape and indexing methods check their arguments: each
+/// bad call is an error naming the method (or the op it runs) and the
+/// caller's line.
+#[test]
+fn everyday_shape_and_indexing_errors() {
+    let cpu = Device::cpu();
+    let x = f32s(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    let i = Tensor::<i64>::from_vec(vec![0, 1], &[2], &cpu).unwrap();
+    let i2 = Tensor::<i64>::from_vec(vec![0, 1], &[1, 2], &cpu).unwrap();
+    let cases: Vec<(Tensor<f32>, &str, u32)> = vec![
+        (Tensor::<f32>::stack(&[], 0), "Stack", line!()),
+        (
+            Tensor::stack(&[&x, &x.reshape(&[3, 2])], 0),
+            "Stack",
+            line!(),
+        ),
+        (Tensor::stack(&[&x, &x], 3), "Stack", line!()),
+        (Tensor::stack(&[&x, &x], -4), "Stack", line!()),
+        // Sizes that do not add up, a bad axis, zero chunks.
+        (x.split(&[1, 1], 1).remove(0), "Split", line!()),
+        (x.split(&[usize::MAX, 4], 1).remove(0), "Split", line!()),
+        (x.split(&[2], 2).remove(0), "Split", line!()),
+        (x.chunk(0, 0).remove(0), "Chunk", line!()),
+        (x.chunk(2, -3).remove(0), "Chunk", line!()),
+        (x.flatten(1, 0), "Flatten", line!()),
+        (x.flatten(0, 2), "Flatten", line!()),
+        (f32s(&[1.0], &[1]).tril(0), "Trilu", line!()),
+        (Tensor::<f32>::scalar(1.0, &cpu).triu(0), "Trilu", line!()),
+        (x.cumsum(2), "Cumsum", line!()),
+        (x.cumsum(-3), "Cumsum", line!()),
+        (x.repeat(&[2]), "Repeat", line!()),
+        (x.repeat(&[usize::MAX, 1]), "Repeat", line!()),
+        (x.tile(&[usize::MAX / 2, 1, 1]), "Tile", line!()),
+        (x.expand(&[3]), "Expand", line!()),
+        (x.expand(&[4, -1]), "Expand", line!()),
+        (x.expand(&[-1, 2, 3]), "Expand", line!()),
+        (x.expand(&[2, -2]), "Expand", line!()),
+        // Indices of another rank, or larger than x off the axis.
+        (x.take_along_axis(0, &i), "GatherElements", line!()),
+        (
+            x.take_along_axis(0, &i2.reshape(&[1, 2]).repeat(&[1, 2])),
+            "GatherElements",
+            line!(),
+        ),
+        (x.take_along_axis(2, &i2), "GatherElements", line!()),
+        (
+            x.scatter_add(0, &i2, &f32s(&[1.0, 2.0, 3.0], &[1, 3])),
+            "ScatterAdd",
+            line!(),
+        ),
+        (
+            x.scatter_add(0, &i, &f32s(&[1.0, 2.0], &[2])),
+            "ScatterAdd",
+            line!(),
+        ),
+        (
+            x.index_add(0, &i2, &f32s(&[1.0, 2.0, 3.0], &[1, 3])),
+            "IndexAdd",
+            line!(),
+        ),
+        (x.index_add(1, &i, &x), "IndexAdd", line!()),
+        (x.index_add(-3, &i, &x), "IndexAdd", line!()),
+    ];
+    for (t, op, line) in cases {
+        assert_fails(t, op, line);
+    }
+    // Out-of-range indices are errors of the kernel, when it runs.
+    let far = Tensor::<i32>::from_vec(vec![0, 3], &[1, 2], &cpu).unwrap();
+    let below = Tensor::<i64>::from_vec(vec![-3], &[1], &cpu).unwrap();
+    let cases: Vec<(Tensor<f32>, &str, u32)> = vec![
+        (x.take_along_axis(1, &far), "GatherElements", line!()),
+        (
+            x.scatter_add(1, &far, &f32s(&[1.0, 1.0], &[1, 2])),
+            "ScatterAdd",
+            line!(),
+        ),
+        (
+            x.index_add(0, &below, &f32s(&[1.0; 3], &[1, 3])),
+            "IndexAdd",
+            line!(),
+        ),
+    ];
+    for (t, op, line) in cases {
+        let err = t.to_vec().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Index, "{err}");
+        assert_eq!(err.op(), Some(op), "{err}");
+        let at = err.location().expect("location").line();
+        assert!(at <= line && at + 10 >= line, "{err}");
+    }
+    // An input that already holds an error passes it on unchanged.
+    let bad = x.reshape(&[7]);
+    for t in [
+        Tensor::stack(&[&x, &bad], 0),
+        bad.split(&[7], 0).remove(0),
+        bad.chunk(2, 5).remove(0),
+        bad.flatten(0, 0),
+        bad.expand(&[7]),
+    ] {
+        assert_eq!(t.check().unwrap_err().op(), Some("Reshape"));
+    }
     let oh = i.one_hot::<f32>(1);
     let err = oh.to_vec().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Index, "{err}");
@@ -189,6 +291,39 @@ fn dtype_errors_through_the_untyped_runtime() {
     unknown.set_int("axiz", 0);
     check(&ops::SOFTMAX, vec![f.clone()], &unknown);
     check(&ops::CAST, vec![f.clone()], &none);
+    check(&ops::GATHER_ELEMENTS, vec![f.clone(), f.clone()], &none);
+    check(
+        &ops::SCATTER_ADD,
+        vec![f.clone(), i.clone(), d.clone()],
+        &none,
+    );
+    check(
+        &ops::SCATTER_ADD,
+        vec![f.clone(), f.clone(), f.clone()],
+        &none,
+    );
+    check(
+        &ops::INDEX_ADD,
+        vec![f.clone(), i.clone(), d.clone()],
+        &none,
+    );
+    check(
+        &ops::INDEX_ADD,
+        vec![i.clone(), f.clone(), i.clone()],
+        &none,
+    );
+    let b = TensorHandle::available(
+        cpu,
+        DenseHostTensor::from_slice(&[true, false], [2])
+            .unwrap()
+            .into(),
+    );
+    check(&ops::CUMSUM, vec![b.clone()], &none);
+    check(
+        &ops::INDEX_ADD,
+        vec![b.clone(), i.clone(), b.clone()],
+        &none,
+    );
     let s = TensorHandle::available(
         cpu,
         ScalarHostTensor::new(stagecraft::layers::tensor::Scalar::Bool(true), [2]).into(),
@@ -232,6 +367,40 @@ fn empty_zero_size_and_nan_inputs() {
     );
     assert_eq!(empty.softmax(-1).dims(), &[0, 3]);
     assert_eq!(empty.nonzero().dims(), &[0, 2]);
+    assert_eq!(empty.cumsum(0).dims(), &[0, 3]);
+    assert_eq!(empty.cumsum(1).to_vec().unwrap(), Vec::<f32>::new());
+    assert_eq!(empty.tril(1).dims(), &[0, 3]);
+    assert_eq!(Tensor::stack(&[&empty, &empty], 2).dims(), &[0, 3, 2]);
+    let halves = empty.split(&[0, 0], 0);
+    assert_eq!(halves.len(), 2);
+    assert_eq!(halves[1].dims(), &[0, 3]);
+    let pieces = empty.chunk(4, 0);
+    assert_eq!(pieces.len(), 1);
+    assert_eq!(pieces[0].dims(), &[0, 3]);
+    assert_eq!(empty.chunk(2, 1).len(), 2);
+    assert_eq!(empty.flatten(0, -1).dims(), &[0]);
+    assert_eq!(empty.repeat(&[3, 2]).dims(), &[0, 6]);
+    assert_eq!(empty.expand(&[2, -1, 3]).dims(), &[2, 0, 3]);
+    // No indices: nothing is added, not even into an empty axis.
+    let none = Tensor::<i64>::from_vec(vec![], &[0], &cpu).unwrap();
+    assert_eq!(
+        empty
+            .index_add(0, &none, &f32s(&[], &[0, 3]))
+            .to_vec()
+            .unwrap(),
+        Vec::<f32>::new()
+    );
+    let flat = f32s(&[1.0, 2.0], &[2]);
+    let no_picks = Tensor::<i64>::from_vec(vec![], &[0], &cpu).unwrap();
+    assert_eq!(
+        flat.scatter_add(0, &no_picks, &f32s(&[], &[0]))
+            .to_vec()
+            .unwrap(),
+        vec![1.0, 2.0]
+    );
+    assert_eq!(flat.take_along_axis(0, &no_picks).dims(), &[0]);
+    // A rank-0 tensor flattens to one element.
+    assert_eq!(Tensor::<f32>::scalar(2.0, &cpu).flatten(0, -1).dims(), &[1]);
 
     let nan = f32s(&[1.0, f32::NAN, 3.0], &[3]);
     assert!(nan.max(&[], false).item().unwrap().is_nan());

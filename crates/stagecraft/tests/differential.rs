@@ -9,7 +9,11 @@
 //! ops with a Rust number, reductions (axes, negative axes, keepdim),
 //! softmax / log-softmax, matmul (matrix, vector and batched), reshape,
 //! transpose, sort / argsort / topk, var / std, conv1d and
-//! conv_transpose2d (on a rank-2 value seen as one image), `cond` on a data-dependent predicate (the sum of a value
+//! conv_transpose2d (on a rank-2 value seen as one image), the everyday
+//! shape and indexing ops (cumsum, tril/triu, stack, chunk, tile,
+//! index-add, scatter-add and take-along-axis, their index tensors made
+//! from a seed on the value's device), `cond` on a data-dependent
+//! predicate (the sum of a value
 //! against a threshold) and `while` whose trip count depends on the data
 //! (a running sum against a limit) and is bounded by a counter. Branches
 //! and loop bodies are chains of shape-preserving steps ([`Inner`]): unary
@@ -73,7 +77,7 @@
 //! the minimized program, run through [`check`] like a generated one.
 
 use proptest::prelude::*;
-use stagecraft::{cond, function, lazy, while_loop, Device, Tensor, UnaryOp};
+use stagecraft::{cond, function, lazy, while_loop, CumsumOptions, Device, Tensor, UnaryOp};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -231,6 +235,22 @@ enum Instr {
         limit: f32,
         body: Vec<Inner>,
     },
+    /// `cumsum_with(axis, exclusive, reverse)`.
+    Cumsum(usize, isize, bool, bool),
+    /// `triu(k)` when the flag is set, else `tril(k)`.
+    Trilu(usize, bool, i64),
+    /// `stack([env[x], env[y]], axis)` (same shapes).
+    Stack(usize, usize, isize),
+    /// Piece `k` (mod the count) of `chunk(chunks, axis)`.
+    Chunk(usize, usize, isize, usize),
+    /// `tile(reps)`.
+    Tile(usize, Vec<usize>),
+    /// `x.index_add(axis, indices, x)`, indices from a seed.
+    IndexAdd(usize, isize, u64),
+    /// `x.scatter_add(axis, indices, x)`, indices of `x`'s shape from a seed.
+    ScatterAdd(usize, isize, u64),
+    /// `x.take_along_axis(axis, indices)`, indices of `x`'s shape from a seed.
+    TakeAlong(usize, isize, u64),
 }
 
 /// A program over the five inputs; its results are its last `outputs`
@@ -328,7 +348,7 @@ fn raw_inner() -> impl Strategy<Value = (u8, u8, usize, f32)> {
 
 fn raw_instr() -> impl Strategy<Value = RawInstr> {
     (
-        0u8..17,
+        0u8..25,
         any::<u8>(),
         any::<usize>(),
         any::<usize>(),
@@ -463,6 +483,7 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                     else_: resolve_inner(&r.else_, &ys, &shapes),
                 }
             }
+            12..=19 => resolve_everyday(r, x, &shapes).unwrap_or(un),
             10 | 11 => {
                 let mut body = resolve_inner(&r.then_, &xs, &shapes);
                 // A body that changes nothing would make the trip count
@@ -475,9 +496,9 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                     body,
                 }
             }
-            12 | 13 if rank > 0 => {
+            20 | 21 if rank > 0 => {
                 let axis = (r.j % rank) as isize - if r.sub & 1 == 1 { rank as isize } else { 0 };
-                if r.kind == 12 {
+                if r.kind == 20 {
                     Instr::Sort(x, axis, r.sub & 2 != 0, r.sub & 4 != 0)
                 } else {
                     // k ≥ 1: an empty value would break later steps that
@@ -488,7 +509,7 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                     Instr::TopK(x, k, axis, r.sub & 2 != 0, r.sub & 4 != 0)
                 }
             }
-            14 => {
+            22 => {
                 let axes: Vec<isize> = (0..rank)
                     .filter(|k| r.j >> k & 1 == 1)
                     .map(|k| {
@@ -508,12 +529,12 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                     r.sub & 8 != 0,
                 )
             }
-            15 if rank == 2 => {
+            23 if rank == 2 => {
                 let k = 1 + r.sub as usize % xs[1].min(3);
                 let (stride, padding) = (1 + (r.sub as usize / 4) % 2, (r.sub as usize / 8) % 2);
                 Instr::Conv1d(x, k, stride, padding, r.j as u64 % 1000)
             }
-            16 if rank == 2 => {
+            24 if rank == 2 => {
                 let k = 1 + r.sub as usize % 3;
                 let stride = 1 + (r.sub as usize / 4) % 2;
                 // Padding that leaves at least one output row and column.
@@ -531,6 +552,51 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
         outputs: outputs.clamp(1, instrs.len().max(1)),
         instrs,
     }
+}
+
+/// The everyday shape and indexing ops (kinds 12 to 19), `None` where
+/// `env[x]` does not suit the drawn one.
+fn resolve_everyday(r: &RawInstr, x: usize, shapes: &[Vec<usize>]) -> Option<Instr> {
+    let xs = &shapes[x];
+    let rank = xs.len();
+    // An axis in range, written negative when the low bit of `sub` says so.
+    let axis_in =
+        |rank: usize| (r.j % rank.max(1)) as isize - if r.sub & 1 == 1 { rank as isize } else { 0 };
+    let seed = r.j as u64 ^ r.sub as u64;
+    Some(match r.kind {
+        12 if rank > 0 => Instr::Cumsum(x, axis_in(rank), r.sub & 2 != 0, r.sub & 4 != 0),
+        13 if rank >= 2 => Instr::Trilu(x, r.sub & 2 != 0, (r.j % 7) as i64 - 3),
+        14 => {
+            let same: Vec<usize> = (0..shapes.len()).filter(|&y| &shapes[y] == xs).collect();
+            Instr::Stack(x, same[r.j % same.len()], axis_in(rank + 1))
+        }
+        15 if rank > 0 => Instr::Chunk(x, 1 + (r.sub as usize >> 1) % 4, axis_in(rank), r.j >> 8),
+        16 => {
+            let reps = (0..rank + (r.sub as usize >> 1) % 2)
+                .map(|k| 1 + (r.j >> k & 1))
+                .collect();
+            Instr::Tile(x, reps)
+        }
+        17 if rank > 0 => Instr::IndexAdd(x, axis_in(rank), seed),
+        18 if rank > 0 => Instr::ScatterAdd(x, axis_in(rank), seed),
+        19 if rank > 0 => Instr::TakeAlong(x, axis_in(rank), seed),
+        _ => return None,
+    })
+}
+
+/// `axis` (possibly negative) resolved for `rank`.
+fn axis_of(axis: isize, rank: usize) -> usize {
+    (axis + rank as isize) as usize % rank
+}
+
+/// The size of piece `piece` (mod the count) of `chunk(chunks)` of a `dim`.
+fn chunk_len(dim: usize, chunks: usize, piece: usize) -> usize {
+    if dim == 0 {
+        return 0;
+    }
+    let size = dim.div_ceil(chunks);
+    let k = piece % dim.div_ceil(size);
+    size.min(dim - k * size)
 }
 
 /// The shape an instruction produces (the generator's type checker).
@@ -574,6 +640,29 @@ fn shape_of(instr: &Instr, shapes: &[Vec<usize>]) -> Vec<usize> {
             vec![1, 2, out(s[0]), out(s[1])]
         }
         Instr::Cond { x, .. } | Instr::While { x, .. } => shapes[*x].clone(),
+        Instr::Cumsum(x, ..)
+        | Instr::Trilu(x, ..)
+        | Instr::IndexAdd(x, ..)
+        | Instr::ScatterAdd(x, ..)
+        | Instr::TakeAlong(x, ..) => shapes[*x].clone(),
+        Instr::Stack(x, _, axis) => {
+            let mut s = shapes[*x].clone();
+            s.insert(axis_of(*axis, s.len() + 1), 2);
+            s
+        }
+        Instr::Chunk(x, chunks, axis, piece) => {
+            let mut s = shapes[*x].clone();
+            let a = axis_of(*axis, s.len());
+            s[a] = chunk_len(s[a], *chunks, *piece);
+            s
+        }
+        Instr::Tile(x, reps) => {
+            let s = &shapes[*x];
+            let lead = reps.len() - s.len();
+            (0..reps.len())
+                .map(|k| reps[k] * if k < lead { 1 } else { s[k - lead] })
+                .collect()
+        }
     }
 }
 
@@ -683,6 +772,22 @@ fn inner(steps: &[Inner], y: T, env: &[T], control: Control) -> T {
     })
 }
 
+/// Indices for an axis of `size`, in `[-size, size)`, from a seed.
+fn seeded_indices(n: usize, size: usize, seed: u64) -> Vec<i64> {
+    seeded(n, seed)
+        .iter()
+        .map(|v| ((v + 2.0) / 4.0 * (2 * size) as f32) as i64 - size as i64)
+        .map(|i| i.clamp(-(size as i64), size as i64 - 1))
+        .collect()
+}
+
+/// Indices of `x`'s shape into its `axis`, from a seed, on its device.
+fn index_tensor(x: &T, axis: isize, dims: &[usize], seed: u64) -> Tensor<i64> {
+    let size = x.dims()[axis_of(axis, x.rank())];
+    let n = dims.iter().product();
+    Tensor::from_vec(seeded_indices(n, size, seed), dims, &x.device()).unwrap()
+}
+
 /// An instruction without control flow.
 fn straight(instr: &Instr, env: &[T]) -> T {
     match instr {
@@ -724,6 +829,34 @@ fn straight(instr: &Instr, env: &[T]) -> T {
             };
             y.reshape(&[1, 1, y.dims()[0], y.dims()[1]])
                 .conv_transpose2d(&w, options)
+        }
+        Instr::Cumsum(x, axis, exclusive, reverse) => {
+            let options = CumsumOptions {
+                exclusive: *exclusive,
+                reverse: *reverse,
+            };
+            env[*x].cumsum_with(*axis, options)
+        }
+        Instr::Trilu(x, true, k) => env[*x].triu(*k),
+        Instr::Trilu(x, false, k) => env[*x].tril(*k),
+        Instr::Stack(x, y, axis) => Tensor::stack(&[&env[*x], &env[*y]], *axis),
+        Instr::Chunk(x, chunks, axis, piece) => {
+            let parts = env[*x].chunk(*chunks, *axis);
+            parts[piece % parts.len()].clone()
+        }
+        Instr::Tile(x, reps) => env[*x].tile(reps),
+        Instr::IndexAdd(x, axis, seed) => {
+            let t = &env[*x];
+            let n = t.dims()[axis_of(*axis, t.rank())];
+            t.index_add(*axis, &index_tensor(t, *axis, &[n], *seed), t)
+        }
+        Instr::ScatterAdd(x, axis, seed) => {
+            let t = &env[*x];
+            t.scatter_add(*axis, &index_tensor(t, *axis, t.dims(), *seed), t)
+        }
+        Instr::TakeAlong(x, axis, seed) => {
+            let t = &env[*x];
+            t.take_along_axis(*axis, &index_tensor(t, *axis, t.dims(), *seed))
         }
         Instr::Cond { .. } | Instr::While { .. } => unreachable!("control flow is not straight"),
     }
@@ -991,9 +1124,12 @@ proptest! {
 fn the_generator_covers_every_instruction_kind() {
     use proptest::strategy::ValueTree;
     use proptest::test_runner::TestRunner;
+    const SAMPLE: usize = 2000;
     let mut runner = TestRunner::deterministic();
     let mut seen = std::collections::BTreeSet::new();
-    for _ in 0..600 {
+    // More programs than kinds once needed: with the everyday ops drawn
+    // too, 300 held no batched matmul.
+    for _ in 0..SAMPLE {
         let p = program().new_tree(&mut runner).unwrap().current();
         let mut shapes = input_shapes(p.dims);
         for instr in &p.instrs {
@@ -1024,6 +1160,14 @@ fn the_generator_covers_every_instruction_kind() {
                 Instr::ConvTranspose2d(..) => "conv_transpose2d",
                 Instr::Cond { .. } => "cond",
                 Instr::While { .. } => "while",
+                Instr::Cumsum(..) => "cumsum",
+                Instr::Trilu(..) => "trilu",
+                Instr::Stack(..) => "stack",
+                Instr::Chunk(..) => "chunk",
+                Instr::Tile(..) => "tile",
+                Instr::IndexAdd(..) => "index_add",
+                Instr::ScatterAdd(..) => "scatter_add",
+                Instr::TakeAlong(..) => "take_along_axis",
             };
             seen.insert(kind);
             if let Instr::Cond { then_: body, .. } | Instr::While { body, .. } = instr {
@@ -1066,6 +1210,14 @@ fn the_generator_covers_every_instruction_kind() {
         "conv_transpose2d",
         "cond",
         "while",
+        "cumsum",
+        "trilu",
+        "stack",
+        "chunk",
+        "tile",
+        "index_add",
+        "scatter_add",
+        "take_along_axis",
         "inner unary",
         "inner scalar",
         "inner captured value",
@@ -1074,7 +1226,7 @@ fn the_generator_covers_every_instruction_kind() {
         "nested cond",
     ];
     for k in want {
-        assert!(seen.contains(k), "no {k} in 600 programs: {seen:?}");
+        assert!(seen.contains(k), "no {k} in {SAMPLE} programs: {seen:?}");
     }
 }
 

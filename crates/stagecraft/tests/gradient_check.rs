@@ -47,7 +47,7 @@ use stagecraft::layers::runtime::{self as runtime, Args, TensorHandle};
 use stagecraft::layers::tensor::{HostTensor, Scalar, TensorList};
 use stagecraft::{
     cond, function, grad, where_, while_loop, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
-    Device, Location, Pool2dOptions, Tensor,
+    CumsumOptions, Device, Location, Pool2dOptions, Tensor,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -468,6 +468,108 @@ fn cases() -> Vec<Case> {
     ));
     out.push(case("Pad", "pad", x234.clone(), |x| {
         weighted(x.pad(&[(1, 0), (0, 2), (1, 1)], 0.5))
+    }));
+
+    // The everyday shape and indexing ops: composites filed under the op
+    // that carries their gradient, then the primitives.
+    let other = tensor(&[2, 3, 4], 30, -1.0, 1.0, &d);
+    out.push(case("Concat", "stack", x234.clone(), move |x| {
+        weighted(Tensor::stack(&[x, &on(&other, &x.device()), x], 1))
+    }));
+    out.push(case("Slice", "split", x234.clone(), |x| {
+        let parts = x.split(&[1, 3], -1);
+        weighted(&parts[0] * &parts[1].sum(&[2], true))
+    }));
+    out.push(case("Slice", "chunk", x234.clone(), |x| {
+        let parts = x.chunk(2, 1);
+        weighted(Tensor::concat(&[&parts[1].exp(), &parts[0]], 1))
+    }));
+    out.push(case("Reshape", "flatten", x234.clone(), |x| {
+        weighted(x.flatten(0, 1).tanh())
+    }));
+    out.push(case("BroadcastTo", "repeat", x234.clone(), |x| {
+        weighted(x.repeat(&[2, 1, 3, 2]))
+    }));
+    out.push(case("BroadcastTo", "tile", x234.clone(), |x| {
+        weighted(x.tile(&[2, 1]))
+    }));
+    out.push(case(
+        "BroadcastTo",
+        "expand",
+        tensor(&[3, 1], 31, -1.0, 1.0, &d),
+        |x| weighted(x.expand(&[2, -1, 4])),
+    ));
+    out.push(case("Cumsum", "cumsum", x234.clone(), |x| {
+        weighted(x.cumsum(1))
+    }));
+    out.push(case(
+        "Cumsum",
+        "exclusive reverse cumsum",
+        x234.clone(),
+        |x| {
+            let options = CumsumOptions {
+                exclusive: true,
+                reverse: true,
+            };
+            weighted(x.cumsum_with(-1, options))
+        },
+    ));
+    out.push(case("Trilu", "tril", x234.clone(), |x| weighted(x.tril(0))));
+    out.push(case(
+        "Trilu",
+        "triu below the diagonal",
+        x234.clone(),
+        |x| weighted(x.triu(-1)),
+    ));
+    // Repeated indices: the gradients of the picks add up.
+    let pick = |dims: &[usize], values: &[i64], d: &Device| {
+        Tensor::<i64>::from_vec(values.to_vec(), dims, d).unwrap()
+    };
+    out.push(case(
+        "GatherElements",
+        "take_along_axis, repeated indices",
+        x234.clone(),
+        move |x| {
+            let idx = pick(
+                &[2, 4, 2],
+                &[2, 0, 2, 2, 1, -1, 0, 0, 1, 1, 2, 0, 0, 2, 1, 1],
+                &x.device(),
+            );
+            weighted(x.take_along_axis(1, &idx))
+        },
+    ));
+    let src = tensor(&[2, 2, 4], 32, -1.0, 1.0, &d);
+    let scatter_idx = [0, 2, 2, 1, 2, 2, 0, -1, 1, 1, 1, 0, 0, 2, 1, 2];
+    let ss = src.clone();
+    out.push(case(
+        "ScatterAdd",
+        "scatter_add, by x",
+        x234.clone(),
+        move |x| {
+            let idx = pick(&[2, 2, 4], &scatter_idx, &x.device());
+            weighted(x.scatter_add(1, &idx, &on(&ss, &x.device())).tanh())
+        },
+    ));
+    let base = x234.clone();
+    out.push(case("ScatterAdd", "scatter_add, by src", src, move |s| {
+        let idx = pick(&[2, 2, 4], &scatter_idx, &s.device());
+        weighted(on(&base, &s.device()).scatter_add(1, &idx, s).tanh())
+    }));
+    let rows = tensor(&[2, 4, 4], 33, -1.0, 1.0, &d);
+    let rr = rows.clone();
+    out.push(case(
+        "IndexAdd",
+        "index_add, by x",
+        x234.clone(),
+        move |x| {
+            let idx = pick(&[4], &[0, 2, 0, -1], &x.device());
+            weighted(x.index_add(1, &idx, &on(&rr, &x.device())).tanh())
+        },
+    ));
+    let base = x234.clone();
+    out.push(case("IndexAdd", "index_add, by src", rows, move |s| {
+        let idx = pick(&[4], &[0, 2, 0, -1], &s.device());
+        weighted(on(&base, &s.device()).index_add(1, &idx, s).tanh())
     }));
 
     // Convolution and pooling.

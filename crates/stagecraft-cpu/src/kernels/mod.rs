@@ -6,10 +6,12 @@ mod creation;
 pub(crate) mod effects;
 mod elementwise;
 mod fused;
+mod indexing;
 mod linalg;
 mod list;
 mod nn;
 mod reduce;
+mod scan;
 #[cfg(target_arch = "x86_64")]
 mod sgemm;
 mod shape;
@@ -34,10 +36,12 @@ pub(crate) fn register_all(registry: &mut KernelRegistry) {
     effects::register(registry);
     elementwise::register(registry);
     fused::register(registry);
+    indexing::register(registry);
     linalg::register(registry);
     list::register(registry);
     nn::register(registry);
     reduce::register(registry);
+    scan::register(registry);
     shape::register(registry);
     sort::register(registry);
 }

@@ -508,7 +508,7 @@ fn slice<T: Element>(x: DenseHostTensor, ctx: &KernelContext<'_>) -> Result<Dens
 
 /// The values of an integer index tensor as i64 (borrowed when already
 /// i64).
-fn index_values(t: &DenseHostTensor) -> Result<Cow<'_, [i64]>> {
+pub(crate) fn index_values(t: &DenseHostTensor) -> Result<Cow<'_, [i64]>> {
     match t.dtype() {
         DType::I64 => Ok(Cow::Borrowed(t.as_slice::<i64>()?)),
         DType::I32 => Ok(Cow::Owned(
@@ -522,7 +522,7 @@ fn index_values(t: &DenseHostTensor) -> Result<Cow<'_, [i64]>> {
 
 /// The error for index `value` at flat `position` of an index tensor of
 /// `shape`, outside the half-open range `[low, high)`.
-fn index_error(
+pub(crate) fn index_error(
     value: i64,
     position: usize,
     shape: &Shape,

@@ -7,7 +7,7 @@ use stagecraft_ops::AxisSlice;
 use stagecraft_tensor::{Error, ErrorKind, Result};
 
 /// Row-major strides of `dims`.
-fn strides_of(dims: &[usize]) -> Vec<usize> {
+pub(crate) fn strides_of(dims: &[usize]) -> Vec<usize> {
     let mut strides = vec![1; dims.len()];
     for i in (0..dims.len().saturating_sub(1)).rev() {
         strides[i] = strides[i + 1] * dims[i + 1];
@@ -16,7 +16,7 @@ fn strides_of(dims: &[usize]) -> Vec<usize> {
 }
 
 /// The multi-index of flat position `flat` in a tensor of `dims`.
-fn unravel(mut flat: usize, dims: &[usize]) -> Vec<usize> {
+pub(crate) fn unravel(mut flat: usize, dims: &[usize]) -> Vec<usize> {
     let mut index = vec![0; dims.len()];
     for axis in (0..dims.len()).rev() {
         index[axis] = flat % dims[axis];
@@ -26,11 +26,11 @@ fn unravel(mut flat: usize, dims: &[usize]) -> Vec<usize> {
 }
 
 /// The flat position of multi-index `index` in a tensor of `dims`.
-fn ravel(index: &[usize], dims: &[usize]) -> usize {
+pub(crate) fn ravel(index: &[usize], dims: &[usize]) -> usize {
     index.iter().zip(strides_of(dims)).map(|(i, s)| i * s).sum()
 }
 
-fn numel(dims: &[usize]) -> usize {
+pub(crate) fn numel(dims: &[usize]) -> usize {
     dims.iter().product()
 }
 

@@ -8,10 +8,12 @@ mod effects;
 mod elementwise;
 mod fused;
 mod host;
+mod indexing;
 mod linalg;
 mod list;
 mod nn;
 mod reduce;
+mod scan;
 mod shape;
 mod sort;
 mod transfer;
@@ -22,10 +24,12 @@ pub use effects::*;
 pub use elementwise::*;
 pub use fused::*;
 pub use host::*;
+pub use indexing::*;
 pub use linalg::*;
 pub use list::*;
 pub use nn::*;
 pub use reduce::*;
+pub use scan::*;
 pub use shape::*;
 pub use sort::*;
 pub use transfer::*;
@@ -69,6 +73,8 @@ const OTHER_OPS: &[&OpDef] = &[
     &TOP_K,
     &TAKE_ALONG_AXIS,
     &TAKE_ALONG_AXIS_GRAD,
+    // scans
+    &CUMSUM,
     // linear algebra
     &MATMUL,
     // shape and indexing
@@ -81,6 +87,10 @@ const OTHER_OPS: &[&OpDef] = &[
     &ONE_HOT,
     &PAD,
     &NONZERO,
+    &GATHER_ELEMENTS,
+    &SCATTER_ADD,
+    &INDEX_ADD,
+    &TRILU,
     // neural network
     &CONV2D,
     &MAX_POOL2D,

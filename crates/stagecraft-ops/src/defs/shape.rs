@@ -310,7 +310,7 @@ pub static GATHER: OpDef = OpDef {
     effect: Effect::Pure,
     shape_kind: ShapeKind::Static,
     metadata: gather_meta,
-    grad: Some(gather_grad),
+    grad: Some(super::indexing::gather_grad),
 };
 
 fn gather_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
@@ -524,37 +524,6 @@ fn slice_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGra
         g = pad_axis(b, g, axis, s.start, dim - s.start - span)?;
     }
     crate::grad::only(g)
-}
-
-/// Scatter-add through a one-hot matrix: the gradient rows of repeated
-/// indices add up.
-fn gather_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let (x, idx, g) = (ctx.inputs[0], ctx.inputs[1], ctx.grad()?);
-    let xm = b.meta(x);
-    if !xm.dtype.is_float() {
-        return Ok(smallvec::smallvec![None, None]);
-    }
-    let rank = xm.shape.rank();
-    let axis = normalize_axis(ctx.attrs.int("axis")? as isize, rank)?;
-    let count = b.meta(idx).shape.numel();
-    let depth = xm.shape[axis];
-    let flat_idx = b.reshape(idx, &[count])?;
-    let mut attrs = crate::OpAttrs::new();
-    attrs
-        .set_int("depth", depth as i64)
-        .set_dtype("dtype", xm.dtype);
-    let onehot = b.op(&ONE_HOT, &[flat_idx], &attrs)?; // [count, depth]
-                                                       // g: x[..axis] ++ idx ++ x[axis+1..] → [pre, count, post]
-    let pre: usize = xm.shape.dims()[..axis].iter().product();
-    let post: usize = xm.shape.dims()[axis + 1..].iter().product();
-    let g3 = b.reshape(g, &[pre, count, post])?;
-    let gt = b.transpose(g3, &[0, 2, 1])?; // [pre, post, count]
-    let scattered = b.op(&crate::MATMUL, &[gt, onehot], &crate::OpAttrs::new())?; // [pre, post, depth]
-    let back = b.transpose(scattered, &[0, 2, 1])?; // [pre, depth, post]
-    Ok(smallvec::smallvec![
-        Some(b.reshape(back, xm.shape.dims())?),
-        None
-    ])
 }
 
 fn pad_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
