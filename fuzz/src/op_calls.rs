@@ -831,7 +831,11 @@ fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
             7 => call!(c, ["Sin"], a.sin()),
             8 => call!(c, ["Cos"], a.cos()),
             _ => match inp.below(5) {
-                0 => call!(c, ["Maximum", "Minimum"], a.clamp(T::from_scalar(inp.scalar()), T::from_scalar(inp.scalar()))),
+                0 => call!(
+                    c,
+                    ["Maximum", "Minimum"],
+                    a.clamp(T::from_scalar(inp.scalar()), T::from_scalar(inp.scalar()))
+                ),
                 1 => call!(c, ["Maximum", "Minimum", "Mul", "Add"], a.leaky_relu(0.01)),
                 2 => call!(c, ["Maximum", "Minimum", "Expm1", "Mul", "Add"], a.elu(1.0)),
                 3 => call!(c, ["GeluTanh"], a.gelu_tanh()),

@@ -16,9 +16,9 @@ pub mod scalar;
 
 pub use attrs::{AttrKind, AttrValue, FrozenOpAttrs, OpAttrs, OpAttrsRef};
 pub use defs::*;
+pub use elementwise::{BinaryFn, BinaryVisitor, DTypeClass, UnaryFn, UnaryVisitor};
 pub use func::{FuncId, FunctionSignature};
 pub use grad::{GradBuilder, GradContext, GradFn, InputGrads, G};
-pub use elementwise::{BinaryFn, BinaryVisitor, DTypeClass, UnaryFn, UnaryVisitor};
 pub use op::{
     AttrDefault, AttrSpec, Attrs, CompareOp, ControlOp, Effect, MetadataFn, OpDef, OpKind,
     OutputMetas, ReduceOp, ShapeKind,

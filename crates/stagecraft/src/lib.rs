@@ -39,12 +39,12 @@ pub use ops::{
     where_, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, CumsumOptions, Pool2dOptions,
 };
 pub use random::Rng;
-pub use stagecraft_ops::{BinaryOp, UnaryOp};
 pub use stage::{
     __stage, current_transfer_guard, host_call, host_call_with, staged_graphs, take_transfer_log,
     transfer_guard, transfer_stats, TransferGuard, TransferStats,
 };
 pub use stagecraft_macros::{stage, TensorGroup};
+pub use stagecraft_ops::{BinaryOp, UnaryOp};
 pub use staging::{cond, function, while_loop, StagedFunction, TensorGroup};
 pub use tensor::Tensor;
 

@@ -238,7 +238,7 @@ fn cases() -> Vec<Case> {
     let away = away_from_zero(&[2, 3], 3, &d);
     // Unary math.
     type Un = fn(&T) -> T;
-    let unary: [(&str, Un, &T); 26] = [
+    let unary: [(&str, Un, &T); 27] = [
         ("Neg", |x| -x, &x23),
         ("Abs", |x| x.abs(), &away),
         ("Exp", |x| x.exp(), &x23),

@@ -3,7 +3,9 @@
 //! plus dimensions, every element computed on its own from the textbook
 //! formula and rounded to the dtype with the `Cast` rules.
 
-use stagecraft_ops::{BinaryFn, BinaryOp, BinaryVisitor, CompareOp, UnaryFn, UnaryOp, UnaryVisitor};
+use stagecraft_ops::{
+    BinaryFn, BinaryOp, BinaryVisitor, CompareOp, UnaryFn, UnaryOp, UnaryVisitor,
+};
 use stagecraft_tensor::{DType, Error, Result, Scalar};
 
 /// Rounds `v` to `dtype` and back (the `Cast` rules: floats round to
