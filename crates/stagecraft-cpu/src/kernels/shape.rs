@@ -834,6 +834,8 @@ mod tests {
             .map(|i| {
                 if dtype == DType::Bool {
                     (i % 3 == 1) as u8 as f64
+                } else if dtype == DType::U8 {
+                    (i % 200) as f64
                 } else {
                     (i % 200) as f64 - 100.0
                 }
