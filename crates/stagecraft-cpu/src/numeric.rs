@@ -30,6 +30,33 @@ macro_rules! with_float_type {
     };
 }
 
+/// Runs `$body` with `$T` bound to the Rust type of a numeric dtype
+/// (integers and floats); `bool` and lists evaluate `$otherwise`.
+#[macro_export]
+macro_rules! with_numeric_type {
+    ($dtype:expr, $T:ident => $body:expr, _ => $otherwise:expr) => {
+        match $dtype {
+            stagecraft_tensor::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            stagecraft_tensor::DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            stagecraft_tensor::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            stagecraft_tensor::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            _ => $crate::with_float_type!($dtype, $T => $body, _ => $otherwise),
+        }
+    };
+}
+
 /// Runs `$body` with `$T` bound to the Rust type of any dtype.
 #[macro_export]
 macro_rules! with_any_type {

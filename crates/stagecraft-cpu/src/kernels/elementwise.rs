@@ -284,19 +284,12 @@ fn unary_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel>
     if !op.class().accepts(dtype) {
         return Err(no_kernel(attrs, dtype));
     }
-    Ok(match dtype {
-        // A bool op's meaning is defined on 0 and 1, and gives 0 or 1.
-        DType::Bool => op.visit(BoolUnaryKernel),
-        DType::List => return Err(no_kernel(attrs, dtype)),
-        DType::U8 => op.visit(UnaryKernel::<u8>::new()),
-        DType::I8 => op.visit(UnaryKernel::<i8>::new()),
-        DType::I32 => op.visit(UnaryKernel::<i32>::new()),
-        DType::I64 => op.visit(UnaryKernel::<i64>::new()),
-        DType::F16 => op.visit(UnaryKernel::<f16>::new()),
-        DType::BF16 => op.visit(UnaryKernel::<bf16>::new()),
-        DType::F32 => op.visit(UnaryKernel::<f32>::new()),
-        DType::F64 => op.visit(UnaryKernel::<f64>::new()),
-    })
+    // A bool op's meaning is defined on 0 and 1, and gives 0 or 1.
+    if dtype == DType::Bool {
+        return Ok(op.visit(BoolUnaryKernel));
+    }
+    crate::with_numeric_type!(dtype, T => Ok(op.visit(UnaryKernel::<T>::new())),
+        _ => Err(no_kernel(attrs, dtype)))
 }
 
 /// Makes the eager kernel of a unary op over `T` from its definition.
@@ -552,18 +545,11 @@ fn binary_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
     if !op.class().accepts(dtype) {
         return Err(no_kernel(attrs, dtype));
     }
-    Ok(match dtype {
-        DType::Bool => op.visit(BoolBinaryKernel),
-        DType::List => return Err(no_kernel(attrs, dtype)),
-        DType::U8 => op.visit(BinaryKernel::<u8>::new()),
-        DType::I8 => op.visit(BinaryKernel::<i8>::new()),
-        DType::I32 => op.visit(BinaryKernel::<i32>::new()),
-        DType::I64 => op.visit(BinaryKernel::<i64>::new()),
-        DType::F16 => op.visit(BinaryKernel::<f16>::new()),
-        DType::BF16 => op.visit(BinaryKernel::<bf16>::new()),
-        DType::F32 => op.visit(BinaryKernel::<f32>::new()),
-        DType::F64 => op.visit(BinaryKernel::<f64>::new()),
-    })
+    if dtype == DType::Bool {
+        return Ok(op.visit(BoolBinaryKernel));
+    }
+    crate::with_numeric_type!(dtype, T => Ok(op.visit(BinaryKernel::<T>::new())),
+        _ => Err(no_kernel(attrs, dtype)))
 }
 
 /// Makes the eager kernel of a binary op over `T` from its definition.
