@@ -711,21 +711,21 @@ fn cases() -> Vec<Case> {
         weighted(x.topk(2, 0, false, false).0)
     }));
     // The ops sorting's gradient is made of, reached through inner
-    // gradients: ∇ Σ w·sort(x)³ runs TakeAlongAxisGrad, and the gradient
-    // of a weighted sum of that runs its adjoint TakeAlongAxis (a cube, so
+    // gradients: ∇ Σ w·sort(x)³ runs ScatterAdd, and the gradient of a
+    // weighted sum of that runs its adjoint GatherElements (a cube, so
     // that even this second gradient still depends on x).
     fn sort_energy(x: &T) -> T {
         let v = x.sort(1, false).0;
         weighted(&v * &v * &v)
     }
     out.push(case(
-        "TakeAlongAxisGrad",
+        "ScatterAdd",
         "∇ₓ Σ w·sort(x)³",
         s234.clone(),
         |x| weighted(grad(sort_energy)(x)),
     ));
     out.push(case(
-        "TakeAlongAxis",
+        "GatherElements",
         "∇ₓ Σ w·∇ₓ Σ w·sort(x)³",
         s234.clone(),
         |x| weighted(grad(|x: &T| weighted(grad(sort_energy)(x)))(x)),

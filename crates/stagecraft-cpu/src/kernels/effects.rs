@@ -2,7 +2,7 @@
 //! input to the process-wide print sink and passes the input through, and
 //! `HostCall`, which runs a registered host closure on its input.
 
-use super::elementwise::take;
+use super::take;
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry};
 use smallvec::smallvec;
 use stagecraft_ops::Attrs;

@@ -10,6 +10,7 @@
 //! last reference and it already has the output's dtype and shape: a chain
 //! like `-((x * 2) + 1)` then runs in a single buffer.
 
+use super::{out_meta, take};
 use crate::numeric::broadcast_strides;
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
 use half::{bf16, f16};
@@ -50,27 +51,6 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
 
 // ---------------------------------------------------------------------------
 // Shared helpers (also used by the reduction kernels).
-
-/// Moves exactly `N` inputs out of `inputs`.
-pub(crate) fn take<const N: usize>(inputs: Inputs) -> Result<[DenseHostTensor; N]> {
-    if inputs.len() != N {
-        return Err(Error::internal(format!(
-            "kernel expects {N} inputs, got {}",
-            inputs.len()
-        )));
-    }
-    let mut it = inputs.into_iter();
-    Ok(std::array::from_fn(|_| {
-        it.next().expect("the input count was checked just above")
-    }))
-}
-
-/// The first output's metadata.
-pub(crate) fn out_meta<'a>(ctx: &KernelContext<'a>) -> Result<&'a TensorMetadata> {
-    ctx.outputs
-        .first()
-        .ok_or_else(|| Error::internal("kernel called without output metadata"))
-}
 
 /// True when `x` may be overwritten to become an output of `meta`: no one
 /// else holds its buffer and it already has the right dtype and shape.

@@ -8,13 +8,13 @@
 //! sums wrap.
 
 use super::shape::{index_error, index_values};
+use super::{first_dtype, take};
 use crate::{with_any_type, Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
-use half::{bf16, f16};
 use smallvec::smallvec;
+use stagecraft_ops::scalar::Num;
 use stagecraft_ops::Attrs;
 use stagecraft_tensor::{
-    element_count, normalize_axis, DType, DenseHostTensor, Element, Error, Result, Shape,
-    TensorMetadata,
+    element_count, normalize_axis, DenseHostTensor, Element, Error, Result, Shape, TensorMetadata,
 };
 use std::sync::Arc;
 
@@ -23,20 +23,6 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
     registry.add(&stagecraft_ops::SCATTER_ADD, scatter_add_factory);
     registry.add(&stagecraft_ops::INDEX_ADD, index_add_factory);
     registry.add(&stagecraft_ops::TRILU, trilu_factory);
-}
-
-fn first_dtype(inputs: &[TensorMetadata]) -> Result<DType> {
-    inputs
-        .first()
-        .map(|m| m.dtype)
-        .ok_or_else(|| Error::internal("the kernel factory expects at least one input"))
-}
-
-/// Moves the inputs out as an array of `N`.
-fn take<const N: usize>(inputs: Inputs) -> Result<[DenseHostTensor; N]> {
-    let got = inputs.len();
-    <[DenseHostTensor; N]>::try_from(inputs.into_vec())
-        .map_err(|_| Error::internal(format!("the kernel expects {N} inputs, got {got}")))
 }
 
 /// Row-major strides of `dims`.
@@ -101,87 +87,19 @@ fn walk_positions(
     }
 }
 
-/// Addition in the element type: floats round each sum to the type,
-/// integers wrap.
-trait Accumulate: Element {
-    fn plus(self, other: Self) -> Self;
-}
-
-impl Accumulate for f64 {
-    fn plus(self, other: f64) -> f64 {
-        self + other
-    }
-}
-
-impl Accumulate for f32 {
-    fn plus(self, other: f32) -> f32 {
-        self + other
-    }
-}
-
-// f64 carries more than twice the precision of f16 and bf16, plus two
-// bits, so rounding the f64 sum to the type gives the correctly rounded
-// sum: double rounding of an addition is harmless at that width.
-impl Accumulate for f16 {
-    fn plus(self, other: f16) -> f16 {
-        f16::from_f64(self.to_f64() + other.to_f64())
-    }
-}
-
-impl Accumulate for bf16 {
-    fn plus(self, other: bf16) -> bf16 {
-        bf16::from_f64(self.to_f64() + other.to_f64())
-    }
-}
-
-impl Accumulate for i32 {
-    fn plus(self, other: i32) -> i32 {
-        self.wrapping_add(other)
-    }
-}
-
-impl Accumulate for i64 {
-    fn plus(self, other: i64) -> i64 {
-        self.wrapping_add(other)
-    }
-}
-
 /// Picks the adding kernel for a numeric dtype; other dtypes have none
 /// (the shape rule already refuses them, so this is a second guard).
+/// Additions are [`Num::add`]: each sum rounded to the type once, integers
+/// wrapping.
 macro_rules! with_accumulate_type {
     ($dtype:expr, $attrs:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            DType::F16 => {
-                type $T = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $T = bf16;
-                $body
-            }
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            DType::I32 => {
-                type $T = i32;
-                $body
-            }
-            DType::I64 => {
-                type $T = i64;
-                $body
-            }
-            other => {
-                return Err(Error::dtype(format!(
-                    "{} has no CPU kernel for {other}",
-                    $attrs.op().name
-                )))
-            }
-        }
+        $crate::with_numeric_type!($dtype, $T => $body, _ => {
+            return Err(Error::dtype(format!(
+                "{} has no CPU kernel for {}",
+                $attrs.op().name,
+                $dtype
+            )))
+        })
     };
 }
 
@@ -244,7 +162,7 @@ fn scatter_add_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<K
     }))
 }
 
-fn scatter_add<T: Accumulate>(
+fn scatter_add<T: Element + Num>(
     x: DenseHostTensor,
     indices: &DenseHostTensor,
     src: &DenseHostTensor,
@@ -261,7 +179,7 @@ fn scatter_add<T: Accumulate>(
     let dst = out.as_mut_slice::<T>()?;
     walk_positions(indices.shape().dims(), &strides, axis, |position, base| {
         let target = base + picks[position] * strides[axis];
-        dst[target] = dst[target].plus(values[position]);
+        dst[target] = dst[target].add(values[position]);
     });
     Ok(out)
 }
@@ -286,7 +204,7 @@ fn index_add_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Ker
 /// `x` viewed as `[outer, size, inner]` and `src` as `[outer, count,
 /// inner]`: row `(o, k)` of `src` adds into row `(o, picks[k])`. Each row
 /// is touched once per index, O(indices × row).
-fn index_add<T: Accumulate>(
+fn index_add<T: Element + Num>(
     x: DenseHostTensor,
     indices: &DenseHostTensor,
     src: &DenseHostTensor,
@@ -310,7 +228,7 @@ fn index_add<T: Accumulate>(
                 let from = (o * count + k) * inner;
                 let row = &mut table[pick * inner..(pick + 1) * inner];
                 for (d, &v) in row.iter_mut().zip(&values[from..from + inner]) {
-                    *d = d.plus(v);
+                    *d = d.add(v);
                 }
             }
         }
@@ -389,6 +307,7 @@ mod tests {
     use crate::reference::indexing as reference;
     use proptest::prelude::*;
     use stagecraft_ops::{OpAttrs, OpDef};
+    use stagecraft_tensor::DType;
     use stagecraft_tensor::{ErrorKind, Scalar};
 
     /// Runs `def` through the registry as the runtime would, checking the
@@ -446,6 +365,8 @@ mod tests {
                 let v = (i.wrapping_mul(7).wrapping_add(seed.wrapping_mul(13)) % 23) as f64 - 11.0;
                 match dtype {
                     DType::Bool => (v > 0.0) as u8 as f64,
+                    // Unsigned: shifted to stay in range, so the cast is exact.
+                    DType::U8 => v + 11.0,
                     d if d.is_float() => v * 0.25,
                     _ => v,
                 }
@@ -615,6 +536,8 @@ mod tests {
             DType::BF16,
             DType::F32,
             DType::F64,
+            DType::U8,
+            DType::I8,
             DType::I32,
             DType::I64,
         ] {

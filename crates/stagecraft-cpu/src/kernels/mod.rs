@@ -1,6 +1,7 @@
 //! Kernel families; each registers its ops' kernels here.
 
-use crate::KernelRegistry;
+use crate::{Inputs, KernelContext, KernelRegistry};
+use stagecraft_tensor::{element_count, DType, DenseHostTensor, Error, Result, TensorMetadata};
 
 mod creation;
 pub(crate) mod effects;
@@ -29,6 +30,41 @@ pub(crate) fn runs_in_this_build(dtype: stagecraft_tensor::DType, dims: &[usize]
     let miri_sized = matches!(dtype, DType::Bool | DType::BF16 | DType::F32 | DType::I64)
         && dims.iter().product::<usize>() <= 1_000;
     !cfg!(miri) || miri_sized
+}
+
+// ---------------------------------------------------------------------------
+// Helpers every kernel family uses.
+
+/// Moves exactly `N` inputs out of `inputs`.
+pub(crate) fn take<const N: usize>(inputs: Inputs) -> Result<[DenseHostTensor; N]> {
+    let got = inputs.len();
+    <[DenseHostTensor; N]>::try_from(inputs.into_vec())
+        .map_err(|_| Error::internal(format!("the kernel expects {N} inputs, got {got}")))
+}
+
+/// The first output's metadata.
+pub(crate) fn out_meta<'a>(ctx: &KernelContext<'a>) -> Result<&'a TensorMetadata> {
+    ctx.outputs
+        .first()
+        .ok_or_else(|| Error::internal("kernel called without output metadata"))
+}
+
+/// The dtype of the first input, which picks a kernel factory's typed loop.
+pub(crate) fn first_dtype(inputs: &[TensorMetadata]) -> Result<DType> {
+    inputs
+        .first()
+        .map(|m| m.dtype)
+        .ok_or_else(|| Error::internal("the kernel factory expects at least one input"))
+}
+
+/// `(outer, n, inner)`: the products of the dims before, at and after
+/// `axis`, the view every along-an-axis kernel works in.
+pub(crate) fn split3(dims: &[usize], axis: usize) -> (usize, usize, usize) {
+    (
+        element_count(&dims[..axis]),
+        dims[axis],
+        element_count(&dims[axis + 1..]),
+    )
 }
 
 pub(crate) fn register_all(registry: &mut KernelRegistry) {

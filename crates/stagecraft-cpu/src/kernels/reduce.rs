@@ -12,10 +12,9 @@
 //! millions of f32 values stays exact to f32 precision; integer sums and
 //! products wrap, which is associative, so pass order does not matter.
 
-use super::elementwise::{
-    is_nan, map_into, nan_max, nan_min, out_meta, reusable, take, Real, CHUNK,
-};
+use super::elementwise::{is_nan, map_into, nan_max, nan_min, reusable, Real, CHUNK};
 use super::fused::{isa, Isa};
+use super::{first_dtype, out_meta, split3, take};
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -48,24 +47,8 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
     registry.add(&ops::LOG_SOFTMAX, softmax_factory);
 }
 
-fn first_dtype(inputs: &[TensorMetadata]) -> Result<DType> {
-    inputs
-        .first()
-        .map(|m| m.dtype)
-        .ok_or_else(|| Error::internal("reduction without input"))
-}
-
 fn no_kernel(attrs: &Attrs<'_>, dtype: DType) -> Error {
     Error::dtype(format!("{} has no CPU kernel for {dtype}", attrs.op().name))
-}
-
-/// `(outer, n, inner)`: the products of the dims before, at and after `axis`.
-fn split3(dims: &[usize], axis: usize) -> (usize, usize, usize) {
-    (
-        element_count(&dims[..axis]),
-        dims[axis],
-        element_count(&dims[axis + 1..]),
-    )
 }
 
 // ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use smallvec::smallvec;
 use stagecraft_ops::Attrs;
 use stagecraft_tensor::{
-    element_count, normalize_axis, DType, DenseHostTensor, Element, Error, Result, TensorMetadata,
+    element_count, normalize_axis, DenseHostTensor, Element, Error, Result, TensorMetadata,
 };
 use std::sync::Arc;
 
@@ -71,6 +71,8 @@ macro_rules! int_scan {
     };
 }
 
+int_scan!(u8);
+int_scan!(i8);
 int_scan!(i32);
 int_scan!(i64);
 
@@ -88,20 +90,12 @@ fn cumsum_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
         .first()
         .map(|m| m.dtype)
         .ok_or_else(|| Error::internal("Cumsum without input"))?;
-    let f: ScanFn = match dtype {
-        DType::F16 => cumsum::<f16>,
-        DType::BF16 => cumsum::<bf16>,
-        DType::F32 => cumsum::<f32>,
-        DType::F64 => cumsum::<f64>,
-        DType::I32 => cumsum::<i32>,
-        DType::I64 => cumsum::<i64>,
-        other => {
-            return Err(Error::dtype(format!(
-                "{} has no CPU kernel for {other}",
-                attrs.op().name
-            )))
-        }
-    };
+    let f: ScanFn = crate::with_numeric_type!(dtype, T => cumsum::<T>, _ => {
+        return Err(Error::dtype(format!(
+            "{} has no CPU kernel for {dtype}",
+            attrs.op().name
+        )))
+    });
     Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
         let x = inputs
             .into_iter()
@@ -178,6 +172,7 @@ mod tests {
     use crate::with_any_type;
     use proptest::prelude::*;
     use stagecraft_ops::OpAttrs;
+    use stagecraft_tensor::DType;
     use stagecraft_tensor::Scalar;
 
     fn run(x: DenseHostTensor, attrs: &OpAttrs) -> Result<DenseHostTensor> {
@@ -248,6 +243,8 @@ mod tests {
             DType::BF16,
             DType::F32,
             DType::F64,
+            DType::U8,
+            DType::I8,
             DType::I32,
             DType::I64,
         ] {
@@ -264,6 +261,17 @@ mod tests {
         // short enough to stay quick).
         check(DType::F32, &[400, 30, 5], 1, false, true);
         check(DType::F32, &[2, 20_000], 1, true, false);
+    }
+
+    /// Integer totals wrap in the element type, as integer `Add` does.
+    #[test]
+    fn small_integer_scans_wrap() {
+        let x = DenseHostTensor::from_slice(&[200u8, 100, 1], [3]).unwrap();
+        let out = run(x, &OpAttrs::new()).unwrap();
+        assert_eq!(out.as_slice::<u8>().unwrap(), &[200, 44, 45]);
+        let x = DenseHostTensor::from_slice(&[100i8, 100, -1], [3]).unwrap();
+        let out = run(x, &OpAttrs::new()).unwrap();
+        assert_eq!(out.as_slice::<i8>().unwrap(), &[100, -56, -57]);
     }
 
     /// Float totals are kept in f64: a million f32 tenths sum to within
@@ -285,7 +293,7 @@ mod tests {
             axis in 0usize..3,
             exclusive in any::<bool>(),
             reverse in any::<bool>(),
-            dtype in prop::sample::select(vec![DType::F16, DType::F32, DType::F64, DType::I32, DType::I64]),
+            dtype in prop::sample::select(vec![DType::F16, DType::F32, DType::F64, DType::U8, DType::I8, DType::I32, DType::I64]),
         ) {
             check(dtype, &dims, axis % dims.len(), exclusive, reverse);
         }

@@ -11,6 +11,7 @@
 //! plain strided read. Transposes whose innermost output axis is strided in
 //! the source use cache-blocked tiles instead.
 
+use super::first_dtype;
 use crate::numeric::broadcast_strides;
 use crate::{
     with_any_type, Inputs, Kernel, KernelContext, KernelRegistry, Outputs, PARALLEL_THRESHOLD,
@@ -60,13 +61,6 @@ fn one_to_one(f: OneToOne) -> Kernel {
             Ok(smallvec![f(x, ctx)?])
         },
     )
-}
-
-fn first_dtype(inputs: &[TensorMetadata]) -> Result<DType> {
-    inputs
-        .first()
-        .map(|m| m.dtype)
-        .ok_or_else(|| Error::internal("the kernel factory expects at least one input"))
 }
 
 /// Row-major strides of `dims`.

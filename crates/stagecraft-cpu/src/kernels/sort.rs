@@ -1,4 +1,4 @@
-//! Sorting kernels: `Sort`, `TopK`, `TakeAlongAxis` and its adjoint.
+//! Sorting kernels: `Sort` and `TopK` (their gradient is `ScatterAdd`'s).
 //!
 //! Each views its tensors as `[outer, n, inner]` around the axis and works
 //! lane by lane (one `(outer, inner)` pair: `n` elements `inner` apart).
@@ -7,15 +7,12 @@
 //! results written back, so a sort is stable and `TopK` picks exactly the
 //! first `k` entries of that stable order.
 
-use super::elementwise::{is_nan, out_meta, take};
+use super::elementwise::is_nan;
+use super::{first_dtype, split3, take};
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry, Outputs, PARALLEL_THRESHOLD};
 use rayon::prelude::*;
 use smallvec::smallvec;
-use stagecraft_tensor::{
-    element_count, normalize_axis, DType, DenseHostTensor, Element, Error, ErrorKind, Result,
-    Scalar, TensorMetadata,
-};
-use std::borrow::Cow;
+use stagecraft_tensor::{normalize_axis, DenseHostTensor, Element, Error, Result, TensorMetadata};
 use std::cmp::Ordering;
 use std::sync::Arc;
 
@@ -23,24 +20,6 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
     use stagecraft_ops as ops;
     registry.add(&ops::SORT, sort_factory);
     registry.add(&ops::TOP_K, sort_factory);
-    registry.add(&ops::TAKE_ALONG_AXIS, take_factory);
-    registry.add(&ops::TAKE_ALONG_AXIS_GRAD, take_grad_factory);
-}
-
-fn first_dtype(inputs: &[TensorMetadata]) -> Result<DType> {
-    inputs
-        .first()
-        .map(|m| m.dtype)
-        .ok_or_else(|| Error::internal("a sorting kernel without input"))
-}
-
-/// `(outer, n, inner)`: the products of the dims before, at and after `axis`.
-fn split3(dims: &[usize], axis: usize) -> (usize, usize, usize) {
-    (
-        element_count(&dims[..axis]),
-        dims[axis],
-        element_count(&dims[axis + 1..]),
-    )
 }
 
 /// Ascending with NaN after every number; `-0.0` equals `0.0`.
@@ -177,135 +156,6 @@ fn sort_typed<T: Element>(
     Ok(smallvec![values, indices])
 }
 
-/// The indices as i64 (they may be i32).
-fn index_values(t: &DenseHostTensor) -> Result<Cow<'_, [i64]>> {
-    match t.dtype() {
-        DType::I64 => Ok(Cow::Borrowed(t.as_slice::<i64>()?)),
-        DType::I32 => Ok(Cow::Owned(
-            t.as_slice::<i32>()?.iter().map(|&i| i as i64).collect(),
-        )),
-        other => Err(Error::dtype(format!(
-            "indices must be i32 or i64, got {other}"
-        ))),
-    }
-}
-
-/// Resolves every index against an axis of `size` (negative ones count
-/// from the end); the first one out of range is an error.
-fn resolve_indices(indices: &DenseHostTensor, axis: usize, size: usize) -> Result<Vec<usize>> {
-    let signed = size as i64;
-    index_values(indices)?
-        .iter()
-        .enumerate()
-        .map(|(position, &i)| {
-            if (-signed..signed).contains(&i) {
-                Ok(if i < 0 { i + signed } else { i } as usize)
-            } else {
-                Err(Error::new(
-                    ErrorKind::Index,
-                    format!(
-                        "index {i} at flat position {position} of the indices is out of range for axis {axis} of size {size}: valid indices are [{}, {signed})",
-                        -signed
-                    ),
-                ))
-            }
-        })
-        .collect()
-}
-
-/// Walks every index position as `(flat index position, position of the
-/// same lane and row in a tensor `size` long along the axis)`.
-fn along_axis(dims: &[usize], axis: usize, size: usize, mut f: impl FnMut(usize, usize)) {
-    let (outer, m, inner) = split3(dims, axis);
-    for o in 0..outer {
-        for j in 0..m {
-            for i in 0..inner {
-                f((o * m + j) * inner + i, o * size * inner + i);
-            }
-        }
-    }
-}
-
-fn take_factory(attrs: &stagecraft_ops::Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
-    let axis = attrs.int("axis")?;
-    let run: fn(
-        &DenseHostTensor,
-        &DenseHostTensor,
-        usize,
-        &TensorMetadata,
-    ) -> Result<DenseHostTensor> =
-        crate::with_any_type!(first_dtype(inputs)?, T => take_typed::<T>);
-    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
-        let [x, indices] = take(inputs)?;
-        let axis = normalize_axis(axis as isize, x.shape().rank())?;
-        Ok(smallvec![run(&x, &indices, axis, out_meta(ctx)?)?])
-    }))
-}
-
-fn take_typed<T: Element>(
-    x: &DenseHostTensor,
-    indices: &DenseHostTensor,
-    axis: usize,
-    meta: &TensorMetadata,
-) -> Result<DenseHostTensor> {
-    let dims = x.shape().dims();
-    let size = dims[axis];
-    let picks = resolve_indices(indices, axis, size)?;
-    let mut out = DenseHostTensor::zeros(meta.clone())?;
-    let (src, dst) = (x.as_slice::<T>()?, out.as_mut_slice::<T>()?);
-    let inner = element_count(&dims[axis + 1..]);
-    along_axis(indices.shape().dims(), axis, size, |at, lane| {
-        dst[at] = src[lane + picks[at] * inner];
-    });
-    Ok(out)
-}
-
-fn take_grad_factory(
-    attrs: &stagecraft_ops::Attrs<'_>,
-    inputs: &[TensorMetadata],
-) -> Result<Kernel> {
-    let axis = attrs.int("axis")?;
-    let run: fn(
-        &DenseHostTensor,
-        &DenseHostTensor,
-        usize,
-        &TensorMetadata,
-    ) -> Result<DenseHostTensor> = crate::with_float_type!(first_dtype(inputs)?, T => take_grad_typed::<T>, _ => {
-        return Err(Error::dtype(format!(
-            "TakeAlongAxisGrad has no CPU kernel for {}",
-            first_dtype(inputs)?
-        )))
-    });
-    Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
-        let [g, indices] = take(inputs)?;
-        let axis = normalize_axis(axis as isize, g.shape().rank())?;
-        Ok(smallvec![run(&g, &indices, axis, out_meta(ctx)?)?])
-    }))
-}
-
-/// Sums in f64 and rounds once, so repeated indices add up to the
-/// correctly rounded sum (an index that appears once is copied exactly).
-fn take_grad_typed<T: Element>(
-    g: &DenseHostTensor,
-    indices: &DenseHostTensor,
-    axis: usize,
-    meta: &TensorMetadata,
-) -> Result<DenseHostTensor> {
-    let size = meta.shape[axis];
-    let picks = resolve_indices(indices, axis, size)?;
-    let inner = element_count(&meta.shape.dims()[axis + 1..]);
-    let src = g.as_slice::<T>()?;
-    let mut sums = vec![0.0f64; meta.shape.numel()];
-    along_axis(g.shape().dims(), axis, size, |at, lane| {
-        sums[lane + picks[at] * inner] += src[at].to_f64();
-    });
-    let mut out = DenseHostTensor::zeros(meta.clone())?;
-    for (o, s) in out.as_mut_slice::<T>()?.iter_mut().zip(sums) {
-        *o = T::from_scalar(Scalar::F64(s));
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use crate::kernels::elementwise::tests::{tensor, values};
@@ -398,43 +248,6 @@ mod tests {
             prop_assert!(same(&values(&out[0]), &want), "{:?} vs {:?}", values(&out[0]), want);
             prop_assert_eq!(out[1].as_slice::<i64>().unwrap(), want_idx.as_slice());
         }
-
-        /// TakeAlongAxis and its adjoint against the reference; repeated
-        /// and negative indices included.
-        #[test]
-        fn along_axis_ops_match_the_reference(
-            dims in prop::collection::vec(1usize..4, 1..4),
-            picked in 0usize..4,
-            raw in prop::collection::vec(-50.0f64..50.0, 64),
-            picks in prop::collection::vec(-3i64..3, 64),
-            axis_seed in any::<usize>(),
-            dtype in 0usize..4,
-        ) {
-            let ax = axis_seed % dims.len();
-            let dtype = DTYPES[dtype];
-            let size = dims[ax];
-            let mut idx_dims = dims.clone();
-            idx_dims[ax] = picked;
-            let count: usize = idx_dims.iter().product();
-            let idx: Vec<i64> = picks.iter().cycle().take(count)
-                .map(|&i| i.rem_euclid(size as i64) - if i < 0 { size as i64 } else { 0 })
-                .collect();
-            let numel: usize = dims.iter().product();
-            let x = tensor(dtype, &raw.iter().cycle().take(numel).copied().collect::<Vec<_>>(), &dims);
-            let indices = tensor(DType::I64, &idx.iter().map(|&i| i as f64).collect::<Vec<_>>(), &idx_dims);
-            let mut attrs = OpAttrs::new();
-            attrs.set_int("axis", ax as i64);
-            let got = run(&stagecraft_ops::TAKE_ALONG_AXIS, vec![x.clone(), indices.clone()], &attrs);
-            let want = reference::take_along_axis(&values(&x), &dims, &idx, &idx_dims, ax);
-            prop_assert!(same(&values(&got[0]), &want));
-            let g = tensor(dtype, &raw.iter().rev().cycle().take(count).copied().collect::<Vec<_>>(), &idx_dims);
-            attrs.set_int("size", size as i64);
-            let got = run(&stagecraft_ops::TAKE_ALONG_AXIS_GRAD, vec![g.clone(), indices], &attrs);
-            let want = reference::put_along_axis(&values(&g), &idx_dims, &idx, ax, size);
-            // Repeated indices add up: rounded once from the f64 sum.
-            let want = values(&tensor(dtype, &want, &dims));
-            prop_assert!(same(&values(&got[0]), &want), "{:?} vs {:?}", values(&got[0]), want);
-        }
     }
 
     #[test]
@@ -454,29 +267,6 @@ mod tests {
         down.set_bool("descending", true);
         let out = run(&stagecraft_ops::SORT, vec![x], &down);
         assert_eq!(out[1].as_slice::<i64>().unwrap(), &[1, 6, 0, 5, 3, 2, 4]);
-    }
-
-    #[test]
-    fn out_of_range_indices_are_index_errors() {
-        let x = tensor(DType::F32, &[1.0, 2.0, 3.0], &[3]);
-        let idx = tensor(DType::I32, &[3.0], &[1]);
-        let mut attrs = OpAttrs::new();
-        attrs.set_int("axis", 0);
-        let metas = [x.metadata().clone(), idx.metadata().clone()];
-        let outputs = stagecraft_ops::TAKE_ALONG_AXIS
-            .infer(&metas, &attrs)
-            .unwrap();
-        let ctx = crate::KernelContext {
-            attrs: stagecraft_ops::Attrs::new(&attrs, &stagecraft_ops::TAKE_ALONG_AXIS),
-            outputs: &outputs,
-        };
-        let kernel = (crate::registry()
-            .get(&stagecraft_ops::TAKE_ALONG_AXIS)
-            .unwrap())(&ctx.attrs, &metas)
-        .unwrap();
-        let err = kernel([x, idx].into_iter().collect(), &ctx).unwrap_err();
-        assert_eq!(err.kind(), stagecraft_tensor::ErrorKind::Index);
-        assert!(err.to_string().contains("index 3"), "{err}");
     }
 
     /// A lane long enough to split across threads, and a long TopK.

@@ -1,7 +1,6 @@
 //! Reference sorting: every lane copied out with its positions, sorted by
-//! the standard library's stable sort, and written back; `take_along_axis`
-//! and its adjoint by explicit index arithmetic. Values are f64 (exact for
-//! the integers the tests use).
+//! the standard library's stable sort, and written back. Values are f64
+//! (exact for the integers the tests use).
 
 use std::cmp::Ordering;
 
@@ -60,57 +59,4 @@ pub fn top_k(
         }
     }
     (values, indices)
-}
-
-/// The index `i` resolved against an axis of `size` (negative from the end).
-fn resolve(i: i64, size: usize) -> usize {
-    if i < 0 {
-        (i + size as i64) as usize
-    } else {
-        i as usize
-    }
-}
-
-/// `out[o, j, i] = x[o, indices[o, j, i], i]`, `indices` of `idx_dims`.
-pub fn take_along_axis(
-    x: &[f64],
-    dims: &[usize],
-    indices: &[i64],
-    idx_dims: &[usize],
-    axis: usize,
-) -> Vec<f64> {
-    let (outer, m, inner) = split3(idx_dims, axis);
-    let n = dims[axis];
-    let mut out = vec![0.0; outer * m * inner];
-    for o in 0..outer {
-        for j in 0..m {
-            for i in 0..inner {
-                let at = (o * m + j) * inner + i;
-                out[at] = x[(o * n + resolve(indices[at], n)) * inner + i];
-            }
-        }
-    }
-    out
-}
-
-/// The adjoint of [`take_along_axis`]: zeros `size` long along `axis`,
-/// with `g[o, j, i]` added at `[o, indices[o, j, i], i]`.
-pub fn put_along_axis(
-    g: &[f64],
-    idx_dims: &[usize],
-    indices: &[i64],
-    axis: usize,
-    size: usize,
-) -> Vec<f64> {
-    let (outer, m, inner) = split3(idx_dims, axis);
-    let mut out = vec![0.0; outer * size * inner];
-    for o in 0..outer {
-        for j in 0..m {
-            for i in 0..inner {
-                let at = (o * m + j) * inner + i;
-                out[(o * size + resolve(indices[at], size)) * inner + i] += g[at];
-            }
-        }
-    }
-    out
 }

@@ -71,8 +71,6 @@ const OTHER_OPS: &[&OpDef] = &[
     // sorting
     &SORT,
     &TOP_K,
-    &TAKE_ALONG_AXIS,
-    &TAKE_ALONG_AXIS_GRAD,
     // scans
     &CUMSUM,
     // linear algebra
