@@ -819,7 +819,7 @@ fn index_op<T: Kind + IndexElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
 }
 
 fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
-    match inp.below(13) {
+    match inp.below(14) {
         0..=2 => T::wrap(match inp.below(10) {
             0 => call!(c, ["Exp"], a.exp()),
             1 => call!(c, ["Log"], a.log()),
@@ -914,6 +914,16 @@ fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
                 ["ConvTranspose2d"],
                 a.conv_transpose2d(&w, options)
             ))
+        }
+        13 => {
+            if inp.flag() {
+                // Probabilities outside [0, 1] too: an error of Dropout.
+                let p = inp.float() * 0.25;
+                T::wrap(call!(c, ["Dropout"], a.dropout(p, &mut c.rng)))
+            } else {
+                let b = c.operand::<T>(inp);
+                T::wrap(call!(c, ["SquaredNorm"], Tensor::squared_norm(&[a, &b])))
+            }
         }
         _ => {
             let options = Pool2dOptions {

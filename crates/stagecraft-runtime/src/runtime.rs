@@ -15,15 +15,57 @@ use std::sync::{Arc, RwLock};
 /// merely propagate through later ops).
 pub type DiagnosticHandler = Arc<dyn Fn(&Error) + Send + Sync>;
 
-static CANCELLED: AtomicBool = AtomicBool::new(false);
+/// Read by every op: alone on its cache line, so the counters' writes
+/// never evict it from another core's cache.
+static CANCELLED: CacheLine<AtomicBool> = CacheLine(AtomicBool::new(false));
 static DIAGNOSTIC_HANDLER: RwLock<Option<DiagnosticHandler>> = RwLock::new(None);
 
-static OPS_EXECUTED: AtomicU64 = AtomicU64::new(0);
-static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+static OPS_EXECUTED: StripedCounter = StripedCounter::new();
+static KERNEL_LAUNCHES: StripedCounter = StripedCounter::new();
 static ERRORS_RAISED: AtomicU64 = AtomicU64::new(0);
 static DEVICE_COPIES: AtomicU64 = AtomicU64::new(0);
 static DEVICE_COPY_BYTES: AtomicU64 = AtomicU64::new(0);
 static HOST_READS: AtomicU64 = AtomicU64::new(0);
+
+/// A value alone on its cache line (128 bytes: adjacent-line prefetchers
+/// pair 64-byte lines).
+#[repr(align(128))]
+struct CacheLine<T>(T);
+
+/// Slots of a [`StripedCounter`]; threads beyond this many share slots.
+const STRIPES: usize = 16;
+
+/// A counter bumped on every op by every thread. A single atomic would
+/// move its cache line between cores on each bump, which costs two
+/// threads recording lazy ops side by side a large share of their speed;
+/// here each thread adds to its own padded slot and a read sums them.
+struct StripedCounter {
+    slots: [CacheLine<AtomicU64>; STRIPES],
+}
+
+impl StripedCounter {
+    const fn new() -> StripedCounter {
+        StripedCounter {
+            slots: [const { CacheLine(AtomicU64::new(0)) }; STRIPES],
+        }
+    }
+
+    #[inline]
+    fn add(&self, n: u64) {
+        thread_local! {
+            static STRIPE: usize = {
+                static NEXT: AtomicU64 = AtomicU64::new(0);
+                NEXT.fetch_add(1, Ordering::Relaxed) as usize % STRIPES
+            };
+        }
+        let slot = STRIPE.with(|s| *s);
+        self.slots[slot].0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn sum(&self) -> u64 {
+        self.slots.iter().map(|s| s.0.load(Ordering::Relaxed)).sum()
+    }
+}
 
 /// Counters since process start; compare two snapshots to measure a span.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -46,8 +88,8 @@ pub struct RuntimeStats {
 /// The current counters.
 pub fn stats() -> RuntimeStats {
     RuntimeStats {
-        ops_executed: OPS_EXECUTED.load(Ordering::Relaxed),
-        kernel_launches: KERNEL_LAUNCHES.load(Ordering::Relaxed),
+        ops_executed: OPS_EXECUTED.sum(),
+        kernel_launches: KERNEL_LAUNCHES.sum(),
         errors_raised: ERRORS_RAISED.load(Ordering::Relaxed),
         device_copies: DEVICE_COPIES.load(Ordering::Relaxed),
         device_copy_bytes: DEVICE_COPY_BYTES.load(Ordering::Relaxed),
@@ -56,7 +98,7 @@ pub fn stats() -> RuntimeStats {
 }
 
 pub(crate) fn count_kernel_launch() {
-    KERNEL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    KERNEL_LAUNCHES.add(1);
 }
 
 pub(crate) fn count_device_copy(bytes: usize) {
@@ -91,18 +133,18 @@ pub fn report_error(error: &Error) {
 /// Cancels execution: every pending op, and every op issued until
 /// [`restart`], produces a cancellation error instead of running.
 pub fn cancel_execution() {
-    CANCELLED.store(true, Ordering::SeqCst);
+    CANCELLED.0.store(true, Ordering::SeqCst);
 }
 
 /// Ends a cancellation: ops run normally again.
 pub fn restart() {
-    CANCELLED.store(false, Ordering::SeqCst);
+    CANCELLED.0.store(false, Ordering::SeqCst);
 }
 
 /// True between [`cancel_execution`] and [`restart`].
 #[inline]
 pub fn is_cancelled() -> bool {
-    CANCELLED.load(Ordering::Relaxed)
+    CANCELLED.0.load(Ordering::Relaxed)
 }
 
 fn error_results(
@@ -141,7 +183,7 @@ pub fn execute(
     args: Args,
     attrs: OpAttrsRef<'_>,
 ) -> Results {
-    OPS_EXECUTED.fetch_add(1, Ordering::Relaxed);
+    OPS_EXECUTED.add(1);
     if is_cancelled() {
         let err = Error::cancelled().with_op(op.name).at(location);
         return error_results(op, device, None, &err);

@@ -11,7 +11,9 @@ use stagecraft_tensor::{
 };
 
 mod everyday;
+mod training;
 pub use everyday::CumsumOptions;
+pub use training::clip_grad_norm;
 
 macro_rules! unary_methods {
     ($bound:ident: $($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {

@@ -77,7 +77,7 @@
 //! the minimized program, run through [`check`] like a generated one.
 
 use proptest::prelude::*;
-use stagecraft::{cond, function, lazy, while_loop, CumsumOptions, Device, Tensor, UnaryOp};
+use stagecraft::{cond, function, lazy, while_loop, CumsumOptions, Device, Rng, Tensor, UnaryOp};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -251,6 +251,10 @@ enum Instr {
     ScatterAdd(usize, isize, u64),
     /// `x.take_along_axis(axis, indices)`, indices of `x`'s shape from a seed.
     TakeAlong(usize, isize, u64),
+    /// `x.dropout(p, Rng::new(seed))`.
+    Dropout(usize, u64, f64),
+    /// `squared_norm([env[x], env[y]])`, a scalar.
+    SquaredNorm(usize, usize),
 }
 
 /// A program over the five inputs; its results are its last `outputs`
@@ -348,7 +352,7 @@ fn raw_inner() -> impl Strategy<Value = (u8, u8, usize, f32)> {
 
 fn raw_instr() -> impl Strategy<Value = RawInstr> {
     (
-        0u8..25,
+        0u8..26,
         any::<u8>(),
         any::<usize>(),
         any::<usize>(),
@@ -542,6 +546,12 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                 let padding = ((r.sub as usize / 8) % 2).min((full - 1) / 2);
                 Instr::ConvTranspose2d(x, k, stride, padding, r.j as u64 % 1000)
             }
+            25 if r.sub & 1 == 0 => Instr::Dropout(
+                x,
+                r.j as u64 % 1000,
+                [0.25, 0.5, 0.9][(r.sub as usize / 2) % 3],
+            ),
+            25 => Instr::SquaredNorm(x, r.j % n),
             _ => un,
         };
         shapes.push(shape_of(&instr, &shapes));
@@ -644,7 +654,9 @@ fn shape_of(instr: &Instr, shapes: &[Vec<usize>]) -> Vec<usize> {
         | Instr::Trilu(x, ..)
         | Instr::IndexAdd(x, ..)
         | Instr::ScatterAdd(x, ..)
-        | Instr::TakeAlong(x, ..) => shapes[*x].clone(),
+        | Instr::TakeAlong(x, ..)
+        | Instr::Dropout(x, ..) => shapes[*x].clone(),
+        Instr::SquaredNorm(..) => vec![],
         Instr::Stack(x, _, axis) => {
             let mut s = shapes[*x].clone();
             s.insert(axis_of(*axis, s.len() + 1), 2);
@@ -837,6 +849,8 @@ fn straight(instr: &Instr, env: &[T]) -> T {
             };
             env[*x].cumsum_with(*axis, options)
         }
+        Instr::Dropout(x, seed, p) => env[*x].dropout(*p, &mut Rng::new(*seed)),
+        Instr::SquaredNorm(x, y) => Tensor::squared_norm(&[&env[*x], &env[*y]]),
         Instr::Trilu(x, true, k) => env[*x].triu(*k),
         Instr::Trilu(x, false, k) => env[*x].tril(*k),
         Instr::Stack(x, y, axis) => Tensor::stack(&[&env[*x], &env[*y]], *axis),
@@ -1168,6 +1182,8 @@ fn the_generator_covers_every_instruction_kind() {
                 Instr::IndexAdd(..) => "index_add",
                 Instr::ScatterAdd(..) => "scatter_add",
                 Instr::TakeAlong(..) => "take_along_axis",
+                Instr::Dropout(..) => "dropout",
+                Instr::SquaredNorm(..) => "squared_norm",
             };
             seen.insert(kind);
             if let Instr::Cond { then_: body, .. } | Instr::While { body, .. } = instr {
@@ -1218,6 +1234,8 @@ fn the_generator_covers_every_instruction_kind() {
         "index_add",
         "scatter_add",
         "take_along_axis",
+        "dropout",
+        "squared_norm",
         "inner unary",
         "inner scalar",
         "inner captured value",

@@ -47,7 +47,7 @@ use stagecraft::layers::runtime::{self as runtime, Args, TensorHandle};
 use stagecraft::layers::tensor::{HostTensor, Scalar, TensorList};
 use stagecraft::{
     cond, function, grad, where_, while_loop, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
-    CumsumOptions, Device, Location, Pool2dOptions, Tensor,
+    CumsumOptions, Device, Location, Pool2dOptions, Rng, Tensor,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -744,6 +744,21 @@ fn cases() -> Vec<Case> {
     out.push(case("Sqrt", "std axes", x234.clone(), |x| {
         weighted(x.std(&[0, -1], false, 1))
     }));
+
+    // Training ops. Each call draws the same mask: the stream restarts
+    // from its seed.
+    out.push(case("Dropout", "dropout p = 0.3", x234.clone(), |x| {
+        weighted(x.dropout(0.3, &mut Rng::new(5)).tanh())
+    }));
+    out.push(case(
+        "SquaredNorm",
+        "squared norm of two tensors",
+        x234.clone(),
+        |x| {
+            let y = x.tanh();
+            Tensor::squared_norm(&[x, &y]).sin()
+        },
+    ));
 
     // Control flow and functions.
     let then_x = tensor(&[3], 20, 0.1, 1.0, &d);

@@ -145,13 +145,13 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 
 /// The Philox stream of one draw: its key and first counter.
 #[derive(Clone, Copy, Debug)]
-struct Stream {
+pub(crate) struct Stream {
     key: [u32; 2],
     offset: u64,
 }
 
 impl Stream {
-    fn new(seed: i64, offset: i64) -> Result<Stream> {
+    pub(crate) fn new(seed: i64, offset: i64) -> Result<Stream> {
         let offset = u64::try_from(offset).map_err(|_| {
             Error::attribute(format!("`offset` must be non-negative, got {offset}"))
         })?;
@@ -168,7 +168,7 @@ impl Stream {
 
     /// The four words of block `b`.
     #[inline]
-    fn block(&self, b: u64) -> [u32; 4] {
+    pub(crate) fn block(&self, b: u64) -> [u32; 4] {
         let c = self.offset as u128 + b as u128;
         philox4x32_10(
             [

@@ -16,6 +16,7 @@ mod reduce;
 mod scan;
 mod shape;
 mod sort;
+mod training;
 mod transfer;
 
 pub use control::*;
@@ -32,6 +33,7 @@ pub use reduce::*;
 pub use scan::*;
 pub use shape::*;
 pub use sort::*;
+pub use training::*;
 pub use transfer::*;
 
 use crate::op::{OpDef, OutputMetas};
@@ -98,6 +100,9 @@ const OTHER_OPS: &[&OpDef] = &[
     &MAX_POOL2D_GRAD,
     &AVG_POOL2D_GRAD,
     &CONV_TRANSPOSE2D,
+    // training
+    &DROPOUT,
+    &SQUARED_NORM,
     // side effects
     &PRINT,
     &HOST_CALL,

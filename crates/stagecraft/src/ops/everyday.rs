@@ -32,7 +32,7 @@ pub struct CumsumOptions {
 impl<T: Element> Tensor<T> {
     /// This tensor again if it already holds an error (which then passes
     /// on unchanged), else a new error of `op` at `location`.
-    fn fail_unless_failed(&self, op: &str, location: Location, err: Error) -> Tensor<T> {
+    pub(crate) fn fail_unless_failed(&self, op: &str, location: Location, err: Error) -> Tensor<T> {
         match self.check() {
             Err(_) => self.clone(),
             Ok(()) => self.fail(op, location, err),
