@@ -256,3 +256,31 @@ pub fn copy_to_device(handle: &TensorHandle, target: Device, location: Location)
         Err(e) => TensorHandle::error(target, meta, e.with_op("CopyToDevice").at(location)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_striped_counter_sums_every_threads_bumps() {
+        static COUNTER: StripedCounter = StripedCounter::new();
+        // More threads than stripes, so some share a slot.
+        std::thread::scope(|scope| {
+            for t in 0..(STRIPES + 3) {
+                scope.spawn(move || {
+                    for _ in 0..1000 {
+                        COUNTER.add(t as u64 + 1);
+                    }
+                });
+            }
+        });
+        let n = (STRIPES + 3) as u64;
+        assert_eq!(COUNTER.sum(), 1000 * n * (n + 1) / 2);
+    }
+
+    #[test]
+    fn the_cancel_flag_and_counters_sit_on_their_own_lines() {
+        assert_eq!(std::mem::align_of::<CacheLine<AtomicBool>>(), 128);
+        assert_eq!(std::mem::size_of::<StripedCounter>(), 128 * STRIPES);
+    }
+}
