@@ -152,7 +152,7 @@ fn bad_training_calls_name_the_op_and_line() {
     assert_eq!(err.op(), Some("SquaredNorm"), "{err}");
     assert_eq!(err.location().unwrap().line(), line, "{err}");
 
-    let ((clipped, norm), line) = (clip_grad_norm(&[x.clone()], -1.0), line!());
+    let ((clipped, norm), line) = (clip_grad_norm(std::slice::from_ref(&x), -1.0), line!());
     let err = norm.check().unwrap_err();
     assert_eq!(err.op(), Some("ClipGradNorm"), "{err}");
     assert_eq!(err.location().unwrap().line(), line, "{err}");
