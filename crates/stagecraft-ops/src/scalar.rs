@@ -327,13 +327,20 @@ pub fn sigmoid(x: f64) -> f64 {
     }
 }
 
-/// `x·σ(x)` (SiLU, swish). For large negative `x` the product underflows
-/// gracefully: σ(x) ≈ e^x there and is never formed as `1 - something`.
+/// `x·σ(x)` (SiLU, swish), within 3.5 ulp in f64 (`docs/accuracy.md`).
+/// For large negative `x` σ(x) ≈ e^x is never formed as `1 - something`.
+/// Below x = -700 the result is `(x·h)·h` with `h = e^{x/2}`: e^x itself
+/// is subnormal below -708.4 (up to 370 ulp off for x·e^x, which stays
+/// normal down to -715), `h` is not, and `1 + e^x` is 1 there.
 #[inline(always)]
 pub fn silu(x: f64) -> f64 {
     if x == f64::NEG_INFINITY {
         // The limit; the formula would give -inf · 0 = NaN.
         return -0.0;
+    }
+    if x < -700.0 {
+        let h = (0.5 * x).exp();
+        return x * h * h;
     }
     x * sigmoid(x)
 }
@@ -437,11 +444,74 @@ pub fn gelu(x: f64) -> f64 {
 }
 
 /// GELU's tanh approximation, `x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))/2`,
-/// the form GPT-2 and BERT were trained with. Written as `x·σ(2u)` (the
-/// same function: `(1 + tanh u)/2 = σ(2u)`), which does not cancel for
-/// negative `x`.
+/// the form GPT-2 and BERT were trained with, within 4 ulp in f64
+/// (`docs/accuracy.md`). Written as `x·σ(t)` with `t = 2u` (the same
+/// function: `(1 + tanh u)/2 = σ(2u)`), which does not cancel for negative
+/// `x`.
+///
+/// For negative `x` the result is about `x·e^t`, whose relative error is
+/// `|t|` times that of `t`, and `|t|` reaches 745 before the result
+/// underflows: `t` rounded once per operation put f64 results up to 1,500
+/// ulp off near x = -20. So `t = 2√(2/π)·x·(1 + 0.044715·x²)` is formed as
+/// an unevaluated sum `t + t_lo` (FMA products, the constants' rounding
+/// errors included; 0.044715 is the decimal, as in the papers), and
+/// `e^{t + t_lo} = e^t·(1 + t_lo)`. Below t = -700, `e^t` would be
+/// subnormal while the result is not yet, so `e^{t/2}` is squared instead.
+/// `x` is clamped to ±30 for `t` (beyond, σ(t) is 0 or 1 in f64 and the
+/// cube would overflow). f32, f16 and bf16 use [`gelu_tanh_to_narrow`].
 #[inline(always)]
 pub fn gelu_tanh(x: f64) -> f64 {
+    /// 2√(2/π) = C_HI + C_LO.
+    const C_HI: f64 = 1.595_769_121_605_730_8;
+    const C_LO: f64 = -9.969_308_809_110_92e-17;
+    /// The decimal 0.044715 = K_HI + K_LO.
+    const K_HI: f64 = 0.044_715;
+    const K_LO: f64 = 2.196_021_142_708_559_5e-18;
+    if x == f64::NEG_INFINITY {
+        return -0.0;
+    }
+    let a = x.clamp(-30.0, 30.0);
+    // a² = a2 + a2_lo, K·a² = p + p_lo.
+    let a2 = a * a;
+    let a2_lo = a.mul_add(a, -a2);
+    let p = K_HI * a2;
+    let p_lo = K_HI.mul_add(a2, -p) + (K_HI * a2_lo + K_LO * a2);
+    // 1 + K·a² = q + q_lo (two-sum: p may exceed 1).
+    let q = 1.0 + p;
+    let pp = q - 1.0;
+    let q_lo = ((1.0 - (q - pp)) + (p - pp)) + p_lo;
+    // a·(1 + K·a²) = r + r_lo, then t + t_lo = C·(r + r_lo).
+    let r = a * q;
+    let r_lo = a.mul_add(q, -r) + a * q_lo;
+    let t = C_HI * r;
+    let t_lo = C_HI.mul_add(r, -t) + (C_HI * r_lo + C_LO * r);
+    if t >= 0.0 {
+        // x·σ(t) = x/(1 + e^{-t}).
+        let e0 = (-t).exp();
+        let e = e0.mul_add(-t_lo, e0);
+        x / (1.0 + e)
+    } else if t > -700.0 {
+        // x·σ(t) = x·e^t/(1 + e^t).
+        let e0 = t.exp();
+        let e = e0.mul_add(t_lo, e0);
+        x * e / (1.0 + e)
+    } else {
+        // 1 + e^t = 1; e^t = h² with h normal (or NaN through).
+        let h0 = (0.5 * t).exp();
+        let h = h0.mul_add(0.5 * t_lo, h0);
+        x * h * h
+    }
+}
+
+/// [`gelu_tanh`] for a result that will be rounded to f32 or narrower,
+/// without the f64 form's FMA corrections (library calls where FMA is not
+/// a target feature): `t` rounded once per operation. Where an f32 result
+/// is normal, `|t| < 90`, and this stays within about 2^-21 of an f32 ulp
+/// of the exact value (sampled; f16 and bf16 have wider ulps), inside the
+/// 2^-20 the accuracy suite allows for rounding an f64 value to a narrow
+/// type (`docs/accuracy.md`).
+#[inline(always)]
+pub fn gelu_tanh_to_narrow(x: f64) -> f64 {
     const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
     if x == f64::NEG_INFINITY {
         return -0.0;

@@ -1,14 +1,16 @@
 //! Accuracy of the elementwise transcendental functions (issue 9, point 7).
 //!
 //! Every float unary op of the public API that is not exact by construction
-//! (`exp`, `log`, `sqrt`, `rsqrt`, `tanh`, `sigmoid`, `gelu`, `sin`, `cos`)
-//! and the binary `pow` are run through the CPU kernels (eager `cpu:0`) on
-//! dense sweeps of inputs for f32, f64, f16 and bf16 and compared with a
-//! reference computed here in double-double arithmetic (about 106 bits; see
-//! [`dd`]), independently of the kernels' f64/libm path. The error of a
-//! result is `|got - exact| / ulp(exact)` in the result's own type (the ulp
-//! of the exact value's binade, subnormal ulps below the normal range), as
-//! a real number: 0.5 means correctly rounded.
+//! (`exp`, `log`, `sqrt`, `rsqrt`, `tanh`, `sigmoid`, `gelu`, `sin`, `cos`,
+//! `erf`, `gelu_tanh`, `silu`, `softplus`, `log1p`, `expm1`, and the single
+//! roundings `reciprocal` and `square`) and the binary `pow` are run
+//! through the CPU kernels (eager `cpu:0`) on dense sweeps of inputs for
+//! f32, f64, f16 and bf16 and compared with a reference computed here in
+//! double-double arithmetic (about 106 bits; see [`dd`]), independently
+//! of the kernels' f64/libm path. The error of a result is
+//! `|got - exact| / ulp(exact)` in the result's own type (the ulp of the
+//! exact value's binade, subnormal ulps below the normal range), as a real
+//! number: 0.5 means correctly rounded.
 //!
 //! Inputs per dtype:
 //! - f16, bf16: every bit pattern (exhaustive); `pow`: every positive finite
@@ -35,18 +37,31 @@
 //! (only a result within 2^-20 ulp of a tie may round the other way);
 //! measured maxima there are 0.5 to six digits for every function.
 //!
-//! | function | f32, f16, bf16 bound | f64 bound | f64 measured |
-//! |----------|----------------------|-----------|--------------|
-//! | exp      | 0.5 + 2^-20          | 1.0       | 0.5044       |
-//! | log      | 0.5 + 2^-20          | 1.0       | 0.5112       |
-//! | sqrt     | 0.5 + 2^-20          | 0.5       | 0.5000       |
-//! | rsqrt    | 0.5 + 2^-20          | 1.5       | 1.4749       |
-//! | tanh     | 0.5 + 2^-20          | 2.5       | 2.0097       |
-//! | sigmoid  | 0.5 + 2^-20          | 2.5       | 2.1887       |
-//! | gelu     | 0.5 + 2^-20          | 4.0       | 3.4360       |
-//! | sin      | 0.5 + 2^-20          | 1.0       | 0.5148       |
-//! | cos      | 0.5 + 2^-20          | 1.0       | 0.5607       |
-//! | pow      | 0.5 + 2^-20          | 1.0       | 0.5039       |
+//! | function   | f32, f16, bf16 bound | f64 bound | f64 measured |
+//! |------------|----------------------|-----------|--------------|
+//! | exp        | 0.5 + 2^-20          | 1.0       | 0.5044       |
+//! | log        | 0.5 + 2^-20          | 1.0       | 0.5112       |
+//! | sqrt       | 0.5 + 2^-20          | 0.5       | 0.5000       |
+//! | rsqrt      | 0.5 + 2^-20          | 1.5       | 1.4749       |
+//! | tanh       | 0.5 + 2^-20          | 2.5       | 2.0097       |
+//! | sigmoid    | 0.5 + 2^-20          | 2.5       | 2.1887       |
+//! | gelu       | 0.5 + 2^-20          | 4.0       | 3.4360       |
+//! | sin        | 0.5 + 2^-20          | 1.0       | 0.5148       |
+//! | cos        | 0.5 + 2^-20          | 1.0       | 0.5607       |
+//! | pow        | 0.5 + 2^-20          | 1.0       | 0.5039       |
+//! | erf        | 0.5 + 2^-20          | 1.5       | 0.9626       |
+//! | gelu_tanh  | 0.5 + 2^-20          | 4.0       | 3.1703       |
+//! | silu       | 0.5 + 2^-20          | 3.5       | 2.9244       |
+//! | softplus   | 0.5 + 2^-20          | 2.0       | 1.4739       |
+//! | log1p      | 0.5 + 2^-20          | 1.0       | 0.7870       |
+//! | expm1      | 0.5 + 2^-20          | 1.0       | 0.7862       |
+//! | reciprocal | 0.5 + 2^-20          | 0.5       | 0.5000       |
+//! | square     | 0.5 + 2^-20          | 0.5       | 0.5000       |
+//!
+//! `gelu_tanh` is measured against the exact value of its own formula
+//! (with √(2/π) and the decimal 0.044715 exact), not against `gelu`.
+//! `elu` is not measured: it is composed of `expm1`, a multiplication by
+//! `alpha` and `maximum`/`minimum`.
 //!
 //! Every special value must give its exact IEEE/C99 result (0 ulp).
 
@@ -209,6 +224,11 @@ mod dd {
         pub frac_1_sqrt_2: Dd,
         pub frac_2_sqrt_pi: Dd,
         pub frac_1_sqrt_pi: Dd,
+        /// 2√(2/π) = √(8/π), the slope of gelu_tanh's sigmoid argument.
+        pub sqrt_8_over_pi: Dd,
+        /// The decimal 0.044715 of gelu_tanh's cubic term (not its f64
+        /// rounding).
+        pub gelu_tanh_k: Dd,
         /// pi/2 as a sum of 17 doubles of at most 16 significant bits each
         /// (from the hexadecimal digits of pi), so `k·part` is exact for
         /// |k| < 2^37.
@@ -249,6 +269,8 @@ mod dd {
                 frac_1_sqrt_2: Dd::new(0.5).sqrt(),
                 frac_2_sqrt_pi: Dd::new(2.0).div(sqrt_pi),
                 frac_1_sqrt_pi: Dd::ONE.div(sqrt_pi),
+                sqrt_8_over_pi: Dd::new(8.0).div(pi).sqrt(),
+                gelu_tanh_k: Dd::new(44_715.0).div(Dd::new(1e6)),
                 pio2_parts,
             }
         })
@@ -404,20 +426,148 @@ mod dd {
 
     /// 1/(1 + e^-x) as `(m, k)`.
     pub fn sigmoid(x: f64) -> (Dd, i32) {
-        if x > 800.0 {
+        sigmoid_of(Dd::new(x))
+    }
+
+    /// 1/(1 + e^-t) for a double-double `t` (|t| < 1e12), as `(m, k)`.
+    pub fn sigmoid_of(t: Dd) -> (Dd, i32) {
+        if t.hi > 800.0 {
             // 1 - e^{-800}: 1 at the precision of Dd.
             (Dd::ONE, 0)
-        } else if x >= 0.0 {
-            let (m, k) = exp(Dd::new(-x));
+        } else if t.hi >= 0.0 {
+            let (m, k) = exp(t.neg());
             (Dd::ONE.div(Dd::ONE.add(m.scale(k))), 0)
         } else {
-            let (m, k) = exp(Dd::new(x));
+            let (m, k) = exp(t);
             (m.div(Dd::ONE.add(m.scale(k))), k)
         }
     }
 
+    /// `x = xm·2^e` with xm in [1, 2) (finite x ≠ 0), so that products
+    /// with a tiny x keep their low part.
+    fn split(x: f64) -> (Dd, i32) {
+        let e = ilogb(x);
+        (Dd::new(ldexp(x, -e)), e)
+    }
+
+    /// x·σ(x) (SiLU) as `(m, k)`; finite x ≠ 0 above -1e12.
+    pub fn silu(x: f64) -> (Dd, i32) {
+        let (m, k) = sigmoid(x);
+        let (xm, e) = split(x);
+        (xm.mul(m), k + e)
+    }
+
+    /// x·σ(2√(2/π)·(x + 0.044715·x³)) as `(m, k)`, the exact value of
+    /// GELU's tanh form (`(1 + tanh u)/2 = σ(2u)`); finite x ≠ 0 with
+    /// |x| ≤ 40. The argument is formed in Dd from the exact cube.
+    pub fn gelu_tanh(x: f64) -> (Dd, i32) {
+        let c = consts();
+        let cube = two_prod(x, x).mul(Dd::new(x));
+        let t = c
+            .sqrt_8_over_pi
+            .mul(Dd::new(x).add(c.gelu_tanh_k.mul(cube)));
+        let (m, k) = sigmoid_of(t);
+        let (xm, e) = split(x);
+        (xm.mul(m), k + e)
+    }
+
+    /// ln(1 + e) for -1/2 ≤ e ≤ 1 as 2·atanh(e/(2 + e)) (no cancellation
+    /// for small e). Below 2^-900 it is e itself: the next term, -e²/2, is
+    /// below the precision of Dd relative to e.
+    pub fn ln1p(e: Dd) -> Dd {
+        if e.hi.abs() < pow2(-900) {
+            return e;
+        }
+        odd_series(e.div(Dd::new(2.0).add(e)), false).scale(1)
+    }
+
+    /// ln(1 + x) for finite x > -1. Near 0 by [`ln1p`]; below -1/2, 1 + x
+    /// is exact (Sterbenz); above 1, 1 + x = hi + lo exactly and
+    /// ln(hi + lo) = ln(hi) + ln1p(lo/hi).
+    pub fn log1p(x: f64) -> Dd {
+        if (-0.5..=1.0).contains(&x) {
+            ln1p(Dd::new(x))
+        } else if x < 0.0 {
+            ln(1.0 + x)
+        } else {
+            let y = two_sum(1.0, x);
+            ln(y.hi).add(ln1p(Dd::new(y.lo).div(Dd::new(y.hi))))
+        }
+    }
+
+    /// e^x - 1 as `(m, k)` for finite |x| < 1e6: [`expm1`] for |x| ≤ 1
+    /// (x itself below 2^-900, where x²/2 is below the precision of Dd
+    /// relative to x), else from [`exp`], which loses under one bit to
+    /// the subtraction there.
+    pub fn expm1_of(x: f64) -> (Dd, i32) {
+        if x.abs() < pow2(-900) {
+            (Dd::new(x), 0)
+        } else if x.abs() <= 1.0 {
+            (expm1(Dd::new(x)), 0)
+        } else {
+            let (m, k) = exp(Dd::new(x));
+            if x > 0.0 {
+                (m.sub(Dd::ONE.scale(-k)), k)
+            } else {
+                (m.scale(k).sub(Dd::ONE), 0)
+            }
+        }
+    }
+
+    /// ln(1 + e^x) as `(m, k)` for finite |x| < 1e12: x + ln1p(e^-x) for
+    /// x ≥ 0, ln1p(e^x) below; for e^x < 2^-199 it is e^x itself (the next
+    /// term, -e^{2x}/2, is below the precision of Dd).
+    pub fn softplus(x: f64) -> (Dd, i32) {
+        if x > 800.0 {
+            // ln1p(e^-800) < 2^-1150: x at the precision of Dd.
+            (Dd::new(x), 0)
+        } else if x >= 0.0 {
+            let (m, k) = exp(Dd::new(-x));
+            (Dd::new(x).add(ln1p(m.scale(k))), 0)
+        } else {
+            let (m, k) = exp(Dd::new(x));
+            if k < -200 {
+                (m, k)
+            } else {
+                (ln1p(m.scale(k)), 0)
+            }
+        }
+    }
+
+    /// 1/x as `(m, k)` for finite x ≠ 0 (scaled, so that neither an
+    /// overflowing nor a subnormal result loses bits inside Dd).
+    pub fn reciprocal(x: f64) -> (Dd, i32) {
+        let (xm, e) = split(x);
+        (Dd::ONE.div(xm), -e)
+    }
+
+    /// x² exactly as `(m, k)` for finite x ≠ 0.
+    pub fn square(x: f64) -> (Dd, i32) {
+        let (xm, e) = split(x);
+        (two_prod(xm.hi, xm.hi), 2 * e)
+    }
+
+    /// erf(x) as `(m, k)` for finite x ≠ 0: the positive-term series below
+    /// |x| = 2.5 (with x scaled to [1, 2): the series is linear in its
+    /// first term, so a subnormal x keeps its bits), 1 - erfc above.
+    pub fn erf(x: f64) -> (Dd, i32) {
+        let a = x.abs();
+        let (m, k) = if a > 40.0 {
+            // erfc(40) < e^{-1600}: 1 at the precision of Dd.
+            (Dd::ONE, 0)
+        } else if a < 2.5 {
+            let (am, e) = split(a);
+            (erf_series(am, two_prod(a, a)), e)
+        } else {
+            let (m, k) = erfc_fraction(Dd::new(a), two_prod(a, a));
+            (Dd::ONE.sub(m.scale(k)), 0)
+        };
+        (if x < 0.0 { m.neg() } else { m }, k)
+    }
+
     /// erf(z) for 0 ≤ z < 2.5: (2/√π) e^{-z²} Σ 2^n z^(2n+1)/(2n+1)!!, a
     /// series of positive terms (no cancellation); `z2` is z² exactly.
+    /// Linear in `z` for a given `z2`: `z` may be scaled by a power of two.
     fn erf_series(z: Dd, z2: Dd) -> Dd {
         let two_z2 = z2.scale(1);
         let mut term = z;
@@ -497,7 +647,7 @@ mod dd {
     }
 }
 
-use dd::Dd;
+use dd::{two_prod, two_sum, Dd};
 
 // ---------------------------------------------------------------------------
 // Formats and the error measure.
@@ -829,6 +979,14 @@ const F64_BOUNDS: &[(&str, f64)] = &[
     ("sin", 1.0),
     ("cos", 1.0),
     ("pow", 1.0),
+    ("erf", 1.5),
+    ("gelu_tanh", 4.0),
+    ("silu", 3.5),
+    ("softplus", 2.0),
+    ("log1p", 1.0),
+    ("expm1", 1.0),
+    ("reciprocal", 0.5),
+    ("square", 0.5),
 ];
 
 fn f64_bound(name: &str) -> f64 {
@@ -962,6 +1120,106 @@ fn reference_self_checks() {
     assert!(
         rel.hi.abs() < 1e-26,
         "erfc(2.5): {series:?} vs {fraction:?}"
+    );
+    // The references of the newer functions: known values (decimals from
+    // a 50-digit computation, as hi + lo) and identities between them.
+    let close = |got: (Dd, i32), want: Dd, what: &str| {
+        let got = got.0.scale(got.1);
+        let rel = got.sub(want).hi.abs() / want.hi.abs();
+        assert!(rel < 1e-30, "{what}: {got:?} vs {want:?} ({rel:e})");
+    };
+    let dd2 = |hi: f64, lo: f64| Dd { hi, lo };
+    // erf(1) = 0.84270079294971486934122063508261 (series), erf(3) =
+    // 0.99997790950300141455862722387042 (continued fraction).
+    close(
+        dd::erf(1.0),
+        dd2(0.842_700_792_949_714_9, -2.480_101_178_911_860_2e-17),
+        "erf(1)",
+    );
+    close(
+        dd::erf(3.0),
+        dd2(0.999_977_909_503_001_4, 5.363_397_058_636_269e-17),
+        "erf(3)",
+    );
+    // gelu_tanh(1) = 0.84119199060827670478199577704518, gelu_tanh(-3) =
+    // -0.0036373920817730188378164661318914.
+    close(
+        dd::gelu_tanh(1.0),
+        dd2(0.841_191_990_608_276_7, 5.296_238_767_190_235_3e-17),
+        "gelu_tanh(1)",
+    );
+    close(
+        dd::gelu_tanh(-3.0),
+        dd2(-0.003_637_392_081_773_019, 2.164_362_496_440_963_9e-19),
+        "gelu_tanh(-3)",
+    );
+    // softplus(0) = ln 2; f(x) - f(-x) = x for silu, gelu_tanh, softplus.
+    close(dd::softplus(0.0), c.ln2, "softplus(0)");
+    for x in [0.7, 3.0, 50.0] {
+        for (name, f) in [
+            ("silu", dd::silu as fn(f64) -> (Dd, i32)),
+            ("gelu_tanh", dd::gelu_tanh),
+            ("softplus", dd::softplus),
+        ] {
+            let (a, ka) = f(x);
+            let (b, kb) = f(-x);
+            close(
+                (a.scale(ka).sub(b.scale(kb)), 0),
+                Dd::new(x),
+                &format!("{name}({x}) - {name}(-{x})"),
+            );
+        }
+    }
+    // log1p and expm1: inverse to each other, e^{log1p x} = 1 + x, and
+    // their series near 0 (x - x²/2 + x³/3, x + x²/2 + x³/6).
+    for x in [0.3, -0.45, 0.9] {
+        close(
+            (dd::ln1p(dd::expm1_of(x).0), 0),
+            Dd::new(x),
+            &format!("log1p(expm1({x}))"),
+        );
+        let (m, k) = dd::exp(dd::log1p(x));
+        close((m, k), two_sum(1.0, x), &format!("e^log1p({x})"));
+    }
+    for x in [-0.7, 5.0, 1e10, 1e300] {
+        let (m, k) = dd::exp(dd::log1p(x));
+        close((m, k), two_sum(1.0, x), &format!("e^log1p({x})"));
+    }
+    for x in [-5.0, 2.5, 100.0] {
+        let (m, k) = dd::exp(Dd::new(x));
+        close(
+            dd::expm1_of(x),
+            m.scale(k).sub(Dd::ONE),
+            &format!("expm1({x})"),
+        );
+    }
+    let x = 1e-20;
+    let x2 = two_prod(x, x).scale(-1);
+    let x3 = two_prod(x, x).mul(Dd::new(x));
+    close(
+        (dd::log1p(x), 0),
+        Dd::new(x).sub(x2).add(x3.div(Dd::new(3.0))),
+        "log1p(1e-20)",
+    );
+    close(
+        dd::expm1_of(x),
+        Dd::new(x).add(x2).add(x3.div(Dd::new(6.0))),
+        "expm1(1e-20)",
+    );
+    // reciprocal and square.
+    let (m, k) = dd::reciprocal(3.0);
+    close((m.mul(Dd::new(3.0)), k), Dd::ONE, "3·(1/3)");
+    let (m, k) = dd::reciprocal(f64::MAX);
+    close(
+        (m.mul(Dd::new(f64::MAX)).scale(k), 0),
+        Dd::ONE,
+        "MAX·(1/MAX)",
+    );
+    let x = 1.0 + dd::pow2(-30);
+    close(
+        dd::square(x),
+        dd2(1.0 + dd::pow2(-29), dd::pow2(-60)),
+        "square",
     );
     // The ulp measure itself.
     let err = ulp_error(1.0 + f64::EPSILON, Exact::Value(Dd::ONE, 0), f64::FORMAT);
@@ -1136,6 +1394,226 @@ fn gelu_accuracy() {
         &[0.0, 0.75, 1.0, 5.0, 7.07, 10.0, 14.0, 38.5, 13.3],
         ops!(gelu),
     );
+}
+
+#[test]
+fn erf_accuracy() {
+    let exact = |x: f64| {
+        with_specials(x, ONE, Exact::Value(Dd::ONE.neg(), 0), |x| {
+            if x == 0.0 {
+                return zero_like(x);
+            }
+            let (m, k) = dd::erf(x);
+            Exact::Value(m, k)
+        })
+    };
+    check_unary(
+        "erf",
+        &exact,
+        &[(1e-10, 1.0), (1.0, 6.0)],
+        // 0.84375, 1.25, 2.857 and 6: the kernel's interval switches; 2.5:
+        // the reference's; 3.92 and 5.93: where erf rounds to 1 in f32 and
+        // f64.
+        &[0.0, 0.84375, 1.0, 1.25, 2.5, 2.857, 3.92, 5.93, 6.0],
+        ops!(erf),
+    );
+}
+
+#[test]
+fn gelu_tanh_accuracy() {
+    let exact = |x: f64| {
+        with_specials(x, POS_INF, Exact::Zero { negative: true }, |x| {
+            if x == 0.0 {
+                return zero_like(x);
+            }
+            if x < -40.0 {
+                // The sigmoid's argument is below -4600: a negative zero
+                // in every format.
+                return Exact::Zero { negative: true };
+            }
+            if x > 40.0 {
+                // σ(t) = 1 - e^{-4600}: exactly x in every format.
+                return Exact::Value(Dd::new(x), 0);
+            }
+            let (m, k) = dd::gelu_tanh(x);
+            Exact::Value(m, k)
+        })
+    };
+    check_unary(
+        "gelu_tanh",
+        &exact,
+        &[(1e-10, 1.0), (1.0, 40.0)],
+        // 10.4 and 21.6: where the result underflows in f32 and f64.
+        &[0.0, 0.75, 1.0, 3.0, 5.0, 10.4, 21.6],
+        ops!(gelu_tanh),
+    );
+}
+
+#[test]
+fn silu_accuracy() {
+    let exact = |x: f64| {
+        with_specials(x, POS_INF, Exact::Zero { negative: true }, |x| {
+            if x == 0.0 {
+                return zero_like(x);
+            }
+            if x < -1e5 {
+                // x·σ(x) < 2^-1e5: a negative zero in every format.
+                return Exact::Zero { negative: true };
+            }
+            let (m, k) = dd::silu(x);
+            Exact::Value(m, k)
+        })
+    };
+    check_unary(
+        "silu",
+        &exact,
+        &[(1e-10, 1.0), (1.0, 800.0)],
+        // 108.7 and 750.2: where the result underflows in f32 and f64;
+        // 708.4 to 715: e^x is subnormal in f64 while x·σ(x) is not.
+        &[
+            0.0, 1.0, 16.6, 36.7, 88.7, 108.7, 708.4, 712.0, 715.0, 750.2,
+        ],
+        ops!(silu),
+    );
+}
+
+#[test]
+fn softplus_accuracy() {
+    let exact = |x: f64| {
+        with_specials(x, POS_INF, PLUS_ZERO, |x| {
+            if x < -1e5 {
+                // e^x < 2^-1e5: a positive zero in every format.
+                return PLUS_ZERO;
+            }
+            let (m, k) = dd::softplus(x);
+            Exact::Value(m, k)
+        })
+    };
+    check_unary(
+        "softplus",
+        &exact,
+        &[(1e-10, 1.0), (1.0, 800.0)],
+        // 16.6 and 36.7: where x + ln(1 + e^-x) rounds to x in f32 and
+        // f64; 103.97 and 745.13: where e^x underflows in them.
+        &[0.0, 1.0, 16.6, 36.7, 103.97, 708.4, 745.13],
+        ops!(softplus),
+    );
+}
+
+#[test]
+fn log1p_accuracy() {
+    let exact = |x: f64| {
+        with_specials(x, POS_INF, Exact::Nan, |x| {
+            if x == 0.0 {
+                zero_like(x)
+            } else if x == -1.0 {
+                NEG_INF
+            } else if x < -1.0 {
+                Exact::Nan
+            } else {
+                value(dd::log1p(x))
+            }
+        })
+    };
+    check_unary(
+        "log1p",
+        &exact,
+        &[(1e-10, 1.0), (1.0, 1e30)],
+        // ±1 (the pole at -1), ±1/2 and √2 - 1, 1 - 1/√2: the switches of
+        // the reference and of common kernels.
+        &[
+            0.0,
+            0.5,
+            1.0,
+            0.414_213_562_373_095,
+            0.292_893_218_813_452_5,
+        ],
+        ops!(log1p),
+    );
+}
+
+#[test]
+fn expm1_accuracy() {
+    let exact = |x: f64| {
+        with_specials(x, POS_INF, Exact::Value(Dd::ONE.neg(), 0), |x| {
+            if x == 0.0 {
+                zero_like(x)
+            } else if x > 1e6 {
+                POS_INF
+            } else if x < -1e6 {
+                // -1 + e^-1e6: -1 in every format.
+                Exact::Value(Dd::ONE.neg(), 0)
+            } else {
+                let (m, k) = dd::expm1_of(x);
+                Exact::Value(m, k)
+            }
+        })
+    };
+    check_unary(
+        "expm1",
+        &exact,
+        &[(1e-9, 1.0), (1.0, 750.0)],
+        // ln2/2 and ln2: common reduction switches; 88.72 and 709.78:
+        // overflow in f32 and f64; 17.33 and 37.43: where the result
+        // rounds to -1 in f32 and f64.
+        &[
+            0.0,
+            0.346_573_590_279_972_65,
+            std::f64::consts::LN_2,
+            1.0,
+            17.33,
+            37.43,
+            88.72,
+            709.78,
+        ],
+        ops!(expm1),
+    );
+}
+
+#[test]
+fn reciprocal_and_square_accuracy() {
+    let reciprocal = |x: f64| {
+        with_specials(x, PLUS_ZERO, Exact::Zero { negative: true }, |x| {
+            if x == 0.0 {
+                Exact::Inf {
+                    negative: x.is_sign_negative(),
+                }
+            } else {
+                let (m, k) = dd::reciprocal(x);
+                Exact::Value(m, k)
+            }
+        })
+    };
+    let square = |x: f64| {
+        with_specials(x, POS_INF, POS_INF, |x| {
+            if x == 0.0 {
+                PLUS_ZERO
+            } else {
+                let (m, k) = dd::square(x);
+                Exact::Value(m, k)
+            }
+        })
+    };
+    let ranges = [(1e-30, 1e30), (1.0, 2.0)];
+    // 1/MAX of f32 and f64 (where 1/x overflows), √MAX and √(smallest
+    // subnormal) of f32 (where x² overflows and underflows).
+    let centers = [
+        1.0,
+        2.0,
+        3.0,
+        2.938_735_877_055_719e-39,
+        5.562_684_646_268_003e-309,
+        1.844_674_4e19,
+        3.743_392e-23,
+    ];
+    check_unary(
+        "reciprocal",
+        &reciprocal,
+        &ranges,
+        &centers,
+        ops!(reciprocal),
+    );
+    check_unary("square", &square, &ranges, &centers, ops!(square));
 }
 
 #[test]

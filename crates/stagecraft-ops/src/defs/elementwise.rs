@@ -7,7 +7,8 @@ use crate::elementwise::DTypeClass;
 use crate::grad::{GradBuilder, GradContext, InputGrads, G};
 use crate::op::*;
 use crate::scalar::{
-    erf, exp_to_narrow, expm1, gelu, gelu_tanh, log1p, relu, rsqrt, sigmoid, sign, silu, softplus,
+    erf, exp_to_narrow, expm1, gelu, gelu_tanh, gelu_tanh_to_narrow, log1p, relu, rsqrt, sigmoid,
+    sign, silu, softplus,
 };
 use stagecraft_tensor::{broadcast_shapes, DType, Error, Result, TensorMetadata};
 
@@ -248,7 +249,7 @@ crate::unary_ops! {
     }
     /// GELU's tanh approximation, `x·(1 + tanh(√(2/π)(x + 0.044715x³)))/2`.
     GeluTanh => GELU_TANH("GeluTanh", Float) {
-        eval: |x| x.via_f64(gelu_tanh),
+        eval: |x| x.float_fn(gelu_tanh, gelu_tanh_to_narrow),
         // With s = σ(2u), u = c(x + k x³): y = x s, and
         // dy/dx = s + x s (1 - s) · 2c (1 + 3k x²).
         grad: |b, x, _, g| {
