@@ -166,6 +166,15 @@ fn everyday_shape_and_indexing_errors() {
         (x.split(&[2], 2).remove(0), "Split", line!()),
         (x.chunk(0, 0).remove(0), "Chunk", line!()),
         (x.chunk(2, -3).remove(0), "Chunk", line!()),
+        // A zero-size tensor with a huge axis: one piece per element would
+        // exhaust memory (found by the fuzzer).
+        (
+            Tensor::<f32>::zeros(&[0, usize::MAX / 8], &cpu)
+                .chunk(usize::MAX, 1)
+                .remove(0),
+            "Chunk",
+            line!(),
+        ),
         (x.flatten(1, 0), "Flatten", line!()),
         (x.flatten(0, 2), "Flatten", line!()),
         (f32s(&[1.0], &[1]).tril(0), "Trilu", line!()),

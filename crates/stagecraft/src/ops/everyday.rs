@@ -20,6 +20,11 @@ use stagecraft_tensor::{
     TensorMetadata,
 };
 
+/// The most pieces [`Tensor::chunk`] returns: a zero-size tensor may have
+/// an axis of any length, and one handle per element of it would exhaust
+/// memory instead of failing.
+const MAX_PIECES: usize = 1 << 20;
+
 /// Options of [`Tensor::cumsum_with`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CumsumOptions {
@@ -192,7 +197,14 @@ impl<T: Element> Tensor<T> {
             return vec![self.take_range(axis, 0, 0, "Chunk", location)];
         }
         let size = dim.div_ceil(chunks);
-        (0..dim.div_ceil(size))
+        let pieces = dim.div_ceil(size);
+        if pieces > MAX_PIECES {
+            let err = Error::invalid(format!(
+                "chunk({chunks}) of an axis of size {dim} makes {pieces} pieces, more than the {MAX_PIECES} a call may return"
+            ));
+            return vec![self.fail_unless_failed("Chunk", location, err)];
+        }
+        (0..pieces)
             .map(|k| {
                 let start = k * size;
                 self.take_range(axis, start, size.min(dim - start), "Chunk", location)
