@@ -27,6 +27,7 @@
 
 mod autodiff;
 pub mod lazy;
+pub mod nn;
 mod operators;
 mod ops;
 mod random;
