@@ -14,3 +14,4 @@ pub mod reduce;
 pub mod scan;
 pub mod shape;
 pub mod sort;
+pub mod transformer;

@@ -11,7 +11,9 @@ use stagecraft_tensor::{
 };
 
 mod everyday;
+mod transformer;
 pub use everyday::CumsumOptions;
+pub use transformer::{CrossEntropyOptions, Reduction};
 
 macro_rules! unary_methods {
     ($bound:ident: $($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {

@@ -17,6 +17,7 @@ mod scan;
 mod sgemm;
 mod shape;
 mod sort;
+mod transformer;
 
 /// Whether a test case of `dtype` over `dims` runs in this build: every
 /// case does, except that under Miri, which interprets each kernel call
@@ -80,4 +81,5 @@ pub(crate) fn register_all(registry: &mut KernelRegistry) {
     scan::register(registry);
     shape::register(registry);
     sort::register(registry);
+    transformer::register(registry);
 }

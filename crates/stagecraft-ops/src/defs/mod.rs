@@ -17,6 +17,7 @@ mod scan;
 mod shape;
 mod sort;
 mod transfer;
+mod transformer;
 
 pub use control::*;
 pub use creation::*;
@@ -33,6 +34,7 @@ pub use scan::*;
 pub use shape::*;
 pub use sort::*;
 pub use transfer::*;
+pub use transformer::*;
 
 use crate::op::{OpDef, OutputMetas};
 use smallvec::smallvec;
@@ -111,6 +113,14 @@ const OTHER_OPS: &[&OpDef] = &[
     // lists (the stacks of While gradients)
     &LIST_PUSH,
     &LIST_POP,
+    // transformer blocks
+    &EMBEDDING,
+    &LAYER_NORM,
+    &LAYER_NORM_GRAD,
+    &RMS_NORM,
+    &RMS_NORM_GRAD,
+    &CROSS_ENTROPY,
+    &CROSS_ENTROPY_GRAD,
 ];
 
 const OP_COUNT: usize = UnaryOp::ALL.len() + BinaryOp::ALL.len() + OTHER_OPS.len();
