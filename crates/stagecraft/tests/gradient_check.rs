@@ -854,7 +854,8 @@ fn transformer_cases(out: &mut Vec<Case>) {
             x.clone(),
             move |x| {
                 let (w, b) = (on(&ww, &x.device()), on(&bb, &x.device()));
-                weighted(grad(|x: &T| inner(x, &w, &b))(x))
+                let g = grad(|x: &T| inner(x, &w, &b))(x);
+                weighted(g)
             },
         ));
         let (xx, bb) = (x.clone(), b.clone());
@@ -864,7 +865,8 @@ fn transformer_cases(out: &mut Vec<Case>) {
             w.clone(),
             move |w| {
                 let (x, b) = (on(&xx, &w.device()), on(&bb, &w.device()));
-                weighted(grad(|w: &T| inner(&x, w, &b))(w))
+                let g = grad(|w: &T| inner(&x, w, &b))(w);
+                weighted(g)
             },
         ));
         if bias {
@@ -875,7 +877,8 @@ fn transformer_cases(out: &mut Vec<Case>) {
                 b.clone(),
                 move |b| {
                     let (x, w) = (on(&xx, &b.device()), on(&ww, &b.device()));
-                    weighted(grad(|b: &T| inner(&x, &w, b))(b))
+                    let g = grad(|b: &T| inner(&x, &w, b))(b);
+                    weighted(g)
                 },
             ));
         }
