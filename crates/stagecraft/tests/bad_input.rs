@@ -790,7 +790,10 @@ fn transformer_op_errors_and_edge_cases() {
     let no_rows = f32s(&[], &[0, 4]);
     let none = Tensor::<i64>::from_vec(vec![], &[0], &cpu).unwrap();
     assert_eq!(no_rows.layer_norm(None, None, 1e-5).dims(), &[0, 4]);
-    assert_eq!(no_rows.rms_norm(None, 1e-5).to_vec().unwrap(), Vec::<f32>::new());
+    assert_eq!(
+        no_rows.rms_norm(None, 1e-5).to_vec().unwrap(),
+        Vec::<f32>::new()
+    );
     assert!(no_rows.cross_entropy(&none, mean).item().unwrap().is_nan());
     let sum = CrossEntropyOptions {
         reduction: Reduction::Sum,

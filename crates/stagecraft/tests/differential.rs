@@ -610,7 +610,9 @@ fn resolve_transformer(r: &RawInstr, x: usize, shapes: &[Vec<usize>]) -> Option<
         25 if rank > 0 => Instr::Norm(x, r.sub & 1 != 0, r.sub & 2 != 0, r.sub & 4 != 0, seed),
         26 if rank > 0 => Instr::CrossEntropy(x, r.sub % 3, seed),
         27 if rank == 2 => {
-            let ids = (0..r.sub as usize % 3).map(|k| 1 + (r.j >> (2 * k)) % 3).collect();
+            let ids = (0..r.sub as usize % 3)
+                .map(|k| 1 + (r.j >> (2 * k)) % 3)
+                .collect();
             Instr::Embedding(x, ids, seed)
         }
         _ => return None,

@@ -820,7 +820,9 @@ fn transformer_cases(out: &mut Vec<Case>) {
     let b = tensor(&[5], 53, -0.5, 0.5, &d);
     type Norm = fn(&T, Option<&T>, Option<&T>) -> T;
     let norms: [(&str, &str, Norm); 2] = [
-        ("LayerNorm", "LayerNormGrad", |x, w, b| x.layer_norm(w, b, 1e-5)),
+        ("LayerNorm", "LayerNormGrad", |x, w, b| {
+            x.layer_norm(w, b, 1e-5)
+        }),
         ("RmsNorm", "RmsNormGrad", |x, w, _| x.rms_norm(w, 1e-5)),
     ];
     for (op, backward, norm) in norms {
@@ -831,9 +833,12 @@ fn transformer_cases(out: &mut Vec<Case>) {
             let (w, b) = (on(&ww, &x.device()), on(&bb, &x.device()));
             weighted(norm(x, Some(&w), bias.then_some(&b)))
         }));
-        out.push(case(op, &format!("{op} by x, no parameters"), x.clone(), move |x| {
-            weighted(norm(x, None, None))
-        }));
+        out.push(case(
+            op,
+            &format!("{op} by x, no parameters"),
+            x.clone(),
+            move |x| weighted(norm(x, None, None)),
+        ));
         let (xx, bb) = (x.clone(), b.clone());
         out.push(case(op, &format!("{op} by weight"), w.clone(), move |w| {
             let (x, b) = (on(&xx, &w.device()), on(&bb, &w.device()));
@@ -886,9 +891,8 @@ fn transformer_cases(out: &mut Vec<Case>) {
     // Cross-entropy: logits spread over ±2 so no class dominates, targets
     // of rank 2 with an ignored row.
     let logits = tensor(&[2, 3, 4], 54, -2.0, 2.0, &d);
-    let targets = |d: &Device| {
-        Tensor::<i32>::from_vec(vec![3, 0, -1, 2, 2, 1], &[2, 3], d).unwrap()
-    };
+    let targets =
+        |d: &Device| Tensor::<i32>::from_vec(vec![3, 0, -1, 2, 2, 1], &[2, 3], d).unwrap();
     for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
         let options = CrossEntropyOptions {
             ignore_index: Some(-1),

@@ -61,7 +61,11 @@ fn embedding_values_and_gradient() {
     assert_eq!(table.embedding(&one).to_vec().unwrap(), vec![4.0, 5.0]);
     // The gradient adds each row's incoming gradient into the row its id
     // picked: row 3 twice, row 2 never.
-    let w = f64s(&[1.0, 2.0, 10.0, 20.0, 100.0, 200.0, 1e3, 2e3], &[2, 2, 2], &d);
+    let w = f64s(
+        &[1.0, 2.0, 10.0, 20.0, 100.0, 200.0, 1e3, 2e3],
+        &[2, 2, 2],
+        &d,
+    );
     let g = grad(|t: &T| (t.embedding(&ids) * &w).sum(&[], false))(&table);
     assert_eq!(
         g.to_vec().unwrap(),
@@ -99,13 +103,17 @@ fn layer_norm_values_and_gradients() {
         1e-15,
     );
     // Weight alone, bias alone.
-    let scaled: Vec<f64> = (0..8).map(|i| xh[i] * [1.0, 2.0, 0.5, -1.0][i % 4]).collect();
+    let scaled: Vec<f64> = (0..8)
+        .map(|i| xh[i] * [1.0, 2.0, 0.5, -1.0][i % 4])
+        .collect();
     close(
         &x.layer_norm(Some(&w), None, eps).to_vec().unwrap(),
         &scaled,
         1e-15,
     );
-    let shifted: Vec<f64> = (0..8).map(|i| xh[i] + [0.0, 1.0, 0.0, -1.0][i % 4]).collect();
+    let shifted: Vec<f64> = (0..8)
+        .map(|i| xh[i] + [0.0, 1.0, 0.0, -1.0][i % 4])
+        .collect();
     close(
         &x.layer_norm(None, Some(&b), eps).to_vec().unwrap(),
         &shifted,
@@ -118,7 +126,9 @@ fn layer_norm_values_and_gradients() {
     let db = grad(|b: &T| loss(&x, &w, b))(&b).to_vec().unwrap();
     assert_eq!(db, vec![6.0, 8.0, 10.0, 12.0]);
     let dw = grad(|w: &T| loss(&x, w, &b))(&w).to_vec().unwrap();
-    let want: Vec<f64> = (0..4).map(|j| xh[j] * (j + 1) as f64 + xh[4 + j] * (j + 5) as f64).collect();
+    let want: Vec<f64> = (0..4)
+        .map(|j| xh[j] * (j + 1) as f64 + xh[4 + j] * (j + 5) as f64)
+        .collect();
     close(&dw, &want, 1e-14);
     let ones = grad(|x: &T| x.layer_norm(None, None, eps).sum(&[], false))(&x);
     close(&ones.to_vec().unwrap(), &[0.0; 8], 1e-12);
@@ -131,10 +141,19 @@ fn rms_norm_values_and_gradients() {
     let w = f64s(&[1.0, 0.5, 2.0], &[3], &d);
     // Row 0: mean(x²) = 25/3; row 1: 8/3.
     let (r0, r1) = ((3.0f64 / 25.0).sqrt(), (3.0f64 / 8.0).sqrt());
-    let want = [3.0 * r0, 4.0 * r0 * 0.5, 0.0, 2.0 * r1, -2.0 * r1 * 0.5, 0.0];
+    let want = [
+        3.0 * r0,
+        4.0 * r0 * 0.5,
+        0.0,
+        2.0 * r1,
+        -2.0 * r1 * 0.5,
+        0.0,
+    ];
     close(&x.rms_norm(Some(&w), 0.0).to_vec().unwrap(), &want, 1e-15);
     // d/dx_i Σ y (no weight, eps 0) = r - r³·x_i·Σx/D.
-    let g = grad(|x: &T| x.rms_norm(None, 0.0).sum(&[], false))(&x).to_vec().unwrap();
+    let g = grad(|x: &T| x.rms_norm(None, 0.0).sum(&[], false))(&x)
+        .to_vec()
+        .unwrap();
     let expect: Vec<f64> = (0..6)
         .map(|i| {
             let (r, s, xi) = if i < 3 {
@@ -167,7 +186,11 @@ fn cross_entropy_values_and_gradients() {
     };
     let m = logits.cross_entropy(&targets, mean);
     assert_eq!(m.dims(), &[] as &[usize]);
-    close(&[m.item().unwrap()], &[(lse0 - 3.0 + 3f64.ln()) / 2.0], 1e-15);
+    close(
+        &[m.item().unwrap()],
+        &[(lse0 - 3.0 + 3f64.ln()) / 2.0],
+        1e-15,
+    );
     let sum = CrossEntropyOptions {
         ignore_index: Some(-1),
         reduction: Reduction::Sum,
@@ -183,10 +206,16 @@ fn cross_entropy_values_and_gradients() {
         .cross_entropy(&all, CrossEntropyOptions::default())
         .item()
         .unwrap();
-    close(&[loss], &[(lse0 - 3.0 + 3f64.ln() + lse2 - 2.0) / 3.0], 1e-15);
+    close(
+        &[loss],
+        &[(lse0 - 3.0 + 3f64.ln() + lse2 - 2.0) / 3.0],
+        1e-15,
+    );
     // The gradient of the mean: (softmax - one_hot) / 2 on counted rows,
     // 0 on the ignored one.
-    let g = grad(|l: &T| l.cross_entropy(&targets, mean))(&logits).to_vec().unwrap();
+    let g = grad(|l: &T| l.cross_entropy(&targets, mean))(&logits)
+        .to_vec()
+        .unwrap();
     let p0: Vec<f64> = [1f64, 2.0, 3.0].iter().map(|v| (v - lse0).exp()).collect();
     let want = [
         p0[0] / 2.0,
@@ -212,7 +241,8 @@ fn cross_entropy_values_and_gradients() {
 /// projection to the vocabulary and the loss, with gradients for every
 /// parameter.
 fn model(params: &[T], ids: &Tensor<i64>, targets: &Tensor<i64>) -> Vec<T> {
-    let (table, ln_w, ln_b, rms_w, proj) = (&params[0], &params[1], &params[2], &params[3], &params[4]);
+    let (table, ln_w, ln_b, rms_w, proj) =
+        (&params[0], &params[1], &params[2], &params[3], &params[4]);
     let h = table.embedding(ids);
     let h = h.layer_norm(Some(ln_w), Some(ln_b), 1e-5);
     let h = h.rms_norm(Some(rms_w), 1e-6).tanh();
@@ -267,7 +297,11 @@ fn eager_lazy_and_function_agree_bitwise() {
     let eager = step(&params(&d), &ids, &targets);
     let (lazy_ids, lazy_targets) = batch(&lazy);
     for _ in 0..2 {
-        assert_eq!(step(&params(&lazy), &lazy_ids, &lazy_targets), eager, "lazy");
+        assert_eq!(
+            step(&params(&lazy), &lazy_ids, &lazy_targets),
+            eager,
+            "lazy"
+        );
         lazy::mark_step();
     }
     // Inside `function`: the forward, then gradients through the `Call`
@@ -329,19 +363,29 @@ fn large_rows_agree_across_modes() {
     let (rows, width) = (70, 700);
     let make = |dev: &Device| {
         let x = Tensor::<f32>::from_vec(
-            values(rows * width, 1, -3.0, 3.0).iter().map(|&v| v as f32).collect(),
+            values(rows * width, 1, -3.0, 3.0)
+                .iter()
+                .map(|&v| v as f32)
+                .collect(),
             &[rows, width],
             dev,
         )
         .unwrap();
         let w = Tensor::<f32>::from_vec(
-            values(width, 2, 0.5, 1.5).iter().map(|&v| v as f32).collect(),
+            values(width, 2, 0.5, 1.5)
+                .iter()
+                .map(|&v| v as f32)
+                .collect(),
             &[width],
             dev,
         )
         .unwrap();
-        let t = Tensor::<i64>::from_vec((0..rows as i64).map(|r| (r * 13) % width as i64).collect(), &[rows], dev)
-            .unwrap();
+        let t = Tensor::<i64>::from_vec(
+            (0..rows as i64).map(|r| (r * 13) % width as i64).collect(),
+            &[rows],
+            dev,
+        )
+        .unwrap();
         (x, w, t)
     };
     let program = |(x, w, t): &(Tensor<f32>, Tensor<f32>, Tensor<i64>)| -> Vec<Tensor<f32>> {
@@ -375,18 +419,32 @@ fn half_precision_follows_f32() {
         let x32 = Tensor::<f32>::from_vec(exact, &[4, 12], &d).unwrap();
         let t = Tensor::<i32>::from_vec(vec![1, 0, 11, 5], &[4], &d).unwrap();
         let pairs = [
-            (x.layer_norm(None, None, 1e-5), x32.layer_norm(None, None, 1e-5)),
+            (
+                x.layer_norm(None, None, 1e-5),
+                x32.layer_norm(None, None, 1e-5),
+            ),
             (x.rms_norm(None, 1e-5), x32.rms_norm(None, 1e-5)),
-            (x.cross_entropy(&t, mean_none()), x32.cross_entropy(&t, mean_none())),
+            (
+                x.cross_entropy(&t, mean_none()),
+                x32.cross_entropy(&t, mean_none()),
+            ),
         ];
         for (narrow, wide) in pairs {
-            for (n, w) in narrow.to_vec().unwrap().into_iter().zip(wide.to_vec().unwrap()) {
+            for (n, w) in narrow
+                .to_vec()
+                .unwrap()
+                .into_iter()
+                .zip(wide.to_vec().unwrap())
+            {
                 let n = back(n);
                 assert!((n - w).abs() <= ulp * w.abs().max(1e-3), "{n} vs {w}");
             }
         }
         // Their gradients exist and are of the narrow type.
-        let g = grad(|x: &Tensor<H>| x.layer_norm(None, None, 1e-5).cross_entropy(&t, Default::default()))(&x);
+        let g = grad(|x: &Tensor<H>| {
+            x.layer_norm(None, None, 1e-5)
+                .cross_entropy(&t, Default::default())
+        })(&x);
         assert_eq!(g.dims(), &[4, 12]);
         assert!(g.to_vec().unwrap().iter().all(|&v| back(v).is_finite()));
     }
@@ -406,13 +464,21 @@ fn bad_ids_and_targets_name_the_op_and_line() {
         let line = line!() + 1;
         let rows = table.embedding(&i64s(&[0, 3], &[2], &d));
         let err = rows.to_vec().unwrap_err();
-        assert_eq!((err.kind(), err.op()), (ErrorKind::Index, Some("Embedding")), "{err}");
+        assert_eq!(
+            (err.kind(), err.op()),
+            (ErrorKind::Index, Some("Embedding")),
+            "{err}"
+        );
         assert_eq!(err.location().unwrap().line(), line, "{err}");
         assert!(err.to_string().contains("id 3"), "{err}");
         let line = line!() + 1;
         let loss = logits.cross_entropy(&i64s(&[1, -100], &[2], &d), Default::default());
         let err = loss.to_vec().unwrap_err();
-        assert_eq!((err.kind(), err.op()), (ErrorKind::Index, Some("CrossEntropy")), "{err}");
+        assert_eq!(
+            (err.kind(), err.op()),
+            (ErrorKind::Index, Some("CrossEntropy")),
+            "{err}"
+        );
         assert_eq!(err.location().unwrap().line(), line, "{err}");
         assert!(err.to_string().contains("target -100"), "{err}");
     }
@@ -421,7 +487,11 @@ fn bad_ids_and_targets_name_the_op_and_line() {
         .call((f64s(&[0.0; 6], &[3, 2], &cpu()), i64s(&[-1], &[1], &cpu())))
         .to_vec()
         .unwrap_err();
-    assert_eq!((err.kind(), err.op()), (ErrorKind::Index, Some("Embedding")), "{err}");
+    assert_eq!(
+        (err.kind(), err.op()),
+        (ErrorKind::Index, Some("Embedding")),
+        "{err}"
+    );
 }
 
 /// Second derivatives run through the fused backward ops' own rules

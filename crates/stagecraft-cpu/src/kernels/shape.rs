@@ -589,7 +589,13 @@ fn gather<T: Element>(
         return Ok(out);
     }
     let inner: usize = dims[axis + 1..].iter().product();
-    gather_rows(x.as_slice::<T>()?, size, &picks, inner, out.as_mut_slice::<T>()?);
+    gather_rows(
+        x.as_slice::<T>()?,
+        size,
+        &picks,
+        inner,
+        out.as_mut_slice::<T>()?,
+    );
     Ok(out)
 }
 

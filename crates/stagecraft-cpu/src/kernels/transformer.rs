@@ -413,7 +413,10 @@ fn norm_kernel<T: Float>() -> Kernel {
         let eps = ctx.attrs.float("eps")?;
         let mut inputs = inputs.into_iter();
         let x = next_input(&mut inputs)?;
-        let weight = kind.has_weight.then(|| next_input(&mut inputs)).transpose()?;
+        let weight = kind
+            .has_weight
+            .then(|| next_input(&mut inputs))
+            .transpose()?;
         let bias = kind.has_bias.then(|| next_input(&mut inputs)).transpose()?;
         let slice = |t: &Option<DenseHostTensor>| -> Result<Vec<T>> {
             // Parameters are one row; a copy keeps the loops' slices plain.
@@ -431,7 +434,10 @@ fn norm_kernel<T: Float>() -> Kernel {
         } else {
             let xs = x.as_slice::<T>()?;
             let ys = y.as_mut_slice::<T>()?;
-            by_kind!(kind, norm_rows::<T>(xs, &w, &b, eps, d, ys, parallel(xs.len())))
+            by_kind!(
+                kind,
+                norm_rows::<T>(xs, &w, &b, eps, d, ys, parallel(xs.len()))
+            )
         };
         let mut outputs: Outputs = smallvec::smallvec![y];
         // LayerNorm returns (mean, rstd), RmsNorm rstd alone.
@@ -559,8 +565,13 @@ fn norm_grad_kernel<T: Float>() -> Kernel {
             None
         };
         let rstd = next_input(&mut inputs)?;
-        let weight = kind.has_weight.then(|| next_input(&mut inputs)).transpose()?;
-        let w = weight.as_ref().map_or(Ok(Vec::new()), |t| t.to_vec::<T>())?;
+        let weight = kind
+            .has_weight
+            .then(|| next_input(&mut inputs))
+            .transpose()?;
+        let w = weight
+            .as_ref()
+            .map_or(Ok(Vec::new()), |t| t.to_vec::<T>())?;
         let rstd = rstd.as_slice::<T::C>()?;
         // RMS norm's rows are not centered: a mean of 0 leaves x as it is.
         let zeros;
@@ -586,7 +597,14 @@ fn norm_grad_kernel<T: Float>() -> Kernel {
             };
             by_kind!(
                 kind,
-                norm_grad_rows::<T>(&rows, d, dx.as_mut_slice::<T>()?, &mut dw, &mut db, parallel)
+                norm_grad_rows::<T>(
+                    &rows,
+                    d,
+                    dx.as_mut_slice::<T>()?,
+                    &mut dw,
+                    &mut db,
+                    parallel
+                )
             );
         }
         let mut outputs: Outputs = smallvec::smallvec![dx];
@@ -817,7 +835,13 @@ fn max_of<T: Real>(xs: &[T]) -> f64 {
 /// Rows `first..` of the loss: each row's `(lse, loss)`, the loss 0 for
 /// an ignored row.
 #[inline(always)]
-fn loss_part<T: Float>(xs: &[T], c: usize, classes: &[usize], first: usize, out: &mut [(f64, f64)]) {
+fn loss_part<T: Float>(
+    xs: &[T],
+    c: usize,
+    classes: &[usize],
+    first: usize,
+    out: &mut [(f64, f64)],
+) {
     for (k, o) in out.iter_mut().enumerate() {
         let r = first + k;
         let row = &xs[r * c..(r + 1) * c];
@@ -987,7 +1011,6 @@ fn cross_entropy_grad_kernel<T: Float>() -> Kernel {
     })
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1116,15 +1139,24 @@ mod tests {
                     )
                     .unwrap_err();
                     assert_eq!(err.kind(), ErrorKind::Index, "{err}");
-                    assert!(err.message().contains("id") && err.message().contains("[1]"), "{err}");
-                    assert!(reference::embedding(&values(&table), 4, 3, &[0, bad as i64]).is_none());
+                    assert!(
+                        err.message().contains("id") && err.message().contains("[1]"),
+                        "{err}"
+                    );
+                    assert!(
+                        reference::embedding(&values(&table), 4, 3, &[0, bad as i64]).is_none()
+                    );
                 }
             }
         }
         // A large lookup (a parallel copy), and an empty one that still
         // checks its ids.
         let mut rng = Rng(7);
-        let table = tensor(DType::F32, &rng.values(DType::F32, 100 * 64, false), &[100, 64]);
+        let table = tensor(
+            DType::F32,
+            &rng.values(DType::F32, 100 * 64, false),
+            &[100, 64],
+        );
         let ids: Vec<i64> = (0..1000).map(|i| (i * 37) % 100).collect();
         let id_values: Vec<f64> = ids.iter().map(|&v| v as f64).collect();
         let out = run_all(
@@ -1209,22 +1241,41 @@ mod tests {
                 let scale: Vec<f64> = (0..numel)
                     .map(|i| {
                         let (j, r) = (i % d, row(i));
-                        (xv[i].abs() + magnitude[r])
-                            * want.rstd[r]
-                            * wr.map_or(1.0, |w| w[j].abs())
+                        (xv[i].abs() + magnitude[r]) * want.rstd[r] * wr.map_or(1.0, |w| w[j].abs())
                             + br.map_or(0.0, |b| b[j].abs())
                     })
                     .collect();
                 let k = if stats_dtype == dtype { 10.0 } else { 2.0 };
                 let y = values(&out[0]);
-                assert_near(dtype, &y, &want.y, &scale, roundings(dtype, k, d), &format!("{what}: y"));
+                assert_near(
+                    dtype,
+                    &y,
+                    &want.y,
+                    &scale,
+                    roundings(dtype, k, d),
+                    &format!("{what}: y"),
+                );
                 let rstd = values(out.last().unwrap());
                 let k = roundings(stats_dtype, 2.0, d);
-                assert_near(stats_dtype, &rstd, &want.rstd, &want.rstd, k, &format!("{what}: rstd"));
+                assert_near(
+                    stats_dtype,
+                    &rstd,
+                    &want.rstd,
+                    &want.rstd,
+                    k,
+                    &format!("{what}: rstd"),
+                );
                 if centered {
                     let scale: Vec<f64> = want.mean.iter().map(|m| m.abs() + 5.0).collect();
                     let mean = values(&out[1]);
-                    assert_near(stats_dtype, &mean, &want.mean, &scale, k, &format!("{what}: mean"));
+                    assert_near(
+                        stats_dtype,
+                        &mean,
+                        &want.mean,
+                        &scale,
+                        k,
+                        &format!("{what}: mean"),
+                    );
                 }
                 // The backward, from the kernel's own statistics.
                 let mut inputs = vec![g.clone(), x.clone()];
@@ -1261,7 +1312,9 @@ mod tests {
                 let k = roundings(dtype, 16.0, d);
                 assert_near(dtype, &dx, &want_g.dx, &dx_scale, k, &format!("{what}: dx"));
                 let column_sum = |f: &dyn Fn(usize) -> f64| -> Vec<f64> {
-                    (0..d).map(|j| (0..n_rows).map(|r| f(r * d + j)).sum()).collect()
+                    (0..d)
+                        .map(|j| (0..n_rows).map(|r| f(r * d + j)).sum())
+                        .collect()
                 };
                 let mut next = 1;
                 if has_w {
@@ -1272,7 +1325,14 @@ mod tests {
                     // moves every xh of a row together.
                     let dw = values(&grads[next]);
                     let k = roundings(dtype, 8.0, n_rows + d);
-                    assert_near(dtype, &dw, &want_g.dw, &scale, k, &format!("{what}: dweight"));
+                    assert_near(
+                        dtype,
+                        &dw,
+                        &want_g.dw,
+                        &scale,
+                        k,
+                        &format!("{what}: dweight"),
+                    );
                     next += 1;
                 }
                 if has_b {
@@ -1337,7 +1397,12 @@ mod tests {
     fn norms_of_empty_and_constant_rows() {
         // Rows of no elements: NaN statistics, empty results.
         let x = tensor(DType::F32, &[], &[3, 0]);
-        let out = run_all(&stagecraft_ops::LAYER_NORM, vec![x.clone()], &OpAttrs::new()).unwrap();
+        let out = run_all(
+            &stagecraft_ops::LAYER_NORM,
+            vec![x.clone()],
+            &OpAttrs::new(),
+        )
+        .unwrap();
         assert!(values(&out[1])
             .iter()
             .chain(&values(&out[2]))
@@ -1421,10 +1486,24 @@ mod tests {
             };
             let loss = values(&out[0]);
             let k = roundings(dtype, 2.0, c + n);
-            assert_near(dtype, &loss, &want.loss, &scale, k, &format!("{what}: loss"));
+            assert_near(
+                dtype,
+                &loss,
+                &want.loss,
+                &scale,
+                k,
+                &format!("{what}: loss"),
+            );
             let lse = values(&out[1]);
             let k = roundings(stats_dtype, 2.0, c);
-            assert_near(stats_dtype, &lse, &want.lse, &per_row, k, &format!("{what}: lse"));
+            assert_near(
+                stats_dtype,
+                &lse,
+                &want.lse,
+                &per_row,
+                k,
+                &format!("{what}: lse"),
+            );
             // The backward, for a gradient of the loss's shape.
             let gv = rounded(dtype, &rng.values(dtype, out[0].numel(), false));
             let g = tensor(dtype, &gv, out[0].shape().dims());
@@ -1451,7 +1530,14 @@ mod tests {
                 })
                 .collect();
             let k = roundings(dtype, 4.0, c);
-            assert_near(dtype, &values(&dx[0]), &want_dx, &scale, k, &format!("{what}: dlogits"));
+            assert_near(
+                dtype,
+                &values(&dx[0]),
+                &want_dx,
+                &scale,
+                k,
+                &format!("{what}: dlogits"),
+            );
         }
     }
 
@@ -1497,9 +1583,17 @@ mod tests {
         // A NaN logit makes its row's loss NaN and leaves the other.
         let nan = tensor(DType::F64, &[f64::NAN, 0.0, 0.0, 0.0, 0.0, 0.0], &[2, 3]);
         let loss = values(&run_all(ce, vec![nan, t], &none).unwrap()[0]);
-        assert!(loss[0].is_nan() && (loss[1] - 3f64.ln()).abs() < 1e-15, "{loss:?}");
+        assert!(
+            loss[0].is_nan() && (loss[1] - 3f64.ln()).abs() < 1e-15,
+            "{loss:?}"
+        );
         // Targets out of range, the ignored value aside, are Index errors.
-        for (bad, ignore) in [(3.0, None), (-1.0, None), (-100.0, Some(-1)), (3.0, Some(3))] {
+        for (bad, ignore) in [
+            (3.0, None),
+            (-1.0, None),
+            (-100.0, Some(-1)),
+            (3.0, Some(3)),
+        ] {
             let t = tensor(DType::I64, &[0.0, bad], &[2]);
             let result = run_all(
                 ce,
@@ -1544,35 +1638,71 @@ mod tests {
             if std::arch::is_x86_feature_detected!("avx2") {
                 isas.push(Isa::Avx2);
             }
-            let canonical = |x: f64| if x.is_nan() { f64::NAN.to_bits() } else { x.to_bits() };
+            let canonical = |x: f64| {
+                if x.is_nan() {
+                    f64::NAN.to_bits()
+                } else {
+                    x.to_bits()
+                }
+            };
             let bits = |v: &[T]| -> Vec<u64> { v.iter().map(|x| canonical(x.wide())).collect() };
             let wide = |v: &[T::C]| -> Vec<u64> { v.iter().map(|x| canonical(x.wide())).collect() };
             for d in [1, 7, 8, 9, 31, 33] {
                 let rows = values.len() / d / 2;
                 let take = |at: usize| -> Vec<T> {
-                    values[at..at + rows * d].iter().map(|&v| T::narrow(v)).collect()
+                    values[at..at + rows * d]
+                        .iter()
+                        .map(|&v| T::narrow(v))
+                        .collect()
                 };
                 let (x, g) = (take(0), take(rows * d));
-                let w: Vec<T> = values[..d].iter().map(|&v| T::narrow(v * 0.5 + 1.0)).collect();
+                let w: Vec<T> = values[..d]
+                    .iter()
+                    .map(|&v| T::narrow(v * 0.5 + 1.0))
+                    .collect();
                 let run = |isa: Isa| {
                     let mut y = vec![T::narrow(0.0); rows * d];
                     let mut stats = vec![[T::C::of(0.0); 2]; rows];
-                    norm_part_on::<T, true, true, true>(isa, &x, &w, &w, 1e-5, d, 0, &mut y, &mut stats);
+                    norm_part_on::<T, true, true, true>(
+                        isa, &x, &w, &w, 1e-5, d, 0, &mut y, &mut stats,
+                    );
                     let mean: Vec<T::C> = stats.iter().map(|s| s[0]).collect();
                     let rstd: Vec<T::C> = stats.iter().map(|s| s[1]).collect();
-                    let norm = NormRows { g: &g, x: &x, w: &w, mean: &mean, rstd: &rstd };
-                    let (mut dx, mut pw, mut pb) = (vec![T::narrow(0.0); rows * d], vec![0.0; d], vec![0.0; d]);
-                    norm_grad_part_on::<T, true, true, true>(isa, &norm, d, 0, &mut dx, &mut pw, &mut pb);
-                    let classes: Vec<usize> = (0..rows).map(|r| if r % 3 == 2 { IGNORED } else { r % d }).collect();
+                    let norm = NormRows {
+                        g: &g,
+                        x: &x,
+                        w: &w,
+                        mean: &mean,
+                        rstd: &rstd,
+                    };
+                    let (mut dx, mut pw, mut pb) =
+                        (vec![T::narrow(0.0); rows * d], vec![0.0; d], vec![0.0; d]);
+                    norm_grad_part_on::<T, true, true, true>(
+                        isa, &norm, d, 0, &mut dx, &mut pw, &mut pb,
+                    );
+                    let classes: Vec<usize> = (0..rows)
+                        .map(|r| if r % 3 == 2 { IGNORED } else { r % d })
+                        .collect();
                     let mut loss = vec![(0.0, 0.0); rows];
                     loss_part_on::<T>(isa, &x, d, &classes, 0, &mut loss);
                     let lse: Vec<T::C> = loss.iter().map(|l| T::C::of(l.0)).collect();
                     let shares = vec![0.25; rows];
                     let mut dl = vec![T::narrow(0.0); rows * d];
                     loss_grad_part_on::<T>(isa, &x, d, &classes, &lse, &shares, true, 0, &mut dl);
-                    let loss: Vec<u64> = loss.iter().flat_map(|l| [canonical(l.0), canonical(l.1)]).collect();
+                    let loss: Vec<u64> = loss
+                        .iter()
+                        .flat_map(|l| [canonical(l.0), canonical(l.1)])
+                        .collect();
                     let sums: Vec<u64> = pw.iter().chain(&pb).map(|&v| canonical(v)).collect();
-                    (bits(&y), wide(&mean), wide(&rstd), bits(&dx), sums, loss, bits(&dl))
+                    (
+                        bits(&y),
+                        wide(&mean),
+                        wide(&rstd),
+                        bits(&dx),
+                        sums,
+                        loss,
+                        bits(&dl),
+                    )
                 };
                 let baseline = run(Isa::Baseline);
                 for &isa in &isas {

@@ -109,8 +109,8 @@ pub fn norm_backward(
             for j in 0..d {
                 let delta = if i == j { 1.0 } else { 0.0 };
                 let shift = if centered { 1.0 / n } else { 0.0 };
-                let jacobian = rstd * (delta - shift)
-                    - rstd.powi(3) * (row[j] - mean) * (row[i] - mean) / n;
+                let jacobian =
+                    rstd * (delta - shift) - rstd.powi(3) * (row[j] - mean) * (row[i] - mean) / n;
                 s += gr[j] * weight.map_or(1.0, |w| w[j]) * jacobian;
             }
             out.dx[r * d + i] = s;
@@ -194,7 +194,9 @@ pub fn cross_entropy_backward(
         let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let exps: Vec<f64> = row.iter().map(|v| (v - max).exp()).collect();
         let total: f64 = exps.iter().sum();
-        let one_hot: Vec<f64> = (0..c).map(|k| if k as i64 == t { 1.0 } else { 0.0 }).collect();
+        let one_hot: Vec<f64> = (0..c)
+            .map(|k| if k as i64 == t { 1.0 } else { 0.0 })
+            .collect();
         for k in 0..c {
             out[r * c + k] = (exps[k] / total - one_hot[k]) * share;
         }
