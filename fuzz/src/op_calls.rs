@@ -21,8 +21,8 @@
 use stagecraft::layers::tensor::{Buffer, Scalar};
 use stagecraft::{
     bf16, f16, lazy, where_, BinaryOp, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
-    CumsumOptions, Device, Element, Error, ExecutionMode, FloatElement, IndexElement, NumElement,
-    Pool2dOptions, Rng, Tensor, UnaryOp,
+    CrossEntropyOptions, CumsumOptions, Device, Element, Error, ExecutionMode, FloatElement,
+    IndexElement, NumElement, Pool2dOptions, Reduction, Rng, Tensor, UnaryOp,
 };
 
 /// Most op calls one program makes; keeps a case fast.
@@ -819,7 +819,9 @@ fn index_op<T: Kind + IndexElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
 }
 
 fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
-    match inp.below(14) {
+    // The training ops took 13, the transformer ops 14 to 16 (8 and 9 are
+    // the pools, under `_`).
+    match inp.below(17) {
         0..=2 => T::wrap(match inp.below(10) {
             0 => call!(c, ["Exp"], a.exp()),
             1 => call!(c, ["Log"], a.log()),
@@ -925,6 +927,33 @@ fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
                 T::wrap(call!(c, ["SquaredNorm"], Tensor::squared_norm(&[a, &b])))
             }
         }
+        14 => {
+            // Parameters from the pool: mostly the wrong shape.
+            let (w, b) = (c.operand::<T>(inp), c.operand::<T>(inp));
+            let (w, b) = (inp.flag().then_some(&w), inp.flag().then_some(&b));
+            let eps = if inp.flag() { 1e-5 } else { inp.float() };
+            T::wrap(if inp.flag() {
+                call!(c, ["LayerNorm"], a.layer_norm(w, b, eps))
+            } else {
+                call!(c, ["RmsNorm"], a.rms_norm(w, eps))
+            })
+        }
+        15 => {
+            let options = CrossEntropyOptions {
+                ignore_index: inp.flag().then(|| inp.bound()),
+                reduction: inp.pick(&[Reduction::None, Reduction::Mean, Reduction::Sum]),
+            };
+            T::wrap(match c.indices(inp) {
+                Val::I32(t) => call!(c, ["CrossEntropy"], a.cross_entropy(&t, options)),
+                Val::I64(t) => call!(c, ["CrossEntropy"], a.cross_entropy(&t, options)),
+                _ => unreachable!("indices are i32 or i64"),
+            })
+        }
+        16 => T::wrap(match c.indices(inp) {
+            Val::I32(i) => call!(c, ["Embedding"], a.embedding(&i)),
+            Val::I64(i) => call!(c, ["Embedding"], a.embedding(&i)),
+            _ => unreachable!("indices are i32 or i64"),
+        }),
         _ => {
             let options = Pool2dOptions {
                 kernel: inp.pair(),

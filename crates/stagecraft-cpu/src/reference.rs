@@ -15,3 +15,4 @@ pub mod scan;
 pub mod shape;
 pub mod sort;
 pub mod training;
+pub mod transformer;

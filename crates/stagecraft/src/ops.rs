@@ -12,8 +12,10 @@ use stagecraft_tensor::{
 
 mod everyday;
 mod training;
+mod transformer;
 pub use everyday::CumsumOptions;
 pub use training::clip_grad_norm;
+pub use transformer::{CrossEntropyOptions, Reduction};
 
 macro_rules! unary_methods {
     ($bound:ident: $($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {

@@ -707,3 +707,155 @@ fn bytes_that_are_not_bools_are_refused_where_they_become_bools() {
     let t = Tensor::<bool>::try_from_handle(handle).unwrap();
     assert_eq!(t.not().to_vec().unwrap(), vec![false, true, false]);
 }
+
+/// `embedding`, `layer_norm`, `rms_norm` and `cross_entropy`: shape,
+/// attribute and dtype errors name the op and the line; out-of-range ids
+/// and targets are `Index` errors of the kernel, also on the lazy device;
+/// empty inputs give the documented answers.
+#[test]
+fn transformer_op_errors_and_edge_cases() {
+    use stagecraft::{CrossEntropyOptions, Reduction};
+    let cpu = Device::cpu();
+    let x = f32s(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    let w2 = f32s(&[1.0, 1.0], &[2]);
+    let one = Tensor::<f32>::scalar(1.0, &cpu);
+    let ids = Tensor::<i64>::from_vec(vec![0, 1], &[2], &cpu).unwrap();
+    let t3 = Tensor::<i64>::from_vec(vec![0, 1, 2], &[3], &cpu).unwrap();
+    let mean = CrossEntropyOptions::default();
+    let cases: Vec<(Tensor<f32>, &str, u32)> = vec![
+        // Parameters of the wrong size; a bad eps; no axis to normalize.
+        (x.layer_norm(Some(&w2), None, 1e-5), "LayerNorm", line!()),
+        (x.layer_norm(None, Some(&w2), 1e-5), "LayerNorm", line!()),
+        (x.layer_norm(None, None, -1.0), "LayerNorm", line!()),
+        (x.layer_norm(None, None, f64::NAN), "LayerNorm", line!()),
+        (one.layer_norm(None, None, 1e-5), "LayerNorm", line!()),
+        (x.rms_norm(Some(&w2), 1e-5), "RmsNorm", line!()),
+        (x.rms_norm(Some(&x), 1e-5), "RmsNorm", line!()),
+        (x.rms_norm(None, f64::INFINITY), "RmsNorm", line!()),
+        (one.rms_norm(None, 1e-5), "RmsNorm", line!()),
+        // Targets not shaped like the logits without their class axis.
+        (x.cross_entropy(&t3, mean), "CrossEntropy", line!()),
+        (
+            x.cross_entropy(&ids.reshape(&[2, 1]), mean),
+            "CrossEntropy",
+            line!(),
+        ),
+        (
+            one.cross_entropy(&Tensor::<i64>::scalar(0, &cpu), mean),
+            "CrossEntropy",
+            line!(),
+        ),
+        // A table that is not [V, D].
+        (w2.embedding(&ids), "Embedding", line!()),
+        (x.reshape(&[1, 2, 3]).embedding(&ids), "Embedding", line!()),
+    ];
+    for (t, op, line) in cases {
+        assert_fails(t, op, line);
+    }
+    // Out-of-range ids (x has 2 rows) and targets (3 classes), the
+    // ignored value aside: errors of the kernel, eagerly and lazily.
+    for d in [cpu, Device::lazy(&cpu)] {
+        let x = Tensor::<f32>::from_vec(vec![0.5; 6], &[2, 3], &d).unwrap();
+        let far = Tensor::<i32>::from_vec(vec![0, 2], &[2], &d).unwrap();
+        let negative = Tensor::<i64>::from_vec(vec![-1], &[1], &d).unwrap();
+        let ignored = CrossEntropyOptions {
+            ignore_index: Some(-1),
+            reduction: Reduction::Sum,
+        };
+        let past = Tensor::<i64>::from_vec(vec![0, 3], &[2], &d).unwrap();
+        let other = Tensor::<i64>::from_vec(vec![-100, -1], &[2], &d).unwrap();
+        let cases: Vec<(Tensor<f32>, &str, u32)> = vec![
+            (x.embedding(&far), "Embedding", line!()),
+            (x.embedding(&negative), "Embedding", line!()),
+            (x.cross_entropy(&past, mean), "CrossEntropy", line!()),
+            (x.cross_entropy(&other, ignored), "CrossEntropy", line!()),
+        ];
+        for (t, op, line) in cases {
+            let err = t.to_vec().unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Index, "{err}");
+            assert_eq!(err.op(), Some(op), "{err}");
+            let at = err.location().expect("location").line();
+            assert!(at <= line && at + 10 >= line, "{err}");
+        }
+        // The ignored value is no error: row 1 is ignored, row 0 counts.
+        let fine = Tensor::<i64>::from_vec(vec![2, -1], &[2], &d).unwrap();
+        let loss = x.cross_entropy(&fine, ignored).item().unwrap();
+        assert!((loss - 3f32.ln()).abs() < 1e-6, "{loss}");
+    }
+    // An input that already holds an error passes it on unchanged.
+    let bad = x.reshape(&[7]);
+    for t in [
+        bad.layer_norm(None, None, 1e-5),
+        bad.rms_norm(None, 1e-5),
+        bad.embedding(&ids),
+        bad.cross_entropy(&ids, mean),
+        x.layer_norm(Some(&bad), None, 1e-5),
+    ] {
+        assert_eq!(t.check().unwrap_err().op(), Some("Reshape"));
+    }
+    // Empty inputs: no rows give empty results (a mean over no rows is
+    // NaN, a sum 0); rows of no elements have NaN statistics but an empty
+    // result; a table lookup by no ids is empty.
+    let no_rows = f32s(&[], &[0, 4]);
+    let none = Tensor::<i64>::from_vec(vec![], &[0], &cpu).unwrap();
+    assert_eq!(no_rows.layer_norm(None, None, 1e-5).dims(), &[0, 4]);
+    assert_eq!(
+        no_rows.rms_norm(None, 1e-5).to_vec().unwrap(),
+        Vec::<f32>::new()
+    );
+    assert!(no_rows.cross_entropy(&none, mean).item().unwrap().is_nan());
+    let sum = CrossEntropyOptions {
+        reduction: Reduction::Sum,
+        ..Default::default()
+    };
+    assert_eq!(no_rows.cross_entropy(&none, sum).item().unwrap(), 0.0);
+    let empty_rows = f32s(&[], &[3, 0]);
+    assert_eq!(empty_rows.layer_norm(None, None, 1e-5).dims(), &[3, 0]);
+    assert_eq!(no_rows.embedding(&none).dims(), &[0, 4]);
+    // A NaN in a row makes that row NaN and no other.
+    let nan = f32s(&[1.0, f32::NAN, 2.0, 1.0, 2.0, 3.0], &[2, 3]);
+    let y = nan.layer_norm(None, None, 1e-5).to_vec().unwrap();
+    assert!(y[..3].iter().all(|v| v.is_nan()) && y[3..].iter().all(|v| v.is_finite()));
+}
+
+/// Below the typed API, the metadata functions refuse wrong dtypes and
+/// parameter counts of the transformer ops.
+#[test]
+fn transformer_dtype_errors_through_the_untyped_runtime() {
+    let cpu = Device::cpu();
+    let handle = |t: DenseHostTensor| TensorHandle::available(cpu, t.into());
+    let f = handle(DenseHostTensor::from_slice(&[1.0f32, 2.0], [1, 2]).unwrap());
+    let w = handle(DenseHostTensor::from_slice(&[1.0f32, 2.0], [2]).unwrap());
+    let i = handle(DenseHostTensor::from_slice(&[1i32, 0], [1, 2]).unwrap());
+    let r = handle(DenseHostTensor::from_slice(&[0i32], [1]).unwrap());
+    let loc = stagecraft::Location::caller();
+    let check = |op: &'static ops::OpDef, args: Vec<TensorHandle>, attrs: &OpAttrs| {
+        let out = rt::execute(op, cpu, loc, args.into_iter().collect(), attrs.into());
+        let err = out[0].wait().unwrap_err();
+        assert_eq!(err.op(), Some(op.name), "{err}");
+        assert!(
+            matches!(
+                err.kind(),
+                ErrorKind::DType | ErrorKind::Attribute | ErrorKind::InvalidArgument
+            ),
+            "{err}"
+        );
+    };
+    let none = OpAttrs::new();
+    let mut weighted = OpAttrs::new();
+    weighted.set_bool("has_weight", true);
+    check(&ops::LAYER_NORM, vec![i.clone()], &none);
+    // A weight passed but not declared, declared but not passed.
+    check(&ops::LAYER_NORM, vec![f.clone(), w.clone()], &none);
+    check(&ops::RMS_NORM, vec![f.clone()], &weighted);
+    check(&ops::EMBEDDING, vec![f.clone(), f.clone()], &none);
+    check(&ops::EMBEDDING, vec![i.clone(), r.clone()], &none);
+    check(&ops::CROSS_ENTROPY, vec![f.clone(), w.clone()], &none);
+    check(&ops::CROSS_ENTROPY, vec![i.clone(), r.clone()], &none);
+    let mut reduction = OpAttrs::new();
+    reduction.set_str("reduction", "max");
+    check(&ops::CROSS_ENTROPY, vec![f.clone(), r.clone()], &reduction);
+    let mut two = OpAttrs::new();
+    two.set_ints("ignore_index", &[-1, -2]);
+    check(&ops::CROSS_ENTROPY, vec![f.clone(), r.clone()], &two);
+}

@@ -12,7 +12,9 @@
 //! conv_transpose2d (on a rank-2 value seen as one image), the everyday
 //! shape and indexing ops (cumsum, tril/triu, stack, chunk, tile,
 //! index-add, scatter-add and take-along-axis, their index tensors made
-//! from a seed on the value's device), `cond` on a data-dependent
+//! from a seed on the value's device), layer and RMS norm,
+//! cross-entropy and embedding (parameters, targets and ids from a seed
+//! too), `cond` on a data-dependent
 //! predicate (the sum of a value
 //! against a threshold) and `while` whose trip count depends on the data
 //! (a running sum against a limit) and is bounded by a counter. Branches
@@ -77,7 +79,10 @@
 //! the minimized program, run through [`check`] like a generated one.
 
 use proptest::prelude::*;
-use stagecraft::{cond, function, lazy, while_loop, CumsumOptions, Device, Rng, Tensor, UnaryOp};
+use stagecraft::{
+    cond, function, lazy, while_loop, CrossEntropyOptions, CumsumOptions, Device, Reduction, Rng,
+    Tensor, UnaryOp,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -255,6 +260,17 @@ enum Instr {
     Dropout(usize, u64, f64),
     /// `squared_norm([env[x], env[y]])`, a scalar.
     SquaredNorm(usize, usize),
+    /// `layer_norm` of `env[x]` over its last axis (`rms_norm` with the
+    /// first flag), with a seeded weight and bias as the other flags say
+    /// (RMS norm has no bias).
+    Norm(usize, bool, bool, bool, u64),
+    /// `cross_entropy` of `env[x]` (classes on its last axis) against
+    /// seeded targets, some of them the ignored -1; reduction 0 none, 1
+    /// mean, 2 sum.
+    CrossEntropy(usize, u8, u64),
+    /// `env[x].embedding(ids)`, `env[x]` a `[V, D]` table, by seeded ids
+    /// of the given shape.
+    Embedding(usize, Vec<usize>, u64),
 }
 
 /// A program over the five inputs; its results are its last `outputs`
@@ -352,7 +368,7 @@ fn raw_inner() -> impl Strategy<Value = (u8, u8, usize, f32)> {
 
 fn raw_instr() -> impl Strategy<Value = RawInstr> {
     (
-        0u8..26,
+        0u8..29,
         any::<u8>(),
         any::<usize>(),
         any::<usize>(),
@@ -552,6 +568,7 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                 [0.25, 0.5, 0.9][(r.sub as usize / 2) % 3],
             ),
             25 => Instr::SquaredNorm(x, r.j % n),
+            26..=28 => resolve_transformer(r, x, &shapes).unwrap_or(un),
             _ => un,
         };
         shapes.push(shape_of(&instr, &shapes));
@@ -590,6 +607,24 @@ fn resolve_everyday(r: &RawInstr, x: usize, shapes: &[Vec<usize>]) -> Option<Ins
         17 if rank > 0 => Instr::IndexAdd(x, axis_in(rank), seed),
         18 if rank > 0 => Instr::ScatterAdd(x, axis_in(rank), seed),
         19 if rank > 0 => Instr::TakeAlong(x, axis_in(rank), seed),
+        _ => return None,
+    })
+}
+
+/// The transformer ops (kinds 26 to 28), `None` where `env[x]` does not
+/// suit the drawn one.
+fn resolve_transformer(r: &RawInstr, x: usize, shapes: &[Vec<usize>]) -> Option<Instr> {
+    let rank = shapes[x].len();
+    let seed = r.j as u64 % 1000;
+    Some(match r.kind {
+        26 if rank > 0 => Instr::Norm(x, r.sub & 1 != 0, r.sub & 2 != 0, r.sub & 4 != 0, seed),
+        27 if rank > 0 => Instr::CrossEntropy(x, r.sub % 3, seed),
+        28 if rank == 2 => {
+            let ids = (0..r.sub as usize % 3)
+                .map(|k| 1 + (r.j >> (2 * k)) % 3)
+                .collect();
+            Instr::Embedding(x, ids, seed)
+        }
         _ => return None,
     })
 }
@@ -674,6 +709,17 @@ fn shape_of(instr: &Instr, shapes: &[Vec<usize>]) -> Vec<usize> {
             (0..reps.len())
                 .map(|k| reps[k] * if k < lead { 1 } else { s[k - lead] })
                 .collect()
+        }
+        Instr::Norm(x, ..) => shapes[*x].clone(),
+        Instr::CrossEntropy(x, 0, _) => {
+            let s = &shapes[*x];
+            s[..s.len() - 1].to_vec()
+        }
+        Instr::CrossEntropy(..) => vec![],
+        Instr::Embedding(x, ids, _) => {
+            let mut s = ids.clone();
+            s.push(shapes[*x][1]);
+            s
         }
     }
 }
@@ -871,6 +917,43 @@ fn straight(instr: &Instr, env: &[T]) -> T {
         Instr::TakeAlong(x, axis, seed) => {
             let t = &env[*x];
             t.take_along_axis(*axis, &index_tensor(t, *axis, t.dims(), *seed))
+        }
+        Instr::Norm(x, rms, has_w, has_b, seed) => {
+            let y = &env[*x];
+            let d = *y.dims().last().expect("rank > 0");
+            let param = |seed: u64| Tensor::from_vec(seeded(d, seed), &[d], &y.device()).unwrap();
+            let (w, b) = (param(*seed), param(seed + 1));
+            if *rms {
+                y.rms_norm(has_w.then_some(&w), 1e-5)
+            } else {
+                y.layer_norm(has_w.then_some(&w), has_b.then_some(&b), 1e-5)
+            }
+        }
+        Instr::CrossEntropy(x, reduction, seed) => {
+            let y = &env[*x];
+            let (lead, c) = y.dims().split_at(y.rank() - 1);
+            let c = c[0] as i64;
+            let n = lead.iter().product();
+            let targets: Vec<i64> = seeded(n, *seed)
+                .iter()
+                .map(|v| (((v + 2.0) / 4.0 * (c + 1) as f32) as i64 - 1).clamp(-1, c - 1))
+                .collect();
+            let targets = Tensor::from_vec(targets, lead, &y.device()).unwrap();
+            let reduction = [Reduction::None, Reduction::Mean, Reduction::Sum][*reduction as usize];
+            let options = CrossEntropyOptions {
+                ignore_index: Some(-1),
+                reduction,
+            };
+            y.cross_entropy(&targets, options)
+        }
+        Instr::Embedding(x, ids, seed) => {
+            let table = &env[*x];
+            let rows = table.dims()[0] as i64;
+            let picks: Vec<i64> = seeded(ids.iter().product(), *seed)
+                .iter()
+                .map(|v| (((v + 2.0) / 4.0 * rows as f32) as i64).clamp(0, rows - 1))
+                .collect();
+            table.embedding(&Tensor::from_vec(picks, ids, &table.device()).unwrap())
         }
         Instr::Cond { .. } | Instr::While { .. } => unreachable!("control flow is not straight"),
     }
@@ -1184,6 +1267,10 @@ fn the_generator_covers_every_instruction_kind() {
                 Instr::TakeAlong(..) => "take_along_axis",
                 Instr::Dropout(..) => "dropout",
                 Instr::SquaredNorm(..) => "squared_norm",
+                Instr::Norm(_, false, ..) => "layer_norm",
+                Instr::Norm(..) => "rms_norm",
+                Instr::CrossEntropy(..) => "cross_entropy",
+                Instr::Embedding(..) => "embedding",
             };
             seen.insert(kind);
             if let Instr::Cond { then_: body, .. } | Instr::While { body, .. } = instr {
@@ -1236,6 +1323,10 @@ fn the_generator_covers_every_instruction_kind() {
         "take_along_axis",
         "dropout",
         "squared_norm",
+        "layer_norm",
+        "rms_norm",
+        "cross_entropy",
+        "embedding",
         "inner unary",
         "inner scalar",
         "inner captured value",

@@ -47,7 +47,7 @@ use stagecraft::layers::runtime::{self as runtime, Args, TensorHandle};
 use stagecraft::layers::tensor::{HostTensor, Scalar, TensorList};
 use stagecraft::{
     cond, function, grad, where_, while_loop, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
-    CumsumOptions, Device, Location, Pool2dOptions, Rng, Tensor,
+    CrossEntropyOptions, CumsumOptions, Device, Location, Pool2dOptions, Reduction, Rng, Tensor,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -807,7 +807,128 @@ fn cases() -> Vec<Case> {
         let f = function(|x: T| through_a_list(&x));
         weighted(f.call(x.clone()))
     }));
+
+    // Transformer blocks, then their fused backward ops reached through
+    // inner gradients (`Σ k·sin(y)`, so the inner gradient depends on
+    // every input of the backward op): by x (the gradient of `dx` runs
+    // into the forward statistics), by the weight (`dweight`'s), by the
+    // bias (`dbias`'s).
+    transformer_cases(&mut out);
     out
+}
+
+/// The cases of `Embedding`, `LayerNorm`, `RmsNorm`, `CrossEntropy` and
+/// their backward ops.
+fn transformer_cases(out: &mut Vec<Case>) {
+    let d = cpu();
+    out.push(case(
+        "Embedding",
+        "embedding, repeated ids",
+        tensor(&[5, 3], 50, -1.0, 1.0, &d),
+        |t| {
+            let ids = Tensor::<i64>::from_vec(vec![4, 0, 4, 2, 2, 4], &[2, 3], &t.device());
+            weighted(t.embedding(&ids.unwrap()).tanh())
+        },
+    ));
+    let x = tensor(&[2, 3, 5], 51, -1.0, 1.0, &d);
+    let w = tensor(&[5], 52, 0.5, 1.5, &d);
+    let b = tensor(&[5], 53, -0.5, 0.5, &d);
+    type Norm = fn(&T, Option<&T>, Option<&T>) -> T;
+    let norms: [(&str, &str, Norm); 2] = [
+        ("LayerNorm", "LayerNormGrad", |x, w, b| {
+            x.layer_norm(w, b, 1e-5)
+        }),
+        ("RmsNorm", "RmsNormGrad", |x, w, _| x.rms_norm(w, 1e-5)),
+    ];
+    for (op, backward, norm) in norms {
+        let bias = op == "LayerNorm";
+        let (ww, bb) = (w.clone(), b.clone());
+        // With every parameter the op has, and with none.
+        out.push(case(op, &format!("{op} by x"), x.clone(), move |x| {
+            let (w, b) = (on(&ww, &x.device()), on(&bb, &x.device()));
+            weighted(norm(x, Some(&w), bias.then_some(&b)))
+        }));
+        out.push(case(
+            op,
+            &format!("{op} by x, no parameters"),
+            x.clone(),
+            move |x| weighted(norm(x, None, None)),
+        ));
+        let (xx, bb) = (x.clone(), b.clone());
+        out.push(case(op, &format!("{op} by weight"), w.clone(), move |w| {
+            let (x, b) = (on(&xx, &w.device()), on(&bb, &w.device()));
+            weighted(norm(&x, Some(w), bias.then_some(&b)))
+        }));
+        if bias {
+            let (xx, ww) = (x.clone(), w.clone());
+            out.push(case(op, &format!("{op} by bias"), b.clone(), move |b| {
+                let (x, w) = (on(&xx, &b.device()), on(&ww, &b.device()));
+                weighted(norm(&x, Some(&w), Some(b)))
+            }));
+        }
+        let inner = move |x: &T, w: &T, b: &T| weighted(norm(x, Some(w), bias.then_some(b)).sin());
+        let (ww, bb) = (w.clone(), b.clone());
+        out.push(case(
+            backward,
+            &format!("∇ₓ Σ k·sin({op}(x)), by x"),
+            x.clone(),
+            move |x| {
+                let (w, b) = (on(&ww, &x.device()), on(&bb, &x.device()));
+                let g = grad(|x: &T| inner(x, &w, &b))(x);
+                weighted(g)
+            },
+        ));
+        let (xx, bb) = (x.clone(), b.clone());
+        out.push(case(
+            backward,
+            &format!("∇_w Σ k·sin({op}(x, w)), by w"),
+            w.clone(),
+            move |w| {
+                let (x, b) = (on(&xx, &w.device()), on(&bb, &w.device()));
+                let g = grad(|w: &T| inner(&x, w, &b))(w);
+                weighted(g)
+            },
+        ));
+        if bias {
+            let (xx, ww) = (x.clone(), w.clone());
+            out.push(case(
+                backward,
+                &format!("∇_b Σ k·sin({op}(x, w, b)), by b"),
+                b.clone(),
+                move |b| {
+                    let (x, w) = (on(&xx, &b.device()), on(&ww, &b.device()));
+                    let g = grad(|b: &T| inner(&x, &w, b))(b);
+                    weighted(g)
+                },
+            ));
+        }
+    }
+    // Cross-entropy: logits spread over ±2 so no class dominates, targets
+    // of rank 2 with an ignored row.
+    let logits = tensor(&[2, 3, 4], 54, -2.0, 2.0, &d);
+    let targets =
+        |d: &Device| Tensor::<i32>::from_vec(vec![3, 0, -1, 2, 2, 1], &[2, 3], d).unwrap();
+    for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+        let options = CrossEntropyOptions {
+            ignore_index: Some(-1),
+            reduction,
+        };
+        out.push(case(
+            "CrossEntropy",
+            &format!("cross_entropy, {reduction:?}"),
+            logits.clone(),
+            move |x| weighted(x.cross_entropy(&targets(&x.device()), options)),
+        ));
+        out.push(case(
+            "CrossEntropyGrad",
+            &format!("∇ₓ cross_entropy, {reduction:?}"),
+            logits.clone(),
+            move |x| {
+                let loss = |x: &T| weighted(x.cross_entropy(&targets(&x.device()), options));
+                weighted(grad(loss)(x))
+            },
+        ));
+    }
 }
 
 /// `f`'s gradient at `x`, through the tape on the device of `x`.

@@ -6,7 +6,8 @@
 use stagecraft::{clip_grad_norm, function, grad, lazy, Device, Rng, Tensor};
 use std::sync::Mutex;
 
-/// Tests that read the process-wide lazy metrics run one at a time.
+/// Tests that use the lazy device run one at a time: one of them reads the
+/// process-wide lazy metrics, which the others would move.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn ramp(n: usize, d: &Device) -> Tensor<f32> {
@@ -16,6 +17,7 @@ fn ramp(n: usize, d: &Device) -> Tensor<f32> {
 
 #[test]
 fn dropout_agrees_across_modes_and_zeroes_about_p() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let cpu = Device::cpu();
     let eager = ramp(4000, &cpu)
         .dropout(0.4, &mut Rng::new(3))
@@ -114,6 +116,7 @@ fn a_lazy_loop_with_dropout_replays_one_trace() {
 
 #[test]
 fn clip_grad_norm_scales_only_above_the_limit() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let cpu = Device::cpu();
     let a = Tensor::<f32>::from_vec(vec![3.0, 0.0], &[2], &cpu).unwrap();
     let b = Tensor::<f32>::from_vec(vec![4.0], &[1, 1], &cpu).unwrap();

@@ -18,6 +18,7 @@ mod sgemm;
 mod shape;
 mod sort;
 mod training;
+mod transformer;
 
 /// Whether a test case of `dtype` over `dims` runs in this build: every
 /// case does, except that under Miri, which interprets each kernel call
@@ -82,4 +83,5 @@ pub(crate) fn register_all(registry: &mut KernelRegistry) {
     shape::register(registry);
     sort::register(registry);
     training::register(registry);
+    transformer::register(registry);
 }

@@ -73,7 +73,7 @@ fn row_major(dims: &[usize]) -> Dims {
 }
 
 /// The multi-index of row-major position `flat` in `dims`.
-fn unravel(mut flat: usize, dims: &[usize]) -> Dims {
+pub(crate) fn unravel(mut flat: usize, dims: &[usize]) -> Dims {
     let mut index: Dims = SmallVec::from_elem(0, dims.len());
     for axis in (0..dims.len()).rev() {
         if dims[axis] > 0 {
@@ -588,18 +588,37 @@ fn gather<T: Element>(
     if out.numel() == 0 {
         return Ok(out);
     }
-    // Output row (o, k) is input row (o, picks[k]), rows of `inner` elements.
     let inner: usize = dims[axis + 1..].iter().product();
+    gather_rows(
+        x.as_slice::<T>()?,
+        size,
+        &picks,
+        inner,
+        out.as_mut_slice::<T>()?,
+    );
+    Ok(out)
+}
+
+/// Copies rows of `inner` elements: `src` viewed as `[outer, size,
+/// inner]` and `dst` as `[outer, picks.len(), inner]`, output row `(o,
+/// k)` is input row `(o, picks[k])`; in parallel above the threshold.
+/// Every pick must be below `size`, and `dst` non-empty. The body of
+/// `Gather` and of `Embedding` (one table, `outer = 1`).
+pub(crate) fn gather_rows<T: Element>(
+    src: &[T],
+    size: usize,
+    picks: &[usize],
+    inner: usize,
+    dst: &mut [T],
+) {
     let n = picks.len();
-    let src = x.as_slice::<T>()?;
-    fill_rows(out.as_mut_slice::<T>()?, inner, |chunk, first_row| {
+    fill_rows(dst, inner, |chunk, first_row| {
         for (r, row) in chunk.chunks_exact_mut(inner).enumerate() {
             let (o, k) = ((first_row + r) / n, (first_row + r) % n);
             let from = (o * size + picks[k]) * inner;
             row.copy_from_slice(&src[from..from + inner]);
         }
     });
-    Ok(out)
 }
 
 // ---------------------------------------------------------------- one_hot

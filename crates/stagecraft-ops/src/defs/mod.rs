@@ -18,6 +18,7 @@ mod shape;
 mod sort;
 mod training;
 mod transfer;
+mod transformer;
 
 pub use control::*;
 pub use creation::*;
@@ -35,6 +36,7 @@ pub use shape::*;
 pub use sort::*;
 pub use training::*;
 pub use transfer::*;
+pub use transformer::*;
 
 use crate::op::{OpDef, OutputMetas};
 use smallvec::smallvec;
@@ -116,6 +118,14 @@ const OTHER_OPS: &[&OpDef] = &[
     // lists (the stacks of While gradients)
     &LIST_PUSH,
     &LIST_POP,
+    // transformer blocks
+    &EMBEDDING,
+    &LAYER_NORM,
+    &LAYER_NORM_GRAD,
+    &RMS_NORM,
+    &RMS_NORM_GRAD,
+    &CROSS_ENTROPY,
+    &CROSS_ENTROPY_GRAD,
 ];
 
 const OP_COUNT: usize = UnaryOp::ALL.len() + BinaryOp::ALL.len() + OTHER_OPS.len();
