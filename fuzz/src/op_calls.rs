@@ -819,7 +819,7 @@ fn index_op<T: Kind + IndexElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
 }
 
 fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
-    match inp.below(13) {
+    match inp.below(14) {
         0..=2 => T::wrap(match inp.below(10) {
             0 => call!(c, ["Exp"], a.exp()),
             1 => call!(c, ["Log"], a.log()),
@@ -913,6 +913,25 @@ fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
                 c,
                 ["ConvTranspose2d"],
                 a.conv_transpose2d(&w, options)
+            ))
+        }
+        13 => {
+            // Keys and values from the pool or fresh (any ranks and
+            // shapes), a scale that may be the default, negative, NaN or
+            // infinite.
+            let (k, v) = (c.operand::<T>(inp), c.operand::<T>(inp));
+            let causal = inp.flag();
+            let scale = inp.pick(&[
+                None,
+                Some(0.5),
+                Some(-2.0),
+                Some(f64::NAN),
+                Some(f64::INFINITY),
+            ]);
+            T::wrap(call!(
+                c,
+                ["ScaledDotProductAttention"],
+                a.scaled_dot_product_attention(&k, &v, causal, scale)
             ))
         }
         _ => {

@@ -36,7 +36,8 @@ mod tensor;
 
 pub use autodiff::{grad, value_and_grad, Gradients};
 pub use ops::{
-    where_, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, CumsumOptions, Pool2dOptions,
+    scaled_dot_product_attention, where_, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
+    CumsumOptions, Pool2dOptions,
 };
 pub use random::Rng;
 pub use stage::{

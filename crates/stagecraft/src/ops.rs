@@ -10,7 +10,9 @@ use stagecraft_tensor::{
     normalize_axis, Element, Error, FloatElement, IndexElement, Location, NumElement, Scalar,
 };
 
+mod attention;
 mod everyday;
+pub use attention::scaled_dot_product_attention;
 pub use everyday::CumsumOptions;
 
 macro_rules! unary_methods {

@@ -12,7 +12,9 @@
 //! conv_transpose2d (on a rank-2 value seen as one image), the everyday
 //! shape and indexing ops (cumsum, tril/triu, stack, chunk, tile,
 //! index-add, scatter-add and take-along-axis, their index tensors made
-//! from a seed on the value's device), `cond` on a data-dependent
+//! from a seed on the value's device), scaled dot-product attention (a
+//! rank-2 value as one head's queries, another of its width as keys and
+//! values, causal or not), `cond` on a data-dependent
 //! predicate (the sum of a value
 //! against a threshold) and `while` whose trip count depends on the data
 //! (a running sum against a limit) and is bounded by a counter. Branches
@@ -251,6 +253,10 @@ enum Instr {
     ScatterAdd(usize, isize, u64),
     /// `x.take_along_axis(axis, indices)`, indices of `x`'s shape from a seed.
     TakeAlong(usize, isize, u64),
+    /// `scaled_dot_product_attention` of `env[x]` (`[T, D]`, one head)
+    /// over `env[y]` (`[S, D]`) as keys and values, causal when the flag
+    /// says so.
+    Attention(usize, usize, bool),
 }
 
 /// A program over the five inputs; its results are its last `outputs`
@@ -348,7 +354,7 @@ fn raw_inner() -> impl Strategy<Value = (u8, u8, usize, f32)> {
 
 fn raw_instr() -> impl Strategy<Value = RawInstr> {
     (
-        0u8..25,
+        0u8..26,
         any::<u8>(),
         any::<usize>(),
         any::<usize>(),
@@ -542,6 +548,13 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
                 let padding = ((r.sub as usize / 8) % 2).min((full - 1) / 2);
                 Instr::ConvTranspose2d(x, k, stride, padding, r.j as u64 % 1000)
             }
+            25 if rank == 2 => {
+                // Keys with the queries' size: `x` itself at least.
+                let fits: Vec<usize> = (0..n)
+                    .filter(|&y| shapes[y].len() == 2 && shapes[y][1] == xs[1])
+                    .collect();
+                Instr::Attention(x, fits[r.j % fits.len()], r.sub & 1 == 1)
+            }
             _ => un,
         };
         shapes.push(shape_of(&instr, &shapes));
@@ -644,7 +657,8 @@ fn shape_of(instr: &Instr, shapes: &[Vec<usize>]) -> Vec<usize> {
         | Instr::Trilu(x, ..)
         | Instr::IndexAdd(x, ..)
         | Instr::ScatterAdd(x, ..)
-        | Instr::TakeAlong(x, ..) => shapes[*x].clone(),
+        | Instr::TakeAlong(x, ..)
+        | Instr::Attention(x, ..) => shapes[*x].clone(),
         Instr::Stack(x, _, axis) => {
             let mut s = shapes[*x].clone();
             s.insert(axis_of(*axis, s.len() + 1), 2);
@@ -857,6 +871,13 @@ fn straight(instr: &Instr, env: &[T]) -> T {
         Instr::TakeAlong(x, axis, seed) => {
             let t = &env[*x];
             t.take_along_axis(*axis, &index_tensor(t, *axis, t.dims(), *seed))
+        }
+        Instr::Attention(x, y, causal) => {
+            let (q, kv) = (&env[*x], &env[*y]);
+            let head = |t: &T| t.reshape(&[1, t.dims()[0], t.dims()[1]]);
+            let (q, kv) = (head(q), head(kv));
+            let o = q.scaled_dot_product_attention(&kv, &kv, *causal, None);
+            o.reshape(env[*x].dims())
         }
         Instr::Cond { .. } | Instr::While { .. } => unreachable!("control flow is not straight"),
     }
@@ -1168,6 +1189,7 @@ fn the_generator_covers_every_instruction_kind() {
                 Instr::IndexAdd(..) => "index_add",
                 Instr::ScatterAdd(..) => "scatter_add",
                 Instr::TakeAlong(..) => "take_along_axis",
+                Instr::Attention(..) => "attention",
             };
             seen.insert(kind);
             if let Instr::Cond { then_: body, .. } | Instr::While { body, .. } = instr {
@@ -1218,6 +1240,7 @@ fn the_generator_covers_every_instruction_kind() {
         "index_add",
         "scatter_add",
         "take_along_axis",
+        "attention",
         "inner unary",
         "inner scalar",
         "inner captured value",

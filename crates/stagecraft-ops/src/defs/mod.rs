@@ -2,6 +2,7 @@
 //! family's file and one line in [`OTHER_OPS`]; a unary or binary
 //! elementwise op is one entry of its table in `elementwise.rs` alone.
 
+mod attention;
 mod control;
 mod creation;
 mod effects;
@@ -18,6 +19,7 @@ mod shape;
 mod sort;
 mod transfer;
 
+pub use attention::*;
 pub use control::*;
 pub use creation::*;
 pub use effects::*;
@@ -111,6 +113,9 @@ const OTHER_OPS: &[&OpDef] = &[
     // lists (the stacks of While gradients)
     &LIST_PUSH,
     &LIST_POP,
+    // attention
+    &SCALED_DOT_PRODUCT_ATTENTION,
+    &SCALED_DOT_PRODUCT_ATTENTION_GRAD,
 ];
 
 const OP_COUNT: usize = UnaryOp::ALL.len() + BinaryOp::ALL.len() + OTHER_OPS.len();

@@ -192,12 +192,21 @@ impl<T: Element> Tensor<T> {
             return vec![self.take_range(axis, 0, 0, "Chunk", location)];
         }
         let size = dim.div_ceil(chunks);
-        (0..dim.div_ceil(size))
-            .map(|k| {
-                let start = k * size;
-                self.take_range(axis, start, size.min(dim - start), "Chunk", location)
-            })
-            .collect()
+        let count = dim.div_ceil(size);
+        // An empty tensor's axis may be as long as a dimension can be: so
+        // many pieces are an error, not an abort for lack of memory.
+        let mut pieces = Vec::new();
+        if pieces.try_reserve_exact(count).is_err() {
+            let err = Error::shape(format!(
+                "chunk({chunks}) of axis {axis} (size {dim}) makes {count} pieces, more than memory holds"
+            ));
+            return vec![self.fail_unless_failed("Chunk", location, err)];
+        }
+        pieces.extend((0..count).map(|k| {
+            let start = k * size;
+            self.take_range(axis, start, size.min(dim - start), "Chunk", location)
+        }));
+        pieces
     }
 
     /// Merges axes `start..=end` into one (negative axes count from the
