@@ -819,9 +819,9 @@ fn index_op<T: Kind + IndexElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
 }
 
 fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>) -> Val {
-    // The training ops took 13, the transformer ops 14 to 16 (8 and 9 are
-    // the pools, under `_`).
-    match inp.below(17) {
+    // The training ops took 13, the transformer ops 14 to 16, attention 17
+    // (8 and 9 are the pools, under `_`).
+    match inp.below(18) {
         0..=2 => T::wrap(match inp.below(10) {
             0 => call!(c, ["Exp"], a.exp()),
             1 => call!(c, ["Log"], a.log()),
@@ -954,6 +954,25 @@ fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
             Val::I64(i) => call!(c, ["Embedding"], a.embedding(&i)),
             _ => unreachable!("indices are i32 or i64"),
         }),
+        17 => {
+            // Keys and values from the pool or fresh (any ranks and
+            // shapes), a scale that may be the default, negative, NaN or
+            // infinite.
+            let (k, v) = (c.operand::<T>(inp), c.operand::<T>(inp));
+            let causal = inp.flag();
+            let scale = inp.pick(&[
+                None,
+                Some(0.5),
+                Some(-2.0),
+                Some(f64::NAN),
+                Some(f64::INFINITY),
+            ]);
+            T::wrap(call!(
+                c,
+                ["ScaledDotProductAttention"],
+                a.scaled_dot_product_attention(&k, &v, causal, scale)
+            ))
+        }
         _ => {
             let options = Pool2dOptions {
                 kernel: inp.pair(),

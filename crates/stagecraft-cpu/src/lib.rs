@@ -17,6 +17,9 @@ pub use kernel::{
     registry, settle_by_shape, AnyKernel, Inputs, Kernel, KernelContext, KernelFactory,
     KernelRegistry, Outputs, ValueInputs, ValueKernel, ValueKernelFactory, ValueOutputs,
 };
+pub use kernels::attention::{
+    workspace_bytes as attention_workspace_bytes, Workspace as AttentionWorkspace,
+};
 pub use kernels::effects::{set_print_sink, PrintSink};
 
 /// Below this many elements a kernel runs on the calling thread: forking

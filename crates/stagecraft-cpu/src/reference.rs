@@ -5,6 +5,7 @@
 //! Each family lives in its own submodule, beside the kernel family it
 //! checks.
 
+pub mod attention;
 pub mod creation;
 pub mod elementwise;
 pub mod indexing;

@@ -37,8 +37,8 @@ mod tensor;
 
 pub use autodiff::{grad, value_and_grad, Gradients};
 pub use ops::{
-    clip_grad_norm, where_, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
-    CrossEntropyOptions, CumsumOptions, Pool2dOptions, Reduction,
+    clip_grad_norm, scaled_dot_product_attention, where_, Conv1dOptions, Conv2dOptions,
+    ConvTranspose2dOptions, CrossEntropyOptions, CumsumOptions, Pool2dOptions, Reduction,
 };
 pub use random::Rng;
 pub use stage::{

@@ -10,9 +10,11 @@ use stagecraft_tensor::{
     normalize_axis, Element, Error, FloatElement, IndexElement, Location, NumElement, Scalar,
 };
 
+mod attention;
 mod everyday;
 mod training;
 mod transformer;
+pub use attention::scaled_dot_product_attention;
 pub use everyday::CumsumOptions;
 pub use training::clip_grad_norm;
 pub use transformer::{CrossEntropyOptions, Reduction};

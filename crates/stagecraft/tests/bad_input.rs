@@ -859,3 +859,154 @@ fn transformer_dtype_errors_through_the_untyped_runtime() {
     two.set_ints("ignore_index", &[-1, -2]);
     check(&ops::CROSS_ENTROPY, vec![f.clone(), r.clone()], &two);
 }
+
+/// Attention: wrong ranks, mismatched batch, head, feature and key sizes,
+/// a NaN or infinite scale and integer inputs are errors naming the op and
+/// the caller's line; zero-size dimensions give the empty or defined
+/// result (zeros for rows without keys), eagerly and through gradients.
+#[test]
+fn attention_errors_and_zero_size_dimensions() {
+    let cpu = Device::cpu();
+    let t = |dims: &[usize]| Tensor::<f32>::ones(dims, &cpu);
+    let (q, k, v) = (t(&[2, 3, 5, 8]), t(&[2, 3, 7, 8]), t(&[2, 3, 7, 4]));
+    let cases: Vec<(Tensor<f32>, u32)> = vec![
+        (
+            t(&[5, 8]).scaled_dot_product_attention(&t(&[7, 8]), &t(&[7, 4]), false, None),
+            line!(),
+        ),
+        (
+            t(&[1, 2, 3, 5, 8]).scaled_dot_product_attention(
+                &t(&[1, 2, 3, 7, 8]),
+                &t(&[1, 2, 3, 7, 4]),
+                false,
+                None,
+            ),
+            line!(),
+        ),
+        (
+            q.scaled_dot_product_attention(&t(&[3, 7, 8]), &t(&[3, 7, 4]), false, None),
+            line!(),
+        ),
+        (
+            q.scaled_dot_product_attention(&t(&[1, 3, 7, 8]), &v, false, None),
+            line!(),
+        ),
+        (
+            q.scaled_dot_product_attention(&t(&[2, 4, 7, 8]), &t(&[2, 4, 7, 4]), true, None),
+            line!(),
+        ),
+        (
+            q.scaled_dot_product_attention(&t(&[2, 3, 7, 6]), &v, false, None),
+            line!(),
+        ),
+        (
+            q.scaled_dot_product_attention(&k, &t(&[2, 3, 6, 4]), false, None),
+            line!(),
+        ),
+        (
+            q.scaled_dot_product_attention(&k, &v, false, Some(f64::NAN)),
+            line!(),
+        ),
+        (
+            q.scaled_dot_product_attention(&k, &v, true, Some(f64::INFINITY)),
+            line!(),
+        ),
+        (
+            stagecraft::scaled_dot_product_attention(&q, &k, &t(&[2, 3, 8, 4]), false, None),
+            line!(),
+        ),
+    ];
+    for (out, line) in cases {
+        assert_fails(out, "ScaledDotProductAttention", line);
+    }
+    // An input that failed passes its error on, whatever the scale.
+    let failed = t(&[2, 3]).reshape(&[4]);
+    let out = failed.scaled_dot_product_attention(&k, &v, false, Some(f64::NAN));
+    assert_eq!(out.check().unwrap_err().op(), Some("Reshape"));
+
+    // Integer inputs, through the untyped runtime (the typed method takes
+    // floats only).
+    let ints = TensorHandle::available(
+        cpu,
+        DenseHostTensor::from_slice(&[1i32; 4], [1, 2, 2])
+            .unwrap()
+            .into(),
+    );
+    let loc = stagecraft::Location::caller();
+    for op in [
+        &ops::SCALED_DOT_PRODUCT_ATTENTION,
+        &ops::SCALED_DOT_PRODUCT_ATTENTION_GRAD,
+    ] {
+        let args = vec![ints.clone(); op.inputs.len()];
+        let out = rt::execute(
+            op,
+            cpu,
+            loc,
+            args.into_iter().collect(),
+            (&OpAttrs::new()).into(),
+        );
+        let err = out[0].wait().unwrap_err();
+        assert_eq!(err.op(), Some(op.name), "{err}");
+        assert_eq!(err.kind(), ErrorKind::DType, "{err}");
+    }
+
+    // Zero-size dimensions.
+    let empty_batch = t(&[0, 3, 5, 8]).scaled_dot_product_attention(
+        &t(&[0, 3, 7, 8]),
+        &t(&[0, 3, 7, 4]),
+        true,
+        None,
+    );
+    assert_eq!(empty_batch.dims(), &[0, 3, 5, 4]);
+    assert_eq!(empty_batch.to_vec().unwrap(), Vec::<f32>::new());
+    let no_queries =
+        t(&[2, 0, 8]).scaled_dot_product_attention(&t(&[2, 7, 8]), &t(&[2, 7, 4]), true, None);
+    assert_eq!(no_queries.dims(), &[2, 0, 4]);
+    assert_eq!(no_queries.to_vec().unwrap(), Vec::<f32>::new());
+    let no_keys =
+        t(&[2, 5, 8]).scaled_dot_product_attention(&t(&[2, 0, 8]), &t(&[2, 0, 4]), true, None);
+    assert_eq!(no_keys.to_vec().unwrap(), vec![0.0; 40]);
+    // No features: every score is 0, the output the mean of the values
+    // a query sees.
+    let values = f32s(&[2.0, 4.0, 9.0], &[1, 3, 1]);
+    let no_features =
+        t(&[1, 3, 0]).scaled_dot_product_attention(&t(&[1, 3, 0]), &values, true, None);
+    assert_eq!(no_features.to_vec().unwrap(), vec![2.0, 3.0, 5.0]);
+    let no_values =
+        t(&[1, 3, 8]).scaled_dot_product_attention(&t(&[1, 4, 8]), &t(&[1, 4, 0]), false, None);
+    assert_eq!(no_values.dims(), &[1, 3, 0]);
+    // No features and no values: any number of keys, nothing to compute.
+    let huge = Tensor::<f32>::zeros(&[1, usize::MAX, 0], &cpu);
+    let out = t(&[1, 3, 0]).scaled_dot_product_attention(&huge, &huge, true, None);
+    assert_eq!(out.dims(), &[1, 3, 0]);
+    assert_eq!(out.to_vec().unwrap(), Vec::<f32>::new());
+    // Gradients of zero-size cases are zero-size or zero.
+    let q = t(&[2, 5, 8]).requires_grad();
+    let k = t(&[2, 0, 8]).requires_grad();
+    let v = t(&[2, 0, 4]).requires_grad();
+    let grads = q
+        .scaled_dot_product_attention(&k, &v, true, None)
+        .sum(&[], false)
+        .backward()
+        .unwrap();
+    assert_eq!(grads.get(&q).unwrap().to_vec().unwrap(), vec![0.0; 80]);
+    assert_eq!(grads.get(&v).unwrap().dims(), &[2, 0, 4]);
+}
+
+/// Found by the op-call fuzzer: chunking an axis as long as a dimension
+/// can be (an empty tensor's) into that many pieces asked for a vector of
+/// `usize::MAX` tensors and aborted; it is an error of `Chunk` now.
+#[test]
+fn chunking_a_huge_axis_into_too_many_pieces_is_an_error() {
+    let x = Tensor::<f32>::zeros(&[usize::MAX, 0], &Device::cpu());
+    let line = line!() + 1;
+    let parts = x.chunk(usize::MAX, 0);
+    assert_eq!(parts.len(), 1);
+    let err = parts[0].check().unwrap_err();
+    assert_eq!(err.op(), Some("Chunk"), "{err}");
+    assert_eq!(err.location().map(|l| l.line()), Some(line), "{err}");
+    // One piece of it is the whole axis.
+    let whole = x.chunk(1, 0);
+    assert_eq!(whole.len(), 1);
+    assert_eq!(whole[0].dims(), &[usize::MAX, 0]);
+}

@@ -14,7 +14,9 @@
 //! index-add, scatter-add and take-along-axis, their index tensors made
 //! from a seed on the value's device), layer and RMS norm,
 //! cross-entropy and embedding (parameters, targets and ids from a seed
-//! too), `cond` on a data-dependent
+//! too), scaled dot-product attention (a rank-2 value as one head's
+//! queries, another of its width as keys and values, causal or not),
+//! `cond` on a data-dependent
 //! predicate (the sum of a value
 //! against a threshold) and `while` whose trip count depends on the data
 //! (a running sum against a limit) and is bounded by a counter. Branches
@@ -271,6 +273,10 @@ enum Instr {
     /// `env[x].embedding(ids)`, `env[x]` a `[V, D]` table, by seeded ids
     /// of the given shape.
     Embedding(usize, Vec<usize>, u64),
+    /// `scaled_dot_product_attention` of `env[x]` (`[T, D]`, one head)
+    /// over `env[y]` (`[S, D]`) as keys and values, causal when the flag
+    /// says so.
+    Attention(usize, usize, bool),
 }
 
 /// A program over the five inputs; its results are its last `outputs`
@@ -368,7 +374,7 @@ fn raw_inner() -> impl Strategy<Value = (u8, u8, usize, f32)> {
 
 fn raw_instr() -> impl Strategy<Value = RawInstr> {
     (
-        0u8..29,
+        0u8..30,
         any::<u8>(),
         any::<usize>(),
         any::<usize>(),
@@ -569,6 +575,13 @@ fn resolve(dims: [usize; 3], raw: &[RawInstr], outputs: usize) -> Program {
             ),
             25 => Instr::SquaredNorm(x, r.j % n),
             26..=28 => resolve_transformer(r, x, &shapes).unwrap_or(un),
+            29 if rank == 2 => {
+                // Keys with the queries' size: `x` itself at least.
+                let fits: Vec<usize> = (0..n)
+                    .filter(|&y| shapes[y].len() == 2 && shapes[y][1] == xs[1])
+                    .collect();
+                Instr::Attention(x, fits[r.j % fits.len()], r.sub & 1 == 1)
+            }
             _ => un,
         };
         shapes.push(shape_of(&instr, &shapes));
@@ -690,7 +703,8 @@ fn shape_of(instr: &Instr, shapes: &[Vec<usize>]) -> Vec<usize> {
         | Instr::IndexAdd(x, ..)
         | Instr::ScatterAdd(x, ..)
         | Instr::TakeAlong(x, ..)
-        | Instr::Dropout(x, ..) => shapes[*x].clone(),
+        | Instr::Dropout(x, ..)
+        | Instr::Attention(x, ..) => shapes[*x].clone(),
         Instr::SquaredNorm(..) => vec![],
         Instr::Stack(x, _, axis) => {
             let mut s = shapes[*x].clone();
@@ -954,6 +968,13 @@ fn straight(instr: &Instr, env: &[T]) -> T {
                 .map(|v| (((v + 2.0) / 4.0 * rows as f32) as i64).clamp(0, rows - 1))
                 .collect();
             table.embedding(&Tensor::from_vec(picks, ids, &table.device()).unwrap())
+        }
+        Instr::Attention(x, y, causal) => {
+            let (q, kv) = (&env[*x], &env[*y]);
+            let head = |t: &T| t.reshape(&[1, t.dims()[0], t.dims()[1]]);
+            let (q, kv) = (head(q), head(kv));
+            let o = q.scaled_dot_product_attention(&kv, &kv, *causal, None);
+            o.reshape(env[*x].dims())
         }
         Instr::Cond { .. } | Instr::While { .. } => unreachable!("control flow is not straight"),
     }
@@ -1271,6 +1292,7 @@ fn the_generator_covers_every_instruction_kind() {
                 Instr::Norm(..) => "rms_norm",
                 Instr::CrossEntropy(..) => "cross_entropy",
                 Instr::Embedding(..) => "embedding",
+                Instr::Attention(..) => "attention",
             };
             seen.insert(kind);
             if let Instr::Cond { then_: body, .. } | Instr::While { body, .. } = instr {
@@ -1327,6 +1349,7 @@ fn the_generator_covers_every_instruction_kind() {
         "rms_norm",
         "cross_entropy",
         "embedding",
+        "attention",
         "inner unary",
         "inner scalar",
         "inner captured value",

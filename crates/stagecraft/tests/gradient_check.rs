@@ -814,6 +814,62 @@ fn cases() -> Vec<Case> {
     // into the forward statistics), by the weight (`dweight`'s), by the
     // bias (`dbias`'s).
     transformer_cases(&mut out);
+
+    // Attention: the fused op by each operand (causal and not, a scale
+    // given or the default, rank 4 and rank 3 with more queries than
+    // keys), and its fused backward op reached through an inner gradient
+    // (whose own rule, second order, is checked by differentiating that).
+    let aq = tensor(&[1, 2, 3, 2], 40, -1.0, 1.0, &d);
+    let ak = tensor(&[1, 2, 4, 2], 41, -1.0, 1.0, &d);
+    let av = tensor(&[1, 2, 4, 3], 42, -1.0, 1.0, &d);
+    let (k, v) = (ak.clone(), av.clone());
+    out.push(case(
+        "ScaledDotProductAttention",
+        "attention by q, causal",
+        aq.clone(),
+        move |q| {
+            let (k, v) = (on(&k, &q.device()), on(&v, &q.device()));
+            weighted(q.scaled_dot_product_attention(&k, &v, true, None))
+        },
+    ));
+    let (q, v) = (aq.clone(), av.clone());
+    out.push(case(
+        "ScaledDotProductAttention",
+        "attention by k, scale 0.7",
+        ak.clone(),
+        move |k| {
+            let (q, v) = (on(&q, &k.device()), on(&v, &k.device()));
+            weighted(q.scaled_dot_product_attention(k, &v, false, Some(0.7)))
+        },
+    ));
+    let (q3, k3) = (
+        tensor(&[2, 5, 2], 43, -1.0, 1.0, &d),
+        tensor(&[2, 3, 2], 44, -1.0, 1.0, &d),
+    );
+    out.push(case(
+        "ScaledDotProductAttention",
+        "attention by v, causal, rank 3, T > S",
+        tensor(&[2, 3, 3], 45, -1.0, 1.0, &d),
+        move |v| {
+            let (q, k) = (on(&q3, &v.device()), on(&k3, &v.device()));
+            weighted(q.scaled_dot_product_attention(&k, v, true, None))
+        },
+    ));
+    let (q, v) = (aq.clone(), av.clone());
+    out.push(case(
+        "ScaledDotProductAttentionGrad",
+        "∇_q Σ attention(q, k, v)², by k, causal",
+        ak.clone(),
+        move |k| {
+            let (q, v) = (on(&q, &k.device()), on(&v, &k.device()));
+            let inner = |q: &T| {
+                let o = q.scaled_dot_product_attention(k, &v, true, None);
+                (&o * &o).sum(&[], false)
+            };
+            let dq = grad(inner)(&q);
+            weighted(dq)
+        },
+    ));
     out
 }
 

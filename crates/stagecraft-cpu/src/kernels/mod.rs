@@ -3,6 +3,7 @@
 use crate::{Inputs, KernelContext, KernelRegistry};
 use stagecraft_tensor::{element_count, DType, DenseHostTensor, Error, Result, TensorMetadata};
 
+pub(crate) mod attention;
 mod creation;
 pub(crate) mod effects;
 mod elementwise;
@@ -70,6 +71,7 @@ pub(crate) fn split3(dims: &[usize], axis: usize) -> (usize, usize, usize) {
 }
 
 pub(crate) fn register_all(registry: &mut KernelRegistry) {
+    attention::register(registry);
     creation::register(registry);
     effects::register(registry);
     elementwise::register(registry);

@@ -2,6 +2,7 @@
 //! family's file and one line in [`OTHER_OPS`]; a unary or binary
 //! elementwise op is one entry of its table in `elementwise.rs` alone.
 
+mod attention;
 mod control;
 mod creation;
 mod effects;
@@ -20,6 +21,7 @@ mod training;
 mod transfer;
 mod transformer;
 
+pub use attention::*;
 pub use control::*;
 pub use creation::*;
 pub use effects::*;
@@ -126,6 +128,9 @@ const OTHER_OPS: &[&OpDef] = &[
     &RMS_NORM_GRAD,
     &CROSS_ENTROPY,
     &CROSS_ENTROPY_GRAD,
+    // attention
+    &SCALED_DOT_PRODUCT_ATTENTION,
+    &SCALED_DOT_PRODUCT_ATTENTION_GRAD,
 ];
 
 const OP_COUNT: usize = UnaryOp::ALL.len() + BinaryOp::ALL.len() + OTHER_OPS.len();
