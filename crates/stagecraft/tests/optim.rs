@@ -314,6 +314,16 @@ fn a_gradient_of_the_wrong_shape_is_an_error_naming_the_parameter() {
     assert_eq!(model.w.to_vec().unwrap(), W0);
     assert_eq!(opt.step_count(), 0);
 
+    // A parameter whose shape changed since its state was made.
+    let mut opt = Adam::new(AdamConfig::default());
+    let grads = grads_for(&model, 0);
+    opt.step(&mut model, &grads).unwrap();
+    model.w = Tensor::ones(&[3, 2], &Device::cpu());
+    let mut grads = Gradients::default();
+    grads.insert(&model.w, Tensor::ones(&[3, 2], &Device::cpu()));
+    let message = opt.step(&mut model, &grads).unwrap_err().to_string();
+    assert!(message.contains("`layer.w`"), "{message}");
+
     let mut bad = Sgd::new(SgdConfig {
         nesterov: true,
         ..SgdConfig::default()

@@ -183,7 +183,16 @@ impl State {
                 )));
                 return;
             }
-            if slots.contains_key(name) {
+            if let Some(slot) = slots.get(name) {
+                // Same name, new shape (a model rebuilt between steps): the
+                // old state cannot be combined with the new parameter.
+                if slot.bufs.first().is_some_and(|b| b.dims() != p.dims()) {
+                    failed = Some(Error::invalid(format!(
+                        "optimizer: parameter `{name}` has shape {:?}, its optimizer state {:?}",
+                        p.dims(),
+                        slot.bufs[0].dims()
+                    )));
+                }
                 return;
             }
             let group = groups(name, p.dims());
