@@ -143,6 +143,7 @@ fn track_on_top(handle: &TensorHandle) {
 
 /// Gradients computed by `backward`, looked up by the tensors they are
 /// gradients of.
+#[derive(Default)]
 pub struct Gradients {
     by_tensor: HashMap<usize, TensorHandle>,
 }
@@ -160,6 +161,15 @@ impl Gradients {
         self.by_tensor
             .get(&t.handle.addr())
             .and_then(|h| Tensor::try_from_handle(h.clone()).ok())
+    }
+
+    /// Sets the gradient of `t` to `grad`, replacing any it had: how
+    /// gradients changed after `backward` (clipped by
+    /// [`crate::clip_grad_norm`], accumulated over micro-batches) go back
+    /// to an optimizer. Start from `Gradients::default()` to build a set
+    /// by hand.
+    pub fn insert<T: FloatElement>(&mut self, t: &Tensor<T>, grad: Tensor<T>) {
+        self.by_tensor.insert(t.handle.addr(), grad.handle);
     }
 }
 

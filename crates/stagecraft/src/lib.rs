@@ -30,6 +30,7 @@ pub mod lazy;
 pub mod nn;
 mod operators;
 mod ops;
+pub mod optim;
 mod random;
 mod stage;
 mod staging;
