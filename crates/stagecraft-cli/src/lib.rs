@@ -10,6 +10,7 @@ pub mod idx;
 pub mod mnist;
 pub mod model;
 pub mod profile;
+pub mod shakespeare;
 pub mod trace;
 pub mod trace_svg;
 pub mod train;
