@@ -8,7 +8,7 @@ use std::f64::consts::PI;
 /// ```
 /// use stagecraft::optim::{Cosine, LrSchedule};
 /// let s = Cosine { max_lr: 1e-3, min_lr: 1e-4, warmup: 10, total: 100 };
-/// assert_eq!(s.lr(0), 0.0);
+/// assert_eq!(s.lr(0), 1e-3 / 11.0);
 /// assert_eq!(s.lr(10), 1e-3);
 /// assert_eq!(s.lr(500), 1e-4);
 /// ```
@@ -27,7 +27,8 @@ impl LrSchedule for Constant {
     }
 }
 
-/// `step / warmup` of `lr` during the first `warmup` steps, then `lr`.
+/// `(step + 1) / (warmup + 1)` of `lr` during the first `warmup` steps,
+/// then `lr`: the first step already moves the parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinearWarmup {
     /// The learning rate after warm-up.
@@ -42,8 +43,9 @@ impl LrSchedule for LinearWarmup {
     }
 }
 
-/// nanoGPT's `get_lr`: linear warm-up from 0 to `max_lr` over `warmup`
-/// steps, then a half cosine from `max_lr` down to `min_lr` at step
+/// nanoGPT's `get_lr`: linear warm-up towards `max_lr` over `warmup`
+/// steps (`max_lr · (step + 1) / (warmup + 1)`, as nanoGPT and the
+/// PyTorch peer of benchmark B7 do), then a half cosine from `max_lr` down to `min_lr` at step
 /// `total`, then `min_lr`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Cosine {
@@ -95,7 +97,7 @@ impl LrSchedule for StepDecay {
 
 /// The warm-up ramp's value, while `step` is in it.
 fn warmup(lr: f64, warmup: u64, step: u64) -> Option<f64> {
-    (step < warmup).then(|| lr * step as f64 / warmup as f64)
+    (step < warmup).then(|| lr * (step + 1) as f64 / (warmup + 1) as f64)
 }
 
 #[cfg(test)]
@@ -110,7 +112,7 @@ mod tests {
     fn constant_and_linear_warmup() {
         assert_eq!(Constant(0.3).lr(12345), 0.3);
         let s = LinearWarmup { lr: 0.8, warmup: 4 };
-        for (i, want) in [0.0, 0.2, 0.4, 0.6, 0.8, 0.8].into_iter().enumerate() {
+        for (i, want) in [0.16, 0.32, 0.48, 0.64, 0.8, 0.8].into_iter().enumerate() {
             assert!(close(s.lr(i as u64), want), "step {i}: {}", s.lr(i as u64));
         }
         assert_eq!(LinearWarmup { lr: 0.8, warmup: 0 }.lr(0), 0.8);
@@ -124,8 +126,8 @@ mod tests {
             warmup: 100,
             total: 1100,
         };
-        assert_eq!(s.lr(0), 0.0);
-        assert!(close(s.lr(50), 3e-4));
+        assert!(close(s.lr(0), 6e-4 / 101.0));
+        assert!(close(s.lr(50), 6e-4 * 51.0 / 101.0));
         assert_eq!(s.lr(100), 6e-4);
         // Midpoint of the cosine: halfway between max and min.
         assert!(close(s.lr(600), (6e-4 + 6e-5) / 2.0));
@@ -150,7 +152,7 @@ mod tests {
             warmup: 10,
             total: 10,
         };
-        assert_eq!(s.lr(5), 0.5);
+        assert!(close(s.lr(5), 6.0 / 11.0));
         assert_eq!(s.lr(10), 0.1);
     }
 
