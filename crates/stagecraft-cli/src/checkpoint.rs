@@ -1,41 +1,21 @@
-//! Checkpoints in the safetensors format: one little-endian f32 tensor per
-//! parameter, named as in [`ModelKind::shapes`] (`fc1.weight`, ...), and
-//! the model kind in the file's metadata so a checkpoint is never loaded
-//! into the other network.
+//! Checkpoints of the MNIST networks: `stagecraft::nn`'s safetensors
+//! files (one little-endian f32 tensor per parameter, named as in
+//! [`ModelKind::shapes`]), with the model kind in the file's metadata so
+//! a checkpoint is never loaded into the other network.
 
 use crate::error::{CliError, Result};
 use crate::model::{Model, ModelKind};
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::Path;
 
+/// The header key of the network's name.
+const KIND_KEY: &str = "model";
+
 /// Writes `model`'s parameters to `path`.
 pub fn save(model: &Model, path: &Path) -> Result<()> {
-    let values = model.values()?;
-    let bytes: Vec<Vec<u8>> = values
-        .iter()
-        .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let shapes = model.kind.shapes();
-    let views = shapes
-        .iter()
-        .zip(&bytes)
-        .map(|((name, dims), data)| {
-            TensorView::new(Dtype::F32, dims.clone(), data)
-                .map(|view| (*name, view))
-                .map_err(|e| CliError::new(format!("checkpoint tensor {name}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let metadata = HashMap::from([("model".to_string(), model.kind.name().to_string())]);
-    let file = safetensors::serialize(views, Some(metadata))
-        .map_err(|e| CliError::new(format!("cannot encode the checkpoint: {e}")))?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| CliError::new(format!("cannot create {}: {e}", dir.display())))?;
-    }
-    std::fs::write(path, file)
-        .map_err(|e| CliError::new(format!("cannot write {}: {e}", path.display())))
+    let metadata = HashMap::from([(KIND_KEY.to_string(), model.kind.name().to_string())]);
+    stagecraft::nn::save_with_metadata(model, path, &metadata)?;
+    Ok(())
 }
 
 /// Reads the parameters of a `kind` model from `path`, checking names,
@@ -56,11 +36,8 @@ pub fn load_bytes(
     device: &stagecraft::Device,
 ) -> Result<Model> {
     let bad = |what: String| CliError::new(format!("{}: {what}", path.display()));
-    let file =
-        SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    let (_, metadata) = SafeTensors::read_metadata(bytes)
-        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    if let Some(saved) = metadata.metadata().as_ref().and_then(|m| m.get("model")) {
+    let metadata = stagecraft::nn::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+    if let Some(saved) = metadata.get(KIND_KEY) {
         if saved != kind.name() {
             return Err(bad(format!(
                 "a checkpoint of the {saved} model, not of the {} model (use --model {saved})",
@@ -68,28 +45,10 @@ pub fn load_bytes(
             )));
         }
     }
-    let mut values = Vec::new();
-    for (name, dims) in kind.shapes() {
-        let view = file
-            .tensor(name)
-            .map_err(|_| bad(format!("no tensor {name}")))?;
-        if view.dtype() != Dtype::F32 {
-            return Err(bad(format!("{name} is {:?}, expected F32", view.dtype())));
-        }
-        if view.shape() != dims.as_slice() {
-            return Err(bad(format!(
-                "{name} has shape {:?}, expected {dims:?}",
-                view.shape()
-            )));
-        }
-        let data = view.data();
-        values.push(
-            data.chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        );
-    }
-    Ok(Model::from_values(kind, values, device)?)
+    let mut model = Model::init(kind, 0, device);
+    stagecraft::nn::load_from_bytes(&mut model, bytes, &path.display().to_string())
+        .map_err(|e| CliError::new(e.to_string()))?;
+    Ok(model)
 }
 
 #[cfg(test)]

@@ -6,7 +6,9 @@
 
 pub mod checkpoint;
 pub mod error;
+pub mod gpt;
 pub mod idx;
+pub mod lm;
 pub mod mnist;
 pub mod model;
 pub mod profile;

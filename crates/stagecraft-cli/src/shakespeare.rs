@@ -40,11 +40,57 @@ const TEXT_SHA256: &str = "da68ca4e8201d41a12c1d5e82d967bda85105f1dabe823d573513
 /// How many `*_gut.txt` files the corpus concatenates.
 const TEXT_FILES: usize = 42;
 
+/// The characters a model knows: token `i` is the `i`-th distinct byte
+/// of its training text, in sorted order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Vocab {
+    /// The distinct characters, sorted.
+    pub chars: Vec<u8>,
+}
+
+impl Vocab {
+    /// Distinct tokens.
+    pub fn len(&self) -> usize {
+        self.chars.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.chars.is_empty()
+    }
+
+    /// The token ids of `text`, or an error naming the first character
+    /// outside the vocabulary.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        text.bytes()
+            .map(|b| {
+                self.chars
+                    .binary_search(&b)
+                    .map(|i| i as u32)
+                    .map_err(|_| {
+                        CliError::new(format!(
+                            "the character {:?} is not in the model's vocabulary of {} characters",
+                            b as char,
+                            self.chars.len()
+                        ))
+                    })
+            })
+            .collect()
+    }
+
+    /// The text of token ids (ids outside the vocabulary become `?`).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        ids.iter()
+            .map(|&i| self.chars.get(i as usize).map_or('?', |&b| b as char))
+            .collect()
+    }
+}
+
 /// A character-level corpus split into training and validation tokens.
 #[derive(Clone, Debug)]
 pub struct Corpus {
-    /// The distinct characters, sorted: token `i` is `vocab[i]`.
-    pub vocab: Vec<u8>,
+    /// Its characters.
+    pub vocab: Vocab,
     /// The first 90 % of the text, as token ids.
     pub train: Vec<u32>,
     /// The last 10 %, as token ids.
@@ -58,15 +104,15 @@ impl Corpus {
         for &b in text {
             seen[b as usize] = true;
         }
-        let vocab: Vec<u8> = (0..=255u8).filter(|&b| seen[b as usize]).collect();
+        let chars: Vec<u8> = (0..=255u8).filter(|&b| seen[b as usize]).collect();
         let mut id = [0u32; 256];
-        for (i, &b) in vocab.iter().enumerate() {
+        for (i, &b) in chars.iter().enumerate() {
             id[b as usize] = i as u32;
         }
         let tokens: Vec<u32> = text.iter().map(|&b| id[b as usize]).collect();
         let split = tokens.len() * 9 / 10;
         let corpus = Corpus {
-            vocab,
+            vocab: Vocab { chars },
             val: tokens[split..].to_vec(),
             train: tokens[..split].to_vec(),
         };
@@ -77,32 +123,6 @@ impl Corpus {
             )));
         }
         Ok(corpus)
-    }
-
-    /// The token ids of `text`, or an error naming the first character
-    /// outside the vocabulary.
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        text.bytes()
-            .map(|b| {
-                self.vocab
-                    .binary_search(&b)
-                    .map(|i| i as u32)
-                    .map_err(|_| {
-                        CliError::new(format!(
-                            "the character {:?} is not in the model's vocabulary of {} characters",
-                            b as char,
-                            self.vocab.len()
-                        ))
-                    })
-            })
-            .collect()
-    }
-
-    /// The text of token ids (ids outside the vocabulary become `?`).
-    pub fn decode(&self, ids: &[u32]) -> String {
-        ids.iter()
-            .map(|&i| self.vocab.get(i as usize).map_or('?', |&b| b as char))
-            .collect()
     }
 }
 
@@ -289,12 +309,12 @@ mod tests {
     #[test]
     fn vocabulary_is_sorted_and_split_is_ninety_ten() {
         let corpus = Corpus::from_text(b"hello world, hello!").unwrap();
-        assert_eq!(corpus.vocab, b" !,dehlorw".to_vec());
+        assert_eq!(corpus.vocab.chars, b" !,dehlorw".to_vec());
         assert_eq!(corpus.train.len(), 17);
         assert_eq!(corpus.val.len(), 2);
-        assert_eq!(corpus.decode(&corpus.train[..5]), "hello");
-        assert_eq!(corpus.encode("hello").unwrap(), corpus.train[..5].to_vec());
-        let err = corpus.encode("hex").unwrap_err().to_string();
+        assert_eq!(corpus.vocab.decode(&corpus.train[..5]), "hello");
+        assert_eq!(corpus.vocab.encode("hello").unwrap(), corpus.train[..5].to_vec());
+        let err = corpus.vocab.encode("hex").unwrap_err().to_string();
         assert!(err.contains("'x'"), "{err}");
     }
 

@@ -3,7 +3,8 @@
 
 use crate::error::{CliError, Result};
 use crate::idx::Images;
-use crate::model::{Model, ModelKind, Sgd};
+use crate::model::{Model, ModelKind};
+use crate::train::{sgd, train_step};
 use crate::trace_svg;
 use stagecraft::layers::graph::{dot, text, Function};
 use stagecraft::{lazy, Device, Tensor};
@@ -23,7 +24,7 @@ pub struct TraceFiles {
 /// A batch whose pixel values do not matter: a step's trace depends on
 /// shapes and ops, never on the values of its (argument) inputs, so the
 /// picture needs no download.
-fn synthetic_batch(batch: usize, device: &Device) -> Result<(Tensor<f32>, Tensor<f32>)> {
+fn synthetic_batch(batch: usize, device: &Device) -> Result<(Tensor<f32>, Tensor<i32>)> {
     let images = Images {
         count: batch,
         rows: 28,
@@ -31,13 +32,10 @@ fn synthetic_batch(batch: usize, device: &Device) -> Result<(Tensor<f32>, Tensor
         pixels: (0..batch * 784).map(|i| (i * 37 % 251) as u8).collect(),
     };
     let x: Vec<f32> = images.pixels.iter().map(|&p| p as f32 / 255.0).collect();
-    let mut y = vec![0.0f32; batch * 10];
-    for row in 0..batch {
-        y[row * 10 + row % 10] = 1.0;
-    }
+    let y: Vec<i32> = (0..batch).map(|row| (row % 10) as i32).collect();
     Ok((
         Tensor::from_vec(x, &[batch, 784], device)?,
-        Tensor::from_vec(y, &[batch, 10], device)?,
+        Tensor::from_vec(y, &[batch], device)?,
     ))
 }
 
@@ -67,15 +65,15 @@ pub fn run(kind: ModelKind, batch: usize, out: &Path) -> Result<TraceFiles> {
         .map_err(|e| CliError::new(format!("cannot create {}: {e}", out.display())))?;
     let device = Device::lazy(&Device::cpu());
     let mut model = Model::init(kind, 0, &device);
-    let mut sgd = Sgd::new(&model, 0.01, 0.9);
+    let mut sgd = sgd(0.01, 0.9);
     lazy::mark_step();
     let (x, y) = synthetic_batch(batch, &device)?;
     for _ in 0..2 {
-        let loss = sgd.step(&mut model, &x, &y)?;
+        let loss = train_step(&mut model, &mut sgd, &x, &y)?;
         lazy::mark_step();
         loss.item()?;
     }
-    let loss = sgd.step(&mut model, &x, &y)?;
+    let loss = train_step(&mut model, &mut sgd, &x, &y)?;
     let step = lazy::step_trace()?;
     lazy::mark_step();
     loss.item()?;

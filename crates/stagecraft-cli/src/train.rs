@@ -7,11 +7,13 @@ use crate::checkpoint;
 use crate::error::{CliError, Result};
 use crate::idx::{Images, CLASSES};
 use crate::mnist::Mnist;
-use crate::model::{predictions, Model, ModelKind, Sgd};
+use crate::model::{loss, predictions, Model, ModelKind};
 use crate::profile;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use stagecraft::layers::runtime::profile as rt_profile;
+use stagecraft::nn::ModuleExt;
+use stagecraft::optim::{Optimizer, Sgd, SgdConfig};
 use stagecraft::{lazy, Device, Tensor};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -116,6 +118,30 @@ pub struct LazySummary {
     pub peak_bytes: u64,
 }
 
+impl LazySummary {
+    /// The summary of the lazy runtime's counters.
+    pub fn from_metrics(metrics: &lazy::LazyMetrics) -> LazySummary {
+        let lookups = metrics.cache_hits + metrics.cache_misses;
+        LazySummary {
+            ops_recorded: metrics.ops_recorded,
+            traces_compiled: metrics.traces_compiled,
+            cache_hits: metrics.cache_hits,
+            cache_misses: metrics.cache_misses,
+            cache_hit_rate: if lookups == 0 {
+                0.0
+            } else {
+                metrics.cache_hits as f64 / lookups as f64
+            },
+            materializations: metrics.materializations,
+            bytes_to_host: metrics.bytes_to_host,
+            compile_ms: metrics.compile_time.as_secs_f64() * 1e3,
+            execute_ms: metrics.execute_time.as_secs_f64() * 1e3,
+            allocations_last_step: metrics.allocations_last_step,
+            peak_bytes: metrics.peak_bytes,
+        }
+    }
+}
+
 /// The run's results, printed at the end (as JSON with `--json`).
 #[derive(Clone, Debug, Serialize)]
 pub struct Summary {
@@ -164,25 +190,49 @@ fn scale(pixel: u8) -> f32 {
     (pixel as f32 / 255.0 - MEAN) / STD
 }
 
-/// A batch of images `[n, rows*cols]` and one-hot labels `[n, 10]` on
+/// A batch of images `[n, rows*cols]` and their labels `[n]` on
 /// `device`.
 fn batch(
     images: &Images,
     labels: &[u8],
     indices: &[usize],
     device: &Device,
-) -> Result<(Tensor<f32>, Tensor<f32>)> {
+) -> Result<(Tensor<f32>, Tensor<i32>)> {
     let per = images.pixels_per_image();
     let mut x = Vec::with_capacity(indices.len() * per);
-    let mut y = vec![0.0f32; indices.len() * CLASSES];
-    for (row, &i) in indices.iter().enumerate() {
+    let mut y = Vec::with_capacity(indices.len());
+    for &i in indices {
         x.extend(images.image(i).iter().map(|&p| scale(p)));
-        y[row * CLASSES + labels[i] as usize] = 1.0;
+        y.push(i32::from(labels[i]).min(CLASSES as i32 - 1));
     }
     Ok((
         Tensor::from_vec(x, &[indices.len(), per], device)?,
-        Tensor::from_vec(y, &[indices.len(), CLASSES], device)?,
+        Tensor::from_vec(y, &[indices.len()], device)?,
     ))
+}
+
+/// SGD with momentum (PyTorch's rule) for `options`.
+pub fn sgd(lr: f32, momentum: f32) -> Sgd {
+    Sgd::new(SgdConfig {
+        lr: f64::from(lr),
+        momentum: f64::from(momentum),
+        ..SgdConfig::default()
+    })
+}
+
+/// One training step on a batch: forward, backward, update. Returns the
+/// loss (on a lazy device still pending until `mark_step`).
+pub fn train_step(
+    model: &mut Model,
+    sgd: &mut Sgd,
+    x: &Tensor<f32>,
+    y: &Tensor<i32>,
+) -> Result<Tensor<f32>> {
+    model.requires_grad();
+    let loss = loss(&model.forward(x), y);
+    let grads = loss.backward()?;
+    sgd.step(model, &grads)?;
+    Ok(loss)
 }
 
 /// A small, seeded generator for shuffling (SplitMix64).
@@ -217,7 +267,7 @@ fn finish_step(loss: &Tensor<f32>) -> Result<f32> {
 /// Fraction of `images` that `model` classifies correctly.
 pub fn evaluate(model: &Model, images: &Images, labels: &[u8]) -> Result<f64> {
     let span = rt_profile::begin();
-    let device = model.params[0].device();
+    let device = model.fcs[0].weight.device();
     let chunk = 1000.min(images.count);
     let mut correct = 0usize;
     let mut start = 0;
@@ -225,7 +275,7 @@ pub fn evaluate(model: &Model, images: &Images, labels: &[u8]) -> Result<f64> {
         let end = (start + chunk).min(images.count);
         let indices: Vec<usize> = (start..end).collect();
         let (x, _) = batch(images, labels, &indices, &device)?;
-        let predicted = predictions(&Model::forward(model.kind, &model.params, &x))?;
+        let predicted = predictions(&model.forward(&x))?;
         correct += predicted
             .iter()
             .zip(&labels[start..end])
@@ -254,8 +304,8 @@ fn time_steps(
 ) -> Result<f64> {
     const WARM_UP: usize = 3;
     let dev = device.device();
-    let mut copy = model.copy_to(&dev)?;
-    let mut sgd = Sgd::new(&copy, options.lr, options.momentum);
+    let mut copy = model.copy_to(&dev);
+    let mut sgd = sgd(options.lr, options.momentum);
     lazy::mark_step();
     let n = options.batch_size.min(data.train_images.count);
     let indices: Vec<usize> = (0..n).collect();
@@ -263,7 +313,7 @@ fn time_steps(
     for i in 0..WARM_UP + steps {
         let (x, y) = batch(&data.train_images, &data.train_labels, &indices, &dev)?;
         let start = Instant::now();
-        let loss = sgd.step(&mut copy, &x, &y)?;
+        let loss = train_step(&mut copy, &mut sgd, &x, &y)?;
         finish_step(&loss)?;
         if i >= WARM_UP {
             timed += start.elapsed();
@@ -315,7 +365,7 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         }
         None => Model::init(options.model, options.seed, &device),
     };
-    let mut sgd = Sgd::new(&model, options.lr, options.momentum);
+    let mut sgd = sgd(options.lr, options.momentum);
     lazy::mark_step();
     lazy::reset_metrics();
 
@@ -345,10 +395,10 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         let mut loss_sum = 0.0f64;
         for (i, indices) in order.chunks_exact(batch_size).take(this_epoch).enumerate() {
             let (x, y) = batch(&data.train_images, &data.train_labels, indices, &device)?;
-            sgd.lr = options.lr * (1.0 - steps as f32 / total_steps as f32);
+            sgd.set_lr(f64::from(options.lr) * (1.0 - steps as f64 / total_steps as f64));
             let span = rt_profile::begin();
             let start = Instant::now();
-            let loss = sgd.step(&mut model, &x, &y)?;
+            let loss = train_step(&mut model, &mut sgd, &x, &y)?;
             let value = finish_step(&loss)?;
             let took = start.elapsed();
             if let Some(span) = span {
@@ -386,26 +436,8 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
 
     let accuracy = evaluate(&model, &data.test_images, &data.test_labels)?;
     let metrics = lazy::metrics();
-    let lazy_summary = (options.device == DeviceKind::Lazy).then(|| {
-        let lookups = metrics.cache_hits + metrics.cache_misses;
-        LazySummary {
-            ops_recorded: metrics.ops_recorded,
-            traces_compiled: metrics.traces_compiled,
-            cache_hits: metrics.cache_hits,
-            cache_misses: metrics.cache_misses,
-            cache_hit_rate: if lookups == 0 {
-                0.0
-            } else {
-                metrics.cache_hits as f64 / lookups as f64
-            },
-            materializations: metrics.materializations,
-            bytes_to_host: metrics.bytes_to_host,
-            compile_ms: metrics.compile_time.as_secs_f64() * 1e3,
-            execute_ms: metrics.execute_time.as_secs_f64() * 1e3,
-            allocations_last_step: metrics.allocations_last_step,
-            peak_bytes: metrics.peak_bytes,
-        }
-    });
+    let lazy_summary =
+        (options.device == DeviceKind::Lazy).then(|| LazySummary::from_metrics(&metrics));
 
     let comparison = if options.compare_steps > 0 {
         if !options.json {
@@ -516,22 +548,7 @@ pub fn print_summary(s: &Summary) {
         );
     }
     if let Some(l) = &s.lazy {
-        println!(
-            "lazy runtime: {} traces compiled, cache hit rate {:.1}% ({} hits, {} misses), \
-             {} materializations, {} bytes to host, {} ops recorded, compile {:.1} ms, run {:.1} ms, \
-             {} buffer allocations in the last step, peak {:.1} MiB of buffers",
-            l.traces_compiled,
-            l.cache_hit_rate * 100.0,
-            l.cache_hits,
-            l.cache_misses,
-            l.materializations,
-            l.bytes_to_host,
-            l.ops_recorded,
-            l.compile_ms,
-            l.execute_ms,
-            l.allocations_last_step,
-            l.peak_bytes as f64 / (1 << 20) as f64
-        );
+        print_lazy(l);
     }
     if let Some(p) = &s.saved {
         println!("saved parameters to {}", p.display());
@@ -539,6 +556,26 @@ pub fn print_summary(s: &Summary) {
     if let Some(p) = &s.profile {
         println!("profile: {} (open in https://ui.perfetto.dev)", p.display());
     }
+}
+
+/// The lazy runtime's line of a summary.
+pub fn print_lazy(l: &LazySummary) {
+    println!(
+        "lazy runtime: {} traces compiled, cache hit rate {:.1}% ({} hits, {} misses), \
+         {} materializations, {} bytes to host, {} ops recorded, compile {:.1} ms, run {:.1} ms, \
+         {} buffer allocations in the last step, peak {:.1} MiB of buffers",
+        l.traces_compiled,
+        l.cache_hit_rate * 100.0,
+        l.cache_hits,
+        l.cache_misses,
+        l.materializations,
+        l.bytes_to_host,
+        l.ops_recorded,
+        l.compile_ms,
+        l.execute_ms,
+        l.allocations_last_step,
+        l.peak_bytes as f64 / (1 << 20) as f64
+    );
 }
 
 #[cfg(test)]
@@ -556,7 +593,7 @@ mod tests {
     }
 
     #[test]
-    fn batches_are_scaled_and_one_hot() {
+    fn batches_are_scaled_with_their_labels() {
         let images = Images {
             count: 2,
             rows: 1,
@@ -567,9 +604,6 @@ mod tests {
         assert_eq!(x.dims(), &[2, 2]);
         let xs = x.to_vec().unwrap();
         assert!((xs[2] - scale(0)).abs() < 1e-6 && (xs[3] - scale(255)).abs() < 1e-6);
-        let ys = y.to_vec().unwrap();
-        assert_eq!(ys[1], 1.0);
-        assert_eq!(ys[10 + 3], 1.0);
-        assert_eq!(ys.iter().sum::<f32>(), 2.0);
+        assert_eq!(y.to_vec().unwrap(), vec![1, 3]);
     }
 }

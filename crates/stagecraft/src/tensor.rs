@@ -56,6 +56,23 @@ impl<T: Element> Tensor<T> {
         &self.handle
     }
 
+    /// A tensor of shape `dims` on `device` that holds `err` as an error of
+    /// `op` at the caller's line, for code built on stagecraft that checks
+    /// its own inputs (a model given a sequence longer than its context):
+    /// the error reaches the user the way an op's own errors do, when the
+    /// value is read.
+    ///
+    /// ```
+    /// use stagecraft::{Device, Error, Tensor};
+    /// let t = Tensor::<f32>::failed("Gpt", Error::shape("too long"), &[2], &Device::cpu());
+    /// let err = t.to_vec().unwrap_err();
+    /// assert_eq!(err.op(), Some("Gpt"));
+    /// ```
+    #[track_caller]
+    pub fn failed(op: &str, err: Error, dims: &[usize], device: &Device) -> Tensor<T> {
+        Tensor::error_at(op, Location::caller(), device.clone(), dims, err)
+    }
+
     pub(crate) fn error_at(
         op: &str,
         location: Location,
