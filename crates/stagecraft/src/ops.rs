@@ -604,6 +604,55 @@ impl<T: NumElement> Tensor<T> {
         self.binary(&ops::MATMUL, other, Location::caller())
     }
 
+    /// The affine map of a PyTorch `nn.Linear`: `self · weightᵀ + bias`
+    /// for `self: [.., in]`, `weight: [out, in]` and an optional `bias:
+    /// [out]`, giving `[.., out]`.
+    ///
+    /// The weight keeps PyTorch's `[out, in]` layout (so checkpoints map
+    /// one to one) and is never transposed in memory: the product is one
+    /// `MatMul` with `transpose_b`, whose gradient rule folds the
+    /// transposes into its own products. Leading dimensions are flattened
+    /// into one batch of rows first, so the weight's gradient is a single
+    /// `[out, N]·[N, in]` product rather than a batch of them summed.
+    ///
+    /// ```
+    /// use stagecraft::{Device, Tensor};
+    /// let cpu = Device::cpu();
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[1, 2], &cpu)?;
+    /// let w = Tensor::<f32>::from_vec(vec![1.0, 0.0, 1.0, 1.0, 0.0, 2.0], &[3, 2], &cpu)?;
+    /// let b = Tensor::<f32>::from_vec(vec![0.5, 0.5, 0.5], &[3], &cpu)?;
+    /// assert_eq!(x.linear(&w, Some(&b)).to_vec()?, vec![1.5, 3.5, 4.5]);
+    /// # Ok::<(), stagecraft::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn linear(&self, weight: &Tensor<T>, bias: Option<&Tensor<T>>) -> Tensor<T> {
+        let location = Location::caller();
+        let dims = self.dims().to_vec();
+        let rows = if dims.len() > 2 {
+            let inner = dims[dims.len() - 1];
+            self.reshape(&[dims[..dims.len() - 1].iter().product(), inner])
+        } else {
+            self.clone()
+        };
+        let attrs = ops::matmul_attrs(false, true);
+        let args = smallvec![rows.handle.clone(), weight.handle.clone()];
+        let mut y: Tensor<T> = crate::tensor::run(&ops::MATMUL, args, &attrs, location);
+        if dims.len() > 2 {
+            let mut out = dims[..dims.len() - 1].to_vec();
+            out.push(y.dims().last().copied().unwrap_or(0));
+            y = y.reshape(&out);
+        }
+        match bias {
+            Some(b) => crate::tensor::run(
+                &ops::ADD,
+                smallvec![y.handle, b.handle.clone()],
+                &OpAttrs::new(),
+                location,
+            ),
+            None => y,
+        }
+    }
+
     /// A tensor of `0, 1, ..., n-1`-style values: `start, start+step, ...`
     /// below `stop`.
     #[track_caller]

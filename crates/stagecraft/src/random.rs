@@ -29,6 +29,20 @@ impl Rng {
         self.offset
     }
 
+    /// A new stream, independent of this one and of every other fork of
+    /// it: layers that hold their own stream (dropout) take a fork of the
+    /// model's, so one seed reproduces the whole model. Forking consumes
+    /// one counter, so two forks of the same stream differ.
+    pub fn fork(&mut self) -> Rng {
+        let (seed, offset) = self.advance(&[]);
+        // SplitMix64's finalizer: nearby (seed, offset) pairs give
+        // unrelated seeds, so a fork's draws do not overlap its parent's.
+        let mut z = seed ^ offset.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        Rng::new(z ^ (z >> 31))
+    }
+
     /// Reserves the counters for a draw of `dims` and returns `(seed,
     /// offset)` for the op. Each element consumes at most one counter
     /// block, so advancing by the element count never overlaps draws.
