@@ -68,15 +68,17 @@ pub fn safetensors(bytes: &[u8]) -> Result<(), String> {
     for kind in [ModelKind::Mlp, ModelKind::Cnn] {
         match checkpoint::load_bytes(kind, Path::new(FILE), bytes, &cpu) {
             Ok(model) => {
+                use stagecraft::nn::ModuleExt;
                 let shapes = kind.shapes();
-                if model.params.len() != shapes.len() {
+                let params = model.named_params();
+                if params.len() != shapes.len() {
                     return Err(format!(
                         "a {} model loaded with {} parameters",
                         kind.name(),
-                        model.params.len()
+                        params.len()
                     ));
                 }
-                for (p, (name, dims)) in model.params.iter().zip(&shapes) {
+                for ((_, p), (name, dims)) in params.iter().zip(&shapes) {
                     if p.dims() != dims.as_slice() {
                         return Err(format!("{name} loaded with shape {:?}", p.dims()));
                     }

@@ -27,7 +27,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use stagecraft::layers::ops::{self as ops, OpAttrs};
 use stagecraft::layers::runtime::{self as runtime, Args, TensorHandle};
 use stagecraft::{lazy, Device, Location, Tensor};
-use stagecraft_cli::gpt::{Gpt, GptConfig};
+use stagecraft_cli::gpt::Gpt;
 use stagecraft_cli::lm::{optimizer, train_step, Batches, LmOptions};
 use std::time::Duration;
 

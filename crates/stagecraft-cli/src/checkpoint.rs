@@ -36,7 +36,7 @@ pub fn load_bytes(
     device: &stagecraft::Device,
 ) -> Result<Model> {
     let bad = |what: String| CliError::new(format!("{}: {what}", path.display()));
-    let metadata = stagecraft::nn::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+    let metadata = stagecraft::nn::read_metadata(bytes).map_err(|e| bad(e.message().to_string()))?;
     if let Some(saved) = metadata.get(KIND_KEY) {
         if saved != kind.name() {
             return Err(bad(format!(
@@ -47,7 +47,7 @@ pub fn load_bytes(
     }
     let mut model = Model::init(kind, 0, device);
     stagecraft::nn::load_from_bytes(&mut model, bytes, &path.display().to_string())
-        .map_err(|e| CliError::new(e.to_string()))?;
+        .map_err(|e| CliError::new(e.message()))?;
     Ok(model)
 }
 

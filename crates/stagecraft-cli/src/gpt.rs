@@ -158,7 +158,7 @@ impl Gpt {
         let c = config.n_embd;
         let std = 0.02;
         let proj_std = 0.02 / (2.0 * config.n_layer as f64).sqrt();
-        let mut linear = |rows: usize, cols: usize, std: f64, rng: &mut Rng| {
+        let linear = |rows: usize, cols: usize, std: f64, rng: &mut Rng| {
             Linear::from_params(init::normal(&[rows, cols], 0.0, std, rng, device), None)
         };
         let wte = Embedding::with_std(config.vocab, c, std, &mut rng, device);

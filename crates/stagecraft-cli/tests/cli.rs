@@ -256,7 +256,7 @@ fn trace_writes_text_and_svg_before_and_after_the_passes() {
     let recorded = read("trace.txt");
     let optimized = read("trace_optimized.txt");
     assert!(
-        recorded.contains("MatMul") && recorded.contains("LogSoftmax"),
+        recorded.contains("MatMul") && recorded.contains("CrossEntropy"),
         "{recorded}"
     );
     assert!(optimized.contains("FusedElementwise"), "{optimized}");

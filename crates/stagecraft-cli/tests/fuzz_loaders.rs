@@ -148,7 +148,8 @@ fn valid_files_pass_the_checks_and_load() {
     let cpu = stagecraft::Device::cpu();
     let path = std::path::Path::new("ckpt.safetensors");
     let model = stagecraft_cli::checkpoint::load_bytes(ModelKind::Cnn, path, &file, &cpu).unwrap();
-    assert_eq!(model.params.len(), shapes.len());
+    use stagecraft::nn::ModuleExt;
+    assert_eq!(model.named_params().len(), shapes.len());
     assert_eq!(run(cli_loaders::safetensors, &file), Ok(()));
     let e = stagecraft_cli::checkpoint::load_bytes(ModelKind::Mlp, path, &file, &cpu)
         .unwrap_err()

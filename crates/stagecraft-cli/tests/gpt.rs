@@ -81,7 +81,7 @@ fn eager_and_lazy_training_agree_and_the_lazy_run_is_one_trace() {
     // It learns: the last losses are well below the first.
     let first = eager[..5].iter().sum::<f32>() / 5.0;
     let last = eager[45..].iter().sum::<f32>() / 5.0;
-    assert!(last < 0.7 * first, "loss {first} -> {last}");
+    assert!(last < first - 0.5, "loss {first} -> {last}");
     // The schedule changes the learning rate every step, yet the whole
     // run compiles at most twice and a steady step allocates nothing.
     assert!(m.traces_compiled <= 2, "{m:?}");
