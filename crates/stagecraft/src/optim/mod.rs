@@ -204,9 +204,21 @@ impl State {
                 )));
                 return;
             }
+            // Zeros made on the host rather than by a fill op: on the lazy
+            // device a fill would be part of the first step's trace only,
+            // so the second step would record a different trace; as data
+            // the buffers are leaves in every step's trace alike.
+            let numel = p.dims().iter().product();
             let bufs = (0..n_bufs)
-                .map(|_| Tensor::zeros(p.dims(), &p.device()))
-                .collect();
+                .map(|_| Tensor::from_vec(vec![0.0; numel], p.dims(), &p.device()))
+                .collect::<Result<Vec<_>>>();
+            let bufs = match bufs {
+                Ok(bufs) => bufs,
+                Err(e) => {
+                    failed = Some(e);
+                    return;
+                }
+            };
             let slot = Slot {
                 group,
                 bufs,
