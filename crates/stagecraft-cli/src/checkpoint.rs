@@ -2,40 +2,58 @@
 //! parameter, named as in [`ModelKind::shapes`] (`fc1.weight`, ...), and
 //! the model kind in the file's metadata so a checkpoint is never loaded
 //! into the other network.
+//!
+//! The encoding and the checks of names, dtypes and shapes are
+//! `stagecraft::nn`'s; this module only adapts the CLI's flat parameter
+//! list (whose dense weights are `[in, out]`, unlike `nn::Linear`) to a
+//! [`Module`] and adds the model-kind check.
 
 use crate::error::{CliError, Result};
 use crate::model::{Model, ModelKind};
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use stagecraft::nn::{self, Module};
+use stagecraft::Tensor;
 use std::collections::HashMap;
 use std::path::Path;
 
+/// A model's parameters under their checkpoint names, in
+/// [`ModelKind::shapes`] order.
+struct Named {
+    names: Vec<&'static str>,
+    params: Vec<Tensor<f32>>,
+}
+
+impl Named {
+    fn new(kind: ModelKind, params: Vec<Tensor<f32>>) -> Named {
+        let names = kind.shapes().into_iter().map(|(name, _)| name).collect();
+        Named { names, params }
+    }
+}
+
+impl Module for Named {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<f32>)) {
+        for (name, p) in self.names.iter().zip(&self.params) {
+            f(&nn::join(prefix, name), p);
+        }
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor<f32>)) {
+        for (name, p) in self.names.iter().zip(&mut self.params) {
+            f(&nn::join(prefix, name), p);
+        }
+    }
+}
+
+/// The library's message without its kind prefix: the CLI's errors read
+/// as sentences about the file.
+fn cli_error(e: stagecraft::Error) -> CliError {
+    CliError::new(e.message().to_string())
+}
+
 /// Writes `model`'s parameters to `path`.
 pub fn save(model: &Model, path: &Path) -> Result<()> {
-    let values = model.values()?;
-    let bytes: Vec<Vec<u8>> = values
-        .iter()
-        .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let shapes = model.kind.shapes();
-    let views = shapes
-        .iter()
-        .zip(&bytes)
-        .map(|((name, dims), data)| {
-            TensorView::new(Dtype::F32, dims.clone(), data)
-                .map(|view| (*name, view))
-                .map_err(|e| CliError::new(format!("checkpoint tensor {name}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let named = Named::new(model.kind, model.params.clone());
     let metadata = HashMap::from([("model".to_string(), model.kind.name().to_string())]);
-    let file = safetensors::serialize(views, Some(metadata))
-        .map_err(|e| CliError::new(format!("cannot encode the checkpoint: {e}")))?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| CliError::new(format!("cannot create {}: {e}", dir.display())))?;
-    }
-    std::fs::write(path, file)
-        .map_err(|e| CliError::new(format!("cannot write {}: {e}", path.display())))
+    nn::save_with_metadata(&named, path, &metadata).map_err(cli_error)
 }
 
 /// Reads the parameters of a `kind` model from `path`, checking names,
@@ -55,12 +73,10 @@ pub fn load_bytes(
     bytes: &[u8],
     device: &stagecraft::Device,
 ) -> Result<Model> {
-    let bad = |what: String| CliError::new(format!("{}: {what}", path.display()));
-    let file =
-        SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    let (_, metadata) = SafeTensors::read_metadata(bytes)
-        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    if let Some(saved) = metadata.metadata().as_ref().and_then(|m| m.get("model")) {
+    let source = path.display().to_string();
+    let bad = |what: String| CliError::new(format!("{source}: {what}"));
+    let metadata = nn::read_metadata(bytes).map_err(|e| bad(e.message().to_string()))?;
+    if let Some(saved) = metadata.get("model") {
         if saved != kind.name() {
             return Err(bad(format!(
                 "a checkpoint of the {saved} model, not of the {} model (use --model {saved})",
@@ -68,28 +84,19 @@ pub fn load_bytes(
             )));
         }
     }
-    let mut values = Vec::new();
-    for (name, dims) in kind.shapes() {
-        let view = file
-            .tensor(name)
-            .map_err(|_| bad(format!("no tensor {name}")))?;
-        if view.dtype() != Dtype::F32 {
-            return Err(bad(format!("{name} is {:?}, expected F32", view.dtype())));
-        }
-        if view.shape() != dims.as_slice() {
-            return Err(bad(format!(
-                "{name} has shape {:?}, expected {dims:?}",
-                view.shape()
-            )));
-        }
-        let data = view.data();
-        values.push(
-            data.chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        );
-    }
-    Ok(Model::from_values(kind, values, device)?)
+    // Placeholders of the right shapes on `device`: loading checks the
+    // file against them and replaces them.
+    let zeros = kind
+        .shapes()
+        .iter()
+        .map(|(_, dims)| Tensor::zeros(dims, device))
+        .collect();
+    let mut named = Named::new(kind, zeros);
+    nn::load_from_bytes(&mut named, bytes, &source).map_err(cli_error)?;
+    Ok(Model {
+        kind,
+        params: named.params,
+    })
 }
 
 #[cfg(test)]
@@ -111,6 +118,40 @@ mod tests {
         std::fs::write(&path, b"garbage").unwrap();
         let e = load(ModelKind::Mlp, &path, &cpu).unwrap_err().to_string();
         assert!(e.contains("not a safetensors file"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_format_is_unchanged() {
+        let cpu = Device::cpu();
+        let model = Model::init(ModelKind::Cnn, 4, &cpu);
+        let dir = std::env::temp_dir().join(format!("stagecraft-ckpt-fmt-{}", std::process::id()));
+        let path = dir.join("c.safetensors");
+        save(&model, &path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = file.names();
+        names.sort();
+        let mut want: Vec<&str> = ModelKind::Cnn.shapes().iter().map(|(n, _)| *n).collect();
+        want.sort();
+        assert_eq!(names, want);
+        for ((name, dims), values) in ModelKind::Cnn.shapes().iter().zip(model.values().unwrap()) {
+            let view = file.tensor(name).unwrap();
+            assert_eq!(view.dtype(), safetensors::Dtype::F32);
+            assert_eq!(view.shape(), dims.as_slice());
+            let got: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            assert_eq!(got, values, "{name}");
+        }
+        let metadata = nn::read_metadata(&bytes).unwrap();
+        assert_eq!(metadata.get("model").map(String::as_str), Some("cnn"));
+        let e = load_bytes(ModelKind::Cnn, &path, &bytes[..bytes.len() - 1], &cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with(&path.display().to_string()), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
