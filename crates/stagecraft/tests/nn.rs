@@ -748,7 +748,7 @@ fn load_errors_name_the_key_and_leave_the_module_unchanged() {
     let weight = ("weight", Dtype::F32, vec![2, 3], f32_bytes(6));
     let bias = ("bias", Dtype::F32, vec![2], f32_bytes(2));
 
-    let missing = file_with(&[weight.clone()]);
+    let missing = file_with(std::slice::from_ref(&weight));
     expect_err(&missing, ErrorKind::InvalidArgument, &["missing", "bias"]);
 
     let extra = file_with(&[

@@ -125,7 +125,7 @@ impl CausalSelfAttention {
         device: &Device,
     ) -> CausalSelfAttention {
         assert!(
-            n_head > 0 && n_embd % n_head == 0,
+            n_head > 0 && n_embd.is_multiple_of(n_head),
             "CausalSelfAttention: n_head ({n_head}) must divide n_embd ({n_embd})"
         );
         CausalSelfAttention {
@@ -247,7 +247,7 @@ impl MultiHeadAttention {
         device: &Device,
     ) -> MultiHeadAttention {
         assert!(
-            n_head > 0 && embed_dim % n_head == 0,
+            n_head > 0 && embed_dim.is_multiple_of(n_head),
             "MultiHeadAttention: n_head ({n_head}) must divide embed_dim ({embed_dim})"
         );
         let mut proj = || Linear::new(embed_dim, embed_dim, bias, rng, device);
