@@ -805,3 +805,34 @@ fn load_errors_name_the_key_and_leave_the_module_unchanged() {
     );
     let _ = std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap());
 }
+
+#[test]
+fn attention_layers_refuse_inputs_of_the_wrong_shape_at_the_callers_line() {
+    let d = cpu();
+    let mut rng = Rng::new(5);
+    let attn = CausalSelfAttention::new(8, 2, false, 0.0, &mut rng, &d);
+    let mha = MultiHeadAttention::new(8, 2, true, &mut rng, &d);
+    let rank2 = Tensor::<f32>::ones(&[4, 8], &d);
+    let narrow = Tensor::<f32>::ones(&[1, 4, 6], &d);
+    let good = Tensor::<f32>::ones(&[1, 4, 8], &d);
+    let cases: Vec<(T, &str, u32)> = vec![
+        (attn.forward(&rank2), "CausalSelfAttention", line!()),
+        (attn.forward(&narrow), "CausalSelfAttention", line!()),
+        (
+            attn.forward_cached(&rank2, &mut KvCache::new()),
+            "CausalSelfAttention",
+            line!() - 2,
+        ),
+        (mha.forward(&good, &rank2, false), "MultiHeadAttention", line!()),
+    ];
+    for (out, op, line) in cases {
+        let err = out.to_vec().unwrap_err();
+        assert_eq!(err.op(), Some(op), "{err}");
+        assert_eq!(err.kind(), ErrorKind::Shape, "{err}");
+        assert_eq!(err.location().map(|l| l.line()), Some(line), "{err}");
+    }
+    // A failed input passes its own error on.
+    let failed = Tensor::<f32>::ones(&[2, 3], &d).reshape(&[5]);
+    let err = attn.forward(&failed).to_vec().unwrap_err();
+    assert_eq!(err.op(), Some("Reshape"), "{err}");
+}

@@ -2,18 +2,41 @@
 //! key/value cache for generation) and a general multi-head attention.
 
 use super::{join, Dropout, Forward, Linear, Module};
-use crate::{Device, Rng, Tensor};
+use crate::{Device, Error, Rng, Tensor};
 
-/// `[B, T, H·D] -> [B, H, T, D]`.
+/// `Ok` when `x` is `[B, T, width]`; else the tensor to return instead:
+/// `x` itself when it already holds an error (which passes on), or an
+/// error of `layer` at the caller's line.
+#[track_caller]
+fn check_input(x: &Tensor<f32>, width: usize, layer: &str) -> Result<(), Tensor<f32>> {
+    if x.check().is_err() {
+        return Err(x.clone());
+    }
+    if x.rank() == 3 && x.dims()[2] == width {
+        return Ok(());
+    }
+    let err = Error::shape(format!(
+        "the input is {:?}; the layer takes [batch, time, {width}]",
+        x.dims()
+    ));
+    Err(Tensor::failed(layer, err, x.dims(), &x.device()))
+}
+
+/// `[B, T, H·D] -> [B, H, T, D]` (a tensor of another rank is an error
+/// already, reported by the op that made it, and passes on).
 fn split_heads(x: &Tensor<f32>, n_head: usize) -> Tensor<f32> {
-    let (b, t, c) = (x.dims()[0], x.dims()[1], x.dims()[2]);
-    x.reshape(&[b, t, n_head, c / n_head]).transpose(1, 2)
+    match *x.dims() {
+        [b, t, c] => x.reshape(&[b, t, n_head, c / n_head]).transpose(1, 2),
+        _ => x.clone(),
+    }
 }
 
 /// `[B, H, T, D] -> [B, T, H·D]`.
 fn merge_heads(y: &Tensor<f32>) -> Tensor<f32> {
-    let (b, h, t, d) = (y.dims()[0], y.dims()[1], y.dims()[2], y.dims()[3]);
-    y.transpose(1, 2).reshape(&[b, t, h * d])
+    match *y.dims() {
+        [b, h, t, d] => y.transpose(1, 2).reshape(&[b, t, h * d]),
+        _ => y.clone(),
+    }
 }
 
 /// Attention written out as matmul, mask, softmax (and dropout), matmul:
@@ -28,8 +51,9 @@ fn composite_attention(
     dropout: Option<&Dropout>,
 ) -> Tensor<f32> {
     let device = q.device();
-    let (t, d) = (q.dims()[2], q.dims()[3]);
-    let s = k.dims()[2];
+    let (&[.., t, d], &[.., s, _]) = (q.dims(), k.dims()) else {
+        return q.clone();
+    };
     let scale = Tensor::scalar((1.0 / (d.max(1) as f64).sqrt()) as f32, &device);
     let mut scores = &q.matmul(&k.transpose(-2, -1)) * &scale;
     if let Some(offset) = causal_offset {
@@ -67,7 +91,10 @@ impl KvCache {
 
     /// The number of cached positions `S`.
     pub fn len(&self) -> usize {
-        self.k.as_ref().map_or(0, |k| k.dims()[2])
+        self.k
+            .as_ref()
+            .and_then(|k| k.dims().get(2).copied())
+            .unwrap_or(0)
     }
 
     /// Whether no position is cached.
@@ -139,7 +166,7 @@ impl CausalSelfAttention {
 
     /// Queries, keys and values of `x: [B, T, C]`, each `[B, H, T, D]`.
     fn qkv(&self, x: &Tensor<f32>) -> (Tensor<f32>, Tensor<f32>, Tensor<f32>) {
-        let c = x.dims()[2];
+        let c = x.dims().get(2).copied().unwrap_or(0);
         let qkv = self.c_attn.forward(x);
         let part = |i: usize| split_heads(&qkv.narrow(2, i * c, c), self.n_head);
         (part(0), part(1), part(2))
@@ -160,7 +187,11 @@ impl CausalSelfAttention {
     /// causal mask aligned at the end (the last query sees every key),
     /// which the fused op's upper-left alignment is not, so they run as
     /// separate ops with an explicit mask.
+    #[track_caller]
     pub fn forward_cached(&self, x: &Tensor<f32>, cache: &mut KvCache) -> Tensor<f32> {
+        if let Err(failed) = check_input(x, self.c_attn.in_features(), "CausalSelfAttention") {
+            return failed;
+        }
         let (q, k, v) = self.qkv(x);
         let past = cache.len();
         let (k, v) = match (&cache.k, &cache.v) {
@@ -169,7 +200,7 @@ impl CausalSelfAttention {
             }
             _ => (k, v),
         };
-        let t = q.dims()[2];
+        let t = q.dims().get(2).copied().unwrap_or(0);
         let y = if self.attn_dropout.is_active() {
             composite_attention(&q, &k, &v, Some(past), Some(&self.attn_dropout))
         } else if past == 0 {
@@ -186,7 +217,11 @@ impl CausalSelfAttention {
 }
 
 impl Forward for CausalSelfAttention {
+    #[track_caller]
     fn forward(&self, x: &Tensor<f32>) -> Tensor<f32> {
+        if let Err(failed) = check_input(x, self.c_attn.in_features(), "CausalSelfAttention") {
+            return failed;
+        }
         let (q, k, v) = self.qkv(x);
         let y = if self.attn_dropout.is_active() {
             composite_attention(&q, &k, &v, Some(0), Some(&self.attn_dropout))
@@ -263,7 +298,14 @@ impl MultiHeadAttention {
     /// Queries from `q_in: [B, T, E]` over keys and values from `kv_in:
     /// [B, S, E]`, giving `[B, T, E]`. With `causal`, query `i` sees keys
     /// `0..=i` (PyTorch's `is_causal` alignment).
+    #[track_caller]
     pub fn forward(&self, q_in: &Tensor<f32>, kv_in: &Tensor<f32>, causal: bool) -> Tensor<f32> {
+        let width = self.q_proj.in_features();
+        for x in [q_in, kv_in] {
+            if let Err(failed) = check_input(x, width, "MultiHeadAttention") {
+                return failed;
+            }
+        }
         let q = split_heads(&self.q_proj.forward(q_in), self.n_head);
         let k = split_heads(&self.k_proj.forward(kv_in), self.n_head);
         let v = split_heads(&self.v_proj.forward(kv_in), self.n_head);
