@@ -62,15 +62,16 @@ impl Vocab {
     /// The token ids of `text`, or an error naming the first character
     /// outside the vocabulary.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        text.bytes()
-            .map(|b| {
-                self.chars
-                    .binary_search(&b)
+        text.chars()
+            .map(|c| {
+                // The corpus is ASCII, so its bytes are its characters.
+                c.is_ascii()
+                    .then_some(c as u8)
+                    .and_then(|b| self.chars.binary_search(&b).ok())
                     .map(|i| i as u32)
-                    .map_err(|_| {
+                    .ok_or_else(|| {
                         CliError::new(format!(
-                            "the character {:?} is not in the model's vocabulary of {} characters",
-                            b as char,
+                            "the character {c:?} is not in the model's vocabulary of {} characters",
                             self.chars.len()
                         ))
                     })
@@ -316,6 +317,8 @@ mod tests {
         assert_eq!(corpus.vocab.encode("hello").unwrap(), corpus.train[..5].to_vec());
         let err = corpus.vocab.encode("hex").unwrap_err().to_string();
         assert!(err.contains("'x'"), "{err}");
+        let err = corpus.vocab.encode("h€").unwrap_err().to_string();
+        assert!(err.contains("'€'"), "{err}");
     }
 
     #[test]
