@@ -83,9 +83,11 @@ fn eager_and_lazy_training_agree_and_the_lazy_run_is_one_trace() {
     let first = eager[..5].iter().sum::<f32>() / 5.0;
     let last = eager[45..].iter().sum::<f32>() / 5.0;
     assert!(last < first - 0.5, "loss {first} -> {last}");
-    // The schedule changes the learning rate every step, yet the whole
-    // run compiles at most twice and a steady step allocates nothing.
-    assert!(m.traces_compiled <= 2, "{m:?}");
+    // The schedule changes the learning rate every step, yet the step
+    // compiles at most twice (its first recording, then one widening that
+    // makes the changing scalars arguments), besides the initialization's
+    // own trace; and a steady step allocates nothing.
+    assert!(m.traces_compiled <= 3, "{m:?}");
     assert_eq!(m.allocations_last_step, 0, "{m:?}");
 }
 
