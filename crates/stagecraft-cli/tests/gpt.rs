@@ -12,7 +12,8 @@ use stagecraft_cli::lm::{
 use stagecraft_cli::shakespeare::Corpus;
 use std::sync::Mutex;
 
-/// Tests that read the process-wide lazy metrics run one at a time.
+/// Tests that run lazy work or read the process-wide lazy metrics run one
+/// at a time (lazy work on another thread would count in the metrics).
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn corpus() -> Corpus {
@@ -205,6 +206,7 @@ fn bad_input_names_the_op_and_the_line() {
 
 #[test]
 fn validation_loss_is_the_mean_of_fixed_batches() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let corpus = corpus();
     let mut model = Gpt::new(options(&corpus, 1).config, 3, &Device::cpu());
     let a = estimate_loss(&mut model, &corpus.val, 4, 7, 3).unwrap();
