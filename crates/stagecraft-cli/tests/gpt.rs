@@ -12,7 +12,8 @@ use stagecraft_cli::lm::{
 use stagecraft_cli::shakespeare::Corpus;
 use std::sync::Mutex;
 
-/// Tests that read the process-wide lazy metrics run one at a time.
+/// Tests that run lazy work or read the process-wide lazy metrics run one
+/// at a time (lazy work on another thread would count in the metrics).
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn corpus() -> Corpus {
@@ -83,9 +84,11 @@ fn eager_and_lazy_training_agree_and_the_lazy_run_is_one_trace() {
     let first = eager[..5].iter().sum::<f32>() / 5.0;
     let last = eager[45..].iter().sum::<f32>() / 5.0;
     assert!(last < first - 0.5, "loss {first} -> {last}");
-    // The schedule changes the learning rate every step, yet the whole
-    // run compiles at most twice and a steady step allocates nothing.
-    assert!(m.traces_compiled <= 2, "{m:?}");
+    // The schedule changes the learning rate every step, yet the step
+    // compiles at most twice (its first recording, then one widening that
+    // makes the changing scalars arguments), besides the initialization's
+    // own trace; and a steady step allocates nothing.
+    assert!(m.traces_compiled <= 3, "{m:?}");
     assert_eq!(m.allocations_last_step, 0, "{m:?}");
 }
 
@@ -203,6 +206,7 @@ fn bad_input_names_the_op_and_the_line() {
 
 #[test]
 fn validation_loss_is_the_mean_of_fixed_batches() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let corpus = corpus();
     let mut model = Gpt::new(options(&corpus, 1).config, 3, &Device::cpu());
     let a = estimate_loss(&mut model, &corpus.val, 4, 7, 3).unwrap();

@@ -362,7 +362,10 @@ impl Buffer {
                 return None;
             }
             if let Some(arena) = Arena::current_for(len) {
-                let (ptr, reused) = match arena.take(len) {
+                // Beyond its plan (a buffer the plan does not cover), the
+                // arena's surplus blocks went to the pools when they came
+                // home to a full arena: take them back from there.
+                let (ptr, reused) = match arena.take(len).or_else(|| pool::take(len)) {
                     Some(ptr) => (ptr, true),
                     None => (Buffer::system_block(len)?, false),
                 };
@@ -655,6 +658,27 @@ impl Arena {
         f()
     }
 
+    /// Runs `f` with no arena current on this thread: its buffers come
+    /// from the pools. For buffers a run makes that its buffer plan does
+    /// not cover (a scalar input made dense for a kernel), which would
+    /// otherwise take blocks the plan counted on for the kernels' outputs.
+    pub fn outside<R>(f: impl FnOnce() -> R) -> R {
+        struct Restore(Option<Arc<Arena>>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                if let Some(previous) = self.0.take() {
+                    let _ = CURRENT_ARENA.try_with(|c| *c.borrow_mut() = Some(previous));
+                }
+            }
+        }
+        let previous = CURRENT_ARENA
+            .try_with(|c| c.borrow_mut().take())
+            .ok()
+            .flatten();
+        let _restore = Restore(previous);
+        f()
+    }
+
     /// The current arena, when it plans blocks of `len` bytes.
     fn current_for(len: usize) -> Option<Arc<Arena>> {
         CURRENT_ARENA
@@ -877,6 +901,34 @@ mod tests {
         drop((a, b));
         let free = arena.free.lock().unwrap().get(&planned).map_or(0, Vec::len);
         assert_eq!(free, 1, "the second block went to the shared pool");
+    }
+
+    #[test]
+    fn beyond_its_plan_an_arena_takes_back_the_blocks_it_turned_away() {
+        let planned = 4096 * 9 + 192;
+        let arena = Arena::new(&[(planned, 1)]);
+        let (a, b) = arena.enter(|| (Buffer::zeroed(planned), Buffer::zeroed(planned)));
+        drop((a, b));
+        let before = Buffer::allocation_count();
+        let (c, d) = arena.enter(|| (Buffer::zeroed(planned), Buffer::zeroed(planned)));
+        assert_eq!(
+            Buffer::allocation_count(),
+            before,
+            "the surplus came from the pool"
+        );
+        assert!(c.bytes().iter().chain(d.bytes()).all(|&x| x == 0));
+    }
+
+    #[test]
+    fn outside_an_arena_buffers_come_from_the_pools() {
+        let arena = Arena::new(&[(112, 1)]);
+        arena.enter(|| {
+            let outside = Arena::outside(|| Buffer::zeroed(112));
+            assert!(outside.0.home.is_none());
+            let inside = Buffer::zeroed(112);
+            assert!(Arc::ptr_eq(inside.0.home.as_ref().unwrap(), &arena));
+        });
+        assert!(Arena::outside(|| Buffer::zeroed(112)).0.home.is_none());
     }
 
     #[test]
