@@ -800,16 +800,7 @@ impl Executable {
                     // than a tiny kernel.
                     let mut dense = Inputs::new();
                     for value in inputs {
-                        dense.push(match value {
-                            HostTensor::Dense(t) => t,
-                            // A scalar input (a per-step host scalar such
-                            // as a learning rate) is made dense for each
-                            // kernel reading it. The buffer plan counts
-                            // kernel outputs only, so this buffer comes
-                            // from the pools, not from the run's arena,
-                            // whose blocks the outputs need.
-                            other => Arena::outside(|| other.into_dense())?,
-                        });
+                        dense.push(value.into_dense()?);
                     }
                     let metas = dense.iter().map(DenseHostTensor::metadata);
                     if let Some(settled) = settle_by_shape(def, metas, &step.metas)? {
