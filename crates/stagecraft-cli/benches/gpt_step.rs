@@ -50,13 +50,7 @@ fn step_bench(c: &mut Criterion, name: &str, device: &Device, stream: &[u32]) {
     let options = LmOptions::defaults(VOCAB);
     let mut model = Gpt::new(options.config, 1337, device);
     let (mut opt, schedule) = optimizer(&options);
-    let mut draw = Batches::new(
-        stream,
-        options.batch_size,
-        options.config.block_size,
-        1,
-    )
-    .unwrap();
+    let mut draw = Batches::new(stream, options.batch_size, options.config.block_size, 1).unwrap();
     // Eight batches reused in turn, as the peer does.
     let batches: Vec<(Tensor<i32>, Tensor<i32>)> =
         (0..8).map(|_| draw.next(device).unwrap()).collect();
@@ -85,10 +79,20 @@ fn step_bench(c: &mut Criterion, name: &str, device: &Device, stream: &[u32]) {
 /// gradient rules run it.
 fn matmul(a: &Tensor<f32>, b: &Tensor<f32>, ta: bool, tb: bool) -> TensorHandle {
     let mut attrs = OpAttrs::new();
-    attrs.set_bool("transpose_a", ta).set_bool("transpose_b", tb);
-    let args: Args = [a.handle().clone(), b.handle().clone()].into_iter().collect();
-    runtime::execute(&ops::MATMUL, a.device(), Location::caller(), args, (&attrs).into())
-        .swap_remove(0)
+    attrs
+        .set_bool("transpose_a", ta)
+        .set_bool("transpose_b", tb);
+    let args: Args = [a.handle().clone(), b.handle().clone()]
+        .into_iter()
+        .collect();
+    runtime::execute(
+        &ops::MATMUL,
+        a.device(),
+        Location::caller(),
+        args,
+        (&attrs).into(),
+    )
+    .swap_remove(0)
 }
 
 /// The step's matrix products as separate eager ops: for each linear

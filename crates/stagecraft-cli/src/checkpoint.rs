@@ -36,7 +36,8 @@ pub fn load_bytes(
     device: &stagecraft::Device,
 ) -> Result<Model> {
     let bad = |what: String| CliError::new(format!("{}: {what}", path.display()));
-    let metadata = stagecraft::nn::read_metadata(bytes).map_err(|e| bad(e.message().to_string()))?;
+    let metadata =
+        stagecraft::nn::read_metadata(bytes).map_err(|e| bad(e.message().to_string()))?;
     if let Some(saved) = metadata.get(KIND_KEY) {
         if saved != kind.name() {
             return Err(bad(format!(

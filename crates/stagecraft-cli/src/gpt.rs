@@ -205,10 +205,16 @@ impl Gpt {
     /// context.
     #[track_caller]
     fn embed(&self, ids: &Tensor<i32>, start: usize) -> Tensor<f32> {
-        let (t, block) = (ids.dims().last().copied().unwrap_or(0), self.config.block_size);
+        let (t, block) = (
+            ids.dims().last().copied().unwrap_or(0),
+            self.config.block_size,
+        );
         if ids.dims().len() != 2 || start + t > block {
             let what = if ids.dims().len() != 2 {
-                format!("token ids of shape {:?}: expected [batch, time]", ids.dims())
+                format!(
+                    "token ids of shape {:?}: expected [batch, time]",
+                    ids.dims()
+                )
             } else {
                 format!(
                     "a sequence of {} positions is longer than the model's context of {block}",
@@ -220,8 +226,8 @@ impl Gpt {
             return Tensor::failed("Gpt", Error::shape(what), &dims, &ids.device());
         }
         let positions: Vec<i32> = (start as i32..(start + t) as i32).collect();
-        let pos = Tensor::from_vec(positions, &[t], &ids.device())
-            .expect("positions match their shape");
+        let pos =
+            Tensor::from_vec(positions, &[t], &ids.device()).expect("positions match their shape");
         &self.wte.forward_ids(ids) + &self.wpe.forward_ids(&pos)
     }
 
@@ -371,7 +377,9 @@ pub fn generate(
 ) -> stagecraft::Result<Generated> {
     let block = model.config.block_size;
     if prompt.is_empty() {
-        return Err(Error::invalid("generation needs a prompt of at least one token"));
+        return Err(Error::invalid(
+            "generation needs a prompt of at least one token",
+        ));
     }
     let device = model.device();
     let ids = |tokens: &[u32]| {
@@ -451,11 +459,15 @@ mod tests {
             seed: 1,
         };
         let mut draws = Draws(3);
-        let picks: Vec<u32> = (0..200).map(|_| sample(&logits, &top2, &mut draws)).collect();
+        let picks: Vec<u32> = (0..200)
+            .map(|_| sample(&logits, &top2, &mut draws))
+            .collect();
         assert!(picks.iter().all(|&p| p == 1 || p == 2));
         assert!(picks.contains(&1) && picks.contains(&2));
         let mut again = Draws(3);
-        let repeat: Vec<u32> = (0..200).map(|_| sample(&logits, &top2, &mut again)).collect();
+        let repeat: Vec<u32> = (0..200)
+            .map(|_| sample(&logits, &top2, &mut again))
+            .collect();
         assert_eq!(picks, repeat);
     }
 }

@@ -402,7 +402,11 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
         let value = loss.item()?;
         let took = start.elapsed();
         if let Some(span) = span {
-            span.end(profile::STEP, "train step", vec![("step", step.to_string())]);
+            span.end(
+                profile::STEP,
+                "train step",
+                vec![("step", step.to_string())],
+            );
         }
         if !value.is_finite() {
             return Err(CliError::new(format!(
@@ -447,7 +451,13 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
             "timing {} steps of the same model on each device...",
             options.compare_steps
         ));
-        let this = time_steps(&model, corpus, options, options.device, options.compare_steps)?;
+        let this = time_steps(
+            &model,
+            corpus,
+            options,
+            options.device,
+            options.compare_steps,
+        )?;
         let other = time_steps(
             &model,
             corpus,
@@ -628,13 +638,14 @@ pub fn load_model(path: &Path, device: &Device) -> Result<(Gpt, Vocab)> {
             ))
         })
     };
-    let bad = |e: serde_json::Error| CliError::new(format!("{}: corrupt header: {e}", path.display()));
+    let bad =
+        |e: serde_json::Error| CliError::new(format!("{}: corrupt header: {e}", path.display()));
     let config: GptConfig = serde_json::from_str(field(CONFIG_KEY)?).map_err(bad)?;
     let chars: String = serde_json::from_str(field(VOCAB_KEY)?).map_err(bad)?;
     let vocab = Vocab {
         chars: chars.into_bytes(),
     };
-    if vocab.len() != config.vocab || config.n_head == 0 || config.n_embd % config.n_head != 0 {
+    if vocab.len() != config.vocab || config.n_head == 0 || !config.n_embd.is_multiple_of(config.n_head) {
         return Err(CliError::new(format!(
             "{}: corrupt header: {} characters for a vocabulary of {}, {} heads for width {}",
             path.display(),

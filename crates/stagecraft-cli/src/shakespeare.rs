@@ -314,7 +314,10 @@ mod tests {
         assert_eq!(corpus.train.len(), 17);
         assert_eq!(corpus.val.len(), 2);
         assert_eq!(corpus.vocab.decode(&corpus.train[..5]), "hello");
-        assert_eq!(corpus.vocab.encode("hello").unwrap(), corpus.train[..5].to_vec());
+        assert_eq!(
+            corpus.vocab.encode("hello").unwrap(),
+            corpus.train[..5].to_vec()
+        );
         let err = corpus.vocab.encode("hex").unwrap_err().to_string();
         assert!(err.contains("'x'"), "{err}");
         let err = corpus.vocab.encode("h€").unwrap_err().to_string();

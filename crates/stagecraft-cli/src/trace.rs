@@ -4,8 +4,8 @@
 use crate::error::{CliError, Result};
 use crate::idx::Images;
 use crate::model::{Model, ModelKind};
-use crate::train::{sgd, train_step};
 use crate::trace_svg;
+use crate::train::{sgd, train_step};
 use stagecraft::layers::graph::{dot, text, Function};
 use stagecraft::{lazy, Device, Tensor};
 use std::path::{Path, PathBuf};

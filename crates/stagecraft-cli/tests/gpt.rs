@@ -142,7 +142,10 @@ fn generation_is_seeded_and_the_cache_changes_nothing() {
         cached.positions_computed,
         uncached.positions_computed
     );
-    let other = Sampling { seed: 2, ..sampling };
+    let other = Sampling {
+        seed: 2,
+        ..sampling
+    };
     let different = generate(&model, &prompt, 40, &other, true).unwrap();
     assert_ne!(cached.tokens, different.tokens);
 }
@@ -165,7 +168,10 @@ fn cached_logits_equal_the_full_forward() {
     }
     assert_eq!(full.len(), incremental.len());
     for (i, (a, b)) in full.iter().zip(&incremental).enumerate() {
-        assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "logit {i}: {a} vs {b}");
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+            "logit {i}: {a} vs {b}"
+        );
     }
 }
 

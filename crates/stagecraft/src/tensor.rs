@@ -70,7 +70,7 @@ impl<T: Element> Tensor<T> {
     /// ```
     #[track_caller]
     pub fn failed(op: &str, err: Error, dims: &[usize], device: &Device) -> Tensor<T> {
-        Tensor::error_at(op, Location::caller(), device.clone(), dims, err)
+        Tensor::error_at(op, Location::caller(), *device, dims, err)
     }
 
     pub(crate) fn error_at(

@@ -823,7 +823,11 @@ fn attention_layers_refuse_inputs_of_the_wrong_shape_at_the_callers_line() {
             "CausalSelfAttention",
             line!() - 2,
         ),
-        (mha.forward(&good, &rank2, false), "MultiHeadAttention", line!()),
+        (
+            mha.forward(&good, &rank2, false),
+            "MultiHeadAttention",
+            line!(),
+        ),
     ];
     for (out, op, line) in cases {
         let err = out.to_vec().unwrap_err();
