@@ -645,7 +645,10 @@ pub fn load_model(path: &Path, device: &Device) -> Result<(Gpt, Vocab)> {
     let vocab = Vocab {
         chars: chars.into_bytes(),
     };
-    if vocab.len() != config.vocab || config.n_head == 0 || !config.n_embd.is_multiple_of(config.n_head) {
+    if vocab.len() != config.vocab
+        || config.n_head == 0
+        || !config.n_embd.is_multiple_of(config.n_head)
+    {
         return Err(CliError::new(format!(
             "{}: corrupt header: {} characters for a vocabulary of {}, {} heads for width {}",
             path.display(),

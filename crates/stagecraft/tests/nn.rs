@@ -826,7 +826,7 @@ fn attention_layers_refuse_inputs_of_the_wrong_shape_at_the_callers_line() {
         (
             mha.forward(&good, &rank2, false),
             "MultiHeadAttention",
-            line!(),
+            line!() - 2,
         ),
     ];
     for (out, op, line) in cases {
