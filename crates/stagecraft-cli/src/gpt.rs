@@ -5,6 +5,7 @@
 //! weight`, without its `transformer.` prefix), so they are the keys of a
 //! saved model.
 
+use crate::splitmix::SplitMix64;
 use stagecraft::nn::{
     init, join, CausalSelfAttention, Embedding, Forward, KvCache, LayerNorm, Linear, Module,
 };
@@ -312,22 +313,8 @@ pub struct Sampling {
     pub seed: u64,
 }
 
-/// A small, seeded generator for sampling on the host (SplitMix64).
-struct Draws(u64);
-
-impl Draws {
-    /// A uniform value in `[0, 1)`.
-    fn uniform(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// The token drawn from one row of logits.
-fn sample(logits: &[f32], sampling: &Sampling, draws: &mut Draws) -> u32 {
+fn sample(logits: &[f32], sampling: &Sampling, draws: &mut SplitMix64) -> u32 {
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
     if sampling.temperature <= 0.0 {
@@ -386,7 +373,7 @@ pub fn generate(
         let values: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         Tensor::from_vec(values, &[1, tokens.len()], &device)
     };
-    let mut draws = Draws(sampling.seed);
+    let mut draws = SplitMix64::new(sampling.seed);
     let mut tokens = prompt.to_vec();
     // The prompt itself may be longer than the context: keep its end.
     let mut start = tokens.len().saturating_sub(block);
@@ -452,19 +439,19 @@ mod tests {
             top_k: None,
             seed: 1,
         };
-        assert_eq!(sample(&logits, &greedy, &mut Draws(1)), 1);
+        assert_eq!(sample(&logits, &greedy, &mut SplitMix64::new(1)), 1);
         let top2 = Sampling {
             temperature: 1.0,
             top_k: Some(2),
             seed: 1,
         };
-        let mut draws = Draws(3);
+        let mut draws = SplitMix64::new(3);
         let picks: Vec<u32> = (0..200)
             .map(|_| sample(&logits, &top2, &mut draws))
             .collect();
         assert!(picks.iter().all(|&p| p == 1 || p == 2));
         assert!(picks.contains(&1) && picks.contains(&2));
-        let mut again = Draws(3);
+        let mut again = SplitMix64::new(3);
         let repeat: Vec<u32> = (0..200)
             .map(|_| sample(&logits, &top2, &mut again))
             .collect();

@@ -6,6 +6,7 @@
 
 pub mod checkpoint;
 pub mod error;
+pub mod fetch;
 pub mod gpt;
 pub mod idx;
 pub mod lm;
@@ -13,6 +14,7 @@ pub mod mnist;
 pub mod model;
 pub mod profile;
 pub mod shakespeare;
+pub mod splitmix;
 pub mod trace;
 pub mod trace_svg;
 pub mod train;

