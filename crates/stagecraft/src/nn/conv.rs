@@ -1,6 +1,6 @@
 //! The 2-D convolution layer.
 
-use super::{init, join, Forward, Module};
+use super::{init, visit_weight_bias, visit_weight_bias_mut, Forward, Module};
 use crate::{Conv2dOptions, Device, Rng, Tensor};
 
 /// PyTorch's `nn.Conv2d`: `[N, in, H, W] -> [N, out, H', W']`.
@@ -60,16 +60,10 @@ impl Forward for Conv2d {
 
 impl Module for Conv2d {
     fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<f32>)) {
-        f(&join(prefix, "weight"), &self.weight);
-        if let Some(b) = &self.bias {
-            f(&join(prefix, "bias"), b);
-        }
+        visit_weight_bias(prefix, Some(&self.weight), self.bias.as_ref(), f);
     }
 
     fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor<f32>)) {
-        f(&join(prefix, "weight"), &mut self.weight);
-        if let Some(b) = &mut self.bias {
-            f(&join(prefix, "bias"), b);
-        }
+        visit_weight_bias_mut(prefix, Some(&mut self.weight), self.bias.as_mut(), f);
     }
 }

@@ -124,6 +124,35 @@ pub fn join(prefix: &str, name: &str) -> String {
     }
 }
 
+/// Visits a layer's `weight` and `bias` under `prefix`, skipping absent
+/// ones: the parameters of every layer made of a weight and a bias.
+pub(crate) fn visit_weight_bias(
+    prefix: &str,
+    weight: Option<&Tensor<f32>>,
+    bias: Option<&Tensor<f32>>,
+    f: &mut dyn FnMut(&str, &Tensor<f32>),
+) {
+    for (name, t) in [("weight", weight), ("bias", bias)] {
+        if let Some(t) = t {
+            f(&join(prefix, name), t);
+        }
+    }
+}
+
+/// [`visit_weight_bias`] with places to store new values.
+pub(crate) fn visit_weight_bias_mut(
+    prefix: &str,
+    weight: Option<&mut Tensor<f32>>,
+    bias: Option<&mut Tensor<f32>>,
+    f: &mut dyn FnMut(&str, &mut Tensor<f32>),
+) {
+    for (name, t) in [("weight", weight), ("bias", bias)] {
+        if let Some(t) = t {
+            f(&join(prefix, name), t);
+        }
+    }
+}
+
 /// Conveniences every [`Module`] gets.
 pub trait ModuleExt: Module {
     /// Every parameter with its full name, in visiting order.

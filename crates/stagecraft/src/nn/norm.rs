@@ -1,6 +1,6 @@
 //! Layer and RMS normalization over the last axis, each one fused op.
 
-use super::{join, Forward, Module};
+use super::{visit_weight_bias, visit_weight_bias_mut, Forward, Module};
 use crate::{Device, Tensor};
 
 /// PyTorch's `nn.LayerNorm` over the last axis of size `D`: `(x -
@@ -37,21 +37,11 @@ impl Forward for LayerNorm {
 
 impl Module for LayerNorm {
     fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<f32>)) {
-        if let Some(w) = &self.weight {
-            f(&join(prefix, "weight"), w);
-        }
-        if let Some(b) = &self.bias {
-            f(&join(prefix, "bias"), b);
-        }
+        visit_weight_bias(prefix, self.weight.as_ref(), self.bias.as_ref(), f);
     }
 
     fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor<f32>)) {
-        if let Some(w) = &mut self.weight {
-            f(&join(prefix, "weight"), w);
-        }
-        if let Some(b) = &mut self.bias {
-            f(&join(prefix, "bias"), b);
-        }
+        visit_weight_bias_mut(prefix, self.weight.as_mut(), self.bias.as_mut(), f);
     }
 }
 
@@ -85,14 +75,10 @@ impl Forward for RmsNorm {
 
 impl Module for RmsNorm {
     fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<f32>)) {
-        if let Some(w) = &self.weight {
-            f(&join(prefix, "weight"), w);
-        }
+        visit_weight_bias(prefix, self.weight.as_ref(), None, f);
     }
 
     fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor<f32>)) {
-        if let Some(w) = &mut self.weight {
-            f(&join(prefix, "weight"), w);
-        }
+        visit_weight_bias_mut(prefix, self.weight.as_mut(), None, f);
     }
 }
