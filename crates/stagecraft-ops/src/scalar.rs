@@ -443,6 +443,53 @@ pub fn gelu(x: f64) -> f64 {
     factor * (-0.5 * hi).exp()
 }
 
+/// GELU's derivative `Φ(x) + x·φ(x)` given `y = gelu(x)`: `Φ(x)` is read
+/// back as `y/x` (1/2 at 0), which keeps its relative accuracy where `Φ`
+/// is tiny (`1 + erf` cancels there) and costs no second `erfc`. f32, f16
+/// and bf16 use [`gelu_derivative_to_narrow`].
+#[inline(always)]
+pub fn gelu_derivative(x: f64, y: f64) -> f64 {
+    if x.is_infinite() {
+        return if x > 0.0 { 1.0 } else { 0.0 };
+    }
+    let cdf = if x == 0.0 { 0.5 } else { y / x };
+    // e^{-x²/2} from the exact square x² = hi + lo (|lo| ≤ ulp(hi)/2, so
+    // e^{-lo/2} = 1 - lo/2 to f64 precision wherever the result is normal).
+    let hi = x * x;
+    let lo = x.mul_add(x, -hi);
+    let pdf = FRAC_1_SQRT_2PI * (-0.5 * hi).exp() * (1.0 - 0.5 * lo);
+    cdf + x * pdf
+}
+
+/// [`gelu_derivative`] for `x` read from f32, f16 or bf16 and a result
+/// rounded to one of them, without a branch or a library call, so that
+/// a loop over a slice vectorizes: `x²` is exact in f64 for such an `x`,
+/// and `e^{-x²/2}` comes from [`exp_to_narrow`] (within 1e-15).
+#[inline(always)]
+pub fn gelu_derivative_to_narrow(x: f64, y: f64) -> f64 {
+    let half_sq = 0.5 * (x * x);
+    // Beyond x²/2 = 110, x·φ(x) is below 1e-47, a zero in every narrow
+    // type; infinite x would make it ±inf·0.
+    let x_pdf = if half_sq > 110.0 {
+        0.0
+    } else {
+        x * (FRAC_1_SQRT_2PI * exp_to_narrow(-half_sq))
+    };
+    let cdf = if x == 0.0 {
+        0.5
+    } else if half_sq > 110.0 {
+        // y/x is inf/inf at the infinities; Φ is 0 or 1 to f64 precision.
+        if x > 0.0 {
+            1.0
+        } else {
+            0.0
+        }
+    } else {
+        y / x
+    };
+    cdf + x_pdf
+}
+
 /// GELU's tanh approximation, `x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))/2`,
 /// the form GPT-2 and BERT were trained with, within 4 ulp in f64
 /// (`docs/accuracy.md`). Written as `x·σ(t)` with `t = 2u` (the same
@@ -541,6 +588,48 @@ pub fn log1p(x: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GELU's derivative, narrow and wide, against `Φ(x) + xφ(x)` from
+    /// libm's erfc, and at the specials.
+    #[test]
+    fn gelu_derivative_forms() {
+        for i in -1600..=1600 {
+            let x = (i as f64 / 100.0) as f32 as f64;
+            let cdf = 0.5 * libm::erfc(-x * std::f64::consts::FRAC_1_SQRT_2);
+            let x_pdf = x * (-0.5 * x * x).exp() * FRAC_1_SQRT_2PI;
+            let want = cdf + x_pdf;
+            // Φ + xφ cancels near its root (x ≈ -0.75): errors are
+            // measured against the size of its terms.
+            let scale = cdf.abs() + x_pdf.abs();
+            let y = gelu(x);
+            let narrow_y = y as f32 as f64;
+            for (name, got, tolerance) in [
+                ("wide", gelu_derivative(x, y), 1e-14),
+                // Φ = y/x inherits y's f32 rounding.
+                ("narrow", gelu_derivative_to_narrow(x, narrow_y), 2e-7),
+            ] {
+                assert!(
+                    // (1.4e-46: a tenth of the smallest f32 subnormal.)
+                    (got - want).abs() <= tolerance * scale + 1.4e-46,
+                    "{name} gelu'({x:e}): {got:e} vs {want:e}"
+                );
+            }
+        }
+        for (x, d) in [
+            (f64::INFINITY, 1.0),
+            (f64::NEG_INFINITY, 0.0),
+            (0.0, 0.5),
+            (-0.0, 0.5),
+            (-1e30, 0.0),
+            (1e30, 1.0),
+        ] {
+            let y = gelu(x);
+            assert_eq!(gelu_derivative(x, y), d, "gelu'({x})");
+            assert_eq!(gelu_derivative_to_narrow(x, y), d, "narrow gelu'({x})");
+        }
+        assert!(gelu_derivative_to_narrow(f64::NAN, f64::NAN).is_nan());
+        assert!(gelu_derivative(f64::NAN, f64::NAN).is_nan());
+    }
 
     #[test]
     fn integers_wrap_and_floats_round() {

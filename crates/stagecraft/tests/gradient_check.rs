@@ -276,6 +276,11 @@ fn cases() -> Vec<Case> {
     // Gelu at exactly 0 takes the rule's special case.
     let with_zero = Tensor::from_vec(vec![0.0, 0.5, -0.5, 1.0], &[4], &d).unwrap();
     out.push(case("Gelu", "Gelu at 0", with_zero, |x| weighted(x.gelu())));
+    // GELU's gradient factor, given GELU's output as its second operand:
+    // its rule sends the whole derivative to x.
+    out.push(case("GeluDerivative", "GeluDerivative", x23.clone(), |x| {
+        weighted(x.apply_binary(stagecraft::BinaryOp::GeluDerivative, &x.gelu()))
+    }));
 
     // Broadcasting binary ops, both operands, against a row and a column.
     type Bin = fn(&T, &T) -> T;

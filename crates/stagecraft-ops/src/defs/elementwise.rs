@@ -7,8 +7,8 @@ use crate::elementwise::DTypeClass;
 use crate::grad::{GradBuilder, GradContext, InputGrads, G};
 use crate::op::*;
 use crate::scalar::{
-    erf, exp_to_narrow, expm1, gelu, gelu_tanh, gelu_tanh_to_narrow, log1p, relu, rsqrt, sigmoid,
-    sign, silu, softplus,
+    erf, exp_to_narrow, expm1, gelu, gelu_derivative, gelu_derivative_to_narrow, gelu_tanh,
+    gelu_tanh_to_narrow, log1p, relu, rsqrt, sigmoid, sign, silu, softplus,
 };
 use stagecraft_tensor::{broadcast_shapes, DType, Error, Result, TensorMetadata};
 
@@ -181,7 +181,10 @@ crate::unary_ops! {
     /// Gaussian error linear unit, exact form `x·Φ(x)`.
     Gelu => GELU("Gelu", Float) {
         eval: |x| x.via_f64(gelu),
-        grad: |b, x, y, g| gelu_grad(b, x, y, g),
+        grad: |b, x, y, g| {
+            let d = b.op(&GELU_DERIVATIVE, &[x, y], &crate::OpAttrs::new())?;
+            b.mul(g, d)
+        },
     }
     /// Sine.
     Sin => SIN("Sin", Float) {
@@ -391,6 +394,38 @@ crate::binary_ops! {
         eval: |a, b| a.minimum(b),
         grad: |b, x, y, _, g| extremum_grad(b, &LESS_EQUAL, x, y, g),
     }
+    /// GELU's derivative `Φ(a) + a·φ(a)` given `b = gelu(a)`, the factor
+    /// GELU's gradient multiplies by: one elementwise op that fuses into
+    /// the multiply (as a composite, selects around `b/a` and an
+    /// exponential, it was four kernels and the largest non-matmul cost of
+    /// a GPT's training step). Its gradient treats the pair as the
+    /// function of `a` it stands for: all of it goes to `a`.
+    GeluDerivative => GELU_DERIVATIVE("GeluDerivative", Float) {
+        eval: |a, b| {
+            let (x, y) = (a.to_f64(), b.to_f64());
+            T::from_f64(if T::NARROW {
+                gelu_derivative_to_narrow(x, y)
+            } else {
+                gelu_derivative(x, y)
+            })
+        },
+        // d/dx (Φ + xφ) = 2φ + xφ' = φ·(2 - x²).
+        grad: |b, x, y, _, g| {
+            let dtype = b.meta(x).dtype;
+            let two = b.scalar(2.0, dtype)?;
+            let x2 = b.mul(x, x)?;
+            let e = b.scale(x2, -0.5)?;
+            let e = b.unary(&EXP, e)?;
+            let pdf = b.scale(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
+            let k = b.sub(two, x2)?;
+            let d = b.mul(pdf, k)?;
+            let gx = b.mul(g, d)?;
+            let zero = b.scalar(0.0, dtype)?;
+            let dims = b.meta(y).shape.dims().to_vec();
+            let gy = b.broadcast_to(zero, &dims)?;
+            Ok((gx, gy))
+        },
+    }
     /// Logical and of bool tensors.
     And => LOGICAL_AND("LogicalAnd", Bool) {
         eval: |a, b| if a != T::ZERO && b != T::ZERO { T::ONE } else { T::ZERO },
@@ -495,34 +530,6 @@ fn unary_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGra
         return Err(Error::internal("unary_grad on a non-unary op"));
     };
     Ok(smallvec::smallvec![unary_grad_rule(op, b, x, y, g)?])
-}
-
-// gelu(x) = x Φ(x): the derivative is Φ(x) + x φ(x), with Φ(x) read back
-// as gelu(x) / x, which does not cancel for negative x as 1 + erf would.
-// At 0 that ratio is undefined and Φ(x) is taken as 1/2 + x φ(x): exactly
-// 1/2 there, and with Φ's derivative φ(0), so the second derivative is
-// right at 0 too (a constant 1/2 would drop φ(0) from it).
-fn gelu_grad(b: &mut dyn GradBuilder, x: G, y: G, g: G) -> Result<G> {
-    let dtype = b.meta(x).dtype;
-    let zero = b.scalar(0.0, dtype)?;
-    let half = b.scalar(0.5, dtype)?;
-    let at_zero = b.op(&EQUAL, &[x, zero], &crate::OpAttrs::new())?;
-    let one = b.scalar(1.0, dtype)?;
-    let safe_x = b.op(&SELECT, &[at_zero, one, x], &crate::OpAttrs::new())?;
-    let ratio = b.div(y, safe_x)?;
-    let x2 = b.mul(x, x)?;
-    let e = b.scale(x2, -0.5)?;
-    let e = b.unary(&EXP, e)?;
-    let pdf = b.scale(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
-    let xpdf = b.mul(x, pdf)?;
-    let near_zero = b.add(half, xpdf)?;
-    let cdf = b.op(
-        &SELECT,
-        &[at_zero, near_zero, ratio],
-        &crate::OpAttrs::new(),
-    )?;
-    let d = b.add(cdf, xpdf)?;
-    b.mul(g, d)
 }
 
 /// Maximum's and minimum's gradient: ties send it to the first operand.
