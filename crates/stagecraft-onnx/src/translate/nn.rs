@@ -1,0 +1,373 @@
+//! Neural-network ONNX ops: `MatMul`, `Gemm`, `Conv` (1-D and 2-D),
+//! pooling, `BatchNormalization` (inference), `InstanceNormalization`,
+//! `LayerNormalization` and `LRN`.
+
+use super::reduce::reduce_with;
+use super::shape::{pad_with, slice_axis};
+use super::{axis, dims, Ctx, Translate};
+use crate::error::{OnnxError, Result};
+use stagecraft_ops as ops;
+use stagecraft_ops::OpAttrs;
+use stagecraft_runtime::TensorHandle;
+
+pub(super) fn lookup(op_type: &str) -> Option<Translate> {
+    Some(match op_type {
+        "MatMul" => matmul,
+        "Gemm" => gemm,
+        "Conv" => conv,
+        "MaxPool" => |c| pool(c, true),
+        "AveragePool" => |c| pool(c, false),
+        "GlobalAveragePool" => |c| global_pool(c, &ops::MEAN),
+        "GlobalMaxPool" => |c| global_pool(c, &ops::MAX),
+        "BatchNormalization" => batch_norm,
+        "InstanceNormalization" => instance_norm,
+        "LayerNormalization" => layer_norm,
+        "LRN" => lrn,
+        _ => return None,
+    })
+}
+
+fn matmul(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let (a, b) = (c.input(0)?, c.input(1)?);
+    Ok(vec![c.op1(&ops::MATMUL, &[a, b], &OpAttrs::new())?])
+}
+
+fn gemm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let (a, b) = (c.input(0)?, c.input(1)?);
+    let mut attrs = OpAttrs::new();
+    attrs.set_bool("transpose_a", c.attr_int("transA", 0) != 0);
+    attrs.set_bool("transpose_b", c.attr_int("transB", 0) != 0);
+    let mut y = c.op1(&ops::MATMUL, &[a, b], &attrs)?;
+    let alpha = c.attr_float("alpha", 1.0) as f64;
+    if alpha != 1.0 {
+        y = c.with_scalar(&ops::MUL, &y, alpha)?;
+    }
+    if let Some(bias) = c.opt_input(2) {
+        let beta = c.attr_float("beta", 1.0) as f64;
+        let bias = if beta != 1.0 {
+            c.with_scalar(&ops::MUL, bias, beta)?
+        } else {
+            bias.clone()
+        };
+        y = c.binary(&ops::ADD, &y, &bias)?;
+    }
+    Ok(vec![y])
+}
+
+/// Padding of the spatial axes: `(begin, end)` per axis.
+fn spatial_pads(
+    c: &Ctx<'_>,
+    input: &[usize],
+    kernel: &[usize],
+    strides: &[usize],
+    dilations: &[usize],
+) -> Result<Vec<(usize, usize)>> {
+    let n = input.len();
+    let auto = c.attr_str("auto_pad", "NOTSET");
+    match auto.as_str() {
+        "NOTSET" => {
+            let pads = c.attr_ints("pads").unwrap_or_else(|| vec![0; 2 * n]);
+            if pads.len() != 2 * n || pads.iter().any(|&p| p < 0) {
+                return Err(OnnxError::invalid(format!("invalid pads {pads:?}")));
+            }
+            Ok((0..n)
+                .map(|i| (pads[i] as usize, pads[i + n] as usize))
+                .collect())
+        }
+        "VALID" => Ok(vec![(0, 0); n]),
+        "SAME_UPPER" | "SAME_LOWER" => Ok((0..n)
+            .map(|i| {
+                let out = input[i].div_ceil(strides[i]);
+                let span = (kernel[i] - 1) * dilations[i] + 1;
+                let total = ((out.max(1) - 1) * strides[i] + span).saturating_sub(input[i]);
+                let small = total / 2;
+                if auto == "SAME_UPPER" {
+                    (small, total - small)
+                } else {
+                    (total - small, small)
+                }
+            })
+            .collect()),
+        other => Err(OnnxError::unsupported(format!("auto_pad {other}"))),
+    }
+}
+
+fn ints_or(c: &Ctx<'_>, name: &str, n: usize, default: usize) -> Result<Vec<usize>> {
+    match c.attr_ints(name) {
+        Some(v) if v.len() == n && v.iter().all(|&x| x > 0) => {
+            Ok(v.iter().map(|&x| x as usize).collect())
+        }
+        Some(v) => Err(OnnxError::invalid(format!("invalid {name} {v:?}"))),
+        None => Ok(vec![default; n]),
+    }
+}
+
+/// A 1-D input `[N, C, L]` as 2-D `[N, C, 1, L]`.
+fn as_2d(c: &Ctx<'_>, x: &TensorHandle) -> Result<TensorHandle> {
+    let d = dims(x);
+    c.reshape(x, &[d[0], d[1], 1, d[2]])
+}
+
+/// A spatial list for 2-D ops: 1-D lists get `pad1d` prepended.
+fn two<T: Copy>(v: &[T], pad1d: T) -> [T; 2] {
+    if v.len() == 1 {
+        [pad1d, v[0]]
+    } else {
+        [v[0], v[1]]
+    }
+}
+
+fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let w = c.input(1)?;
+    let xd = dims(&x);
+    let wd = dims(&w);
+    let spatial = xd.len().saturating_sub(2);
+    if !(1..=2).contains(&spatial) || wd.len() != xd.len() {
+        return Err(OnnxError::unsupported(format!(
+            "Conv with {spatial} spatial dimensions (1 and 2 are supported)"
+        )));
+    }
+    let kernel = &wd[2..];
+    let strides = ints_or(c, "strides", spatial, 1)?;
+    let dilations = ints_or(c, "dilations", spatial, 1)?;
+    let pads = spatial_pads(c, &xd[2..], kernel, &strides, &dilations)?;
+    let (mut x2, w2) = if spatial == 1 {
+        (as_2d(c, &x)?, as_2d(c, &w)?)
+    } else {
+        (x, w)
+    };
+    let pads2 = two(&pads, (0, 0));
+    let symmetric = pads2.iter().all(|&(b, e)| b == e);
+    let padding = if symmetric {
+        [pads2[0].0, pads2[1].0]
+    } else {
+        let before = [0, 0, pads2[0].0 as i64, pads2[1].0 as i64];
+        let after = [0, 0, pads2[0].1 as i64, pads2[1].1 as i64];
+        x2 = pad_with(c, &x2, &before, &after, 0.0)?;
+        [0, 0]
+    };
+    let mut attrs = OpAttrs::new();
+    attrs.set_dims("stride", &two(&strides, 1));
+    attrs.set_dims("padding", &padding);
+    attrs.set_dims("dilation", &two(&dilations, 1));
+    attrs.set_int("groups", c.attr_int("group", 1));
+    let mut y = c.op1(&ops::CONV2D, &[x2, w2], &attrs)?;
+    if let Some(b) = c.opt_input(2) {
+        let b = c.reshape(b, &[1, wd[0], 1, 1])?;
+        y = c.binary(&ops::ADD, &y, &b)?;
+    }
+    if spatial == 1 {
+        let d = dims(&y);
+        y = c.reshape(&y, &[d[0], d[1], d[3]])?;
+    }
+    Ok(vec![y])
+}
+
+fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let xd = dims(&x);
+    let spatial = xd.len().saturating_sub(2);
+    if !(1..=2).contains(&spatial) {
+        return Err(OnnxError::unsupported(format!(
+            "{} with {spatial} spatial dimensions (1 and 2 are supported)",
+            c.op_type()
+        )));
+    }
+    let kernel = ints_or(c, "kernel_shape", spatial, 1)?;
+    if !c.has_attr("kernel_shape") {
+        return Err(OnnxError::invalid("pooling needs kernel_shape"));
+    }
+    let strides = ints_or(c, "strides", spatial, 1)?;
+    let dilations = ints_or(c, "dilations", spatial, 1)?;
+    if dilations.iter().any(|&d| d != 1) {
+        return Err(OnnxError::unsupported(format!(
+            "{} with dilations {dilations:?}",
+            c.op_type()
+        )));
+    }
+    let mut pads = spatial_pads(c, &xd[2..], &kernel, &strides, &dilations)?;
+    if c.attr_int("ceil_mode", 0) != 0 {
+        // Grow the end padding so the floor of the output size is the
+        // ceiling the model asks for; the last window must start inside
+        // the input or its begin padding.
+        for i in 0..spatial {
+            let (b, e) = pads[i];
+            let padded = xd[2 + i] + b + e;
+            let mut out = (padded - kernel[i]).div_ceil(strides[i]) + 1;
+            if (out - 1) * strides[i] >= xd[2 + i] + b {
+                out -= 1;
+            }
+            let need = (out - 1) * strides[i] + kernel[i];
+            if need > padded {
+                if !max {
+                    return Err(OnnxError::unsupported(
+                        "AveragePool with ceil_mode windows past the padding",
+                    ));
+                }
+                pads[i].1 += need - padded;
+            }
+        }
+    }
+    let count_include_pad = c.attr_int("count_include_pad", 0) != 0;
+    let mut x2 = if spatial == 1 { as_2d(c, &x)? } else { x };
+    let pads2 = two(&pads, (0, 0));
+    let kernel2 = two(&kernel, 1);
+    let fits = pads2
+        .iter()
+        .zip(&kernel2)
+        .all(|(&(b, e), &k)| b == e && b * 2 <= k);
+    let padding = if fits {
+        [pads2[0].0, pads2[1].0]
+    } else {
+        if !max && !count_include_pad && pads2.iter().any(|&(b, e)| b + e > 0) {
+            return Err(OnnxError::unsupported(
+                "AveragePool with asymmetric padding that does not count the pads",
+            ));
+        }
+        let value = if max { f64::NEG_INFINITY } else { 0.0 };
+        let before = [0, 0, pads2[0].0 as i64, pads2[1].0 as i64];
+        let after = [0, 0, pads2[0].1 as i64, pads2[1].1 as i64];
+        x2 = pad_with(c, &x2, &before, &after, value)?;
+        [0, 0]
+    };
+    let mut attrs = OpAttrs::new();
+    attrs.set_dims("kernel", &kernel2);
+    attrs.set_dims("stride", &two(&strides, 1));
+    attrs.set_dims("padding", &padding);
+    let op = if max {
+        &ops::MAX_POOL2D
+    } else {
+        attrs.set_bool("count_include_pad", count_include_pad);
+        &ops::AVG_POOL2D
+    };
+    let mut y = c.op1(op, &[x2], &attrs)?;
+    if spatial == 1 {
+        let d = dims(&y);
+        y = c.reshape(&y, &[d[0], d[1], d[3]])?;
+    }
+    Ok(vec![y])
+}
+
+fn global_pool(c: &Ctx<'_>, op: &'static ops::OpDef) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let rank = dims(&x).len();
+    if rank < 3 {
+        return Err(OnnxError::invalid("global pooling needs [N, C, ...]"));
+    }
+    let axes: Vec<i64> = (2..rank as i64).collect();
+    Ok(vec![reduce_with(c, op, &x, &axes, true)?])
+}
+
+/// A per-channel vector `[C]` shaped to broadcast against `[N, C, ...]`.
+fn per_channel(c: &Ctx<'_>, v: &TensorHandle, rank: usize) -> Result<TensorHandle> {
+    let n = v.metadata().shape.numel();
+    let mut d = vec![1; rank];
+    if rank > 1 {
+        d[1] = n;
+    }
+    c.reshape(v, &d)
+}
+
+fn batch_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    if c.attr_int("training_mode", 0) != 0 {
+        return Err(OnnxError::unsupported(
+            "BatchNormalization in training mode",
+        ));
+    }
+    if c.node.output.iter().skip(1).any(|o| !o.is_empty()) {
+        return Err(OnnxError::unsupported(
+            "BatchNormalization's running statistics outputs (training)",
+        ));
+    }
+    let x = c.input(0)?;
+    let rank = dims(&x).len();
+    let eps = c.attr_float("epsilon", 1e-5) as f64;
+    let dt = x.dtype();
+    let param = |i: usize| -> Result<TensorHandle> {
+        let p = c.cast(&c.input(i)?, dt)?;
+        per_channel(c, &p, rank)
+    };
+    let (scale, bias, mean, var) = (param(1)?, param(2)?, param(3)?, param(4)?);
+    // y = x * a + (bias - mean * a), a = scale / sqrt(var + eps)
+    let v = c.with_scalar(&ops::ADD, &var, eps)?;
+    let s = c.unary(&ops::SQRT, &v)?;
+    let a = c.binary(&ops::DIV, &scale, &s)?;
+    let ma = c.binary(&ops::MUL, &mean, &a)?;
+    let shift = c.binary(&ops::SUB, &bias, &ma)?;
+    let y = c.binary(&ops::MUL, &x, &a)?;
+    Ok(vec![c.binary(&ops::ADD, &y, &shift)?])
+}
+
+/// `(x - mean) / sqrt(var + eps)` over `axes`, with the mean and the
+/// reciprocal standard deviation (both kept with unit dimensions).
+fn normalize(
+    c: &Ctx<'_>,
+    x: &TensorHandle,
+    axes: &[i64],
+    eps: f64,
+) -> Result<(TensorHandle, TensorHandle, TensorHandle)> {
+    let mean = reduce_with(c, &ops::MEAN, x, axes, true)?;
+    let centered = c.binary(&ops::SUB, x, &mean)?;
+    let sq = c.binary(&ops::MUL, &centered, &centered)?;
+    let var = reduce_with(c, &ops::MEAN, &sq, axes, true)?;
+    let v = c.with_scalar(&ops::ADD, &var, eps)?;
+    let rstd = c.unary(&ops::RSQRT, &v)?;
+    let y = c.binary(&ops::MUL, &centered, &rstd)?;
+    Ok((y, mean, rstd))
+}
+
+fn instance_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let rank = dims(&x).len();
+    let eps = c.attr_float("epsilon", 1e-5) as f64;
+    let axes: Vec<i64> = (2..rank as i64).collect();
+    let (y, _, _) = normalize(c, &x, &axes, eps)?;
+    let scale = per_channel(c, &c.input(1)?, rank)?;
+    let bias = per_channel(c, &c.input(2)?, rank)?;
+    let y = c.binary(&ops::MUL, &y, &scale)?;
+    Ok(vec![c.binary(&ops::ADD, &y, &bias)?])
+}
+
+fn layer_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let rank = dims(&x).len();
+    let a = axis(c.attr_int("axis", -1), rank)?;
+    let eps = c.attr_float("epsilon", 1e-5) as f64;
+    let axes: Vec<i64> = (a as i64..rank as i64).collect();
+    let (mut y, mean, rstd) = normalize(c, &x, &axes, eps)?;
+    y = c.binary(&ops::MUL, &y, &c.input(1)?)?;
+    if let Some(b) = c.opt_input(2) {
+        y = c.binary(&ops::ADD, &y, b)?;
+    }
+    Ok(vec![y, mean, rstd])
+}
+
+fn lrn(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let d = dims(&x);
+    if d.len() < 3 {
+        return Err(OnnxError::invalid("LRN needs [N, C, ...]"));
+    }
+    let size = c.attr_int("size", 1).max(1) as usize;
+    let alpha = c.attr_float("alpha", 1e-4) as f64;
+    let beta = c.attr_float("beta", 0.75) as f64;
+    let bias = c.attr_float("bias", 1.0) as f64;
+    let sq = c.binary(&ops::MUL, &x, &x)?;
+    let mut before = vec![0i64; d.len()];
+    let mut after = vec![0i64; d.len()];
+    before[1] = ((size - 1) / 2) as i64;
+    after[1] = (size - 1).div_ceil(2) as i64;
+    let padded = pad_with(c, &sq, &before, &after, 0.0)?;
+    let channels = d[1];
+    let mut sum = slice_axis(c, &padded, 1, 0, channels)?;
+    for i in 1..size {
+        let part = slice_axis(c, &padded, 1, i, i + channels)?;
+        sum = c.binary(&ops::ADD, &sum, &part)?;
+    }
+    let scaled = c.with_scalar(&ops::MUL, &sum, alpha / size as f64)?;
+    let shifted = c.with_scalar(&ops::ADD, &scaled, bias)?;
+    let e = c.scalar(beta, x.dtype())?;
+    let div = c.binary(&ops::POW, &shifted, &e)?;
+    Ok(vec![c.binary(&ops::DIV, &x, &div)?])
+}
