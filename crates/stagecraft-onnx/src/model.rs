@@ -13,9 +13,10 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Mutex;
 
-/// The newest version of the default (`ai.onnx`) opset the importer knows.
+/// The newest version of the default (`ai.onnx`) opset the importer knows
+/// (that of onnx 1.22.0).
 /// Models importing a newer one are refused as unsupported.
-pub const MAX_OPSET: i64 = 24;
+pub const MAX_OPSET: i64 = 27;
 
 /// One dimension of a declared input or output shape.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,7 +83,28 @@ pub struct Model {
     initializers: HashMap<String, DenseHostTensor>,
     inputs: Vec<ValueInfo>,
     outputs: Vec<ValueInfo>,
-    functions: Mutex<HashMap<Vec<TensorMetadata>, FuncId>>,
+    functions: Mutex<HashMap<Signature, FuncId>>,
+}
+
+/// What a traced function is specialized on: the inputs' metadata, and the
+/// values of the inputs baked in as constants (see [`baked`]).
+type Signature = (Vec<TensorMetadata>, Vec<Option<Vec<u8>>>);
+
+/// Integer inputs of at most this many elements are baked into the
+/// translation as constants (and the function cache keys on their values):
+/// ONNX passes shapes, axes, pads and counts as tensors, which stagecraft
+/// ops take as attributes.
+pub const BAKED_INT_LIMIT: usize = 64;
+
+/// The inputs baked in as constants: small integer tensors.
+fn baked(values: &[DenseHostTensor]) -> Vec<Option<DenseHostTensor>> {
+    values
+        .iter()
+        .map(|v| {
+            (matches!(v.dtype(), DType::I64 | DType::I32) && v.numel() <= BAKED_INT_LIMIT)
+                .then(|| v.clone())
+        })
+        .collect()
 }
 
 impl std::fmt::Debug for Model {
@@ -160,7 +182,12 @@ impl Model {
             .iter()
             .find(|o| matches!(o.domain(), "" | "ai.onnx"))
             .map(|o| o.version())
-            .ok_or_else(|| OnnxError::invalid("the model imports no ai.onnx opset"))?;
+            .ok_or_else(|| {
+                let domains: Vec<&str> = proto.opset_import.iter().map(|o| o.domain()).collect();
+                OnnxError::unsupported(format!(
+                    "the model imports only the domains {domains:?}, not ai.onnx"
+                ))
+            })?;
         if opset > MAX_OPSET {
             return Err(OnnxError::unsupported(format!(
                 "opset {opset} (the importer knows opsets up to {MAX_OPSET})"
@@ -255,14 +282,15 @@ impl Model {
         mode: Mode,
     ) -> Result<Vec<DenseHostTensor>> {
         let values = self.check_inputs(inputs)?;
+        let baked = baked(&values);
         let cpu = Device::cpu();
         let handles = match mode {
-            Mode::Eager => self.translate(cpu, &values)?,
-            Mode::Lazy => self.translate(Device::lazy(&cpu), &values)?,
+            Mode::Eager => self.translate(cpu, &values, &baked)?,
+            Mode::Lazy => self.translate(Device::lazy(&cpu), &values, &baked)?,
             Mode::Function => {
                 let metas: Vec<TensorMetadata> =
                     values.iter().map(|v| v.metadata().clone()).collect();
-                let id = self.function_for(&metas)?;
+                let id = self.function_for(&metas, &baked)?;
                 let mut attrs = OpAttrs::new();
                 attrs.set_func("f", id);
                 let args = values
@@ -291,18 +319,31 @@ impl Model {
     }
 
     /// The graph function for inputs of `metas` (in the order of
-    /// [`Model::inputs`]), traced on first use and cached per signature.
-    pub fn function_for(&self, metas: &[TensorMetadata]) -> Result<FuncId> {
+    /// [`Model::inputs`]) with the given inputs baked in as constants
+    /// (their parameters stay, unused), traced on first use and cached per
+    /// signature.
+    pub fn function_for(
+        &self,
+        metas: &[TensorMetadata],
+        baked: &[Option<DenseHostTensor>],
+    ) -> Result<FuncId> {
+        let key: Signature = (
+            metas.to_vec(),
+            baked
+                .iter()
+                .map(|b| b.as_ref().map(|t| t.buffer().bytes().to_vec()))
+                .collect(),
+        );
         if let Some(id) = self
             .functions
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get(metas)
+            .get(&key)
         {
             return Ok(*id);
         }
         let params = tracing::begin("onnx", metas);
-        let result = self.translate_handles(tracing::tracer_device(), params);
+        let result = self.translate_handles(tracing::tracer_device(), params, baked);
         let results = match result {
             Ok(r) => r,
             Err(e) => {
@@ -321,7 +362,7 @@ impl Model {
         self.functions
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(metas.to_vec(), id);
+            .insert(key, id);
         Ok(id)
     }
 
@@ -374,12 +415,17 @@ impl Model {
             .collect()
     }
 
-    fn translate(&self, device: Device, inputs: &[DenseHostTensor]) -> Result<Vec<TensorHandle>> {
+    fn translate(
+        &self,
+        device: Device,
+        inputs: &[DenseHostTensor],
+        baked: &[Option<DenseHostTensor>],
+    ) -> Result<Vec<TensorHandle>> {
         let handles = inputs
             .iter()
             .map(|v| TensorHandle::available(device, v.clone().into()))
             .collect();
-        self.translate_handles(device, handles)
+        self.translate_handles(device, handles, baked)
     }
 
     /// Translates the graph on `device` with `inputs` (in the order of
@@ -388,6 +434,7 @@ impl Model {
         &self,
         device: Device,
         inputs: Vec<TensorHandle>,
+        baked: &[Option<DenseHostTensor>],
     ) -> Result<Vec<TensorHandle>> {
         let mut values: HashMap<String, Val> = HashMap::new();
         for (name, t) in &self.initializers {
@@ -399,14 +446,18 @@ impl Model {
                 },
             );
         }
-        for (info, h) in self.inputs.iter().zip(inputs) {
-            values.insert(
-                info.name.clone(),
-                Val {
+        for ((info, h), b) in self.inputs.iter().zip(inputs).zip(baked) {
+            let val = match b {
+                Some(t) => Val {
+                    handle: TensorHandle::available(device, t.clone().into()),
+                    known: Some(t.clone()),
+                },
+                None => Val {
                     handle: h,
                     known: None,
                 },
-            );
+            };
+            values.insert(info.name.clone(), val);
         }
         translate::run_nodes(&self.graph.node, self.opset, device, &mut values)?;
         self.outputs

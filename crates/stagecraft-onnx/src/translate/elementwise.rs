@@ -7,6 +7,7 @@ use crate::tensor::dtype_of;
 use stagecraft_ops as ops;
 use stagecraft_ops::OpDef;
 use stagecraft_runtime::TensorHandle;
+use stagecraft_tensor::DType;
 
 pub(super) fn lookup(op_type: &str) -> Option<Translate> {
     Some(match op_type {
@@ -61,6 +62,9 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "ThresholdedRelu" => thresholded_relu,
         "Mish" => mish,
         "Gelu" => gelu,
+        "Mod" => mod_,
+        "IsInf" => is_inf,
+        "Shrink" => shrink,
         "IsNaN" => |c| {
             let x = c.input(0)?;
             Ok(vec![c.binary(&ops::NOT_EQUAL, &x, &x)?])
@@ -99,9 +103,94 @@ fn binary(c: &Ctx<'_>, op: &'static OpDef) -> Result<Vec<TensorHandle>> {
 
 fn pow(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let (x, y) = (c.input(0)?, c.input(1)?);
+    if x.dtype().is_float() {
+        let y = c.cast(&y, x.dtype())?;
+        return Ok(vec![c.binary(&ops::POW, &x, &y)?]);
+    }
+    // Integer bases: computed in f64 (exact for the results that fit) and
+    // rounded back.
+    let xf = c.cast(&x, DType::F64)?;
+    let yf = c.cast(&y, DType::F64)?;
+    let p = c.binary(&ops::POW, &xf, &yf)?;
+    let r = c.unary(&ops::ROUND, &p)?;
+    Ok(vec![c.cast(&r, x.dtype())?])
+}
+
+fn mod_(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let (a, b) = (c.input(0)?, c.input(1)?);
+    let fmod = c.attr_int("fmod", 0) != 0;
+    let float = a.dtype().is_float();
+    if float && !fmod {
+        return Err(OnnxError::invalid("Mod of floats needs fmod = 1"));
+    }
+    // The quotient truncated toward zero: integer division does that; for
+    // floats sign(q) * floor(|q|).
+    let q = c.binary(&ops::DIV, &a, &b)?;
+    let q = if float {
+        let s = c.unary(&ops::SIGN, &q)?;
+        let m = c.unary(&ops::ABS, &q)?;
+        let f = c.unary(&ops::FLOOR, &m)?;
+        c.binary(&ops::MUL, &s, &f)?
+    } else {
+        q
+    };
+    let qb = c.binary(&ops::MUL, &q, &b)?;
+    let r = c.binary(&ops::SUB, &a, &qb)?;
+    if fmod {
+        return Ok(vec![r]);
+    }
+    // Python's sign convention: the remainder takes the divisor's sign.
+    let zero = c.scalar(0.0, r.dtype())?;
+    let r_neg = c.binary(&ops::LESS, &r, &zero)?;
+    let b_neg = c.binary(&ops::LESS, &b, &zero)?;
+    let differ = c.binary(&ops::NOT_EQUAL, &r_neg, &b_neg)?;
+    let nonzero = c.binary(&ops::NOT_EQUAL, &r, &zero)?;
+    let fix = c.binary(&ops::LOGICAL_AND, &differ, &nonzero)?;
+    let shifted = c.binary(&ops::ADD, &r, &b)?;
+    Ok(vec![c.op1(
+        &ops::SELECT,
+        &[fix, shifted, r],
+        &ops::OpAttrs::new(),
+    )?])
+}
+
+fn is_inf(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
     require_float(c, &x)?;
-    let y = c.cast(&y, x.dtype())?;
-    Ok(vec![c.binary(&ops::POW, &x, &y)?])
+    let pos = c.scalar(f64::INFINITY, x.dtype())?;
+    let neg = c.scalar(f64::NEG_INFINITY, x.dtype())?;
+    let is_pos = c.binary(&ops::EQUAL, &x, &pos)?;
+    let is_neg = c.binary(&ops::EQUAL, &x, &neg)?;
+    let (want_pos, want_neg) = (
+        c.attr_int("detect_positive", 1) != 0,
+        c.attr_int("detect_negative", 1) != 0,
+    );
+    Ok(vec![match (want_pos, want_neg) {
+        (true, true) => c.binary(&ops::LOGICAL_OR, &is_pos, &is_neg)?,
+        (true, false) => is_pos,
+        (false, true) => is_neg,
+        (false, false) => c.binary(&ops::LOGICAL_AND, &is_pos, &is_neg)?,
+    }])
+}
+
+fn shrink(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let lambd = c.attr_float("lambd", 0.5) as f64;
+    let bias = c.attr_float("bias", 0.0) as f64;
+    let dt = x.dtype();
+    let lo = c.scalar(-lambd, dt)?;
+    let hi = c.scalar(lambd, dt)?;
+    let zero = c.scalar(0.0, dt)?;
+    let below = c.binary(&ops::LESS, &x, &lo)?;
+    let above = c.binary(&ops::GREATER, &x, &hi)?;
+    let plus = c.with_scalar(&ops::ADD, &x, bias)?;
+    let minus = c.with_scalar(&ops::SUB, &x, bias)?;
+    let a = c.op1(&ops::SELECT, &[above, minus, zero], &ops::OpAttrs::new())?;
+    Ok(vec![c.op1(
+        &ops::SELECT,
+        &[below, plus, a],
+        &ops::OpAttrs::new(),
+    )?])
 }
 
 fn variadic(c: &Ctx<'_>, op: &'static OpDef) -> Result<Vec<TensorHandle>> {
@@ -181,7 +270,15 @@ fn leaky_relu(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
 
 fn prelu(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
-    let neg = c.binary(&ops::MUL, &x, &c.input(1)?)?;
+    let mut slope = c.input(1)?;
+    let (xd, sd) = (super::dims(&x), super::dims(&slope));
+    // Before opset 7 a slope of [C] applies per channel of [N, C, ...].
+    if c.opset < 7 && sd.len() == 1 && xd.len() > 2 && sd[0] == xd[1] && sd[0] != 1 {
+        let mut d = vec![1; xd.len() - 1];
+        d[0] = sd[0];
+        slope = c.reshape(&slope, &d)?;
+    }
+    let neg = c.binary(&ops::MUL, &x, &slope)?;
     Ok(vec![negative_part(c, &x, &neg)?])
 }
 

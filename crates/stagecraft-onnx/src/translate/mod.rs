@@ -59,8 +59,9 @@ pub(crate) struct Ctx<'a> {
     pub device: Device,
     inputs: Vec<Option<Val>>,
     location: Location,
-    /// The constants this node's translation made, by handle address.
-    made: RefCell<Vec<(usize, DenseHostTensor)>>,
+    /// The constants this node's translation made (the handles are kept,
+    /// so no other handle can reuse their addresses meanwhile).
+    made: RefCell<Vec<(TensorHandle, DenseHostTensor)>>,
 }
 
 /// Translates the nodes of a graph in order. `values` holds the graph's
@@ -162,7 +163,7 @@ fn translate_node(
                     ctx.made
                         .borrow()
                         .iter()
-                        .find(|(a, _)| *a == h.addr())
+                        .find(|(m, _)| m.ptr_eq(&h))
                         .map(|(_, v)| v.clone())
                 };
                 Ok(Val { handle: h, known })
@@ -354,7 +355,7 @@ impl<'a> Ctx<'a> {
     /// A constant on the translation's device.
     pub fn constant(&self, value: DenseHostTensor) -> TensorHandle {
         let h = TensorHandle::available(self.device, value.clone().into());
-        self.made.borrow_mut().push((h.addr(), value));
+        self.made.borrow_mut().push((h.clone(), value));
         h
     }
 

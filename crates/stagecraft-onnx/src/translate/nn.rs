@@ -23,6 +23,8 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "InstanceNormalization" => instance_norm,
         "LayerNormalization" => layer_norm,
         "LRN" => lrn,
+        "RMSNormalization" => rms_norm,
+        "LpNormalization" => lp_norm,
         _ => return None,
     })
 }
@@ -119,6 +121,7 @@ fn two<T: Copy>(v: &[T], pad1d: T) -> [T; 2] {
 
 fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
+    require_float(c, &x)?;
     let w = c.input(1)?;
     let xd = dims(&x);
     let wd = dims(&w);
@@ -164,8 +167,22 @@ fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     Ok(vec![y])
 }
 
+/// Requires a float input of a convolution or pooling op.
+fn require_float(c: &Ctx<'_>, x: &TensorHandle) -> Result<()> {
+    if x.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(OnnxError::unsupported(format!(
+            "{} on {} tensors",
+            c.op_type(),
+            x.dtype()
+        )))
+    }
+}
+
 fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
+    require_float(c, &x)?;
     let xd = dims(&x);
     let spatial = xd.len().saturating_sub(2);
     if !(1..=2).contains(&spatial) {
@@ -187,6 +204,8 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
         )));
     }
     let mut pads = spatial_pads(c, &xd[2..], &kernel, &strides, &dilations)?;
+    // The end padding ceil_mode adds, which an average never counts.
+    let mut ceil_ext = vec![0usize; spatial];
     if c.attr_int("ceil_mode", 0) != 0 {
         // Grow the end padding so the floor of the output size is the
         // ceiling the model asks for; the last window must start inside
@@ -200,17 +219,35 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
             }
             let need = (out - 1) * strides[i] + kernel[i];
             if need > padded {
-                if !max {
-                    return Err(OnnxError::unsupported(
-                        "AveragePool with ceil_mode windows past the padding",
-                    ));
-                }
-                pads[i].1 += need - padded;
+                ceil_ext[i] = need - padded;
             }
         }
     }
     let count_include_pad = c.attr_int("count_include_pad", 0) != 0;
     let mut x2 = if spatial == 1 { as_2d(c, &x)? } else { x };
+    if !max
+        && (ceil_ext.iter().any(|&e| e > 0)
+            || !count_include_pad
+                && pads
+                    .iter()
+                    .zip(&kernel)
+                    .any(|(&(b, e), &k)| b != e || b * 2 > k))
+    {
+        let ext2 = two(&ceil_ext, 0);
+        return average_by_mask(
+            c,
+            &x2,
+            &two(&pads, (0, 0)),
+            &ext2,
+            &kernel,
+            &strides,
+            count_include_pad,
+            spatial,
+        );
+    }
+    for i in 0..spatial {
+        pads[i].1 += ceil_ext[i];
+    }
     let pads2 = two(&pads, (0, 0));
     let kernel2 = two(&kernel, 1);
     let fits = pads2
@@ -220,11 +257,6 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
     let padding = if fits {
         [pads2[0].0, pads2[1].0]
     } else {
-        if !max && !count_include_pad && pads2.iter().any(|&(b, e)| b + e > 0) {
-            return Err(OnnxError::unsupported(
-                "AveragePool with asymmetric padding that does not count the pads",
-            ));
-        }
         let value = if max { f64::NEG_INFINITY } else { 0.0 };
         let before = [0, 0, pads2[0].0 as i64, pads2[1].0 as i64];
         let after = [0, 0, pads2[0].1 as i64, pads2[1].1 as i64];
@@ -242,6 +274,61 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
         &ops::AVG_POOL2D
     };
     let mut y = c.op1(op, &[x2], &attrs)?;
+    if spatial == 1 {
+        let d = dims(&y);
+        y = c.reshape(&y, &[d[0], d[1], d[3]])?;
+    }
+    Ok(vec![y])
+}
+
+/// An average over windows that do not count some padding: the sum over
+/// each window of `x` padded with zeros, divided by the same sum over a
+/// mask that is 1 where an element counts (the input, and the explicit
+/// pads when `count_include_pad`), 0 elsewhere (`ceil_mode`'s extension).
+#[allow(clippy::too_many_arguments)]
+fn average_by_mask(
+    c: &Ctx<'_>,
+    x: &TensorHandle,
+    pads: &[(usize, usize); 2],
+    ext: &[usize; 2],
+    kernel: &[usize],
+    strides: &[usize],
+    count_include_pad: bool,
+    spatial: usize,
+) -> Result<Vec<TensorHandle>> {
+    let d = dims(x);
+    let before = [0, 0, pads[0].0 as i64, pads[1].0 as i64];
+    let after = [
+        0,
+        0,
+        (pads[0].1 + ext[0]) as i64,
+        (pads[1].1 + ext[1]) as i64,
+    ];
+    let xp = pad_with(c, x, &before, &after, 0.0)?;
+    let ones = c.scalar(1.0, x.dtype())?;
+    let mut attrs = OpAttrs::new();
+    attrs.set_dims("shape", &[1, 1, d[2], d[3]]);
+    let ones = c.op1(&ops::BROADCAST_TO, &[ones], &attrs)?;
+    let mask = if count_include_pad {
+        let m = pad_with(
+            c,
+            &ones,
+            &before,
+            &[0, 0, pads[0].1 as i64, pads[1].1 as i64],
+            1.0,
+        )?;
+        pad_with(c, &m, &[0; 4], &[0, 0, ext[0] as i64, ext[1] as i64], 0.0)?
+    } else {
+        pad_with(c, &ones, &before, &after, 0.0)?
+    };
+    let mut attrs = OpAttrs::new();
+    attrs.set_dims("kernel", &two(kernel, 1));
+    attrs.set_dims("stride", &two(strides, 1));
+    attrs.set_dims("padding", &[0, 0]);
+    attrs.set_bool("count_include_pad", true);
+    let sum = c.op1(&ops::AVG_POOL2D, &[xp], &attrs)?;
+    let count = c.op1(&ops::AVG_POOL2D, &[mask], &attrs)?;
+    let mut y = c.binary(&ops::DIV, &sum, &count)?;
     if spatial == 1 {
         let d = dims(&y);
         y = c.reshape(&y, &[d[0], d[1], d[3]])?;
@@ -370,4 +457,43 @@ fn lrn(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let e = c.scalar(beta, x.dtype())?;
     let div = c.binary(&ops::POW, &shifted, &e)?;
     Ok(vec![c.binary(&ops::DIV, &x, &div)?])
+}
+
+fn rms_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let rank = dims(&x).len();
+    let a = axis(c.attr_int("axis", -1), rank)?;
+    let eps = c.attr_float("epsilon", 1e-5) as f64;
+    let axes: Vec<i64> = (a as i64..rank as i64).collect();
+    let sq = c.binary(&ops::MUL, &x, &x)?;
+    let ms = reduce_with(c, &ops::MEAN, &sq, &axes, true)?;
+    let v = c.with_scalar(&ops::ADD, &ms, eps)?;
+    let r = c.unary(&ops::RSQRT, &v)?;
+    let y = c.binary(&ops::MUL, &x, &r)?;
+    Ok(vec![c.binary(&ops::MUL, &y, &c.input(1)?)?])
+}
+
+fn lp_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let a = axis(c.attr_int("axis", -1), dims(&x).len())? as i64;
+    let norm = match c.attr_int("p", 2) {
+        1 => {
+            let m = c.unary(&ops::ABS, &x)?;
+            reduce_with(c, &ops::SUM, &m, &[a], true)?
+        }
+        2 => {
+            let sq = c.binary(&ops::MUL, &x, &x)?;
+            let s = reduce_with(c, &ops::SUM, &sq, &[a], true)?;
+            c.unary(&ops::SQRT, &s)?
+        }
+        p => return Err(OnnxError::invalid(format!("LpNormalization p = {p}"))),
+    };
+    // A zero norm leaves the zeros as they are.
+    let zero = c.scalar(0.0, norm.dtype())?;
+    let one = c.scalar(1.0, norm.dtype())?;
+    let is_zero = c.binary(&ops::EQUAL, &norm, &zero)?;
+    let norm = c.op1(&ops::SELECT, &[is_zero, one, norm], &OpAttrs::new())?;
+    Ok(vec![c.binary(&ops::DIV, &x, &norm)?])
 }

@@ -95,6 +95,17 @@ fn reduce(c: &Ctx<'_>, kind: Kind) -> Result<Vec<TensorHandle>> {
             need_float("ReduceMean")?;
             reduce_with(c, &ops::MEAN, &x, &axes, keepdim)?
         }
+        Kind::Max | Kind::Min if x.dtype() == stagecraft_tensor::DType::Bool => {
+            // The max of bools is any, the min all: reduce them as bytes.
+            let op = if kind == Kind::Max {
+                &ops::MAX
+            } else {
+                &ops::MIN
+            };
+            let b = c.cast(&x, stagecraft_tensor::DType::U8)?;
+            let r = reduce_with(c, op, &b, &axes, keepdim)?;
+            c.cast(&r, stagecraft_tensor::DType::Bool)?
+        }
         Kind::Max | Kind::Min => {
             let empty = axes.iter().any(|&a| dims(&x)[a as usize] == 0)
                 || axes.is_empty() && x.metadata().shape.numel() == 0;
@@ -133,6 +144,15 @@ fn reduce(c: &Ctx<'_>, kind: Kind) -> Result<Vec<TensorHandle>> {
         }
         Kind::LogSumExp => {
             need_float("ReduceLogSumExp")?;
+            let d = dims(&x);
+            if axes.iter().any(|&a| d[a as usize] == 0)
+                || axes.is_empty() && x.metadata().shape.numel() == 0
+            {
+                // Nothing to sum: log(0) = -inf.
+                let e = c.unary(&ops::EXP, &x)?;
+                let s = reduce_with(c, &ops::SUM, &e, &axes, keepdim)?;
+                return Ok(vec![c.unary(&ops::LOG, &s)?]);
+            }
             // log(sum(exp(x - m))) + m, with m the max, for stability.
             let m = reduce_with(c, &ops::MAX, &x, &axes, true)?;
             let shifted = c.binary(&ops::SUB, &x, &m)?;
@@ -158,16 +178,24 @@ fn reduce(c: &Ctx<'_>, kind: Kind) -> Result<Vec<TensorHandle>> {
 
 fn arg(c: &Ctx<'_>, op: &'static OpDef) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
-    if c.attr_int("select_last_index", 0) != 0 {
-        return Err(OnnxError::unsupported(format!(
-            "{} with select_last_index",
-            c.op_type()
-        )));
-    }
+    let a = axis(c.attr_int("axis", 0), dims(&x).len())?;
     let mut attrs = OpAttrs::new();
-    attrs.set_int("axis", axis(c.attr_int("axis", 0), dims(&x).len())? as i64);
+    attrs.set_int("axis", a as i64);
     attrs.set_bool("keepdim", c.attr_int("keepdims", 1) != 0);
-    Ok(vec![c.op1(op, &[x], &attrs)?])
+    if c.attr_int("select_last_index", 0) == 0 {
+        return Ok(vec![c.op1(op, &[x], &attrs)?]);
+    }
+    // The last of equal extremes: the first one along the reversed axis,
+    // counted back from the end.
+    let n = dims(&x)[a] as i64;
+    let reversed: Vec<i64> = (0..n).rev().collect();
+    let idx = c.ints_constant(&reversed)?;
+    let mut g = OpAttrs::new();
+    g.set_int("axis", a as i64);
+    let flipped = c.op1(&ops::GATHER, &[x, idx], &g)?;
+    let r = c.op1(op, &[flipped], &attrs)?;
+    let last = c.scalar((n - 1) as f64, r.dtype())?;
+    Ok(vec![c.binary(&ops::SUB, &last, &r)?])
 }
 
 fn softmax(c: &Ctx<'_>, op: &'static OpDef) -> Result<Vec<TensorHandle>> {
