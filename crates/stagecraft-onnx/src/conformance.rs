@@ -254,6 +254,8 @@ pub struct CaseResult {
     pub op: String,
     /// The outcome.
     pub outcome: Outcome,
+    /// How long loading and running took.
+    pub elapsed: std::time::Duration,
 }
 
 fn read_tensor(path: &Path) -> Result<DenseHostTensor> {
@@ -356,6 +358,7 @@ pub fn compare_with(
 /// Runs one case in `mode` and classifies it. Never panics: a panic inside
 /// is caught and reported as a failure.
 pub fn run_case(case: &Case, mode: Mode) -> CaseResult {
+    let start = std::time::Instant::now();
     let model = if case.is_light() {
         Model::load(&case.dir)
     } else {
@@ -396,6 +399,7 @@ pub fn run_case(case: &Case, mode: Mode) -> CaseResult {
         category: case.category.clone(),
         op,
         outcome,
+        elapsed: start.elapsed(),
     }
 }
 
@@ -611,6 +615,12 @@ impl Report {
                 "| {op} | {} | {} | {} |\n",
                 c.pass, c.fail, c.unsupported
             ));
+        }
+        let mut slowest: Vec<&CaseResult> = self.results.iter().collect();
+        slowest.sort_by_key(|r| std::cmp::Reverse(r.elapsed));
+        s.push_str("\n## Slowest cases\n\n");
+        for r in slowest.iter().take(10) {
+            s.push_str(&format!("- `{}`: {:.2} s\n", r.id, r.elapsed.as_secs_f64()));
         }
         s.push_str("\n## Failures\n\n");
         for r in &self.results {

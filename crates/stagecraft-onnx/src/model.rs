@@ -90,19 +90,21 @@ pub struct Model {
 /// values of the inputs baked in as constants (see [`baked`]).
 type Signature = (Vec<TensorMetadata>, Vec<Option<Vec<u8>>>);
 
-/// Integer inputs of at most this many elements are baked into the
+/// Integer and bool inputs of at most this many elements are baked into the
 /// translation as constants (and the function cache keys on their values):
 /// ONNX passes shapes, axes, pads and counts as tensors, which stagecraft
 /// ops take as attributes.
 pub const BAKED_INT_LIMIT: usize = 64;
 
-/// The inputs baked in as constants: small integer tensors.
+/// The inputs baked in as constants: small integer and bool tensors, and
+/// scalars of any dtype (a `Pad`'s value, a `Range`'s bounds).
 fn baked(values: &[DenseHostTensor]) -> Vec<Option<DenseHostTensor>> {
     values
         .iter()
         .map(|v| {
-            (matches!(v.dtype(), DType::I64 | DType::I32) && v.numel() <= BAKED_INT_LIMIT)
-                .then(|| v.clone())
+            let small_ints = matches!(v.dtype(), DType::I64 | DType::I32 | DType::Bool)
+                && v.numel() <= BAKED_INT_LIMIT;
+            (small_ints || v.numel() == 1 && v.shape().rank() <= 1).then(|| v.clone())
         })
         .collect()
 }

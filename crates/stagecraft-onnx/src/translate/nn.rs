@@ -24,6 +24,9 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "LayerNormalization" => layer_norm,
         "LRN" => lrn,
         "RMSNormalization" => rms_norm,
+        "ConvTranspose" => conv_transpose,
+        "NegativeLogLikelihoodLoss" => nll_loss,
+        "SoftmaxCrossEntropyLoss" => softmax_cross_entropy,
         "LpNormalization" => lp_norm,
         _ => return None,
     })
@@ -496,4 +499,171 @@ fn lp_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let is_zero = c.binary(&ops::EQUAL, &norm, &zero)?;
     let norm = c.op1(&ops::SELECT, &[is_zero, one, norm], &OpAttrs::new())?;
     Ok(vec![c.binary(&ops::DIV, &x, &norm)?])
+}
+
+fn conv_transpose(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let w = c.input(1)?;
+    let xd = dims(&x);
+    let wd = dims(&w);
+    let spatial = xd.len().saturating_sub(2);
+    if !(1..=2).contains(&spatial) || wd.len() != xd.len() {
+        return Err(OnnxError::unsupported(format!(
+            "ConvTranspose with {spatial} spatial dimensions (1 and 2 are supported)"
+        )));
+    }
+    let group = c.attr_int("group", 1);
+    let kernel = &wd[2..];
+    let strides = ints_or(c, "strides", spatial, 1)?;
+    let dilations = ints_or(c, "dilations", spatial, 1)?;
+    let out_pad: Vec<usize> = match c.attr_ints("output_padding") {
+        Some(v) if v.len() == spatial && v.iter().all(|&p| p >= 0) => {
+            v.iter().map(|&p| p as usize).collect()
+        }
+        Some(v) => return Err(OnnxError::invalid(format!("invalid output_padding {v:?}"))),
+        None => vec![0; spatial],
+    };
+    // The full output of each axis, before padding is cut away.
+    let full: Vec<usize> = (0..spatial)
+        .map(|i| (xd[2 + i] - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1)
+        .collect();
+    let auto = c.attr_str("auto_pad", "NOTSET");
+    let output_shape = c.attr_ints("output_shape");
+    // (begin, end) cut from each axis; a negative end extends it.
+    let pads: Vec<(i64, i64)> = if output_shape.is_some() || auto.starts_with("SAME") {
+        let target: Vec<i64> = match &output_shape {
+            Some(o) => o[o.len().saturating_sub(spatial)..].to_vec(),
+            None => (0..spatial)
+                .map(|i| (xd[2 + i] * strides[i]) as i64)
+                .collect(),
+        };
+        (0..spatial)
+            .map(|i| {
+                let total = (full[i] + out_pad[i]) as i64 - target[i];
+                if total < 0 {
+                    (0, total)
+                } else if auto == "SAME_LOWER" {
+                    (total - total / 2, total / 2)
+                } else {
+                    (total / 2, total - total / 2)
+                }
+            })
+            .collect()
+    } else if auto == "VALID" || auto == "NOTSET" {
+        let p = c.attr_ints("pads").unwrap_or_else(|| vec![0; 2 * spatial]);
+        if p.len() != 2 * spatial || p.iter().any(|&v| v < 0) {
+            return Err(OnnxError::invalid(format!("invalid pads {p:?}")));
+        }
+        (0..spatial).map(|i| (p[i], p[i + spatial])).collect()
+    } else {
+        return Err(OnnxError::unsupported(format!("auto_pad {auto}")));
+    };
+    let (x2, w2) = if spatial == 1 {
+        (as_2d(c, &x)?, as_2d(c, &w)?)
+    } else {
+        (x, w)
+    };
+    let mut attrs = OpAttrs::new();
+    attrs.set_dims("stride", &two(&strides, 1));
+    attrs.set_dims("padding", &[0, 0]);
+    attrs.set_dims("output_padding", &[0, 0]);
+    attrs.set_dims("dilation", &two(&dilations, 1));
+    attrs.set_int("groups", group);
+    let y = c.op1(&ops::CONV_TRANSPOSE2D, &[x2, w2], &attrs)?;
+    // Cut the padding away (negative pads crop) and add output_padding.
+    let pads2 = two(&pads, (0, 0));
+    let op2 = two(&out_pad, 0);
+    let before = [0, 0, -pads2[0].0, -pads2[1].0];
+    let after = [0, 0, op2[0] as i64 - pads2[0].1, op2[1] as i64 - pads2[1].1];
+    let mut y = pad_with(c, &y, &before, &after, 0.0)?;
+    if let Some(b) = c.opt_input(2) {
+        let o = dims(&y)[1];
+        let b = c.reshape(b, &[1, o, 1, 1])?;
+        y = c.binary(&ops::ADD, &y, &b)?;
+    }
+    if spatial == 1 {
+        let d = dims(&y);
+        y = c.reshape(&y, &[d[0], d[1], d[3]])?;
+    }
+    Ok(vec![y])
+}
+
+/// The negative log-likelihood of `log_prob: [N, C, ...]` at `target:
+/// [N, ...]`, with the optional class `weight`, `ignore_index` and
+/// `reduction` of the node.
+fn nll(
+    c: &Ctx<'_>,
+    log_prob: &TensorHandle,
+    target: &TensorHandle,
+    weight: Option<&TensorHandle>,
+) -> Result<TensorHandle> {
+    let td = dims(target);
+    let dt = log_prob.dtype();
+    let target = c.cast(target, stagecraft_tensor::DType::I64)?;
+    let (target, keep) = if c.has_attr("ignore_index") {
+        let ignore = c.scalar(c.attr_int("ignore_index", 0) as f64, target.dtype())?;
+        let keep = c.binary(&ops::NOT_EQUAL, &target, &ignore)?;
+        let zero = c.scalar(0.0, target.dtype())?;
+        let safe = c.op1(&ops::SELECT, &[keep.clone(), target, zero], &OpAttrs::new())?;
+        (safe, Some(c.cast(&keep, dt)?))
+    } else {
+        (target, None)
+    };
+    // picked[n, ...] = log_prob[n, target[n, ...], ...]
+    let mut idx_dims = td.clone();
+    idx_dims.insert(1, 1);
+    let idx = c.reshape(&target, &idx_dims)?;
+    let mut g = OpAttrs::new();
+    g.set_int("axis", 1);
+    let picked = c.op1(&ops::GATHER_ELEMENTS, &[log_prob.clone(), idx], &g)?;
+    let picked = c.reshape(&picked, &td)?;
+    let mut loss = c.unary(&ops::NEG, &picked)?;
+    // The weight of each element: weight[target] (0 where ignored).
+    let mut w = match weight {
+        Some(wt) => {
+            let mut a = OpAttrs::new();
+            a.set_int("axis", 0);
+            Some(c.op1(&ops::GATHER, &[wt.clone(), target.clone()], &a)?)
+        }
+        None => None,
+    };
+    if let Some(k) = &keep {
+        w = Some(match w {
+            Some(w) => c.binary(&ops::MUL, &w, k)?,
+            None => k.clone(),
+        });
+    }
+    if let Some(w) = &w {
+        loss = c.binary(&ops::MUL, &loss, w)?;
+    }
+    match c.attr_str("reduction", "mean").as_str() {
+        "none" => Ok(loss),
+        "sum" => super::reduce::reduce_with(c, &ops::SUM, &loss, &[], false),
+        "mean" => {
+            let total = super::reduce::reduce_with(c, &ops::SUM, &loss, &[], false)?;
+            let count = match &w {
+                Some(w) => super::reduce::reduce_with(c, &ops::SUM, w, &[], false)?,
+                None => c.scalar(td.iter().product::<usize>() as f64, dt)?,
+            };
+            c.binary(&ops::DIV, &total, &count)
+        }
+        other => Err(OnnxError::invalid(format!("reduction {other}"))),
+    }
+}
+
+fn nll_loss(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    Ok(vec![nll(c, &x, &c.input(1)?, c.opt_input(2))?])
+}
+
+fn softmax_cross_entropy(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let mut attrs = OpAttrs::new();
+    attrs.set_int("axis", 1);
+    let log_prob = c.op1(&ops::LOG_SOFTMAX, &[x], &attrs)?;
+    let loss = nll(c, &log_prob, &c.input(1)?, c.opt_input(2))?;
+    Ok(vec![loss, log_prob])
 }

@@ -23,6 +23,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "ArgMax" => |c| arg(c, &ops::ARGMAX),
         "ArgMin" => |c| arg(c, &ops::ARGMIN),
         "Softmax" => |c| softmax(c, &ops::SOFTMAX),
+        "Hardmax" => hardmax,
         "LogSoftmax" => |c| softmax(c, &ops::LOG_SOFTMAX),
         _ => return None,
     })
@@ -221,4 +222,46 @@ fn softmax(c: &Ctx<'_>, op: &'static OpDef) -> Result<Vec<TensorHandle>> {
     let mut attrs = OpAttrs::new();
     attrs.set_int("axis", axis(c.attr_int("axis", -1), d.len())? as i64);
     Ok(vec![c.op1(op, &[x], &attrs)?])
+}
+
+/// `[1, .., n, .., 1]`: `0..n` along `axis` of a rank-`rank` tensor.
+pub(crate) fn iota_along(c: &Ctx<'_>, n: usize, axis: usize, rank: usize) -> Result<TensorHandle> {
+    let values: Vec<i64> = (0..n as i64).collect();
+    let mut d = vec![1; rank];
+    d[axis] = n;
+    let t = stagecraft_tensor::DenseHostTensor::from_slice(&values, d.as_slice())?;
+    Ok(c.constant(t))
+}
+
+fn hardmax(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let d = dims(&x);
+    let rank = d.len();
+    if c.opset < 13 {
+        // Flattened to 2-D at `axis`, like Softmax before opset 13.
+        let a = c.attr_int("axis", 1);
+        let a = if a == rank as i64 {
+            rank
+        } else {
+            axis(a, rank)?
+        };
+        let outer: usize = d[..a].iter().product();
+        let inner: usize = d[a..].iter().product();
+        let flat = c.reshape(&x, &[outer, inner])?;
+        let y = hardmax_axis(c, &flat, 1)?;
+        return Ok(vec![c.reshape(&y, &d)?]);
+    }
+    let a = axis(c.attr_int("axis", -1), rank)?;
+    Ok(vec![hardmax_axis(c, &x, a)?])
+}
+
+fn hardmax_axis(c: &Ctx<'_>, x: &TensorHandle, a: usize) -> Result<TensorHandle> {
+    let d = dims(x);
+    let mut attrs = OpAttrs::new();
+    attrs.set_int("axis", a as i64);
+    attrs.set_bool("keepdim", true);
+    let top = c.op1(&ops::ARGMAX, std::slice::from_ref(x), &attrs)?;
+    let iota = iota_along(c, d[a], a, d.len())?;
+    let hit = c.binary(&ops::EQUAL, &iota, &top)?;
+    c.cast(&hit, x.dtype())
 }

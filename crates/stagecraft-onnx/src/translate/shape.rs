@@ -36,6 +36,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "CumSum" => cumsum,
         "TopK" => top_k,
         "Dropout" => dropout,
+        "OneHot" => one_hot,
         _ => return None,
     })
 }
@@ -655,4 +656,38 @@ fn dropout(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let mask_meta = TensorMetadata::new(DType::Bool, x.metadata().shape.clone());
     let mask = c.constant(HostTensor::filled(Scalar::Bool(true), &mask_meta).to_dense()?);
     Ok(vec![x, mask])
+}
+
+fn one_hot(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let indices = c.input(0)?;
+    let depth = c
+        .known_f64(1)?
+        .ok_or_else(|| OnnxError::invalid("OneHot needs a depth"))?;
+    let depth = depth as i64;
+    if depth < 1 {
+        return Err(OnnxError::invalid(format!("OneHot depth {depth}")));
+    }
+    let values = c.input(2)?;
+    let rank = dims(&indices).len() + 1;
+    let a = axis(c.attr_int("axis", -1), rank)?;
+    // Negative indices count from the end.
+    let idx = c.cast(&indices, DType::I64)?;
+    let zero = c.scalar(0.0, DType::I64)?;
+    let neg = c.binary(&ops::LESS, &idx, &zero)?;
+    let wrapped = c.with_scalar(&ops::ADD, &idx, depth as f64)?;
+    let idx = c.op1(&ops::SELECT, &[neg, wrapped, idx], &OpAttrs::new())?;
+    let mut d = dims(&idx);
+    d.insert(a, 1);
+    let idx = c.reshape(&idx, &d)?;
+    let iota = super::reduce::iota_along(c, depth as usize, a, rank)?;
+    let hit = c.binary(&ops::EQUAL, &iota, &idx)?;
+    let off = super::shape::slice_axis(c, &c.reshape(&values, &[2])?, 0, 0, 1)?;
+    let on = super::shape::slice_axis(c, &c.reshape(&values, &[2])?, 0, 1, 2)?;
+    let off = c.reshape(&off, &[])?;
+    let on = c.reshape(&on, &[])?;
+    Ok(vec![c.op1(
+        &ops::SELECT,
+        &[hit, on, off],
+        &OpAttrs::new(),
+    )?])
 }
