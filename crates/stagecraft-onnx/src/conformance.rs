@@ -458,14 +458,14 @@ fn run_loaded(case: &Case, model: &Model, mode: Mode) -> Result<()> {
     }
     if let Some(i) = model.inputs().iter().find(|i| i.dtype.is_none()) {
         return Err(OnnxError::unsupported(format!(
-            "input '{}' is not a tensor of a supported dtype",
-            i.name
+            "input '{}' of type {}",
+            i.name, i.onnx_type
         )));
     }
     if let Some(o) = model.outputs().iter().find(|o| o.dtype.is_none()) {
         return Err(OnnxError::unsupported(format!(
-            "output '{}' is not a tensor of a supported dtype",
-            o.name
+            "output '{}' of type {}",
+            o.name, o.onnx_type
         )));
     }
     let mut sets: Vec<PathBuf> = std::fs::read_dir(&case.dir)

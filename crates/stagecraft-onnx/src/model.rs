@@ -38,6 +38,9 @@ pub struct ValueInfo {
     pub dtype: Option<DType>,
     /// Its shape, if declared.
     pub shape: Option<Vec<Dim>>,
+    /// Its declared type as ONNX names it (`tensor(float)`, `tensor(uint16)`,
+    /// `sequence`, `optional`, `map`), for messages.
+    pub onnx_type: String,
 }
 
 /// How [`Model::run_with`] runs a model.
@@ -83,6 +86,8 @@ pub struct Model {
     initializers: HashMap<String, DenseHostTensor>,
     inputs: Vec<ValueInfo>,
     outputs: Vec<ValueInfo>,
+    /// Graph inputs some node needs known (baked in per call).
+    statics: HashSet<String>,
     functions: Mutex<HashMap<Signature, FuncId>>,
 }
 
@@ -96,15 +101,21 @@ type Signature = (Vec<TensorMetadata>, Vec<Option<Vec<u8>>>);
 /// ops take as attributes.
 pub const BAKED_INT_LIMIT: usize = 64;
 
-/// The inputs baked in as constants: small integer and bool tensors, and
-/// scalars of any dtype (a `Pad`'s value, a `Range`'s bounds).
-fn baked(values: &[DenseHostTensor]) -> Vec<Option<DenseHostTensor>> {
-    values
+/// The inputs baked in as constants: those feeding an input a node needs
+/// known (`static_inputs`), small integer and bool tensors, and scalars.
+fn baked(
+    infos: &[ValueInfo],
+    values: &[DenseHostTensor],
+    statics: &HashSet<String>,
+) -> Vec<Option<DenseHostTensor>> {
+    infos
         .iter()
-        .map(|v| {
+        .zip(values)
+        .map(|(info, v)| {
             let small_ints = matches!(v.dtype(), DType::I64 | DType::I32 | DType::Bool)
                 && v.numel() <= BAKED_INT_LIMIT;
-            (small_ints || v.numel() == 1 && v.shape().rank() <= 1).then(|| v.clone())
+            let scalar = v.numel() == 1 && v.shape().rank() <= 1;
+            (statics.contains(&info.name) || small_ints || scalar).then(|| v.clone())
         })
         .collect()
 }
@@ -125,7 +136,20 @@ fn value_info(v: &ValueInfoProto) -> ValueInfo {
         Some(type_proto::Value::TensorType(t)) => Some(t),
         _ => None,
     });
+    let onnx_type = match v.r#type.as_ref().and_then(|t| t.value.as_ref()) {
+        Some(type_proto::Value::TensorType(t)) => {
+            let name = crate::proto::tensor_proto::DataType::try_from(t.elem_type())
+                .map_or("unknown", |d| d.as_str_name());
+            format!("tensor({})", name.to_lowercase())
+        }
+        Some(type_proto::Value::SequenceType(_)) => "sequence".to_string(),
+        Some(type_proto::Value::MapType(_)) => "map".to_string(),
+        Some(type_proto::Value::OptionalType(_)) => "optional".to_string(),
+        Some(type_proto::Value::SparseTensorType(_)) => "sparse tensor".to_string(),
+        None => "undeclared".to_string(),
+    };
     ValueInfo {
+        onnx_type,
         name: v.name().to_string(),
         dtype: tensor.and_then(|t| dtype_of(t.elem_type()).ok()),
         shape: tensor.and_then(|t| t.shape.as_ref()).map(|s| {
@@ -214,7 +238,17 @@ impl Model {
             .map(value_info)
             .collect();
         let outputs = graph.output.iter().map(value_info).collect();
+        let statics = graph
+            .node
+            .iter()
+            .flat_map(|n| {
+                translate::static_inputs(n.op_type())
+                    .iter()
+                    .filter_map(|&i| n.input.get(i).filter(|s| !s.is_empty()).cloned())
+            })
+            .collect();
         Ok(Model {
+            statics,
             graph,
             opset,
             initializers,
@@ -284,7 +318,7 @@ impl Model {
         mode: Mode,
     ) -> Result<Vec<DenseHostTensor>> {
         let values = self.check_inputs(inputs)?;
-        let baked = baked(&values);
+        let baked = baked(&self.inputs, &values, &self.statics);
         let cpu = Device::cpu();
         let handles = match mode {
             Mode::Eager => self.translate(cpu, &values, &baked)?,

@@ -292,3 +292,32 @@ fn load_reads_a_file_and_reports_missing_ones() {
     assert_eq!(e.kind(), OnnxErrorKind::Io);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn mutated_models_never_panic() {
+    // Every truncation and a spread of single-byte corruptions of a valid
+    // model: loading and running either works or returns an error.
+    let bytes = mlp();
+    let x = f32s(&[1.0, 2.0, 3.0, -1.0, 0.0, 1.0], &[2, 3]);
+    let try_run = |b: &[u8]| {
+        std::panic::catch_unwind(|| {
+            if let Ok(m) = Model::from_bytes(b) {
+                let _ = m.run_with(&[("x", x.clone())], Mode::Eager);
+            }
+        })
+        .is_ok()
+    };
+    for len in 0..bytes.len() {
+        assert!(try_run(&bytes[..len]), "truncated to {len} bytes");
+    }
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..2000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let mut b = bytes.clone();
+        let i = (state % b.len() as u64) as usize;
+        b[i] = (state >> 32) as u8;
+        assert!(try_run(&b), "byte {i} set to {}", b[i]);
+    }
+}

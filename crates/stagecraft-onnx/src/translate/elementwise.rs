@@ -63,6 +63,13 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "Mish" => mish,
         "Gelu" => gelu,
         "Mod" => mod_,
+        "Tan" => tan,
+        "Sinh" => |c| hyperbolic(c, false),
+        "Cosh" => |c| hyperbolic(c, true),
+        "Asinh" => asinh,
+        "Acosh" => acosh,
+        "Atanh" => atanh,
+        "Swish" => swish,
         "IsInf" => is_inf,
         "Shrink" => shrink,
         "IsNaN" => |c| {
@@ -375,4 +382,65 @@ fn gelu(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         }
     };
     Ok(vec![c.unary(op, &x)?])
+}
+
+fn tan(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let s = c.unary(&ops::SIN, &x)?;
+    let k = c.unary(&ops::COS, &x)?;
+    Ok(vec![c.binary(&ops::DIV, &s, &k)?])
+}
+
+/// `(e^x ∓ e^-x) / 2`.
+fn hyperbolic(c: &Ctx<'_>, cosh: bool) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let e = c.unary(&ops::EXP, &x)?;
+    let n = c.unary(&ops::NEG, &x)?;
+    let en = c.unary(&ops::EXP, &n)?;
+    let op = if cosh { &ops::ADD } else { &ops::SUB };
+    let t = c.binary(op, &e, &en)?;
+    Ok(vec![c.with_scalar(&ops::MUL, &t, 0.5)?])
+}
+
+/// `log(x + sqrt(x² + shift))`.
+fn log_sqrt(c: &Ctx<'_>, x: &TensorHandle, shift: f64) -> Result<TensorHandle> {
+    let sq = c.binary(&ops::MUL, x, x)?;
+    let sh = c.with_scalar(&ops::ADD, &sq, shift)?;
+    let r = c.unary(&ops::SQRT, &sh)?;
+    let s = c.binary(&ops::ADD, x, &r)?;
+    c.unary(&ops::LOG, &s)
+}
+
+fn asinh(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    Ok(vec![log_sqrt(c, &x, 1.0)?])
+}
+
+fn acosh(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    Ok(vec![log_sqrt(c, &x, -1.0)?])
+}
+
+fn atanh(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let one = c.scalar(1.0, x.dtype())?;
+    let num = c.binary(&ops::ADD, &one, &x)?;
+    let den = c.binary(&ops::SUB, &one, &x)?;
+    let q = c.binary(&ops::DIV, &num, &den)?;
+    let l = c.unary(&ops::LOG, &q)?;
+    Ok(vec![c.with_scalar(&ops::MUL, &l, 0.5)?])
+}
+
+fn swish(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let alpha = c.attr_float("alpha", 1.0) as f64;
+    let ax = c.with_scalar(&ops::MUL, &x, alpha)?;
+    let s = c.unary(&ops::SIGMOID, &ax)?;
+    Ok(vec![c.binary(&ops::MUL, &x, &s)?])
 }

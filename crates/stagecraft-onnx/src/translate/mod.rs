@@ -19,6 +19,7 @@
 mod elementwise;
 mod nn;
 mod reduce;
+mod resize;
 mod shape;
 
 use crate::error::{NodeRef, OnnxError, OnnxErrorKind, Result};
@@ -49,6 +50,27 @@ pub(crate) fn lookup(op_type: &str) -> Option<Translate> {
         .or_else(|| nn::lookup(op_type))
         .or_else(|| reduce::lookup(op_type))
         .or_else(|| shape::lookup(op_type))
+        .or_else(|| resize::lookup(op_type))
+}
+
+/// The inputs of `op_type` whose values must be known when a node is
+/// translated (shapes, axes, pads, scales, counts): a graph input feeding
+/// one is baked in per call.
+pub(crate) fn static_inputs(op_type: &str) -> &'static [usize] {
+    match op_type {
+        "Reshape" | "Expand" | "Tile" | "Squeeze" | "Unsqueeze" | "Split" | "TopK" | "Trilu"
+        | "CumSum" | "OneHot" => &[1],
+        "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceProd" | "ReduceL1"
+        | "ReduceL2" | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" => &[1],
+        "Slice" => &[1, 2, 3, 4],
+        "Pad" => &[1, 2, 3],
+        "Range" => &[0, 1, 2],
+        "Resize" => &[1, 2, 3],
+        "Upsample" => &[1],
+        "Dropout" => &[1, 2],
+        "ConstantOfShape" => &[0],
+        _ => &[],
+    }
 }
 
 /// The state a translation function sees: the node, its opset, its inputs

@@ -25,6 +25,9 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "LRN" => lrn,
         "RMSNormalization" => rms_norm,
         "ConvTranspose" => conv_transpose,
+        "LpPool" => lp_pool,
+        "MeanVarianceNormalization" => mean_variance_norm,
+        "GlobalLpPool" => global_lp_pool,
         "NegativeLogLikelihoodLoss" => nll_loss,
         "SoftmaxCrossEntropyLoss" => softmax_cross_entropy,
         "LpNormalization" => lp_norm,
@@ -666,4 +669,78 @@ fn softmax_cross_entropy(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let log_prob = c.op1(&ops::LOG_SOFTMAX, &[x], &attrs)?;
     let loss = nll(c, &log_prob, &c.input(1)?, c.opt_input(2))?;
     Ok(vec![loss, log_prob])
+}
+
+/// `|x|^p`.
+fn abs_pow(c: &Ctx<'_>, x: &TensorHandle, p: f64) -> Result<TensorHandle> {
+    let a = c.unary(&ops::ABS, x)?;
+    let e = c.scalar(p, x.dtype())?;
+    c.binary(&ops::POW, &a, &e)
+}
+
+fn lp_pool(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let xd = dims(&x);
+    let spatial = xd.len().saturating_sub(2);
+    if !(1..=2).contains(&spatial) {
+        return Err(OnnxError::unsupported(format!(
+            "LpPool with {spatial} spatial dimensions (1 and 2 are supported)"
+        )));
+    }
+    if !c.has_attr("kernel_shape") {
+        return Err(OnnxError::invalid("LpPool needs kernel_shape"));
+    }
+    if c.attr_int("ceil_mode", 0) != 0 {
+        return Err(OnnxError::unsupported("LpPool with ceil_mode"));
+    }
+    let kernel = ints_or(c, "kernel_shape", spatial, 1)?;
+    let strides = ints_or(c, "strides", spatial, 1)?;
+    let dilations = ints_or(c, "dilations", spatial, 1)?;
+    if dilations.iter().any(|&d| d != 1) {
+        return Err(OnnxError::unsupported("LpPool with dilations"));
+    }
+    let pads = spatial_pads(c, &xd[2..], &kernel, &strides, &dilations)?;
+    let p = c.attr_int("p", 2) as f64;
+    let x2 = if spatial == 1 { as_2d(c, &x)? } else { x };
+    let powered = abs_pow(c, &x2, p)?;
+    let pads2 = two(&pads, (0, 0));
+    let before = [0, 0, pads2[0].0 as i64, pads2[1].0 as i64];
+    let after = [0, 0, pads2[0].1 as i64, pads2[1].1 as i64];
+    let padded = pad_with(c, &powered, &before, &after, 0.0)?;
+    let kernel2 = two(&kernel, 1);
+    let mut attrs = OpAttrs::new();
+    attrs.set_dims("kernel", &kernel2);
+    attrs.set_dims("stride", &two(&strides, 1));
+    attrs.set_dims("padding", &[0, 0]);
+    attrs.set_bool("count_include_pad", true);
+    let mean = c.op1(&ops::AVG_POOL2D, &[padded], &attrs)?;
+    let sum = c.with_scalar(&ops::MUL, &mean, (kernel2[0] * kernel2[1]) as f64)?;
+    let e = c.scalar(1.0 / p, sum.dtype())?;
+    let mut y = c.binary(&ops::POW, &sum, &e)?;
+    if spatial == 1 {
+        let d = dims(&y);
+        y = c.reshape(&y, &[d[0], d[1], d[3]])?;
+    }
+    Ok(vec![y])
+}
+
+fn global_lp_pool(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let rank = dims(&x).len();
+    let p = c.attr_int("p", 2) as f64;
+    let powered = abs_pow(c, &x, p)?;
+    let axes: Vec<i64> = (2..rank as i64).collect();
+    let sum = reduce_with(c, &ops::SUM, &powered, &axes, true)?;
+    let e = c.scalar(1.0 / p, sum.dtype())?;
+    Ok(vec![c.binary(&ops::POW, &sum, &e)?])
+}
+
+fn mean_variance_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    require_float(c, &x)?;
+    let axes = c.attr_ints("axes").unwrap_or_else(|| vec![0, 2, 3]);
+    let (y, _, _) = normalize(c, &x, &axes, 1e-9)?;
+    Ok(vec![y])
 }

@@ -37,6 +37,10 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "TopK" => top_k,
         "Dropout" => dropout,
         "OneHot" => one_hot,
+        "DepthToSpace" => depth_to_space,
+        "SpaceToDepth" => space_to_depth,
+        "EyeLike" => eye_like,
+        "ScatterElements" | "Scatter" => scatter_elements,
         _ => return None,
     })
 }
@@ -690,4 +694,111 @@ fn one_hot(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         &[hit, on, off],
         &OpAttrs::new(),
     )?])
+}
+
+fn depth_to_space(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let d = dims(&x);
+    if d.len() != 4 {
+        return Err(OnnxError::invalid("DepthToSpace needs [N, C, H, W]"));
+    }
+    let b = c.attr_int("blocksize", 1).max(1) as usize;
+    let (n, ch, h, w) = (d[0], d[1], d[2], d[3]);
+    if ch % (b * b) != 0 {
+        return Err(OnnxError::invalid(format!(
+            "{ch} channels are not divisible by blocksize² = {}",
+            b * b
+        )));
+    }
+    let cc = ch / (b * b);
+    let (split, perm): (Vec<usize>, [i64; 6]) = if c.attr_str("mode", "DCR") == "CRD" {
+        (vec![n, cc, b, b, h, w], [0, 1, 4, 2, 5, 3])
+    } else {
+        (vec![n, b, b, cc, h, w], [0, 3, 4, 1, 5, 2])
+    };
+    let y = c.reshape(&x, &split)?;
+    let y = transpose_by(c, &y, &perm)?;
+    Ok(vec![c.reshape(&y, &[n, cc, h * b, w * b])?])
+}
+
+fn space_to_depth(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let d = dims(&x);
+    if d.len() != 4 {
+        return Err(OnnxError::invalid("SpaceToDepth needs [N, C, H, W]"));
+    }
+    let b = c.attr_int("blocksize", 1).max(1) as usize;
+    let (n, ch, h, w) = (d[0], d[1], d[2], d[3]);
+    if h % b != 0 || w % b != 0 {
+        return Err(OnnxError::invalid(
+            "SpaceToDepth: H and W must divide by blocksize",
+        ));
+    }
+    let y = c.reshape(&x, &[n, ch, h / b, b, w / b, b])?;
+    let y = transpose_by(c, &y, &[0, 3, 5, 1, 2, 4])?;
+    Ok(vec![c.reshape(&y, &[n, ch * b * b, h / b, w / b])?])
+}
+
+fn eye_like(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let d = dims(&x);
+    if d.len() != 2 {
+        return Err(OnnxError::invalid("EyeLike needs a matrix"));
+    }
+    let dtype = if c.has_attr("dtype") {
+        crate::tensor::dtype_of(c.attr_int("dtype", 1) as i32)?
+    } else {
+        x.dtype()
+    };
+    let k = c.attr_int("k", 0);
+    let values: Vec<f64> = (0..d[0] * d[1])
+        .map(|i| {
+            let (r, col) = ((i / d[1]) as i64, (i % d[1]) as i64);
+            if col - r == k {
+                1.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let t = c.constant(DenseHostTensor::from_slice(&values, d.as_slice())?);
+    Ok(vec![c.cast(&t, dtype)?])
+}
+
+fn scatter_elements(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let idx = c.cast(&c.input(1)?, DType::I64)?;
+    let updates = c.input(2)?;
+    let a = axis(c.attr_int("axis", 0), dims(&x).len())?;
+    let mut attrs = OpAttrs::new();
+    attrs.set_int("axis", a as i64);
+    let zeros_meta = x.metadata().clone();
+    let zeros =
+        c.constant(HostTensor::filled(Scalar::F64(0.0).cast(x.dtype()), &zeros_meta).to_dense()?);
+    let added = c.op1(
+        &ops::SCATTER_ADD,
+        &[zeros.clone(), idx.clone(), updates.clone()],
+        &attrs,
+    )?;
+    match c.attr_str("reduction", "none").as_str() {
+        "add" => Ok(vec![c.binary(&ops::ADD, &x, &added)?]),
+        "none" => {
+            // Where an index lands, the update replaces the value (indices
+            // must be distinct, as ONNX requires).
+            let ones_meta = updates.metadata().clone();
+            let ones = c.constant(
+                HostTensor::filled(Scalar::F64(1.0).cast(x.dtype()), &ones_meta).to_dense()?,
+            );
+            let hits = c.op1(&ops::SCATTER_ADD, &[zeros.clone(), idx, ones], &attrs)?;
+            let hit = c.binary(&ops::NOT_EQUAL, &hits, &zeros)?;
+            Ok(vec![c.op1(
+                &ops::SELECT,
+                &[hit, added, x],
+                &OpAttrs::new(),
+            )?])
+        }
+        other => Err(OnnxError::unsupported(format!(
+            "ScatterElements with reduction {other}"
+        ))),
+    }
 }
