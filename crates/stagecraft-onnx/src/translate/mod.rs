@@ -16,6 +16,7 @@
 //! `nn.rs`, `shape.rs`, `reduce.rs`) that reads the node's opset version
 //! and attributes; [`lookup`] is the table from op type to function.
 
+mod attention;
 mod elementwise;
 mod nn;
 mod reduce;
@@ -51,6 +52,7 @@ pub(crate) fn lookup(op_type: &str) -> Option<Translate> {
         .or_else(|| reduce::lookup(op_type))
         .or_else(|| shape::lookup(op_type))
         .or_else(|| resize::lookup(op_type))
+        .or_else(|| attention::lookup(op_type))
 }
 
 /// The inputs of `op_type` whose values must be known when a node is
@@ -59,7 +61,7 @@ pub(crate) fn lookup(op_type: &str) -> Option<Translate> {
 pub(crate) fn static_inputs(op_type: &str) -> &'static [usize] {
     match op_type {
         "Reshape" | "Expand" | "Tile" | "Squeeze" | "Unsqueeze" | "Split" | "TopK" | "Trilu"
-        | "CumSum" | "OneHot" => &[1],
+        | "CumSum" | "CumProd" | "OneHot" => &[1],
         "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceProd" | "ReduceL1"
         | "ReduceL2" | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" => &[1],
         "Slice" => &[1, 2, 3, 4],

@@ -34,6 +34,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "Pad" => pad,
         "Trilu" => trilu,
         "CumSum" => cumsum,
+        "CumProd" => cumprod,
         "TopK" => top_k,
         "Dropout" => dropout,
         "OneHot" => one_hot,
@@ -801,4 +802,57 @@ fn scatter_elements(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
             "ScatterElements with reduction {other}"
         ))),
     }
+}
+
+fn cumprod(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let a = c
+        .known_ints(1)?
+        .and_then(|v| v.first().copied())
+        .ok_or_else(|| OnnxError::invalid("CumProd needs an axis"))?;
+    let dt = x.dtype();
+    if dt == DType::Bool {
+        return Err(OnnxError::unsupported("CumProd of bool tensors"));
+    }
+    let mut attrs = OpAttrs::new();
+    attrs.set_int("axis", axis(a, dims(&x).len())? as i64);
+    attrs.set_bool("exclusive", c.attr_int("exclusive", 0) != 0);
+    attrs.set_bool("reverse", c.attr_int("reverse", 0) != 0);
+    // In f64: the product's magnitude is exp of the running sum of
+    // log |x| over the nonzero elements, its sign flips with each negative
+    // element, and it is zero once a zero was seen.
+    let xf = c.cast(&x, DType::F64)?;
+    let zero = c.scalar(0.0, DType::F64)?;
+    let one = c.scalar(1.0, DType::F64)?;
+    let is_zero = c.binary(&ops::EQUAL, &xf, &zero)?;
+    let is_neg = c.binary(&ops::LESS, &xf, &zero)?;
+    let mag = c.unary(&ops::ABS, &xf)?;
+    let safe = c.op1(
+        &ops::SELECT,
+        &[is_zero.clone(), one.clone(), mag],
+        &OpAttrs::new(),
+    )?;
+    let logs = c.unary(&ops::LOG, &safe)?;
+    let run = c.op1(&ops::CUMSUM, &[logs], &attrs)?;
+    let magnitude = c.unary(&ops::EXP, &run)?;
+    let negs = c.cast(&is_neg, DType::F64)?;
+    let neg_run = c.op1(&ops::CUMSUM, &[negs], &attrs)?;
+    // (-1)^n as 1 - 2 (n mod 2), with n mod 2 = n - 2 floor(n / 2).
+    let half = c.with_scalar(&ops::MUL, &neg_run, 0.5)?;
+    let fl = c.unary(&ops::FLOOR, &half)?;
+    let twice = c.with_scalar(&ops::MUL, &fl, 2.0)?;
+    let parity = c.binary(&ops::SUB, &neg_run, &twice)?;
+    let p2 = c.with_scalar(&ops::MUL, &parity, 2.0)?;
+    let sign = c.binary(&ops::SUB, &one, &p2)?;
+    let zeros = c.cast(&is_zero, DType::F64)?;
+    let zero_run = c.op1(&ops::CUMSUM, &[zeros], &attrs)?;
+    let seen_zero = c.binary(&ops::GREATER, &zero_run, &zero)?;
+    let signed = c.binary(&ops::MUL, &magnitude, &sign)?;
+    let y = c.op1(&ops::SELECT, &[seen_zero, zero, signed], &OpAttrs::new())?;
+    let y = if dt.is_float() {
+        y
+    } else {
+        c.unary(&ops::ROUND, &y)?
+    };
+    Ok(vec![c.cast(&y, dt)?])
 }
