@@ -17,11 +17,17 @@ fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-#[test]
-fn expected_cases_pass() {
+/// The data directory, fetched on first use (once, however many tests
+/// ask at the same time); `None` when the suite is skipped (visibly).
+fn data() -> Option<PathBuf> {
+    static DATA: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    DATA.get_or_init(fetch_data).clone()
+}
+
+fn fetch_data() -> Option<PathBuf> {
     if std::env::var_os("STAGECRAFT_ONNX_SKIP_CONFORMANCE").is_some() {
         eprintln!("SKIPPED: the ONNX conformance suite (STAGECRAFT_ONNX_SKIP_CONFORMANCE is set)");
-        return;
+        return None;
     }
     let root = conformance::data_dir(None, &workspace().join("data/onnx"));
     if let Err(e) = conformance::ensure_data(&root) {
@@ -30,6 +36,42 @@ fn expected_cases_pass() {
              (set STAGECRAFT_ONNX_SKIP_CONFORMANCE=1 to skip this test)"
         );
     }
+    Some(root)
+}
+
+fn expected() -> BTreeSet<String> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("conformance/expected_passes.txt");
+    std::fs::read_to_string(&path)
+        .expect("conformance/expected_passes.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect()
+}
+
+/// Eagerly and on the lazy device, every expected case of the `node` and
+/// `light` suites passes too: the three modes agree.
+#[test]
+fn expected_cases_pass_eagerly_and_lazily() {
+    let Some(root) = data() else { return };
+    let expected = expected();
+    for mode in [Mode::Eager, Mode::Lazy] {
+        let report = conformance::run_suite(&root, &["node", "light"], mode, |_| {})
+            .expect("the suite's folders are readable");
+        let broken: Vec<String> = report
+            .results
+            .iter()
+            .filter(|r| expected.contains(&r.id) && r.outcome != Outcome::Pass)
+            .map(|r| format!("{}: {:?}", r.id, r.outcome))
+            .collect();
+        assert!(broken.is_empty(), "{mode:?}:\n{}", broken.join("\n"));
+    }
+}
+
+#[test]
+fn expected_cases_pass() {
+    let Some(root) = data() else { return };
     let report = conformance::run_suite(&root, conformance::CATEGORIES, Mode::Function, |_| {})
         .expect("the suite's folders are readable");
     for cat in conformance::CATEGORIES {
@@ -51,13 +93,7 @@ fn expected_cases_pass() {
         )
         .expect("write docs/onnx-conformance.md");
     }
-    let expected: BTreeSet<String> = std::fs::read_to_string(&expected_path)
-        .expect("conformance/expected_passes.txt")
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(String::from)
-        .collect();
+    let expected = expected();
     let regressions: Vec<String> = report
         .results
         .iter()
