@@ -597,6 +597,29 @@ impl Report {
                 c.pass + c.fail + c.unsupported
             ));
         }
+        let mut single = Counts::default();
+        let mut expanded = Counts::default();
+        for r in self.results.iter().filter(|r| r.category == "node") {
+            if r.id.contains("_expanded") {
+                expanded.add(&r.outcome);
+            } else {
+                single.add(&r.outcome);
+            }
+        }
+        for (name, c) in [
+            ("node: single-node cases", single),
+            ("node: `_expanded` cases", expanded),
+        ] {
+            if c.pass + c.fail + c.unsupported > 0 {
+                s.push_str(&format!(
+                    "| {name} | {} | {} | {} | {} |\n",
+                    c.pass,
+                    c.fail,
+                    c.unsupported,
+                    c.pass + c.fail + c.unsupported
+                ));
+            }
+        }
         let c = self.counts(None);
         s.push_str(&format!(
             "| **all** | {} | {} | {} | {} |\n\n",

@@ -24,6 +24,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "Slice" => slice,
         "Gather" => gather,
         "GatherElements" => gather_elements,
+        "GatherND" => gather_nd,
         "Shape" => shape,
         "Size" => size,
         "Constant" => constant,
@@ -855,4 +856,50 @@ fn cumprod(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         c.unary(&ops::ROUND, &y)?
     };
     Ok(vec![c.cast(&y, dt)?])
+}
+
+/// `GatherND` with `batch_dims = 0`: the index tuples along the last axis
+/// of `indices` become linear indices into `data`'s leading axes, which a
+/// `Gather` reads from `data` flattened over them.
+fn gather_nd(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    if c.attr_int("batch_dims", 0) != 0 {
+        return Err(OnnxError::unsupported("GatherND with batch_dims"));
+    }
+    let data = c.input(0)?;
+    let indices = c.cast(&c.input(1)?, DType::I64)?;
+    let dd = dims(&data);
+    let id = dims(&indices);
+    let k = *id
+        .last()
+        .ok_or_else(|| OnnxError::invalid("GatherND indices need a last axis"))?;
+    if k == 0 || k > dd.len() {
+        return Err(OnnxError::invalid(format!(
+            "GatherND index tuples of {k} into rank {}",
+            dd.len()
+        )));
+    }
+    // Negative indices count from the end of their axis.
+    let sizes: Vec<i64> = dd[..k].iter().map(|&n| n as i64).collect();
+    let sizes_t = c.constant(DenseHostTensor::from_slice(&sizes, [k])?);
+    let zero = c.scalar(0.0, DType::I64)?;
+    let neg = c.binary(&ops::LESS, &indices, &zero)?;
+    let wrapped = c.binary(&ops::ADD, &indices, &sizes_t)?;
+    let idx = c.op1(&ops::SELECT, &[neg, wrapped, indices], &OpAttrs::new())?;
+    let mut strides = vec![1i64; k];
+    for i in (0..k.saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * sizes[i + 1];
+    }
+    let strides_t = c.constant(DenseHostTensor::from_slice(&strides, [k])?);
+    let scaled = c.binary(&ops::MUL, &idx, &strides_t)?;
+    let mut sum = OpAttrs::new();
+    sum.set_ints("axes", &[-1]);
+    sum.set_bool("keepdim", false);
+    let linear = c.op1(&ops::SUM, &[scaled], &sum)?;
+    let outer: usize = dd[..k].iter().product();
+    let mut flat_dims = vec![outer];
+    flat_dims.extend_from_slice(&dd[k..]);
+    let flat = c.reshape(&data, &flat_dims)?;
+    let mut g = OpAttrs::new();
+    g.set_int("axis", 0);
+    Ok(vec![c.op1(&ops::GATHER, &[flat, linear], &g)?])
 }
