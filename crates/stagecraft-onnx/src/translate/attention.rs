@@ -70,6 +70,9 @@ fn attention(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         return Err(OnnxError::unsupported(format!("Attention on {dt} tensors")));
     }
     let three_d = dims(&q).len() == 3;
+    if three_d && (dims(&k).len() != 3 || dims(&v).len() != 3) {
+        return Err(OnnxError::invalid("Attention needs Q, K and V of one rank"));
+    }
     if three_d {
         let (qh, kvh) = (c.attr_int("q_num_heads", 0), c.attr_int("kv_num_heads", 0));
         q = split_heads(c, &q, qh)?;

@@ -112,6 +112,26 @@ pub(crate) fn node_ref(node: &NodeProto, opset: i64) -> NodeRef {
     }
 }
 
+/// Runs a translation function; a panic inside (a bug, never the user's
+/// input) becomes an internal error instead of unwinding through the
+/// caller.
+fn guarded(translate: Translate, ctx: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| translate(ctx))) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(OnnxError::new(
+                OnnxErrorKind::Runtime,
+                format!("internal error: the translation panicked: {msg}"),
+            ))
+        }
+    }
+}
+
 fn translate_node(
     node: &NodeProto,
     opset: i64,
@@ -162,7 +182,7 @@ fn translate_node(
             })
             .collect();
         let ctx = Ctx::new(node, opset, cpu, folded_inputs);
-        let handles = translate(&ctx)?;
+        let handles = guarded(translate, &ctx)?;
         handles
             .into_iter()
             .map(|h| {
@@ -175,7 +195,7 @@ fn translate_node(
             .collect::<Result<_>>()?
     } else {
         let ctx = Ctx::new(node, opset, device, inputs);
-        let handles = translate(&ctx)?;
+        let handles = guarded(translate, &ctx)?;
         handles
             .into_iter()
             .map(|h| {
@@ -479,7 +499,7 @@ pub(crate) fn scalar_f64(s: Scalar) -> f64 {
 /// Normalizes a possibly negative `axis` of a tensor of `rank`.
 pub(crate) fn axis(axis: i64, rank: usize) -> Result<usize> {
     let r = rank as i64;
-    if axis < -r || axis >= r.max(1) && !(rank == 0 && axis == 0) {
+    if axis < -r || axis >= r {
         return Err(OnnxError::invalid(format!(
             "axis {axis} is out of range for rank {rank}"
         )));
