@@ -2,7 +2,8 @@
 //! `[batch, seq, heads · size]` or 4-D `[batch, heads, seq, size]` inputs,
 //! with an optional boolean or additive mask, causal masking, past keys and
 //! values, grouped-query heads, softcap and the `qk_matmul_output` modes,
-//! composed from matmuls, a softmax and elementwise ops.
+//! composed from matmuls, a softmax and elementwise ops; and
+//! `RotaryEmbedding`.
 
 use super::shape::pad_with;
 use super::{dims, Ctx, Translate};
@@ -15,6 +16,7 @@ use stagecraft_tensor::{DType, DenseHostTensor};
 pub(super) fn lookup(op_type: &str) -> Option<Translate> {
     Some(match op_type {
         "Attention" => attention as Translate,
+        "RotaryEmbedding" => rotary_embedding,
         _ => return None,
     })
 }
@@ -199,4 +201,125 @@ fn attention(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         y = c.reshape(&t, &[d[0], d[1], d[2] * d[3]])?;
     }
     Ok(vec![y, present_key, present_value, qk_out])
+}
+
+/// Every `step`-th element of the last axis of `x` from `start` to `end`.
+fn strided_last(
+    c: &Ctx<'_>,
+    x: &TensorHandle,
+    start: usize,
+    end: usize,
+    step: usize,
+) -> Result<TensorHandle> {
+    let d = dims(x);
+    let r = d.len();
+    let mut starts = vec![0i64; r];
+    let mut ends: Vec<i64> = d.iter().map(|&n| n as i64).collect();
+    let mut steps = vec![1i64; r];
+    starts[r - 1] = start as i64;
+    ends[r - 1] = end as i64;
+    steps[r - 1] = step as i64;
+    let mut a = OpAttrs::new();
+    a.set_ints("starts", &starts);
+    a.set_ints("ends", &ends);
+    a.set_ints("steps", &steps);
+    c.op1(&ops::SLICE, std::slice::from_ref(x), &a)
+}
+
+fn concat_last(c: &Ctx<'_>, xs: &[TensorHandle]) -> Result<TensorHandle> {
+    let mut a = OpAttrs::new();
+    a.set_int("axis", dims(&xs[0]).len() as i64 - 1);
+    c.op1(&ops::CONCAT, xs, &a)
+}
+
+fn rotary_embedding(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let input = c.input(0)?;
+    let dt = input.dtype();
+    if !dt.is_float() {
+        return Err(OnnxError::unsupported(format!(
+            "RotaryEmbedding on {dt} tensors"
+        )));
+    }
+    let original = dims(&input);
+    // To [B, S, H, D].
+    let x = match original.len() {
+        4 => transpose(c, &input, &[0, 2, 1, 3])?,
+        3 => {
+            let heads = c.attr_int("num_heads", 0);
+            if heads < 1 || !original[2].is_multiple_of(heads as usize) {
+                return Err(OnnxError::invalid(format!(
+                    "{} hidden units do not split into {heads} heads",
+                    original[2]
+                )));
+            }
+            let h = heads as usize;
+            c.reshape(&input, &[original[0], original[1], h, original[2] / h])?
+        }
+        r => return Err(OnnxError::invalid(format!("RotaryEmbedding of rank {r}"))),
+    };
+    let d = dims(&x);
+    let head = d[3];
+    let rd = match c.attr_int("rotary_embedding_dim", 0) {
+        0 => head,
+        n if n > 0 && (n as usize) <= head && n % 2 == 0 => n as usize,
+        n => return Err(OnnxError::invalid(format!("rotary_embedding_dim {n}"))),
+    };
+    let half = rd / 2;
+    let cache = |i: usize| -> Result<TensorHandle> {
+        let mut t = c.cast(&c.input(i)?, dt)?;
+        if let Some(pos) = c.opt_input(3) {
+            let mut g = OpAttrs::new();
+            g.set_int("axis", 0);
+            t = c.op1(&ops::GATHER, &[t, pos.clone()], &g)?;
+        }
+        let mut td = dims(&t);
+        if td.last() != Some(&half) {
+            return Err(OnnxError::invalid(format!(
+                "the cos and sin caches' last axis must be rotary_embedding_dim / 2 = {half}"
+            )));
+        }
+        td.insert(td.len() - 1, 1);
+        c.reshape(&t, &td)
+    };
+    let (cos, sin) = (cache(1)?, cache(2)?);
+    let interleaved = c.attr_int("interleaved", 0) != 0;
+    let (x1, x2) = if interleaved {
+        (
+            strided_last(c, &x, 0, rd, 2)?,
+            strided_last(c, &x, 1, rd, 2)?,
+        )
+    } else {
+        (
+            strided_last(c, &x, 0, half, 1)?,
+            strided_last(c, &x, half, rd, 1)?,
+        )
+    };
+    let a = c.binary(&ops::MUL, &cos, &x1)?;
+    let b = c.binary(&ops::MUL, &sin, &x2)?;
+    let real = c.binary(&ops::SUB, &a, &b)?;
+    let a = c.binary(&ops::MUL, &sin, &x1)?;
+    let b = c.binary(&ops::MUL, &cos, &x2)?;
+    let imag = c.binary(&ops::ADD, &a, &b)?;
+    let rotated = if interleaved {
+        let mut rdims = dims(&real);
+        rdims.push(1);
+        let re = c.reshape(&real, &rdims)?;
+        let im = c.reshape(&imag, &rdims)?;
+        let pairs = concat_last(c, &[re, im])?;
+        c.reshape(&pairs, &[d[0], d[1], d[2], rd])?
+    } else {
+        concat_last(c, &[real, imag])?
+    };
+    let y = if rd < head {
+        let rest = strided_last(c, &x, rd, head, 1)?;
+        concat_last(c, &[rotated, rest])?
+    } else {
+        rotated
+    };
+    let y = if original.len() == 3 {
+        c.reshape(&y, &original)?
+    } else {
+        transpose(c, &y, &[0, 2, 1, 3])?
+    };
+    Ok(vec![y])
 }
