@@ -13,6 +13,7 @@ use stagecraft_runtime::TensorHandle;
 pub(super) fn lookup(op_type: &str) -> Option<Translate> {
     Some(match op_type {
         "MatMul" => matmul,
+        "Einsum" => einsum,
         "Gemm" => gemm,
         "Conv" => conv,
         "MaxPool" => |c| pool(c, true),
@@ -742,5 +743,118 @@ fn mean_variance_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     require_float(c, &x)?;
     let axes = c.attr_ints("axes").unwrap_or_else(|| vec![0, 2, 3]);
     let (y, _, _) = normalize(c, &x, &axes, 1e-9)?;
+    Ok(vec![y])
+}
+
+/// `Einsum` without ellipses or repeated subscripts in one operand: every
+/// operand is laid out over all subscripts (missing ones as unit axes),
+/// the operands are multiplied with broadcasting, the subscripts not in
+/// the output are summed, and the rest put in the output's order. Simple
+/// and exact, not fast: large contractions deserve a `MatMul`.
+fn einsum(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let equation: String = c
+        .attr_str("equation", "")
+        .chars()
+        .filter(|ch| !ch.is_whitespace())
+        .collect();
+    if equation.contains("...") {
+        return Err(OnnxError::unsupported("Einsum with an ellipsis"));
+    }
+    let (lhs, rhs) = match equation.split_once("->") {
+        Some((l, r)) => (l.to_string(), Some(r.to_string())),
+        None => (equation.clone(), None),
+    };
+    let terms: Vec<Vec<char>> = lhs.split(',').map(|t| t.chars().collect()).collect();
+    let inputs = c.inputs();
+    if terms.len() != inputs.len() {
+        return Err(OnnxError::invalid(format!(
+            "Einsum equation {equation} names {} operands, the node has {}",
+            terms.len(),
+            inputs.len()
+        )));
+    }
+    let mut all: Vec<char> = Vec::new();
+    for t in &terms {
+        for &ch in t {
+            if !ch.is_ascii_alphabetic() {
+                return Err(OnnxError::invalid(format!("Einsum subscript {ch:?}")));
+            }
+            if !all.contains(&ch) {
+                all.push(ch);
+            }
+        }
+    }
+    let output: Vec<char> = match rhs {
+        Some(r) => r.chars().collect(),
+        None => {
+            let mut once: Vec<char> = all
+                .iter()
+                .copied()
+                .filter(|ch| terms.iter().flatten().filter(|x| *x == ch).count() == 1)
+                .collect();
+            once.sort_unstable();
+            once
+        }
+    };
+    if output.iter().any(|ch| !all.contains(ch)) {
+        return Err(OnnxError::invalid(format!(
+            "Einsum output of {equation} names an unknown subscript"
+        )));
+    }
+    // Output subscripts first, then the summed ones.
+    let mut order: Vec<char> = output.clone();
+    order.extend(all.iter().copied().filter(|ch| !output.contains(ch)));
+    let mut product: Option<TensorHandle> = None;
+    for (t, x) in terms.iter().zip(&inputs) {
+        let d = dims(x);
+        if t.len() != d.len() {
+            return Err(OnnxError::invalid(format!(
+                "Einsum term {} for an operand of rank {}",
+                t.iter().collect::<String>(),
+                d.len()
+            )));
+        }
+        let mut seen = Vec::new();
+        for &ch in t {
+            if seen.contains(&ch) {
+                return Err(OnnxError::unsupported(
+                    "Einsum with a repeated subscript (a diagonal)",
+                ));
+            }
+            seen.push(ch);
+        }
+        // Permute the operand's axes into `order`, then insert unit axes.
+        let mut perm: Vec<i64> = Vec::new();
+        for ch in &order {
+            if let Some(i) = t.iter().position(|x| x == ch) {
+                perm.push(i as i64);
+            }
+        }
+        let mut a = OpAttrs::new();
+        a.set_ints("perm", &perm);
+        let y = if perm.iter().enumerate().all(|(i, &p)| p == i as i64) {
+            x.clone()
+        } else {
+            c.op1(&ops::TRANSPOSE, std::slice::from_ref(x), &a)?
+        };
+        let full: Vec<usize> = order
+            .iter()
+            .map(|ch| t.iter().position(|x| x == ch).map_or(1, |i| d[i]))
+            .collect();
+        let y = c.reshape(&y, &full)?;
+        product = Some(match product {
+            Some(p) => c.binary(&ops::MUL, &p, &y)?,
+            None => y,
+        });
+    }
+    let product = product.ok_or_else(|| OnnxError::invalid("Einsum without operands"))?;
+    let summed: Vec<i64> = (output.len()..order.len()).map(|i| i as i64).collect();
+    if summed.is_empty() {
+        return Ok(vec![product]);
+    }
+    let mut a = OpAttrs::new();
+    a.set_ints("axes", &summed);
+    a.set_bool("keepdim", false);
+    let y = c.op1(&ops::SUM, &[product], &a)?;
     Ok(vec![y])
 }
