@@ -86,7 +86,8 @@ pub struct Model {
     initializers: HashMap<String, DenseHostTensor>,
     inputs: Vec<ValueInfo>,
     outputs: Vec<ValueInfo>,
-    /// Graph inputs some node needs known (baked in per call).
+    /// Values some node needs known (the graph inputs among them are baked
+    /// in per call).
     statics: HashSet<String>,
     functions: Mutex<HashMap<Signature, FuncId>>,
 }
@@ -95,14 +96,8 @@ pub struct Model {
 /// values of the inputs baked in as constants (see [`baked`]).
 type Signature = (Vec<TensorMetadata>, Vec<Option<Vec<u8>>>);
 
-/// Integer and bool inputs of at most this many elements are baked into the
-/// translation as constants (and the function cache keys on their values):
-/// ONNX passes shapes, axes, pads and counts as tensors, which stagecraft
-/// ops take as attributes.
-pub const BAKED_INT_LIMIT: usize = 64;
-
-/// The inputs baked in as constants: those feeding an input a node needs
-/// known (`static_inputs`), small integer and bool tensors, and scalars.
+/// The inputs baked in as constants: those whose values some node needs
+/// when it is translated (see [`Model::from_proto`]).
 fn baked(
     infos: &[ValueInfo],
     values: &[DenseHostTensor],
@@ -111,12 +106,7 @@ fn baked(
     infos
         .iter()
         .zip(values)
-        .map(|(info, v)| {
-            let small_ints = matches!(v.dtype(), DType::I64 | DType::I32 | DType::Bool)
-                && v.numel() <= BAKED_INT_LIMIT;
-            let scalar = v.numel() == 1 && v.shape().rank() <= 1;
-            (statics.contains(&info.name) || small_ints || scalar).then(|| v.clone())
-        })
+        .map(|(info, v)| statics.contains(&info.name).then(|| v.clone()))
         .collect()
 }
 
@@ -238,7 +228,13 @@ impl Model {
             .map(value_info)
             .collect();
         let outputs = graph.output.iter().map(value_info).collect();
-        let statics = graph
+        // Values some node needs known while translating (shapes, axes,
+        // pads, scales, counts), and everything they are computed from,
+        // except through `Shape` and `Size`, which read metadata only. The
+        // graph inputs among them are baked in per call (the function cache
+        // keys on their values); nodes are in topological order, so one
+        // pass backwards finds them all.
+        let mut statics: HashSet<String> = graph
             .node
             .iter()
             .flat_map(|n| {
@@ -247,6 +243,14 @@ impl Model {
                     .filter_map(|&i| n.input.get(i).filter(|s| !s.is_empty()).cloned())
             })
             .collect();
+        for n in graph.node.iter().rev() {
+            if matches!(n.op_type(), "Shape" | "Size") {
+                continue;
+            }
+            if n.output.iter().any(|o| statics.contains(o)) {
+                statics.extend(n.input.iter().filter(|i| !i.is_empty()).cloned());
+            }
+        }
         Ok(Model {
             statics,
             graph,

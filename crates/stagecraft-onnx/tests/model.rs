@@ -321,3 +321,37 @@ fn mutated_models_never_panic() {
         assert!(try_run(&b), "byte {i} set to {}", b[i]);
     }
 }
+
+#[test]
+fn integer_data_inputs_stay_inputs_and_shape_inputs_are_baked() {
+    // y = Reshape(Gather(table, ids), shape): `ids` is data (one function
+    // serves every value), `shape` sets a shape (baked per call).
+    let table = f32s(&[10.0, 11.0, 20.0, 21.0, 30.0, 31.0], &[3, 2]);
+    let bytes = model(
+        vec![
+            node("Gather", "embed", &["table", "ids"], &["g"], vec![]),
+            node("Reshape", "flat", &["g", "shape"], &["y"], vec![]),
+        ],
+        vec![
+            value("ids", DataType::Int64, &[Some(2)]),
+            value("shape", DataType::Int64, &[Some(1)]),
+        ],
+        vec![value("y", DataType::Float, &[None])],
+        vec![("table", table)],
+        13,
+    );
+    let m = Model::from_bytes(&bytes).unwrap();
+    let ids = |v: [i64; 2]| DenseHostTensor::from_slice(&v, [2]).unwrap();
+    let shape = DenseHostTensor::from_slice(&[4i64], [1]).unwrap();
+    for mode in [Mode::Eager, Mode::Lazy, Mode::Function] {
+        for (v, want) in [
+            ([2, 0], vec![30.0, 31.0, 10.0, 11.0]),
+            ([1, 1], vec![20.0, 21.0, 20.0, 21.0]),
+        ] {
+            let out = m
+                .run_with(&[("ids", ids(v)), ("shape", shape.clone())], mode)
+                .unwrap();
+            assert_eq!(out[0].to_vec::<f32>().unwrap(), want, "{mode:?} {v:?}");
+        }
+    }
+}

@@ -71,6 +71,7 @@ pub(crate) fn static_inputs(op_type: &str) -> &'static [usize] {
         "Upsample" => &[1],
         "Dropout" => &[1, 2],
         "ConstantOfShape" => &[0],
+        "Attention" => &[6],
         _ => &[],
     }
 }
