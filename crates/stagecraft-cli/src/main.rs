@@ -35,6 +35,62 @@ enum Command {
     Trace(TraceArgs),
     /// Sample text from a GPT saved by `train --model gpt --save FILE`.
     Generate(GenerateArgs),
+    /// Import ONNX models: inspect one, or run the ONNX conformance suite.
+    Onnx(OnnxArgs),
+}
+
+#[derive(Args, Debug)]
+struct OnnxArgs {
+    #[command(subcommand)]
+    command: OnnxCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum OnnxCommand {
+    /// Print a model's opset, inputs, outputs, op counts and unsupported ops.
+    Info {
+        /// The `.onnx` file.
+        model: PathBuf,
+    },
+    /// Run the ONNX backend test suite (onnx 1.22.0's test data, fetched
+    /// with pip into data/onnx on first use) and write the report.
+    Conform(ConformArgs),
+}
+
+/// How `onnx conform` runs models.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum OnnxMode {
+    /// Traced once per input signature into a graph function.
+    Function,
+    /// Op by op.
+    Eager,
+    /// On the lazy device.
+    Lazy,
+}
+
+#[derive(Args, Debug)]
+struct ConformArgs {
+    /// The test data directory [default: $STAGECRAFT_ONNX_DATA, else
+    /// data/onnx, fetched on first use].
+    #[arg(long, value_name = "DIR")]
+    data: Option<PathBuf>,
+    /// Categories to run (node, simple, pytorch-converted,
+    /// pytorch-operator, light) [default: all].
+    #[arg(long = "category")]
+    categories: Vec<String>,
+    /// How models run.
+    #[arg(long, value_enum, default_value_t = OnnxMode::Function)]
+    mode: OnnxMode,
+    /// The markdown report.
+    #[arg(long, default_value = "docs/onnx-conformance.md")]
+    out: PathBuf,
+    /// Also write the passing cases here, one per line (the list
+    /// crates/stagecraft-onnx/conformance/expected_passes.txt).
+    #[arg(long, value_name = "FILE")]
+    expected: Option<PathBuf>,
+    /// Print every case's outcome.
+    #[arg(long)]
+    verbose: bool,
 }
 
 /// The networks `train` knows.
@@ -272,12 +328,34 @@ fn trace(args: TraceArgs) -> Result<()> {
     Ok(())
 }
 
+fn onnx(args: OnnxArgs) -> Result<()> {
+    match args.command {
+        OnnxCommand::Info { model } => stagecraft_cli::onnx::info(&model),
+        OnnxCommand::Conform(a) => {
+            let mode = match a.mode {
+                OnnxMode::Function => stagecraft::onnx::Mode::Function,
+                OnnxMode::Eager => stagecraft::onnx::Mode::Eager,
+                OnnxMode::Lazy => stagecraft::onnx::Mode::Lazy,
+            };
+            stagecraft_cli::onnx::conform(&stagecraft_cli::onnx::ConformOptions {
+                data: a.data,
+                categories: a.categories,
+                mode,
+                out: a.out,
+                expected: a.expected,
+                verbose: a.verbose,
+            })
+        }
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Some(Command::Train(args)) => train(args),
         Some(Command::Trace(args)) => trace(args),
         Some(Command::Generate(args)) => generate(args),
+        Some(Command::Onnx(args)) => onnx(args),
         None => train(cli.train),
     };
     if let Err(e) = result {

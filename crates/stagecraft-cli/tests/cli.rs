@@ -311,3 +311,33 @@ fn without_npm_the_error_says_how_to_get_the_files() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn onnx_commands_report_bad_files_and_missing_data_clearly() {
+    let dir = scratch("onnx");
+    std::fs::write(dir.join("bad.onnx"), [0xffu8; 40]).unwrap();
+    let out = run(&["onnx", "info", "bad.onnx"], &dir);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.onnx: not a valid ONNX model"), "{err}");
+    let out = run(&["onnx", "info", "missing.onnx"], &dir);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read missing.onnx"));
+    // No data and no python3 on an empty PATH: nothing is fetched, and the
+    // error says how to get the test data by hand.
+    let out = Command::new(BIN)
+        .args(["onnx", "conform", "--data", "suite", "--out", "report.md"])
+        .current_dir(&dir)
+        .env("PATH", "")
+        .env_remove("STAGECRAFT_ONNX_DATA")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot run python3"), "{err}");
+    assert!(
+        err.contains("pip download") && err.contains("onnx==1.22.0"),
+        "{err}"
+    );
+    assert!(!dir.join("report.md").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -28,6 +28,7 @@
 mod autodiff;
 pub mod lazy;
 pub mod nn;
+pub mod onnx;
 mod operators;
 mod ops;
 pub mod optim;

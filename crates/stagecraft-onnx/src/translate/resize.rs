@@ -1,0 +1,378 @@
+//! `Resize` and `Upsample`: nearest, linear and cubic interpolation, one
+//! axis at a time. The source positions and weights of every output
+//! position are computed while translating (they depend on shapes only),
+//! then each tap is a `Gather` along the axis, scaled and summed.
+
+use super::{axis, dims, Ctx, Translate};
+use crate::error::{OnnxError, Result};
+use stagecraft_ops as ops;
+use stagecraft_ops::OpAttrs;
+use stagecraft_runtime::TensorHandle;
+use stagecraft_tensor::DenseHostTensor;
+
+pub(super) fn lookup(op_type: &str) -> Option<Translate> {
+    Some(match op_type {
+        "Resize" => resize,
+        "Upsample" => upsample,
+        _ => return None,
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Nearest,
+    Linear,
+    Cubic,
+}
+
+/// How an axis is resampled.
+struct Plan<'a> {
+    mode: Mode,
+    coordinate: &'a str,
+    nearest: &'a str,
+    cubic_a: f64,
+    exclude_outside: bool,
+}
+
+fn upsample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let d = dims(&x);
+    let scales: Vec<f64> = if c.opset < 9 {
+        c.node
+            .attribute
+            .iter()
+            .find(|a| a.name() == "scales")
+            .map(|a| a.floats.iter().map(|&f| f as f64).collect())
+            .unwrap_or_default()
+    } else {
+        known_floats(c, 1)?.unwrap_or_default()
+    };
+    let mode = parse_mode(&c.attr_str("mode", "nearest"))?;
+    let plan = Plan {
+        mode,
+        coordinate: "asymmetric",
+        nearest: "floor",
+        cubic_a: -0.75,
+        exclude_outside: false,
+    };
+    let out: Vec<usize> = d
+        .iter()
+        .zip(&scales)
+        .map(|(&n, &s)| (n as f64 * s).floor() as usize)
+        .collect();
+    Ok(vec![apply(c, &x, &out, &scales, &plan)?])
+}
+
+fn parse_mode(mode: &str) -> Result<Mode> {
+    match mode {
+        "nearest" => Ok(Mode::Nearest),
+        "linear" | "bilinear" => Ok(Mode::Linear),
+        "cubic" | "bicubic" => Ok(Mode::Cubic),
+        other => Err(OnnxError::unsupported(format!("Resize mode {other}"))),
+    }
+}
+
+/// A known float input as f64s; `None` when absent or empty.
+fn known_floats(c: &Ctx<'_>, i: usize) -> Result<Option<Vec<f64>>> {
+    if c.opt_input(i).is_none() {
+        return Ok(None);
+    }
+    let t = c.known(i).ok_or_else(|| {
+        OnnxError::unsupported(format!(
+            "input {i} of {} is computed while the model runs; it must be a constant",
+            c.op_type()
+        ))
+    })?;
+    let v: Vec<f64> = (0..t.numel())
+        .filter_map(|j| t.get_scalar(j).map(super::scalar_f64))
+        .collect();
+    Ok((!v.is_empty()).then_some(v))
+}
+
+fn resize(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let d = dims(&x);
+    let rank = d.len();
+    if c.attr_int("antialias", 0) != 0 {
+        return Err(OnnxError::unsupported("Resize with antialias"));
+    }
+    let mode_name = c.attr_str("mode", "nearest");
+    let mode = parse_mode(&mode_name)?;
+    let coordinate = if c.opset < 11 {
+        "asymmetric".to_string()
+    } else {
+        c.attr_str("coordinate_transformation_mode", "half_pixel")
+    };
+    if coordinate == "tf_crop_and_resize" {
+        return Err(OnnxError::unsupported(
+            "Resize with coordinate_transformation_mode tf_crop_and_resize",
+        ));
+    }
+    let nearest = if c.opset < 11 {
+        "floor".to_string()
+    } else {
+        c.attr_str("nearest_mode", "round_prefer_floor")
+    };
+    let axes: Vec<usize> = match c.attr_ints("axes") {
+        Some(a) => a.iter().map(|&a| axis(a, rank)).collect::<Result<_>>()?,
+        None => (0..rank).collect(),
+    };
+    let (scales, sizes) = if c.opset < 11 {
+        (known_floats(c, 1)?, None)
+    } else {
+        (
+            known_floats(c, 2)?,
+            c.known_ints(3)?.filter(|s| !s.is_empty()),
+        )
+    };
+    let mut full_scales = vec![1.0; rank];
+    let mut out = d.clone();
+    match (sizes, scales) {
+        (Some(sizes), _) => {
+            if sizes.len() != axes.len() {
+                return Err(OnnxError::invalid("Resize sizes do not match the axes"));
+            }
+            let policy = c.attr_str("keep_aspect_ratio_policy", "stretch");
+            let ratios: Vec<f64> = axes
+                .iter()
+                .zip(&sizes)
+                .map(|(&a, &s)| s as f64 / d[a] as f64)
+                .collect();
+            let common = match policy.as_str() {
+                "stretch" => None,
+                "not_larger" => Some(ratios.iter().copied().fold(f64::INFINITY, f64::min)),
+                "not_smaller" => Some(ratios.iter().copied().fold(0.0, f64::max)),
+                other => {
+                    return Err(OnnxError::invalid(format!(
+                        "keep_aspect_ratio_policy {other}"
+                    )))
+                }
+            };
+            for (i, &a) in axes.iter().enumerate() {
+                match common {
+                    None => {
+                        out[a] = sizes[i].max(0) as usize;
+                        full_scales[a] = ratios[i];
+                    }
+                    Some(s) => {
+                        out[a] = (s * d[a] as f64).round() as usize;
+                        full_scales[a] = s;
+                    }
+                }
+            }
+        }
+        (None, Some(scales)) => {
+            if scales.len() != axes.len() {
+                return Err(OnnxError::invalid("Resize scales do not match the axes"));
+            }
+            for (i, &a) in axes.iter().enumerate() {
+                full_scales[a] = scales[i];
+                out[a] = (d[a] as f64 * scales[i]).floor() as usize;
+            }
+        }
+        (None, None) => return Err(OnnxError::invalid("Resize needs scales or sizes")),
+    }
+    let plan = Plan {
+        mode,
+        coordinate: &coordinate,
+        nearest: &nearest,
+        cubic_a: c.attr_float("cubic_coeff_a", -0.75) as f64,
+        exclude_outside: c.attr_int("exclude_outside", 0) != 0,
+    };
+    Ok(vec![apply(c, &x, &out, &full_scales, &plan)?])
+}
+
+/// The source coordinate of output position `x` on an axis of `n` inputs
+/// resized to `m` with `scale`.
+fn source(coordinate: &str, x: f64, n: usize, m: usize, scale: f64) -> Result<f64> {
+    // ONNX measures the resized length as `n · scale`, unrounded.
+    let resized = n as f64 * scale;
+    Ok(match coordinate {
+        "half_pixel" => (x + 0.5) / scale - 0.5,
+        "pytorch_half_pixel" => {
+            if resized > 1.0 {
+                (x + 0.5) / scale - 0.5
+            } else {
+                0.0
+            }
+        }
+        "align_corners" => {
+            if resized == 1.0 {
+                0.0
+            } else {
+                x * (n as f64 - 1.0) / (resized - 1.0)
+            }
+        }
+        "asymmetric" => x / scale,
+        "tf_half_pixel_for_nn" => (x + 0.5) / scale,
+        "half_pixel_symmetric" => {
+            let adjustment = m as f64 / (scale * n as f64);
+            let center = n as f64 / 2.0;
+            let offset = center * (1.0 - adjustment);
+            offset + (x + 0.5) / scale - 0.5
+        }
+        other => {
+            return Err(OnnxError::unsupported(format!(
+                "Resize coordinate_transformation_mode {other}"
+            )))
+        }
+    })
+}
+
+fn cubic_weights(t: f64, a: f64) -> [f64; 4] {
+    let far = |s: f64| ((a * s - 5.0 * a) * s + 8.0 * a) * s - 4.0 * a;
+    let near = |s: f64| ((a + 2.0) * s - (a + 3.0)) * s * s + 1.0;
+    [far(t + 1.0), near(t), near(1.0 - t), far(2.0 - t)]
+}
+
+/// The taps of one axis: for each tap, the source index and weight of
+/// every output position.
+fn taps(plan: &Plan<'_>, n: usize, m: usize, scale: f64) -> Result<Vec<(Vec<i64>, Vec<f64>)>> {
+    let last = n as i64 - 1;
+    let clamp = |i: i64| i.clamp(0, last);
+    let k = match plan.mode {
+        Mode::Nearest => 1,
+        Mode::Linear => 2,
+        Mode::Cubic => 4,
+    };
+    let mut out = vec![(Vec::with_capacity(m), Vec::with_capacity(m)); k];
+    for o in 0..m {
+        let s = source(plan.coordinate, o as f64, n, m, scale)?;
+        match plan.mode {
+            Mode::Nearest => {
+                let i = match plan.nearest {
+                    "round_prefer_floor" => {
+                        if s.fract() == 0.5 {
+                            s.floor()
+                        } else {
+                            s.round()
+                        }
+                    }
+                    "round_prefer_ceil" => {
+                        if s.fract() == 0.5 {
+                            s.ceil()
+                        } else {
+                            s.round()
+                        }
+                    }
+                    "floor" => s.floor(),
+                    "ceil" => s.ceil(),
+                    other => {
+                        return Err(OnnxError::unsupported(format!(
+                            "Resize nearest_mode {other}"
+                        )))
+                    }
+                };
+                out[0].0.push(clamp(i as i64));
+                out[0].1.push(1.0);
+            }
+            Mode::Linear => {
+                let s = s.clamp(0.0, last as f64);
+                let i0 = s.floor();
+                let t = s - i0;
+                out[0].0.push(clamp(i0 as i64));
+                out[0].1.push(1.0 - t);
+                out[1].0.push(clamp(i0 as i64 + 1));
+                out[1].1.push(t);
+            }
+            Mode::Cubic => {
+                let i0 = s.floor();
+                let t = s - i0;
+                let mut w = cubic_weights(t, plan.cubic_a);
+                let idx: Vec<i64> = (0..4).map(|j| i0 as i64 - 1 + j).collect();
+                if plan.exclude_outside {
+                    for j in 0..4 {
+                        if idx[j] < 0 || idx[j] > last {
+                            w[j] = 0.0;
+                        }
+                    }
+                    let total: f64 = w.iter().sum();
+                    if total != 0.0 {
+                        w.iter_mut().for_each(|v| *v /= total);
+                    }
+                }
+                for j in 0..4 {
+                    out[j].0.push(clamp(idx[j]));
+                    out[j].1.push(w[j]);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn apply(
+    c: &Ctx<'_>,
+    x: &TensorHandle,
+    out: &[usize],
+    scales: &[f64],
+    plan: &Plan<'_>,
+) -> Result<TensorHandle> {
+    let d = dims(x);
+    if out.len() != d.len() || scales.len() != d.len() {
+        return Err(OnnxError::invalid(format!(
+            "Resize of a rank-{} tensor with {} scales",
+            d.len(),
+            scales.len()
+        )));
+    }
+    if plan.mode != Mode::Nearest && !x.dtype().is_float() {
+        return Err(OnnxError::unsupported(format!(
+            "{} interpolation of {} tensors",
+            if plan.mode == Mode::Linear {
+                "linear"
+            } else {
+                "cubic"
+            },
+            x.dtype()
+        )));
+    }
+    let mut y = x.clone();
+    for a in 0..d.len() {
+        let (n, m) = (d[a], out[a]);
+        if n == 0 || scales[a] <= 0.0 {
+            return Err(OnnxError::invalid(format!(
+                "Resize axis {a}: {n} inputs, scale {}",
+                scales[a]
+            )));
+        }
+        let taps = taps(plan, n, m, scales[a])?;
+        let identity = n == m
+            && taps.iter().all(|(idx, w)| {
+                w.iter().all(|&w| w == 0.0 || w == 1.0)
+                    && idx
+                        .iter()
+                        .zip(w)
+                        .enumerate()
+                        .all(|(o, (&i, &w))| w == 0.0 || i == o as i64)
+            });
+        if identity {
+            continue;
+        }
+        let mut g = OpAttrs::new();
+        g.set_int("axis", a as i64);
+        let mut wshape = vec![1; d.len()];
+        wshape[a] = m;
+        let mut acc: Option<TensorHandle> = None;
+        for (idx, w) in taps {
+            if w.iter().all(|&v| v == 0.0) {
+                continue;
+            }
+            let indices = c.ints_constant(&idx)?;
+            let picked = c.op1(&ops::GATHER, &[y.clone(), indices], &g)?;
+            let term = if w.iter().all(|&v| v == 1.0) {
+                picked
+            } else {
+                let wt = DenseHostTensor::from_slice(&w, wshape.as_slice())?;
+                let wt = c.cast(&c.constant(wt), x.dtype())?;
+                c.binary(&ops::MUL, &picked, &wt)?
+            };
+            acc = Some(match acc {
+                Some(a) => c.binary(&ops::ADD, &a, &term)?,
+                None => term,
+            });
+        }
+        y = acc.ok_or_else(|| OnnxError::invalid("Resize with all-zero weights"))?;
+    }
+    Ok(y)
+}
