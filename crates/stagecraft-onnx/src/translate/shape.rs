@@ -541,7 +541,7 @@ fn pad(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
     let d = dims(&x);
     let mode = c.attr_str("mode", "constant");
-    if mode != "constant" {
+    if !matches!(mode.as_str(), "constant" | "reflect" | "edge" | "wrap") {
         return Err(OnnxError::unsupported(format!("Pad mode {mode}")));
     }
     let (pads, value) = if c.opset < 11 {
@@ -574,7 +574,48 @@ fn pad(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         before[a] = pads[i];
         after[a] = pads[i + axes.len()];
     }
-    Ok(vec![pad_with(c, &x, &before, &after, value)?])
+    if mode == "constant" {
+        return Ok(vec![pad_with(c, &x, &before, &after, value)?]);
+    }
+    // reflect, edge, wrap: each padded axis gathers from computed source
+    // indices (a negative pad crops).
+    let mut y = x;
+    for a in 0..d.len() {
+        if before[a] == 0 && after[a] == 0 {
+            continue;
+        }
+        let n = d[a] as i64;
+        let len = n + before[a] + after[a];
+        if n == 0 || len < 0 {
+            return Err(OnnxError::invalid(format!(
+                "Pad {mode} of an axis of length {n} by {} and {}",
+                before[a], after[a]
+            )));
+        }
+        let idx: Vec<i64> = (0..len)
+            .map(|j| {
+                let k = j - before[a];
+                match mode.as_str() {
+                    "edge" => k.clamp(0, n - 1),
+                    "wrap" => k.rem_euclid(n),
+                    _ if n == 1 => 0,
+                    _ => {
+                        let m = k.rem_euclid(2 * (n - 1));
+                        if m >= n {
+                            2 * (n - 1) - m
+                        } else {
+                            m
+                        }
+                    }
+                }
+            })
+            .collect();
+        let idx = c.ints_constant(&idx)?;
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", a as i64);
+        y = c.op1(&ops::GATHER, &[y, idx], &attrs)?;
+    }
+    Ok(vec![y])
 }
 
 /// Pads (positive) or crops (negative) each axis of `x`.
