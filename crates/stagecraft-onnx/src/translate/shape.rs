@@ -43,6 +43,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "SpaceToDepth" => space_to_depth,
         "EyeLike" => eye_like,
         "ScatterElements" | "Scatter" => scatter_elements,
+        "ScatterND" => scatter_nd,
         _ => return None,
     })
 }
@@ -844,6 +845,77 @@ fn scatter_elements(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
             "ScatterElements with reduction {other}"
         ))),
     }
+}
+
+/// ScatterND (reductions none and add): the indexed leading dims of the
+/// data are flattened to one, each index tuple becomes a linear index,
+/// and an `IndexAdd` along that dim places the updates.
+fn scatter_nd(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let idx = c.cast(&c.input(1)?, DType::I64)?;
+    let updates = c.input(2)?;
+    let reduction = c.attr_str("reduction", "none");
+    if !matches!(reduction.as_str(), "none" | "add") {
+        return Err(OnnxError::unsupported(format!(
+            "ScatterND with reduction {reduction}"
+        )));
+    }
+    let d = dims(&x);
+    let id = dims(&idx);
+    let k = *id
+        .last()
+        .ok_or_else(|| OnnxError::invalid("ScatterND indices of rank 0"))?;
+    if k == 0 || k > d.len() {
+        return Err(OnnxError::unsupported(format!(
+            "ScatterND with index tuples of length {k} into rank {}",
+            d.len()
+        )));
+    }
+    let lead: usize = d[..k].iter().product();
+    let rest = &d[k..];
+    let n_updates: usize = id[..id.len() - 1].iter().product();
+    let mut strides = vec![1i64; k];
+    for j in (0..k.saturating_sub(1)).rev() {
+        strides[j] = strides[j + 1] * d[j + 1] as i64;
+    }
+    let sizes: Vec<i64> = d[..k].iter().map(|&v| v as i64).collect();
+    let sizes = c.ints_constant(&sizes)?;
+    let zero = c.scalar(0.0, DType::I64)?;
+    let negative = c.binary(&ops::LESS, &idx, &zero)?;
+    let wrapped = c.binary(&ops::ADD, &idx, &sizes)?;
+    let idx = c.op1(&ops::SELECT, &[negative, wrapped, idx], &OpAttrs::new())?;
+    let strides = c.ints_constant(&strides)?;
+    let scaled = c.binary(&ops::MUL, &idx, &strides)?;
+    let last = id.len() as i64 - 1;
+    let linear = super::reduce::reduce_with(c, &ops::SUM, &scaled, &[last], false)?;
+    let linear = c.reshape(&linear, &[n_updates])?;
+    let mut flat = vec![lead];
+    flat.extend_from_slice(rest);
+    let mut uflat = vec![n_updates];
+    uflat.extend_from_slice(rest);
+    let xf = c.reshape(&x, &flat)?;
+    let uf = c.reshape(&updates, &uflat)?;
+    let zeros_meta = xf.metadata().clone();
+    let zeros =
+        c.constant(HostTensor::filled(Scalar::F64(0.0).cast(x.dtype()), &zeros_meta).to_dense()?);
+    let mut attrs = OpAttrs::new();
+    attrs.set_int("axis", 0);
+    let added = c.op1(
+        &ops::INDEX_ADD,
+        &[zeros.clone(), linear.clone(), uf.clone()],
+        &attrs,
+    )?;
+    let y = if reduction == "add" {
+        c.binary(&ops::ADD, &xf, &added)?
+    } else {
+        let ones_meta = uf.metadata().clone();
+        let ones = c
+            .constant(HostTensor::filled(Scalar::F64(1.0).cast(x.dtype()), &ones_meta).to_dense()?);
+        let hits = c.op1(&ops::INDEX_ADD, &[zeros.clone(), linear, ones], &attrs)?;
+        let hit = c.binary(&ops::NOT_EQUAL, &hits, &zeros)?;
+        c.op1(&ops::SELECT, &[hit, added, xf], &OpAttrs::new())?
+    };
+    Ok(vec![c.reshape(&y, &d)?])
 }
 
 fn cumprod(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
