@@ -67,7 +67,7 @@ pub(crate) fn is_supported(op_type: &str) -> bool {
 pub(crate) fn static_inputs(op_type: &str) -> &'static [usize] {
     match op_type {
         "Reshape" | "Expand" | "Tile" | "Squeeze" | "Unsqueeze" | "Split" | "TopK" | "Trilu"
-        | "CumSum" | "CumProd" | "OneHot" => &[1],
+        | "CumSum" | "CumProd" | "OneHot" | "CenterCropPad" => &[1],
         "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceProd" | "ReduceL1"
         | "ReduceL2" | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" => &[1],
         "Slice" => &[1, 2, 3, 4],

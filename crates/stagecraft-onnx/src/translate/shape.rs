@@ -44,6 +44,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "EyeLike" => eye_like,
         "ScatterElements" | "Scatter" => scatter_elements,
         "ScatterND" => scatter_nd,
+        "CenterCropPad" => center_crop_pad,
         _ => return None,
     })
 }
@@ -845,6 +846,41 @@ fn scatter_elements(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
             "ScatterElements with reduction {other}"
         ))),
     }
+}
+
+/// CenterCropPad: each listed axis is cropped or zero-padded to its target
+/// length around the center (the extra element of an odd difference goes
+/// after).
+fn center_crop_pad(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let d = dims(&x);
+    let shape = c
+        .known_ints(1)?
+        .ok_or_else(|| OnnxError::invalid("CenterCropPad needs a shape"))?;
+    let axes: Vec<usize> = match c.attr_ints("axes") {
+        Some(a) => a.iter().map(|&a| axis(a, d.len())).collect::<Result<_>>()?,
+        None => (0..d.len()).collect(),
+    };
+    if shape.len() != axes.len() {
+        return Err(OnnxError::invalid(format!(
+            "CenterCropPad: {} lengths for {} axes",
+            shape.len(),
+            axes.len()
+        )));
+    }
+    let mut before = vec![0i64; d.len()];
+    let mut after = vec![0i64; d.len()];
+    for (&a, &s) in axes.iter().zip(&shape) {
+        let diff = s - d[a] as i64;
+        if s < 0 {
+            return Err(OnnxError::invalid(format!("CenterCropPad length {s}")));
+        }
+        // Crop: start at (n - s) / 2; pad: (s - n) / 2 before.
+        let b = if diff >= 0 { diff / 2 } else { -((-diff) / 2) };
+        before[a] = b;
+        after[a] = diff - b;
+    }
+    Ok(vec![pad_with(c, &x, &before, &after, 0.0)?])
 }
 
 /// ScatterND (reductions none and add): the indexed leading dims of the
