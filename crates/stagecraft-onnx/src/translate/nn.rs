@@ -133,15 +133,18 @@ fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let xd = dims(&x);
     let wd = dims(&w);
     let spatial = xd.len().saturating_sub(2);
-    if !(1..=2).contains(&spatial) || wd.len() != xd.len() {
+    if !(1..=3).contains(&spatial) || wd.len() != xd.len() {
         return Err(OnnxError::unsupported(format!(
-            "Conv with {spatial} spatial dimensions (1 and 2 are supported)"
+            "Conv with {spatial} spatial dimensions (1 to 3 are supported)"
         )));
     }
     let kernel = &wd[2..];
     let strides = ints_or(c, "strides", spatial, 1)?;
     let dilations = ints_or(c, "dilations", spatial, 1)?;
     let pads = spatial_pads(c, &xd[2..], kernel, &strides, &dilations)?;
+    if spatial == 3 {
+        return conv3d(c, &x, &w, &strides, &dilations, &pads);
+    }
     let (mut x2, w2) = if spatial == 1 {
         (as_2d(c, &x)?, as_2d(c, &w)?)
     } else {
@@ -170,6 +173,97 @@ fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     if spatial == 1 {
         let d = dims(&y);
         y = c.reshape(&y, &[d[0], d[1], d[3]])?;
+    }
+    Ok(vec![y])
+}
+
+/// A 3-D convolution as a sum over the kernel's depth offsets of 2-D
+/// convolutions: each offset takes a strided slice of the padded input's
+/// depth, folds the output depth into the batch and convolves with that
+/// depth slice of the weights.
+fn conv3d(
+    c: &Ctx<'_>,
+    x: &TensorHandle,
+    w: &TensorHandle,
+    strides: &[usize],
+    dilations: &[usize],
+    pads: &[(usize, usize)],
+) -> Result<Vec<TensorHandle>> {
+    let before: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads.iter().map(|p| p.0 as i64))
+        .collect();
+    let after: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads.iter().map(|p| p.1 as i64))
+        .collect();
+    let xp = pad_with(c, x, &before, &after, 0.0)?;
+    let xd = dims(&xp);
+    let wd = dims(w);
+    let (n, ch, dp, hp, wp) = (xd[0], xd[1], xd[2], xd[3], xd[4]);
+    let (m, kd) = (wd[0], wd[2]);
+    let ke = dilations[0] * (kd - 1) + 1;
+    if ke > dp {
+        return Err(OnnxError::invalid(format!(
+            "a kernel depth of {ke} over {dp} elements"
+        )));
+    }
+    let od = (dp - ke) / strides[0] + 1;
+    let slice = |t: &TensorHandle, starts: Vec<i64>, ends: Vec<i64>, steps: Vec<i64>| {
+        let mut a = OpAttrs::new();
+        a.set_ints("starts", &starts);
+        a.set_ints("ends", &ends);
+        a.set_ints("steps", &steps);
+        c.op1(&ops::SLICE, std::slice::from_ref(t), &a)
+    };
+    let transpose = |t: &TensorHandle, perm: &[i64]| {
+        let mut a = OpAttrs::new();
+        a.set_ints("perm", perm);
+        c.op1(&ops::TRANSPOSE, std::slice::from_ref(t), &a)
+    };
+    let mut attrs = OpAttrs::new();
+    attrs.set_dims("stride", &strides[1..]);
+    attrs.set_dims("padding", &[0, 0]);
+    attrs.set_dims("dilation", &dilations[1..]);
+    attrs.set_int("groups", c.attr_int("group", 1));
+    let mut acc: Option<TensorHandle> = None;
+    for z in 0..kd {
+        let s = (z * dilations[0]) as i64;
+        let e = s + ((od - 1) * strides[0]) as i64 + 1;
+        let xs = slice(
+            &xp,
+            vec![0, 0, s, 0, 0],
+            vec![n as i64, ch as i64, e, hp as i64, wp as i64],
+            vec![1, 1, strides[0] as i64, 1, 1],
+        )?;
+        let xs = transpose(&xs, &[0, 2, 1, 3, 4])?;
+        let xs = c.reshape(&xs, &[n * od, ch, hp, wp])?;
+        let ws = slice(
+            w,
+            vec![0, 0, z as i64, 0, 0],
+            vec![
+                wd[0] as i64,
+                wd[1] as i64,
+                z as i64 + 1,
+                wd[3] as i64,
+                wd[4] as i64,
+            ],
+            vec![1, 1, 1, 1, 1],
+        )?;
+        let ws = c.reshape(&ws, &[wd[0], wd[1], wd[3], wd[4]])?;
+        let y = c.op1(&ops::CONV2D, &[xs, ws], &attrs)?;
+        acc = Some(match acc {
+            None => y,
+            Some(a) => c.binary(&ops::ADD, &a, &y)?,
+        });
+    }
+    let y = acc.ok_or_else(|| OnnxError::invalid("a Conv kernel of depth 0"))?;
+    let yd = dims(&y);
+    let y = c.reshape(&y, &[n, od, m, yd[2], yd[3]])?;
+    let mut y = transpose(&y, &[0, 2, 1, 3, 4])?;
+    if let Some(b) = c.opt_input(2) {
+        let b = c.reshape(b, &[1, m, 1, 1, 1])?;
+        y = c.binary(&ops::ADD, &y, &b)?;
     }
     Ok(vec![y])
 }
