@@ -71,6 +71,7 @@ pub(crate) fn static_inputs(op_type: &str) -> &'static [usize] {
         "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceProd" | "ReduceL1"
         | "ReduceL2" | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" => &[1],
         "Slice" => &[1, 2, 3, 4],
+        "Col2Im" => &[1, 2],
         "Pad" => &[1, 2, 3],
         "Range" => &[0, 1, 2],
         "Resize" => &[1, 2, 3],

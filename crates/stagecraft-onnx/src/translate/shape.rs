@@ -45,6 +45,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "ScatterElements" | "Scatter" => scatter_elements,
         "ScatterND" => scatter_nd,
         "CenterCropPad" => center_crop_pad,
+        "Col2Im" => col2im,
         _ => return None,
     })
 }
@@ -881,6 +882,101 @@ fn center_crop_pad(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         after[a] = diff - b;
     }
     Ok(vec![pad_with(c, &x, &before, &after, 0.0)?])
+}
+
+/// Col2Im: every block column is added back at its place in the padded
+/// image by one `IndexAdd` over the image's flattened spatial dims (the
+/// positions are known from the shapes), then the pads are cropped.
+fn col2im(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let image = c
+        .known_ints(1)?
+        .ok_or_else(|| OnnxError::invalid("Col2Im needs image_shape"))?;
+    let block = c
+        .known_ints(2)?
+        .ok_or_else(|| OnnxError::invalid("Col2Im needs block_shape"))?;
+    let r = image.len();
+    if block.len() != r || image.iter().chain(&block).any(|&v| v <= 0) {
+        return Err(OnnxError::invalid(
+            "Col2Im image_shape and block_shape differ in length or are not positive",
+        ));
+    }
+    let get = |name: &str, n: usize, default: i64| -> Result<Vec<i64>> {
+        let v = c.attr_ints(name).unwrap_or_else(|| vec![default; n]);
+        if v.len() != n {
+            return Err(OnnxError::invalid(format!(
+                "Col2Im {name} of length {}",
+                v.len()
+            )));
+        }
+        Ok(v)
+    };
+    let dil = get("dilations", r, 1)?;
+    let strides = get("strides", r, 1)?;
+    let pads = get("pads", 2 * r, 0)?;
+    let xd = dims(&x);
+    if xd.len() != 3 {
+        return Err(OnnxError::invalid("Col2Im needs a 3-D input"));
+    }
+    let k: usize = block.iter().map(|&b| b as usize).product();
+    if !xd[1].is_multiple_of(k) {
+        return Err(OnnxError::invalid(format!(
+            "Col2Im: {} channels are not a multiple of the block size {k}",
+            xd[1]
+        )));
+    }
+    let (n, ch, l) = (xd[0], xd[1] / k, xd[2]);
+    let padded: Vec<i64> = (0..r).map(|i| image[i] + pads[i] + pads[r + i]).collect();
+    let blocks: Vec<i64> = (0..r)
+        .map(|i| (padded[i] - (dil[i] * (block[i] - 1) + 1)) / strides[i] + 1)
+        .collect();
+    if blocks.iter().any(|&b| b <= 0) || blocks.iter().product::<i64>() as usize != l {
+        return Err(OnnxError::invalid(format!(
+            "Col2Im: {l} blocks do not match the {blocks:?} the shapes give"
+        )));
+    }
+    // Multi-index helpers over row-major dims.
+    let unravel = |mut f: i64, d: &[i64]| -> Vec<i64> {
+        let mut out = vec![0; d.len()];
+        for i in (0..d.len()).rev() {
+            out[i] = f % d[i];
+            f /= d[i];
+        }
+        out
+    };
+    let mut idx = Vec::with_capacity(k * l);
+    for kb in 0..k as i64 {
+        let bo = unravel(kb, &block);
+        for lb in 0..l as i64 {
+            let lo = unravel(lb, &blocks);
+            let mut linear = 0;
+            for i in 0..r {
+                linear = linear * padded[i] + bo[i] * dil[i] + lo[i] * strides[i];
+            }
+            idx.push(linear);
+        }
+    }
+    let total: usize = padded.iter().map(|&p| p as usize).product();
+    let src = c.reshape(&x, &[n, ch, k * l])?;
+    let zeros_meta = TensorMetadata::new(x.dtype(), Shape::from(vec![n, ch, total]));
+    let zeros =
+        c.constant(HostTensor::filled(Scalar::F64(0.0).cast(x.dtype()), &zeros_meta).to_dense()?);
+    let idx = c.ints_constant(&idx)?;
+    let mut attrs = OpAttrs::new();
+    attrs.set_int("axis", 2);
+    let y = c.op1(&ops::INDEX_ADD, &[zeros, idx, src], &attrs)?;
+    let mut shape = vec![n, ch];
+    shape.extend(padded.iter().map(|&p| p as usize));
+    let y = c.reshape(&y, &shape)?;
+    let before: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads[..r].iter().map(|&p| -p))
+        .collect();
+    let after: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads[r..].iter().map(|&p| -p))
+        .collect();
+    Ok(vec![pad_with(c, &y, &before, &after, 0.0)?])
 }
 
 /// ScatterND (reductions none and add): the indexed leading dims of the
