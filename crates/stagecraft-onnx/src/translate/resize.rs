@@ -14,6 +14,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
     Some(match op_type {
         "Resize" => resize,
         "Upsample" => upsample,
+        "GridSample" => grid_sample,
         _ => return None,
     })
 }
@@ -375,4 +376,126 @@ fn apply(
         y = acc.ok_or_else(|| OnnxError::invalid("Resize with all-zero weights"))?;
     }
     Ok(y)
+}
+
+/// GridSample on 4-D inputs with bilinear or nearest sampling and zeros
+/// or border padding: grid coordinates are unnormalized per
+/// `align_corners`, and each sampled corner is a `GatherElements` from the
+/// flattened image, weighted (zero where it falls outside under zeros
+/// padding).
+fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let grid = c.input(1)?;
+    let xd = dims(&x);
+    let gd = dims(&grid);
+    if xd.len() != 4 || gd.len() != 4 || gd[3] != 2 || gd[0] != xd[0] {
+        return Err(OnnxError::unsupported(format!(
+            "GridSample of a {}-D input (only 4-D inputs with [N, H, W, 2] grids)",
+            xd.len()
+        )));
+    }
+    let mode = c.attr_str("mode", if c.opset >= 20 { "linear" } else { "bilinear" });
+    let padding = c.attr_str("padding_mode", "zeros");
+    let linear = match mode.as_str() {
+        "linear" | "bilinear" => true,
+        "nearest" => false,
+        other => return Err(OnnxError::unsupported(format!("GridSample mode {other}"))),
+    };
+    if !matches!(padding.as_str(), "zeros" | "border") {
+        return Err(OnnxError::unsupported(format!(
+            "GridSample padding_mode {padding}"
+        )));
+    }
+    let align = c.attr_int("align_corners", 0) != 0;
+    let dt = x.dtype();
+    let (n, ch, h, w) = (xd[0], xd[1], xd[2], xd[3]);
+    let p = gd[1] * gd[2];
+    let coord = |j: i64, size: usize| -> Result<TensorHandle> {
+        let mut a = OpAttrs::new();
+        a.set_ints("starts", &[0, 0, 0, j]);
+        a.set_ints("ends", &[n as i64, gd[1] as i64, gd[2] as i64, j + 1]);
+        let g = c.op1(&ops::SLICE, std::slice::from_ref(&grid), &a)?;
+        let g = c.cast(&c.reshape(&g, &[n, 1, p])?, dt)?;
+        // align_corners: -1 and 1 are the centers of the corner pixels;
+        // otherwise their outer edges.
+        let s = size as f64;
+        let v = if align {
+            let g = c.with_scalar(&ops::ADD, &g, 1.0)?;
+            c.with_scalar(&ops::MUL, &g, (s - 1.0) / 2.0)?
+        } else {
+            let g = c.with_scalar(&ops::ADD, &g, 1.0)?;
+            let g = c.with_scalar(&ops::MUL, &g, s / 2.0)?;
+            c.with_scalar(&ops::SUB, &g, 0.5)?
+        };
+        if padding == "border" {
+            let v = c.with_scalar(&ops::MAXIMUM, &v, 0.0)?;
+            c.with_scalar(&ops::MINIMUM, &v, s - 1.0)
+        } else {
+            Ok(v)
+        }
+    };
+    let ix = coord(0, w)?;
+    let iy = coord(1, h)?;
+    let flat = c.reshape(&x, &[n, ch, h * w])?;
+    let mut b = OpAttrs::new();
+    b.set_dims("shape", &[n, ch, p]);
+    // The value at integer coordinates (xi, yi) (float tensors), zero
+    // outside the image.
+    let sample = |xi: &TensorHandle, yi: &TensorHandle| -> Result<TensorHandle> {
+        let inside = |v: &TensorHandle, size: usize| -> Result<TensorHandle> {
+            let zero = c.scalar(0.0, dt)?;
+            let hi = c.scalar(size as f64 - 1.0, dt)?;
+            let ge = c.binary(&ops::GREATER_EQUAL, v, &zero)?;
+            let le = c.binary(&ops::LESS_EQUAL, v, &hi)?;
+            c.binary(&ops::LOGICAL_AND, &ge, &le)
+        };
+        let ok = c.binary(&ops::LOGICAL_AND, &inside(xi, w)?, &inside(yi, h)?)?;
+        let cx = c.with_scalar(&ops::MAXIMUM, xi, 0.0)?;
+        let cx = c.with_scalar(&ops::MINIMUM, &cx, w as f64 - 1.0)?;
+        let cy = c.with_scalar(&ops::MAXIMUM, yi, 0.0)?;
+        let cy = c.with_scalar(&ops::MINIMUM, &cy, h as f64 - 1.0)?;
+        let lin = c.with_scalar(&ops::MUL, &cy, w as f64)?;
+        let lin = c.binary(&ops::ADD, &lin, &cx)?;
+        let lin = c.cast(&lin, stagecraft_tensor::DType::I64)?;
+        let lin = c.op1(&ops::BROADCAST_TO, &[lin], &b)?;
+        let mut g = OpAttrs::new();
+        g.set_int("axis", 2);
+        let v = c.op1(&ops::GATHER_ELEMENTS, &[flat.clone(), lin], &g)?;
+        let zero = c.scalar(0.0, dt)?;
+        let ok = c.op1(&ops::BROADCAST_TO, &[ok], &b)?;
+        c.op1(&ops::SELECT, &[ok, v, zero], &OpAttrs::new())
+    };
+    let y = if linear {
+        let x0 = c.unary(&ops::FLOOR, &ix)?;
+        let y0 = c.unary(&ops::FLOOR, &iy)?;
+        let x1 = c.with_scalar(&ops::ADD, &x0, 1.0)?;
+        let y1 = c.with_scalar(&ops::ADD, &y0, 1.0)?;
+        let wx1 = c.binary(&ops::SUB, &ix, &x0)?;
+        let wy1 = c.binary(&ops::SUB, &iy, &y0)?;
+        let one = c.scalar(1.0, dt)?;
+        let wx0 = c.binary(&ops::SUB, &one, &wx1)?;
+        let wy0 = c.binary(&ops::SUB, &one, &wy1)?;
+        let mut acc: Option<TensorHandle> = None;
+        for (xi, yi, wx, wy) in [
+            (&x0, &y0, &wx0, &wy0),
+            (&x1, &y0, &wx1, &wy0),
+            (&x0, &y1, &wx0, &wy1),
+            (&x1, &y1, &wx1, &wy1),
+        ] {
+            let v = sample(xi, yi)?;
+            let wgt = c.binary(&ops::MUL, wx, wy)?;
+            let t = c.binary(&ops::MUL, &v, &wgt)?;
+            acc = Some(match acc {
+                None => t,
+                Some(a) => c.binary(&ops::ADD, &a, &t)?,
+            });
+        }
+        acc.ok_or_else(|| OnnxError::invalid("no corners"))?
+    } else {
+        // Nearest rounds half to even, like nearbyint.
+        let xr = c.unary(&ops::ROUND, &ix)?;
+        let yr = c.unary(&ops::ROUND, &iy)?;
+        sample(&xr, &yr)?
+    };
+    Ok(vec![c.reshape(&y, &[n, ch, gd[1], gd[2]])?])
 }
