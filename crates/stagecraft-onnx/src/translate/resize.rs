@@ -401,7 +401,7 @@ fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         "nearest" => false,
         other => return Err(OnnxError::unsupported(format!("GridSample mode {other}"))),
     };
-    if !matches!(padding.as_str(), "zeros" | "border") {
+    if !matches!(padding.as_str(), "zeros" | "border" | "reflection") {
         return Err(OnnxError::unsupported(format!(
             "GridSample padding_mode {padding}"
         )));
@@ -427,11 +427,39 @@ fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
             let g = c.with_scalar(&ops::MUL, &g, s / 2.0)?;
             c.with_scalar(&ops::SUB, &g, 0.5)?
         };
-        if padding == "border" {
-            let v = c.with_scalar(&ops::MAXIMUM, &v, 0.0)?;
-            c.with_scalar(&ops::MINIMUM, &v, s - 1.0)
-        } else {
-            Ok(v)
+        match padding.as_str() {
+            "border" => {
+                let v = c.with_scalar(&ops::MAXIMUM, &v, 0.0)?;
+                c.with_scalar(&ops::MINIMUM, &v, s - 1.0)
+            }
+            "reflection" => {
+                // Reflect into [lo, hi] (the corner centers, or the outer
+                // edges), as often as needed, then keep inside the image.
+                let (lo, hi) = if align {
+                    (0.0, s - 1.0)
+                } else {
+                    (-0.5, s - 0.5)
+                };
+                let span = hi - lo;
+                let v = if span <= 0.0 {
+                    c.with_scalar(&ops::MUL, &v, 0.0)?
+                } else {
+                    let d = c.unary(&ops::ABS, &c.with_scalar(&ops::SUB, &v, lo)?)?;
+                    let flips = c.unary(&ops::FLOOR, &c.with_scalar(&ops::DIV, &d, span)?)?;
+                    let extra =
+                        c.binary(&ops::SUB, &d, &c.with_scalar(&ops::MUL, &flips, span)?)?;
+                    let half = c.unary(&ops::FLOOR, &c.with_scalar(&ops::MUL, &flips, 0.5)?)?;
+                    let odd =
+                        c.binary(&ops::SUB, &flips, &c.with_scalar(&ops::MUL, &half, 2.0)?)?;
+                    let even = c.binary(&ops::EQUAL, &odd, &c.scalar(0.0, dt)?)?;
+                    let up = c.with_scalar(&ops::ADD, &extra, lo)?;
+                    let down = c.binary(&ops::SUB, &c.scalar(span + lo, dt)?, &extra)?;
+                    c.op1(&ops::SELECT, &[even, up, down], &OpAttrs::new())?
+                };
+                let v = c.with_scalar(&ops::MAXIMUM, &v, 0.0)?;
+                c.with_scalar(&ops::MINIMUM, &v, s - 1.0)
+            }
+            _ => Ok(v),
         }
     };
     let ix = coord(0, w)?;
