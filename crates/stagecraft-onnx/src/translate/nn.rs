@@ -300,7 +300,7 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
     let dilations = ints_or(c, "dilations", spatial, 1)?;
     let mut pads = spatial_pads(c, &xd[2..], &kernel, &strides, &dilations)?;
     if spatial == 3 || dilations.iter().any(|&d| d != 1) {
-        return pool_by_slices(c, &x, max, &kernel, &strides, &dilations, &pads);
+        return pool_by_slices(c, &x, max, false, &kernel, &strides, &dilations, &pads);
     }
     // The end padding ceil_mode adds, which an average never counts.
     let mut ceil_ext = vec![0usize; spatial];
@@ -382,11 +382,14 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
 /// Pooling of any rank with dilations, composed from strided slices: one
 /// slice of the padded input per kernel offset, combined with a maximum,
 /// or summed and divided by the same sum over a mask of the elements that
-/// count (the input, and the explicit pads when `count_include_pad`).
+/// count (the input, and the explicit pads when `count_include_pad`), or
+/// only summed when `sum` (LpPool's sum of powers).
+#[allow(clippy::too_many_arguments)]
 fn pool_by_slices(
     c: &Ctx<'_>,
     x: &TensorHandle,
     max: bool,
+    sum: bool,
     kernel: &[usize],
     strides: &[usize],
     dilations: &[usize],
@@ -426,7 +429,7 @@ fn pool_by_slices(
     }
     let fill = if max { f64::NEG_INFINITY } else { 0.0 };
     let xp = pad_with(c, x, &before, &after, fill)?;
-    let mask = if max {
+    let mask = if max || sum {
         None
     } else {
         let ones = c.scalar(1.0, x.dtype())?;
@@ -892,9 +895,9 @@ fn lp_pool(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     require_float(c, &x)?;
     let xd = dims(&x);
     let spatial = xd.len().saturating_sub(2);
-    if !(1..=2).contains(&spatial) {
+    if !(1..=3).contains(&spatial) {
         return Err(OnnxError::unsupported(format!(
-            "LpPool with {spatial} spatial dimensions (1 and 2 are supported)"
+            "LpPool with {spatial} spatial dimensions (1 to 3 are supported)"
         )));
     }
     if !c.has_attr("kernel_shape") {
@@ -906,11 +909,17 @@ fn lp_pool(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let kernel = ints_or(c, "kernel_shape", spatial, 1)?;
     let strides = ints_or(c, "strides", spatial, 1)?;
     let dilations = ints_or(c, "dilations", spatial, 1)?;
-    if dilations.iter().any(|&d| d != 1) {
-        return Err(OnnxError::unsupported("LpPool with dilations"));
-    }
     let pads = spatial_pads(c, &xd[2..], &kernel, &strides, &dilations)?;
     let p = c.attr_int("p", 2) as f64;
+    if spatial == 3 || dilations.iter().any(|&d| d != 1) {
+        let powered = abs_pow(c, &x, p)?;
+        let sum = pool_by_slices(
+            c, &powered, false, true, &kernel, &strides, &dilations, &pads,
+        )?
+        .remove(0);
+        let e = c.scalar(1.0 / p, sum.dtype())?;
+        return Ok(vec![c.binary(&ops::POW, &sum, &e)?]);
+    }
     let x2 = if spatial == 1 { as_2d(c, &x)? } else { x };
     let powered = abs_pow(c, &x2, p)?;
     let pads2 = two(&pads, (0, 0));
