@@ -378,7 +378,7 @@ fn apply(
     Ok(y)
 }
 
-/// GridSample on 4-D inputs with bilinear or nearest sampling and zeros
+/// GridSample on 4-D and 5-D inputs with (bi/tri)linear or nearest sampling and zeros
 /// or border padding: grid coordinates are unnormalized per
 /// `align_corners`, and each sampled corner is a `GatherElements` from the
 /// flattened image, weighted (zero where it falls outside under zeros
@@ -388,9 +388,10 @@ fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let grid = c.input(1)?;
     let xd = dims(&x);
     let gd = dims(&grid);
-    if xd.len() != 4 || gd.len() != 4 || gd[3] != 2 || gd[0] != xd[0] {
+    let r = xd.len().saturating_sub(2);
+    if !(2..=3).contains(&r) || gd.len() != r + 2 || gd[r + 1] != r || gd[0] != xd[0] {
         return Err(OnnxError::unsupported(format!(
-            "GridSample of a {}-D input (only 4-D inputs with [N, H, W, 2] grids)",
+            "GridSample of a {}-D input with a {gd:?} grid (4-D and 5-D inputs are supported)",
             xd.len()
         )));
     }
@@ -408,12 +409,17 @@ fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     }
     let align = c.attr_int("align_corners", 0) != 0;
     let dt = x.dtype();
-    let (n, ch, h, w) = (xd[0], xd[1], xd[2], xd[3]);
-    let p = gd[1] * gd[2];
+    let (n, ch) = (xd[0], xd[1]);
+    let sizes = &xd[2..];
+    let p: usize = gd[1..=r].iter().product();
     let coord = |j: i64, size: usize| -> Result<TensorHandle> {
         let mut a = OpAttrs::new();
-        a.set_ints("starts", &[0, 0, 0, j]);
-        a.set_ints("ends", &[n as i64, gd[1] as i64, gd[2] as i64, j + 1]);
+        let mut starts = vec![0i64; r + 1];
+        starts.push(j);
+        let mut ends: Vec<i64> = gd[..=r].iter().map(|&v| v as i64).collect();
+        ends.push(j + 1);
+        a.set_ints("starts", &starts);
+        a.set_ints("ends", &ends);
         let g = c.op1(&ops::SLICE, std::slice::from_ref(&grid), &a)?;
         let g = c.cast(&c.reshape(&g, &[n, 1, p])?, dt)?;
         // align_corners: -1 and 1 are the centers of the corner pixels;
@@ -462,28 +468,44 @@ fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
             _ => Ok(v),
         }
     };
-    let ix = coord(0, w)?;
-    let iy = coord(1, h)?;
-    let flat = c.reshape(&x, &[n, ch, h * w])?;
+    // The grid's last axis lists x (the last spatial dim) first.
+    let coords: Vec<TensorHandle> = (0..r)
+        .map(|k| coord((r - 1 - k) as i64, sizes[k]))
+        .collect::<Result<_>>()?;
+    let total: usize = sizes.iter().product();
+    let flat = c.reshape(&x, &[n, ch, total])?;
     let mut b = OpAttrs::new();
     b.set_dims("shape", &[n, ch, p]);
-    // The value at integer coordinates (xi, yi) (float tensors), zero
-    // outside the image.
-    let sample = |xi: &TensorHandle, yi: &TensorHandle| -> Result<TensorHandle> {
-        let inside = |v: &TensorHandle, size: usize| -> Result<TensorHandle> {
+    // The value at integer coordinates (float tensors, one per spatial
+    // dim), zero outside the image.
+    let sample = |at: &[TensorHandle]| -> Result<TensorHandle> {
+        let mut ok: Option<TensorHandle> = None;
+        let mut lin: Option<TensorHandle> = None;
+        for (k, v) in at.iter().enumerate() {
+            let size = sizes[k] as f64;
             let zero = c.scalar(0.0, dt)?;
-            let hi = c.scalar(size as f64 - 1.0, dt)?;
+            let hi = c.scalar(size - 1.0, dt)?;
             let ge = c.binary(&ops::GREATER_EQUAL, v, &zero)?;
             let le = c.binary(&ops::LESS_EQUAL, v, &hi)?;
-            c.binary(&ops::LOGICAL_AND, &ge, &le)
+            let inside = c.binary(&ops::LOGICAL_AND, &ge, &le)?;
+            ok = Some(match ok {
+                None => inside,
+                Some(o) => c.binary(&ops::LOGICAL_AND, &o, &inside)?,
+            });
+            let cv = c.with_scalar(&ops::MAXIMUM, v, 0.0)?;
+            let cv = c.with_scalar(&ops::MINIMUM, &cv, size - 1.0)?;
+            lin = Some(match lin {
+                None => cv,
+                Some(l) => {
+                    let l = c.with_scalar(&ops::MUL, &l, size)?;
+                    c.binary(&ops::ADD, &l, &cv)?
+                }
+            });
+        }
+        let (ok, lin) = match (ok, lin) {
+            (Some(o), Some(l)) => (o, l),
+            _ => return Err(OnnxError::invalid("GridSample without spatial dims")),
         };
-        let ok = c.binary(&ops::LOGICAL_AND, &inside(xi, w)?, &inside(yi, h)?)?;
-        let cx = c.with_scalar(&ops::MAXIMUM, xi, 0.0)?;
-        let cx = c.with_scalar(&ops::MINIMUM, &cx, w as f64 - 1.0)?;
-        let cy = c.with_scalar(&ops::MAXIMUM, yi, 0.0)?;
-        let cy = c.with_scalar(&ops::MINIMUM, &cy, h as f64 - 1.0)?;
-        let lin = c.with_scalar(&ops::MUL, &cy, w as f64)?;
-        let lin = c.binary(&ops::ADD, &lin, &cx)?;
         let lin = c.cast(&lin, stagecraft_tensor::DType::I64)?;
         let lin = c.op1(&ops::BROADCAST_TO, &[lin], &b)?;
         let mut g = OpAttrs::new();
@@ -494,24 +516,31 @@ fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         c.op1(&ops::SELECT, &[ok, v, zero], &OpAttrs::new())
     };
     let y = if linear {
-        let x0 = c.unary(&ops::FLOOR, &ix)?;
-        let y0 = c.unary(&ops::FLOOR, &iy)?;
-        let x1 = c.with_scalar(&ops::ADD, &x0, 1.0)?;
-        let y1 = c.with_scalar(&ops::ADD, &y0, 1.0)?;
-        let wx1 = c.binary(&ops::SUB, &ix, &x0)?;
-        let wy1 = c.binary(&ops::SUB, &iy, &y0)?;
         let one = c.scalar(1.0, dt)?;
-        let wx0 = c.binary(&ops::SUB, &one, &wx1)?;
-        let wy0 = c.binary(&ops::SUB, &one, &wy1)?;
+        // Per dim: (low corner, high corner, low weight, high weight).
+        let mut parts = Vec::new();
+        for v in &coords {
+            let lo = c.unary(&ops::FLOOR, v)?;
+            let hi = c.with_scalar(&ops::ADD, &lo, 1.0)?;
+            let w_hi = c.binary(&ops::SUB, v, &lo)?;
+            let w_lo = c.binary(&ops::SUB, &one, &w_hi)?;
+            parts.push((lo, hi, w_lo, w_hi));
+        }
         let mut acc: Option<TensorHandle> = None;
-        for (xi, yi, wx, wy) in [
-            (&x0, &y0, &wx0, &wy0),
-            (&x1, &y0, &wx1, &wy0),
-            (&x0, &y1, &wx0, &wy1),
-            (&x1, &y1, &wx1, &wy1),
-        ] {
-            let v = sample(xi, yi)?;
-            let wgt = c.binary(&ops::MUL, wx, wy)?;
+        for corner in 0..(1usize << r) {
+            let mut at = Vec::with_capacity(r);
+            let mut wgt: Option<TensorHandle> = None;
+            for (k, (lo, hi, w_lo, w_hi)) in parts.iter().enumerate() {
+                let high = corner >> k & 1 == 1;
+                at.push(if high { hi.clone() } else { lo.clone() });
+                let wk = if high { w_hi } else { w_lo };
+                wgt = Some(match wgt {
+                    None => wk.clone(),
+                    Some(wv) => c.binary(&ops::MUL, &wv, wk)?,
+                });
+            }
+            let v = sample(&at)?;
+            let wgt = wgt.ok_or_else(|| OnnxError::invalid("no corner weight"))?;
             let t = c.binary(&ops::MUL, &v, &wgt)?;
             acc = Some(match acc {
                 None => t,
@@ -521,9 +550,13 @@ fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         acc.ok_or_else(|| OnnxError::invalid("no corners"))?
     } else {
         // Nearest rounds half to even, like nearbyint.
-        let xr = c.unary(&ops::ROUND, &ix)?;
-        let yr = c.unary(&ops::ROUND, &iy)?;
-        sample(&xr, &yr)?
+        let at: Vec<TensorHandle> = coords
+            .iter()
+            .map(|v| c.unary(&ops::ROUND, v))
+            .collect::<Result<_>>()?;
+        sample(&at)?
     };
-    Ok(vec![c.reshape(&y, &[n, ch, gd[1], gd[2]])?])
+    let mut out = vec![n, ch];
+    out.extend_from_slice(&gd[1..=r]);
+    Ok(vec![c.reshape(&y, &out)?])
 }
