@@ -397,9 +397,16 @@ fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     }
     let mode = c.attr_str("mode", if c.opset >= 20 { "linear" } else { "bilinear" });
     let padding = c.attr_str("padding_mode", "zeros");
+    let cubic = matches!(mode.as_str(), "cubic" | "bicubic");
+    if cubic && (xd.len() != 4 || padding != "zeros") {
+        return Err(OnnxError::unsupported(format!(
+            "GridSample mode {mode} with padding_mode {padding} or on a {}-D input",
+            xd.len()
+        )));
+    }
     let linear = match mode.as_str() {
         "linear" | "bilinear" => true,
-        "nearest" => false,
+        "nearest" | "cubic" | "bicubic" => false,
         other => return Err(OnnxError::unsupported(format!("GridSample mode {other}"))),
     };
     if !matches!(padding.as_str(), "zeros" | "border" | "reflection") {
@@ -515,7 +522,57 @@ fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         let ok = c.op1(&ops::BROADCAST_TO, &[ok], &b)?;
         c.op1(&ops::SELECT, &[ok, v, zero], &OpAttrs::new())
     };
-    let y = if linear {
+    let y = if cubic {
+        // Keys' cubic convolution (A = -0.75) over the 4 x 4 neighbors.
+        let a = -0.75;
+        let mut taps = Vec::new();
+        for v in &coords {
+            let lo = c.unary(&ops::FLOOR, v)?;
+            let t = c.binary(&ops::SUB, v, &lo)?;
+            // |d| in (1, 2): ((a|d| - 5a)|d| + 8a)|d| - 4a; |d| <= 1:
+            // ((a + 2)|d| - (a + 3))|d|^2 + 1.
+            let far = |d: &TensorHandle| -> Result<TensorHandle> {
+                let e = c.with_scalar(&ops::MUL, d, a)?;
+                let e = c.with_scalar(&ops::SUB, &e, 5.0 * a)?;
+                let e = c.binary(&ops::MUL, &e, d)?;
+                let e = c.with_scalar(&ops::ADD, &e, 8.0 * a)?;
+                let e = c.binary(&ops::MUL, &e, d)?;
+                c.with_scalar(&ops::SUB, &e, 4.0 * a)
+            };
+            let near = |d: &TensorHandle| -> Result<TensorHandle> {
+                let e = c.with_scalar(&ops::MUL, d, a + 2.0)?;
+                let e = c.with_scalar(&ops::SUB, &e, a + 3.0)?;
+                let e = c.binary(&ops::MUL, &e, d)?;
+                let e = c.binary(&ops::MUL, &e, d)?;
+                c.with_scalar(&ops::ADD, &e, 1.0)
+            };
+            let one = c.scalar(1.0, dt)?;
+            let two = c.scalar(2.0, dt)?;
+            let t1 = c.with_scalar(&ops::ADD, &t, 1.0)?;
+            let u = c.binary(&ops::SUB, &one, &t)?;
+            let u1 = c.binary(&ops::SUB, &two, &t)?;
+            let weights = [far(&t1)?, near(&t)?, near(&u)?, far(&u1)?];
+            let mut row = Vec::new();
+            for (k, w) in weights.into_iter().enumerate() {
+                let at = c.with_scalar(&ops::ADD, &lo, k as f64 - 1.0)?;
+                row.push((at, w));
+            }
+            taps.push(row);
+        }
+        let mut acc: Option<TensorHandle> = None;
+        for (yv, wy) in &taps[0] {
+            for (xv, wx) in &taps[1] {
+                let v = sample(&[yv.clone(), xv.clone()])?;
+                let wgt = c.binary(&ops::MUL, wy, wx)?;
+                let t = c.binary(&ops::MUL, &v, &wgt)?;
+                acc = Some(match acc {
+                    None => t,
+                    Some(a) => c.binary(&ops::ADD, &a, &t)?,
+                });
+            }
+        }
+        acc.ok_or_else(|| OnnxError::invalid("no taps"))?
+    } else if linear {
         let one = c.scalar(1.0, dt)?;
         // Per dim: (low corner, high corner, low weight, high weight).
         let mut parts = Vec::new();
