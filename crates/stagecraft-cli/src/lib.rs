@@ -12,6 +12,7 @@ pub mod idx;
 pub mod lm;
 pub mod mnist;
 pub mod model;
+pub mod npy;
 pub mod onnx;
 pub mod profile;
 pub mod shakespeare;

@@ -55,6 +55,31 @@ enum OnnxCommand {
     /// Run the ONNX backend test suite (onnx 1.22.0's test data, fetched
     /// with pip into data/onnx on first use) and write the report.
     Conform(ConformArgs),
+    /// Run a model on NumPy `.npy` inputs and write its outputs as `.npy`.
+    Run(OnnxRunArgs),
+}
+
+#[derive(Args, Debug)]
+struct OnnxRunArgs {
+    /// The `.onnx` file.
+    model: PathBuf,
+    /// A model input as NAME=FILE.npy (repeat for every input).
+    #[arg(long = "input", value_name = "NAME=FILE")]
+    inputs: Vec<String>,
+    /// The directory the outputs go to, one NAME.npy per output.
+    #[arg(long, value_name = "DIR", default_value = ".")]
+    out: PathBuf,
+    /// Where the model runs: cpu (a traced graph function), eager (op by
+    /// op) or lazy (one compiled trace).
+    #[arg(long, value_enum, default_value_t = stagecraft_cli::onnx::RunDevice::Cpu)]
+    device: stagecraft_cli::onnx::RunDevice,
+    /// Print the outputs (names, dtypes, shapes, files) and timings as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Write a Chrome trace-event profile of the run (Perfetto,
+    /// chrome://tracing).
+    #[arg(long, value_name = "FILE")]
+    profile: Option<PathBuf>,
 }
 
 /// How `onnx conform` runs models.
@@ -331,6 +356,14 @@ fn trace(args: TraceArgs) -> Result<()> {
 fn onnx(args: OnnxArgs) -> Result<()> {
     match args.command {
         OnnxCommand::Info { model } => stagecraft_cli::onnx::info(&model),
+        OnnxCommand::Run(a) => stagecraft_cli::onnx::run(&stagecraft_cli::onnx::RunOptions {
+            model: a.model,
+            inputs: a.inputs,
+            out: a.out,
+            device: a.device,
+            json: a.json,
+            profile: a.profile,
+        }),
         OnnxCommand::Conform(a) => {
             let mode = match a.mode {
                 OnnxMode::Function => stagecraft::onnx::Mode::Function,

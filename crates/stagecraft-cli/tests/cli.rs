@@ -341,3 +341,93 @@ fn onnx_commands_report_bad_files_and_missing_data_clearly() {
     assert!(!dir.join("report.md").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A model computing `y = relu(x) + x` for `x: f32[2, 3]`.
+fn relu_plus_model() -> Vec<u8> {
+    use prost::Message;
+    use stagecraft::onnx::proto::{
+        tensor_proto::DataType, tensor_shape_proto, type_proto, GraphProto, ModelProto, NodeProto,
+        OperatorSetIdProto, TensorShapeProto, TypeProto, ValueInfoProto,
+    };
+    let value = |name: &str| ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: Some(DataType::Float as i32),
+                shape: Some(TensorShapeProto {
+                    dim: [2, 3]
+                        .iter()
+                        .map(|&n| tensor_shape_proto::Dimension {
+                            value: Some(tensor_shape_proto::dimension::Value::DimValue(n)),
+                            ..Default::default()
+                        })
+                        .collect(),
+                }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let node = |op: &str, inputs: &[&str], output: &str| NodeProto {
+        op_type: Some(op.into()),
+        name: Some(output.into()),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: vec![output.into()],
+        ..Default::default()
+    };
+    ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(17),
+        }],
+        graph: Some(GraphProto {
+            name: Some("g".into()),
+            node: vec![node("Relu", &["x"], "r"), node("Add", &["r", "x"], "y")],
+            input: vec![value("x")],
+            output: vec![value("y")],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+#[test]
+fn onnx_run_reads_and_writes_npy() {
+    use stagecraft::layers::tensor::DenseHostTensor;
+    use stagecraft_cli::npy;
+    let dir = scratch("onnx_run");
+    std::fs::write(dir.join("m.onnx"), relu_plus_model()).unwrap();
+    let x = DenseHostTensor::from_slice(&[-1.0f32, 2.0, -3.0, 4.0, 0.5, -0.5], [2, 3]).unwrap();
+    npy::write(&dir.join("x.npy"), &x).unwrap();
+    for device in ["cpu", "eager", "lazy"] {
+        let out = run(
+            &[
+                "onnx", "run", "m.onnx", "--input", "x=x.npy", "--out", "outs", "--device", device,
+                "--json",
+            ],
+            &dir,
+        );
+        let doc = json_of(&out);
+        assert_eq!(doc["device"], device);
+        let o = &doc["outputs"][0];
+        assert_eq!(o["name"], "y");
+        assert_eq!(o["dtype"], stagecraft::DType::F32.to_string());
+        assert_eq!(o["shape"], serde_json::json!([2, 3]));
+        assert!(doc["run_s"].as_f64().is_some());
+        let y = npy::read(&dir.join("outs/y.npy")).unwrap();
+        assert_eq!(y.shape().dims(), &[2, 3]);
+        assert_eq!(
+            y.to_vec::<f32>().unwrap(),
+            vec![-1.0, 4.0, -3.0, 8.0, 1.0, -0.5]
+        );
+    }
+    // A missing input file, a bad spec and a wrong input name are clear errors.
+    let out = run(&["onnx", "run", "m.onnx", "--input", "x=none.npy"], &dir);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read none.npy"));
+    let out = run(&["onnx", "run", "m.onnx", "--input", "x.npy"], &dir);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected NAME=FILE.npy"));
+    let out = run(&["onnx", "run", "m.onnx", "--input", "z=x.npy"], &dir);
+    assert!(!out.status.success());
+}

@@ -299,7 +299,7 @@ impl Model {
             .node
             .iter()
             .filter(|n| {
-                !matches!(n.domain(), "" | "ai.onnx") || translate::lookup(n.op_type()).is_none()
+                !matches!(n.domain(), "" | "ai.onnx") || !translate::is_supported(n.op_type())
             })
             .map(|n| n.op_type().to_string())
             .collect::<HashSet<_>>()

@@ -17,6 +17,7 @@
 //! and attributes; [`lookup`] is the table from op type to function.
 
 mod attention;
+mod control;
 mod elementwise;
 mod nn;
 mod reduce;
@@ -55,16 +56,22 @@ pub(crate) fn lookup(op_type: &str) -> Option<Translate> {
         .or_else(|| attention::lookup(op_type))
 }
 
+/// Whether `op_type` (default domain) has a translation.
+pub(crate) fn is_supported(op_type: &str) -> bool {
+    lookup(op_type).is_some() || control::is_control(op_type)
+}
+
 /// The inputs of `op_type` whose values must be known when a node is
 /// translated (shapes, axes, pads, scales, counts): a graph input feeding
 /// one is baked in per call.
 pub(crate) fn static_inputs(op_type: &str) -> &'static [usize] {
     match op_type {
         "Reshape" | "Expand" | "Tile" | "Squeeze" | "Unsqueeze" | "Split" | "TopK" | "Trilu"
-        | "CumSum" | "CumProd" | "OneHot" => &[1],
+        | "CumSum" | "CumProd" | "OneHot" | "CenterCropPad" => &[1],
         "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceProd" | "ReduceL1"
         | "ReduceL2" | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" => &[1],
         "Slice" => &[1, 2, 3, 4],
+        "Col2Im" => &[1, 2],
         "Pad" => &[1, 2, 3],
         "Range" => &[0, 1, 2],
         "Resize" => &[1, 2, 3],
@@ -72,6 +79,7 @@ pub(crate) fn static_inputs(op_type: &str) -> &'static [usize] {
         "Dropout" => &[1, 2],
         "ConstantOfShape" => &[0],
         "Attention" => &[6],
+        "Loop" => &[0],
         _ => &[],
     }
 }
@@ -146,25 +154,26 @@ fn translate_node(
             node.domain()
         )));
     }
+    if control::is_control(node.op_type()) {
+        let inputs = node_inputs(node, values)?;
+        let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            control::translate(node, opset, device, inputs, values)
+        }))
+        .unwrap_or_else(|_| {
+            Err(OnnxError::new(
+                OnnxErrorKind::Runtime,
+                "internal error: the translation panicked",
+            ))
+        })?;
+        return bind_outputs(node, outputs, values);
+    }
     let translate = lookup(node.op_type()).ok_or_else(|| {
         OnnxError::unsupported(format!(
             "{} (opset {opset}): no translation for this op",
             node.op_type()
         ))
     })?;
-    let inputs = node
-        .input
-        .iter()
-        .map(|name| {
-            if name.is_empty() {
-                Ok(None)
-            } else {
-                values.get(name).cloned().map(Some).ok_or_else(|| {
-                    OnnxError::invalid(format!("input '{name}' is not defined before this node"))
-                })
-            }
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let inputs = node_inputs(node, values)?;
     let all_known = inputs.iter().flatten().all(|v| v.known.is_some());
     let cpu = Device::cpu();
     let outputs: Vec<Val> = if all_known && device != cpu && !is_random(node.op_type()) {
@@ -215,6 +224,31 @@ fn translate_node(
             })
             .collect::<Result<_>>()?
     };
+    bind_outputs(node, outputs, values)
+}
+
+/// The values of `node`'s inputs (`None` for an absent optional one).
+fn node_inputs(node: &NodeProto, values: &HashMap<String, Val>) -> Result<Vec<Option<Val>>> {
+    node.input
+        .iter()
+        .map(|name| {
+            if name.is_empty() {
+                Ok(None)
+            } else {
+                values.get(name).cloned().map(Some).ok_or_else(|| {
+                    OnnxError::invalid(format!("input '{name}' is not defined before this node"))
+                })
+            }
+        })
+        .collect()
+}
+
+/// Binds `node`'s output names to `outputs`.
+fn bind_outputs(
+    node: &NodeProto,
+    outputs: Vec<Val>,
+    values: &mut HashMap<String, Val>,
+) -> Result<()> {
     for (i, name) in node.output.iter().enumerate() {
         if name.is_empty() {
             continue;

@@ -133,15 +133,18 @@ fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let xd = dims(&x);
     let wd = dims(&w);
     let spatial = xd.len().saturating_sub(2);
-    if !(1..=2).contains(&spatial) || wd.len() != xd.len() {
+    if !(1..=3).contains(&spatial) || wd.len() != xd.len() {
         return Err(OnnxError::unsupported(format!(
-            "Conv with {spatial} spatial dimensions (1 and 2 are supported)"
+            "Conv with {spatial} spatial dimensions (1 to 3 are supported)"
         )));
     }
     let kernel = &wd[2..];
     let strides = ints_or(c, "strides", spatial, 1)?;
     let dilations = ints_or(c, "dilations", spatial, 1)?;
     let pads = spatial_pads(c, &xd[2..], kernel, &strides, &dilations)?;
+    if spatial == 3 {
+        return conv3d(c, &x, &w, &strides, &dilations, &pads);
+    }
     let (mut x2, w2) = if spatial == 1 {
         (as_2d(c, &x)?, as_2d(c, &w)?)
     } else {
@@ -174,6 +177,97 @@ fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     Ok(vec![y])
 }
 
+/// A 3-D convolution as a sum over the kernel's depth offsets of 2-D
+/// convolutions: each offset takes a strided slice of the padded input's
+/// depth, folds the output depth into the batch and convolves with that
+/// depth slice of the weights.
+fn conv3d(
+    c: &Ctx<'_>,
+    x: &TensorHandle,
+    w: &TensorHandle,
+    strides: &[usize],
+    dilations: &[usize],
+    pads: &[(usize, usize)],
+) -> Result<Vec<TensorHandle>> {
+    let before: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads.iter().map(|p| p.0 as i64))
+        .collect();
+    let after: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads.iter().map(|p| p.1 as i64))
+        .collect();
+    let xp = pad_with(c, x, &before, &after, 0.0)?;
+    let xd = dims(&xp);
+    let wd = dims(w);
+    let (n, ch, dp, hp, wp) = (xd[0], xd[1], xd[2], xd[3], xd[4]);
+    let (m, kd) = (wd[0], wd[2]);
+    let ke = dilations[0] * (kd - 1) + 1;
+    if ke > dp {
+        return Err(OnnxError::invalid(format!(
+            "a kernel depth of {ke} over {dp} elements"
+        )));
+    }
+    let od = (dp - ke) / strides[0] + 1;
+    let slice = |t: &TensorHandle, starts: Vec<i64>, ends: Vec<i64>, steps: Vec<i64>| {
+        let mut a = OpAttrs::new();
+        a.set_ints("starts", &starts);
+        a.set_ints("ends", &ends);
+        a.set_ints("steps", &steps);
+        c.op1(&ops::SLICE, std::slice::from_ref(t), &a)
+    };
+    let transpose = |t: &TensorHandle, perm: &[i64]| {
+        let mut a = OpAttrs::new();
+        a.set_ints("perm", perm);
+        c.op1(&ops::TRANSPOSE, std::slice::from_ref(t), &a)
+    };
+    let mut attrs = OpAttrs::new();
+    attrs.set_dims("stride", &strides[1..]);
+    attrs.set_dims("padding", &[0, 0]);
+    attrs.set_dims("dilation", &dilations[1..]);
+    attrs.set_int("groups", c.attr_int("group", 1));
+    let mut acc: Option<TensorHandle> = None;
+    for z in 0..kd {
+        let s = (z * dilations[0]) as i64;
+        let e = s + ((od - 1) * strides[0]) as i64 + 1;
+        let xs = slice(
+            &xp,
+            vec![0, 0, s, 0, 0],
+            vec![n as i64, ch as i64, e, hp as i64, wp as i64],
+            vec![1, 1, strides[0] as i64, 1, 1],
+        )?;
+        let xs = transpose(&xs, &[0, 2, 1, 3, 4])?;
+        let xs = c.reshape(&xs, &[n * od, ch, hp, wp])?;
+        let ws = slice(
+            w,
+            vec![0, 0, z as i64, 0, 0],
+            vec![
+                wd[0] as i64,
+                wd[1] as i64,
+                z as i64 + 1,
+                wd[3] as i64,
+                wd[4] as i64,
+            ],
+            vec![1, 1, 1, 1, 1],
+        )?;
+        let ws = c.reshape(&ws, &[wd[0], wd[1], wd[3], wd[4]])?;
+        let y = c.op1(&ops::CONV2D, &[xs, ws], &attrs)?;
+        acc = Some(match acc {
+            None => y,
+            Some(a) => c.binary(&ops::ADD, &a, &y)?,
+        });
+    }
+    let y = acc.ok_or_else(|| OnnxError::invalid("a Conv kernel of depth 0"))?;
+    let yd = dims(&y);
+    let y = c.reshape(&y, &[n, od, m, yd[2], yd[3]])?;
+    let mut y = transpose(&y, &[0, 2, 1, 3, 4])?;
+    if let Some(b) = c.opt_input(2) {
+        let b = c.reshape(b, &[1, m, 1, 1, 1])?;
+        y = c.binary(&ops::ADD, &y, &b)?;
+    }
+    Ok(vec![y])
+}
+
 /// Requires a float input of a convolution or pooling op.
 fn require_float(c: &Ctx<'_>, x: &TensorHandle) -> Result<()> {
     if x.dtype().is_float() {
@@ -192,9 +286,9 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
     require_float(c, &x)?;
     let xd = dims(&x);
     let spatial = xd.len().saturating_sub(2);
-    if !(1..=2).contains(&spatial) {
+    if !(1..=3).contains(&spatial) {
         return Err(OnnxError::unsupported(format!(
-            "{} with {spatial} spatial dimensions (1 and 2 are supported)",
+            "{} with {spatial} spatial dimensions (1 to 3 are supported)",
             c.op_type()
         )));
     }
@@ -204,13 +298,10 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
     }
     let strides = ints_or(c, "strides", spatial, 1)?;
     let dilations = ints_or(c, "dilations", spatial, 1)?;
-    if dilations.iter().any(|&d| d != 1) {
-        return Err(OnnxError::unsupported(format!(
-            "{} with dilations {dilations:?}",
-            c.op_type()
-        )));
-    }
     let mut pads = spatial_pads(c, &xd[2..], &kernel, &strides, &dilations)?;
+    if spatial == 3 || dilations.iter().any(|&d| d != 1) {
+        return pool_by_slices(c, &x, max, false, &kernel, &strides, &dilations, &pads);
+    }
     // The end padding ceil_mode adds, which an average never counts.
     let mut ceil_ext = vec![0usize; spatial];
     if c.attr_int("ceil_mode", 0) != 0 {
@@ -286,6 +377,126 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
         y = c.reshape(&y, &[d[0], d[1], d[3]])?;
     }
     Ok(vec![y])
+}
+
+/// Pooling of any rank with dilations, composed from strided slices: one
+/// slice of the padded input per kernel offset, combined with a maximum,
+/// or summed and divided by the same sum over a mask of the elements that
+/// count (the input, and the explicit pads when `count_include_pad`), or
+/// only summed when `sum` (LpPool's sum of powers).
+#[allow(clippy::too_many_arguments)]
+fn pool_by_slices(
+    c: &Ctx<'_>,
+    x: &TensorHandle,
+    max: bool,
+    sum: bool,
+    kernel: &[usize],
+    strides: &[usize],
+    dilations: &[usize],
+    pads: &[(usize, usize)],
+) -> Result<Vec<TensorHandle>> {
+    let xd = dims(x);
+    let spatial = kernel.len();
+    let ceil = c.attr_int("ceil_mode", 0) != 0;
+    let mut out = vec![0usize; spatial];
+    let mut ext = vec![0usize; spatial];
+    for i in 0..spatial {
+        let (b, e) = pads[i];
+        let n = xd[2 + i];
+        let ke = dilations[i] * (kernel[i] - 1) + 1;
+        let padded = n + b + e;
+        if ke > padded {
+            return Err(OnnxError::invalid(format!(
+                "a pooling window of {ke} over {padded} elements"
+            )));
+        }
+        let mut o = if ceil {
+            (padded - ke).div_ceil(strides[i]) + 1
+        } else {
+            (padded - ke) / strides[i] + 1
+        };
+        if ceil && o > 1 && (o - 1) * strides[i] >= n + b {
+            o -= 1;
+        }
+        out[i] = o;
+        ext[i] = ((o - 1) * strides[i] + ke).saturating_sub(padded);
+    }
+    let mut before = vec![0i64; 2];
+    let mut after = vec![0i64; 2];
+    for i in 0..spatial {
+        before.push(pads[i].0 as i64);
+        after.push((pads[i].1 + ext[i]) as i64);
+    }
+    let fill = if max { f64::NEG_INFINITY } else { 0.0 };
+    let xp = pad_with(c, x, &before, &after, fill)?;
+    let mask = if max || sum {
+        None
+    } else {
+        let ones = c.scalar(1.0, x.dtype())?;
+        let mut shape = vec![1, 1];
+        shape.extend_from_slice(&xd[2..]);
+        let mut b = OpAttrs::new();
+        b.set_dims("shape", &shape);
+        let ones = c.op1(&ops::BROADCAST_TO, &[ones], &b)?;
+        Some(if c.attr_int("count_include_pad", 0) != 0 {
+            let explicit: Vec<i64> = (0..2 + spatial)
+                .map(|i| if i < 2 { 0 } else { pads[i - 2].1 as i64 })
+                .collect();
+            let m = pad_with(c, &ones, &before, &explicit, 1.0)?;
+            let extra: Vec<i64> = (0..2 + spatial)
+                .map(|i| if i < 2 { 0 } else { ext[i - 2] as i64 })
+                .collect();
+            pad_with(c, &m, &vec![0; 2 + spatial], &extra, 0.0)?
+        } else {
+            pad_with(c, &ones, &before, &after, 0.0)?
+        })
+    };
+    let window = |t: &TensorHandle, offset: &[usize]| -> Result<TensorHandle> {
+        let d = dims(t);
+        let mut starts = vec![0i64, 0];
+        let mut ends = vec![d[0] as i64, d[1] as i64];
+        let mut steps = vec![1i64, 1];
+        for i in 0..spatial {
+            let s = (offset[i] * dilations[i]) as i64;
+            starts.push(s);
+            ends.push(s + ((out[i] - 1) * strides[i]) as i64 + 1);
+            steps.push(strides[i] as i64);
+        }
+        let mut a = OpAttrs::new();
+        a.set_ints("starts", &starts);
+        a.set_ints("ends", &ends);
+        a.set_ints("steps", &steps);
+        c.op1(&ops::SLICE, std::slice::from_ref(t), &a)
+    };
+    let count: usize = kernel.iter().product();
+    let mut acc: Option<TensorHandle> = None;
+    let mut den: Option<TensorHandle> = None;
+    for flat in 0..count {
+        let mut offset = vec![0usize; spatial];
+        let mut r = flat;
+        for i in (0..spatial).rev() {
+            offset[i] = r % kernel[i];
+            r /= kernel[i];
+        }
+        let w = window(&xp, &offset)?;
+        acc = Some(match acc {
+            None => w,
+            Some(a) if max => c.binary(&ops::MAXIMUM, &a, &w)?,
+            Some(a) => c.binary(&ops::ADD, &a, &w)?,
+        });
+        if let Some(m) = &mask {
+            let w = window(m, &offset)?;
+            den = Some(match den {
+                None => w,
+                Some(a) => c.binary(&ops::ADD, &a, &w)?,
+            });
+        }
+    }
+    let acc = acc.ok_or_else(|| OnnxError::invalid("an empty pooling kernel"))?;
+    Ok(vec![match den {
+        Some(d) => c.binary(&ops::DIV, &acc, &d)?,
+        None => acc,
+    }])
 }
 
 /// An average over windows that do not count some padding: the sum over
@@ -684,9 +895,9 @@ fn lp_pool(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     require_float(c, &x)?;
     let xd = dims(&x);
     let spatial = xd.len().saturating_sub(2);
-    if !(1..=2).contains(&spatial) {
+    if !(1..=3).contains(&spatial) {
         return Err(OnnxError::unsupported(format!(
-            "LpPool with {spatial} spatial dimensions (1 and 2 are supported)"
+            "LpPool with {spatial} spatial dimensions (1 to 3 are supported)"
         )));
     }
     if !c.has_attr("kernel_shape") {
@@ -698,11 +909,17 @@ fn lp_pool(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let kernel = ints_or(c, "kernel_shape", spatial, 1)?;
     let strides = ints_or(c, "strides", spatial, 1)?;
     let dilations = ints_or(c, "dilations", spatial, 1)?;
-    if dilations.iter().any(|&d| d != 1) {
-        return Err(OnnxError::unsupported("LpPool with dilations"));
-    }
     let pads = spatial_pads(c, &xd[2..], &kernel, &strides, &dilations)?;
     let p = c.attr_int("p", 2) as f64;
+    if spatial == 3 || dilations.iter().any(|&d| d != 1) {
+        let powered = abs_pow(c, &x, p)?;
+        let sum = pool_by_slices(
+            c, &powered, false, true, &kernel, &strides, &dilations, &pads,
+        )?
+        .remove(0);
+        let e = c.scalar(1.0 / p, sum.dtype())?;
+        return Ok(vec![c.binary(&ops::POW, &sum, &e)?]);
+    }
     let x2 = if spatial == 1 { as_2d(c, &x)? } else { x };
     let powered = abs_pow(c, &x2, p)?;
     let pads2 = two(&pads, (0, 0));

@@ -14,6 +14,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
     Some(match op_type {
         "Resize" => resize,
         "Upsample" => upsample,
+        "GridSample" => grid_sample,
         _ => return None,
     })
 }
@@ -375,4 +376,244 @@ fn apply(
         y = acc.ok_or_else(|| OnnxError::invalid("Resize with all-zero weights"))?;
     }
     Ok(y)
+}
+
+/// GridSample on 4-D and 5-D inputs with (bi/tri)linear or nearest sampling and zeros
+/// or border padding: grid coordinates are unnormalized per
+/// `align_corners`, and each sampled corner is a `GatherElements` from the
+/// flattened image, weighted (zero where it falls outside under zeros
+/// padding).
+fn grid_sample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let grid = c.input(1)?;
+    let xd = dims(&x);
+    let gd = dims(&grid);
+    let r = xd.len().saturating_sub(2);
+    if !(2..=3).contains(&r) || gd.len() != r + 2 || gd[r + 1] != r || gd[0] != xd[0] {
+        return Err(OnnxError::unsupported(format!(
+            "GridSample of a {}-D input with a {gd:?} grid (4-D and 5-D inputs are supported)",
+            xd.len()
+        )));
+    }
+    let mode = c.attr_str("mode", if c.opset >= 20 { "linear" } else { "bilinear" });
+    let padding = c.attr_str("padding_mode", "zeros");
+    let cubic = matches!(mode.as_str(), "cubic" | "bicubic");
+    if cubic && (xd.len() != 4 || padding != "zeros") {
+        return Err(OnnxError::unsupported(format!(
+            "GridSample mode {mode} with padding_mode {padding} or on a {}-D input",
+            xd.len()
+        )));
+    }
+    let linear = match mode.as_str() {
+        "linear" | "bilinear" => true,
+        "nearest" | "cubic" | "bicubic" => false,
+        other => return Err(OnnxError::unsupported(format!("GridSample mode {other}"))),
+    };
+    if !matches!(padding.as_str(), "zeros" | "border" | "reflection") {
+        return Err(OnnxError::unsupported(format!(
+            "GridSample padding_mode {padding}"
+        )));
+    }
+    let align = c.attr_int("align_corners", 0) != 0;
+    let dt = x.dtype();
+    let (n, ch) = (xd[0], xd[1]);
+    let sizes = &xd[2..];
+    let p: usize = gd[1..=r].iter().product();
+    let coord = |j: i64, size: usize| -> Result<TensorHandle> {
+        let mut a = OpAttrs::new();
+        let mut starts = vec![0i64; r + 1];
+        starts.push(j);
+        let mut ends: Vec<i64> = gd[..=r].iter().map(|&v| v as i64).collect();
+        ends.push(j + 1);
+        a.set_ints("starts", &starts);
+        a.set_ints("ends", &ends);
+        let g = c.op1(&ops::SLICE, std::slice::from_ref(&grid), &a)?;
+        let g = c.cast(&c.reshape(&g, &[n, 1, p])?, dt)?;
+        // align_corners: -1 and 1 are the centers of the corner pixels;
+        // otherwise their outer edges.
+        let s = size as f64;
+        let v = if align {
+            let g = c.with_scalar(&ops::ADD, &g, 1.0)?;
+            c.with_scalar(&ops::MUL, &g, (s - 1.0) / 2.0)?
+        } else {
+            let g = c.with_scalar(&ops::ADD, &g, 1.0)?;
+            let g = c.with_scalar(&ops::MUL, &g, s / 2.0)?;
+            c.with_scalar(&ops::SUB, &g, 0.5)?
+        };
+        match padding.as_str() {
+            "border" => {
+                let v = c.with_scalar(&ops::MAXIMUM, &v, 0.0)?;
+                c.with_scalar(&ops::MINIMUM, &v, s - 1.0)
+            }
+            "reflection" => {
+                // Reflect into [lo, hi] (the corner centers, or the outer
+                // edges), as often as needed, then keep inside the image.
+                let (lo, hi) = if align {
+                    (0.0, s - 1.0)
+                } else {
+                    (-0.5, s - 0.5)
+                };
+                let span = hi - lo;
+                let v = if span <= 0.0 {
+                    c.with_scalar(&ops::MUL, &v, 0.0)?
+                } else {
+                    let d = c.unary(&ops::ABS, &c.with_scalar(&ops::SUB, &v, lo)?)?;
+                    let flips = c.unary(&ops::FLOOR, &c.with_scalar(&ops::DIV, &d, span)?)?;
+                    let extra =
+                        c.binary(&ops::SUB, &d, &c.with_scalar(&ops::MUL, &flips, span)?)?;
+                    let half = c.unary(&ops::FLOOR, &c.with_scalar(&ops::MUL, &flips, 0.5)?)?;
+                    let odd =
+                        c.binary(&ops::SUB, &flips, &c.with_scalar(&ops::MUL, &half, 2.0)?)?;
+                    let even = c.binary(&ops::EQUAL, &odd, &c.scalar(0.0, dt)?)?;
+                    let up = c.with_scalar(&ops::ADD, &extra, lo)?;
+                    let down = c.binary(&ops::SUB, &c.scalar(span + lo, dt)?, &extra)?;
+                    c.op1(&ops::SELECT, &[even, up, down], &OpAttrs::new())?
+                };
+                let v = c.with_scalar(&ops::MAXIMUM, &v, 0.0)?;
+                c.with_scalar(&ops::MINIMUM, &v, s - 1.0)
+            }
+            _ => Ok(v),
+        }
+    };
+    // The grid's last axis lists x (the last spatial dim) first.
+    let coords: Vec<TensorHandle> = (0..r)
+        .map(|k| coord((r - 1 - k) as i64, sizes[k]))
+        .collect::<Result<_>>()?;
+    let total: usize = sizes.iter().product();
+    let flat = c.reshape(&x, &[n, ch, total])?;
+    let mut b = OpAttrs::new();
+    b.set_dims("shape", &[n, ch, p]);
+    // The value at integer coordinates (float tensors, one per spatial
+    // dim), zero outside the image.
+    let sample = |at: &[TensorHandle]| -> Result<TensorHandle> {
+        let mut ok: Option<TensorHandle> = None;
+        let mut lin: Option<TensorHandle> = None;
+        for (k, v) in at.iter().enumerate() {
+            let size = sizes[k] as f64;
+            let zero = c.scalar(0.0, dt)?;
+            let hi = c.scalar(size - 1.0, dt)?;
+            let ge = c.binary(&ops::GREATER_EQUAL, v, &zero)?;
+            let le = c.binary(&ops::LESS_EQUAL, v, &hi)?;
+            let inside = c.binary(&ops::LOGICAL_AND, &ge, &le)?;
+            ok = Some(match ok {
+                None => inside,
+                Some(o) => c.binary(&ops::LOGICAL_AND, &o, &inside)?,
+            });
+            let cv = c.with_scalar(&ops::MAXIMUM, v, 0.0)?;
+            let cv = c.with_scalar(&ops::MINIMUM, &cv, size - 1.0)?;
+            lin = Some(match lin {
+                None => cv,
+                Some(l) => {
+                    let l = c.with_scalar(&ops::MUL, &l, size)?;
+                    c.binary(&ops::ADD, &l, &cv)?
+                }
+            });
+        }
+        let (ok, lin) = match (ok, lin) {
+            (Some(o), Some(l)) => (o, l),
+            _ => return Err(OnnxError::invalid("GridSample without spatial dims")),
+        };
+        let lin = c.cast(&lin, stagecraft_tensor::DType::I64)?;
+        let lin = c.op1(&ops::BROADCAST_TO, &[lin], &b)?;
+        let mut g = OpAttrs::new();
+        g.set_int("axis", 2);
+        let v = c.op1(&ops::GATHER_ELEMENTS, &[flat.clone(), lin], &g)?;
+        let zero = c.scalar(0.0, dt)?;
+        let ok = c.op1(&ops::BROADCAST_TO, &[ok], &b)?;
+        c.op1(&ops::SELECT, &[ok, v, zero], &OpAttrs::new())
+    };
+    let y = if cubic {
+        // Keys' cubic convolution (A = -0.75) over the 4 x 4 neighbors.
+        let a = -0.75;
+        let mut taps = Vec::new();
+        for v in &coords {
+            let lo = c.unary(&ops::FLOOR, v)?;
+            let t = c.binary(&ops::SUB, v, &lo)?;
+            // |d| in (1, 2): ((a|d| - 5a)|d| + 8a)|d| - 4a; |d| <= 1:
+            // ((a + 2)|d| - (a + 3))|d|^2 + 1.
+            let far = |d: &TensorHandle| -> Result<TensorHandle> {
+                let e = c.with_scalar(&ops::MUL, d, a)?;
+                let e = c.with_scalar(&ops::SUB, &e, 5.0 * a)?;
+                let e = c.binary(&ops::MUL, &e, d)?;
+                let e = c.with_scalar(&ops::ADD, &e, 8.0 * a)?;
+                let e = c.binary(&ops::MUL, &e, d)?;
+                c.with_scalar(&ops::SUB, &e, 4.0 * a)
+            };
+            let near = |d: &TensorHandle| -> Result<TensorHandle> {
+                let e = c.with_scalar(&ops::MUL, d, a + 2.0)?;
+                let e = c.with_scalar(&ops::SUB, &e, a + 3.0)?;
+                let e = c.binary(&ops::MUL, &e, d)?;
+                let e = c.binary(&ops::MUL, &e, d)?;
+                c.with_scalar(&ops::ADD, &e, 1.0)
+            };
+            let one = c.scalar(1.0, dt)?;
+            let two = c.scalar(2.0, dt)?;
+            let t1 = c.with_scalar(&ops::ADD, &t, 1.0)?;
+            let u = c.binary(&ops::SUB, &one, &t)?;
+            let u1 = c.binary(&ops::SUB, &two, &t)?;
+            let weights = [far(&t1)?, near(&t)?, near(&u)?, far(&u1)?];
+            let mut row = Vec::new();
+            for (k, w) in weights.into_iter().enumerate() {
+                let at = c.with_scalar(&ops::ADD, &lo, k as f64 - 1.0)?;
+                row.push((at, w));
+            }
+            taps.push(row);
+        }
+        let mut acc: Option<TensorHandle> = None;
+        for (yv, wy) in &taps[0] {
+            for (xv, wx) in &taps[1] {
+                let v = sample(&[yv.clone(), xv.clone()])?;
+                let wgt = c.binary(&ops::MUL, wy, wx)?;
+                let t = c.binary(&ops::MUL, &v, &wgt)?;
+                acc = Some(match acc {
+                    None => t,
+                    Some(a) => c.binary(&ops::ADD, &a, &t)?,
+                });
+            }
+        }
+        acc.ok_or_else(|| OnnxError::invalid("no taps"))?
+    } else if linear {
+        let one = c.scalar(1.0, dt)?;
+        // Per dim: (low corner, high corner, low weight, high weight).
+        let mut parts = Vec::new();
+        for v in &coords {
+            let lo = c.unary(&ops::FLOOR, v)?;
+            let hi = c.with_scalar(&ops::ADD, &lo, 1.0)?;
+            let w_hi = c.binary(&ops::SUB, v, &lo)?;
+            let w_lo = c.binary(&ops::SUB, &one, &w_hi)?;
+            parts.push((lo, hi, w_lo, w_hi));
+        }
+        let mut acc: Option<TensorHandle> = None;
+        for corner in 0..(1usize << r) {
+            let mut at = Vec::with_capacity(r);
+            let mut wgt: Option<TensorHandle> = None;
+            for (k, (lo, hi, w_lo, w_hi)) in parts.iter().enumerate() {
+                let high = corner >> k & 1 == 1;
+                at.push(if high { hi.clone() } else { lo.clone() });
+                let wk = if high { w_hi } else { w_lo };
+                wgt = Some(match wgt {
+                    None => wk.clone(),
+                    Some(wv) => c.binary(&ops::MUL, &wv, wk)?,
+                });
+            }
+            let v = sample(&at)?;
+            let wgt = wgt.ok_or_else(|| OnnxError::invalid("no corner weight"))?;
+            let t = c.binary(&ops::MUL, &v, &wgt)?;
+            acc = Some(match acc {
+                None => t,
+                Some(a) => c.binary(&ops::ADD, &a, &t)?,
+            });
+        }
+        acc.ok_or_else(|| OnnxError::invalid("no corners"))?
+    } else {
+        // Nearest rounds half to even, like nearbyint.
+        let at: Vec<TensorHandle> = coords
+            .iter()
+            .map(|v| c.unary(&ops::ROUND, v))
+            .collect::<Result<_>>()?;
+        sample(&at)?
+    };
+    let mut out = vec![n, ch];
+    out.extend_from_slice(&gd[1..=r]);
+    Ok(vec![c.reshape(&y, &out)?])
 }

@@ -43,6 +43,9 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "SpaceToDepth" => space_to_depth,
         "EyeLike" => eye_like,
         "ScatterElements" | "Scatter" => scatter_elements,
+        "ScatterND" => scatter_nd,
+        "CenterCropPad" => center_crop_pad,
+        "Col2Im" => col2im,
         _ => return None,
     })
 }
@@ -541,7 +544,7 @@ fn pad(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
     let d = dims(&x);
     let mode = c.attr_str("mode", "constant");
-    if mode != "constant" {
+    if !matches!(mode.as_str(), "constant" | "reflect" | "edge" | "wrap") {
         return Err(OnnxError::unsupported(format!("Pad mode {mode}")));
     }
     let (pads, value) = if c.opset < 11 {
@@ -574,7 +577,48 @@ fn pad(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         before[a] = pads[i];
         after[a] = pads[i + axes.len()];
     }
-    Ok(vec![pad_with(c, &x, &before, &after, value)?])
+    if mode == "constant" {
+        return Ok(vec![pad_with(c, &x, &before, &after, value)?]);
+    }
+    // reflect, edge, wrap: each padded axis gathers from computed source
+    // indices (a negative pad crops).
+    let mut y = x;
+    for a in 0..d.len() {
+        if before[a] == 0 && after[a] == 0 {
+            continue;
+        }
+        let n = d[a] as i64;
+        let len = n + before[a] + after[a];
+        if n == 0 || len < 0 {
+            return Err(OnnxError::invalid(format!(
+                "Pad {mode} of an axis of length {n} by {} and {}",
+                before[a], after[a]
+            )));
+        }
+        let idx: Vec<i64> = (0..len)
+            .map(|j| {
+                let k = j - before[a];
+                match mode.as_str() {
+                    "edge" => k.clamp(0, n - 1),
+                    "wrap" => k.rem_euclid(n),
+                    _ if n == 1 => 0,
+                    _ => {
+                        let m = k.rem_euclid(2 * (n - 1));
+                        if m >= n {
+                            2 * (n - 1) - m
+                        } else {
+                            m
+                        }
+                    }
+                }
+            })
+            .collect();
+        let idx = c.ints_constant(&idx)?;
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", a as i64);
+        y = c.op1(&ops::GATHER, &[y, idx], &attrs)?;
+    }
+    Ok(vec![y])
 }
 
 /// Pads (positive) or crops (negative) each axis of `x`.
@@ -803,6 +847,207 @@ fn scatter_elements(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
             "ScatterElements with reduction {other}"
         ))),
     }
+}
+
+/// CenterCropPad: each listed axis is cropped or zero-padded to its target
+/// length around the center (the extra element of an odd difference goes
+/// after).
+fn center_crop_pad(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let d = dims(&x);
+    let shape = c
+        .known_ints(1)?
+        .ok_or_else(|| OnnxError::invalid("CenterCropPad needs a shape"))?;
+    let axes: Vec<usize> = match c.attr_ints("axes") {
+        Some(a) => a.iter().map(|&a| axis(a, d.len())).collect::<Result<_>>()?,
+        None => (0..d.len()).collect(),
+    };
+    if shape.len() != axes.len() {
+        return Err(OnnxError::invalid(format!(
+            "CenterCropPad: {} lengths for {} axes",
+            shape.len(),
+            axes.len()
+        )));
+    }
+    let mut before = vec![0i64; d.len()];
+    let mut after = vec![0i64; d.len()];
+    for (&a, &s) in axes.iter().zip(&shape) {
+        let diff = s - d[a] as i64;
+        if s < 0 {
+            return Err(OnnxError::invalid(format!("CenterCropPad length {s}")));
+        }
+        // Crop: start at (n - s) / 2; pad: (s - n) / 2 before.
+        let b = if diff >= 0 { diff / 2 } else { -((-diff) / 2) };
+        before[a] = b;
+        after[a] = diff - b;
+    }
+    Ok(vec![pad_with(c, &x, &before, &after, 0.0)?])
+}
+
+/// Col2Im: every block column is added back at its place in the padded
+/// image by one `IndexAdd` over the image's flattened spatial dims (the
+/// positions are known from the shapes), then the pads are cropped.
+fn col2im(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let image = c
+        .known_ints(1)?
+        .ok_or_else(|| OnnxError::invalid("Col2Im needs image_shape"))?;
+    let block = c
+        .known_ints(2)?
+        .ok_or_else(|| OnnxError::invalid("Col2Im needs block_shape"))?;
+    let r = image.len();
+    if block.len() != r || image.iter().chain(&block).any(|&v| v <= 0) {
+        return Err(OnnxError::invalid(
+            "Col2Im image_shape and block_shape differ in length or are not positive",
+        ));
+    }
+    let get = |name: &str, n: usize, default: i64| -> Result<Vec<i64>> {
+        let v = c.attr_ints(name).unwrap_or_else(|| vec![default; n]);
+        if v.len() != n {
+            return Err(OnnxError::invalid(format!(
+                "Col2Im {name} of length {}",
+                v.len()
+            )));
+        }
+        Ok(v)
+    };
+    let dil = get("dilations", r, 1)?;
+    let strides = get("strides", r, 1)?;
+    let pads = get("pads", 2 * r, 0)?;
+    let xd = dims(&x);
+    if xd.len() != 3 {
+        return Err(OnnxError::invalid("Col2Im needs a 3-D input"));
+    }
+    let k: usize = block.iter().map(|&b| b as usize).product();
+    if !xd[1].is_multiple_of(k) {
+        return Err(OnnxError::invalid(format!(
+            "Col2Im: {} channels are not a multiple of the block size {k}",
+            xd[1]
+        )));
+    }
+    let (n, ch, l) = (xd[0], xd[1] / k, xd[2]);
+    let padded: Vec<i64> = (0..r).map(|i| image[i] + pads[i] + pads[r + i]).collect();
+    let blocks: Vec<i64> = (0..r)
+        .map(|i| (padded[i] - (dil[i] * (block[i] - 1) + 1)) / strides[i] + 1)
+        .collect();
+    if blocks.iter().any(|&b| b <= 0) || blocks.iter().product::<i64>() as usize != l {
+        return Err(OnnxError::invalid(format!(
+            "Col2Im: {l} blocks do not match the {blocks:?} the shapes give"
+        )));
+    }
+    // Multi-index helpers over row-major dims.
+    let unravel = |mut f: i64, d: &[i64]| -> Vec<i64> {
+        let mut out = vec![0; d.len()];
+        for i in (0..d.len()).rev() {
+            out[i] = f % d[i];
+            f /= d[i];
+        }
+        out
+    };
+    let mut idx = Vec::with_capacity(k * l);
+    for kb in 0..k as i64 {
+        let bo = unravel(kb, &block);
+        for lb in 0..l as i64 {
+            let lo = unravel(lb, &blocks);
+            let mut linear = 0;
+            for i in 0..r {
+                linear = linear * padded[i] + bo[i] * dil[i] + lo[i] * strides[i];
+            }
+            idx.push(linear);
+        }
+    }
+    let total: usize = padded.iter().map(|&p| p as usize).product();
+    let src = c.reshape(&x, &[n, ch, k * l])?;
+    let zeros_meta = TensorMetadata::new(x.dtype(), Shape::from(vec![n, ch, total]));
+    let zeros =
+        c.constant(HostTensor::filled(Scalar::F64(0.0).cast(x.dtype()), &zeros_meta).to_dense()?);
+    let idx = c.ints_constant(&idx)?;
+    let mut attrs = OpAttrs::new();
+    attrs.set_int("axis", 2);
+    let y = c.op1(&ops::INDEX_ADD, &[zeros, idx, src], &attrs)?;
+    let mut shape = vec![n, ch];
+    shape.extend(padded.iter().map(|&p| p as usize));
+    let y = c.reshape(&y, &shape)?;
+    let before: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads[..r].iter().map(|&p| -p))
+        .collect();
+    let after: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads[r..].iter().map(|&p| -p))
+        .collect();
+    Ok(vec![pad_with(c, &y, &before, &after, 0.0)?])
+}
+
+/// ScatterND (reductions none and add): the indexed leading dims of the
+/// data are flattened to one, each index tuple becomes a linear index,
+/// and an `IndexAdd` along that dim places the updates.
+fn scatter_nd(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let x = c.input(0)?;
+    let idx = c.cast(&c.input(1)?, DType::I64)?;
+    let updates = c.input(2)?;
+    let reduction = c.attr_str("reduction", "none");
+    if !matches!(reduction.as_str(), "none" | "add") {
+        return Err(OnnxError::unsupported(format!(
+            "ScatterND with reduction {reduction}"
+        )));
+    }
+    let d = dims(&x);
+    let id = dims(&idx);
+    let k = *id
+        .last()
+        .ok_or_else(|| OnnxError::invalid("ScatterND indices of rank 0"))?;
+    if k == 0 || k > d.len() {
+        return Err(OnnxError::unsupported(format!(
+            "ScatterND with index tuples of length {k} into rank {}",
+            d.len()
+        )));
+    }
+    let lead: usize = d[..k].iter().product();
+    let rest = &d[k..];
+    let n_updates: usize = id[..id.len() - 1].iter().product();
+    let mut strides = vec![1i64; k];
+    for j in (0..k.saturating_sub(1)).rev() {
+        strides[j] = strides[j + 1] * d[j + 1] as i64;
+    }
+    let sizes: Vec<i64> = d[..k].iter().map(|&v| v as i64).collect();
+    let sizes = c.ints_constant(&sizes)?;
+    let zero = c.scalar(0.0, DType::I64)?;
+    let negative = c.binary(&ops::LESS, &idx, &zero)?;
+    let wrapped = c.binary(&ops::ADD, &idx, &sizes)?;
+    let idx = c.op1(&ops::SELECT, &[negative, wrapped, idx], &OpAttrs::new())?;
+    let strides = c.ints_constant(&strides)?;
+    let scaled = c.binary(&ops::MUL, &idx, &strides)?;
+    let last = id.len() as i64 - 1;
+    let linear = super::reduce::reduce_with(c, &ops::SUM, &scaled, &[last], false)?;
+    let linear = c.reshape(&linear, &[n_updates])?;
+    let mut flat = vec![lead];
+    flat.extend_from_slice(rest);
+    let mut uflat = vec![n_updates];
+    uflat.extend_from_slice(rest);
+    let xf = c.reshape(&x, &flat)?;
+    let uf = c.reshape(&updates, &uflat)?;
+    let zeros_meta = xf.metadata().clone();
+    let zeros =
+        c.constant(HostTensor::filled(Scalar::F64(0.0).cast(x.dtype()), &zeros_meta).to_dense()?);
+    let mut attrs = OpAttrs::new();
+    attrs.set_int("axis", 0);
+    let added = c.op1(
+        &ops::INDEX_ADD,
+        &[zeros.clone(), linear.clone(), uf.clone()],
+        &attrs,
+    )?;
+    let y = if reduction == "add" {
+        c.binary(&ops::ADD, &xf, &added)?
+    } else {
+        let ones_meta = uf.metadata().clone();
+        let ones = c
+            .constant(HostTensor::filled(Scalar::F64(1.0).cast(x.dtype()), &ones_meta).to_dense()?);
+        let hits = c.op1(&ops::INDEX_ADD, &[zeros.clone(), linear, ones], &attrs)?;
+        let hit = c.binary(&ops::NOT_EQUAL, &hits, &zeros)?;
+        c.op1(&ops::SELECT, &[hit, added, xf], &OpAttrs::new())?
+    };
+    Ok(vec![c.reshape(&y, &d)?])
 }
 
 fn cumprod(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
