@@ -29,6 +29,12 @@ impl std::error::Error for CliError {}
 /// The command's result type.
 pub type Result<T> = std::result::Result<T, CliError>;
 
+impl From<stagecraft_fetch::FetchError> for CliError {
+    fn from(e: stagecraft_fetch::FetchError) -> CliError {
+        CliError::new(e.0)
+    }
+}
+
 impl From<crate::idx::IdxError> for CliError {
     fn from(e: crate::idx::IdxError) -> CliError {
         CliError::new(e.to_string())

@@ -6,7 +6,6 @@
 
 pub mod checkpoint;
 pub mod error;
-pub mod fetch;
 pub mod gpt;
 pub mod idx;
 pub mod lm;

@@ -5,8 +5,8 @@
 //! SHA-256 digests of the originals.
 
 use crate::error::{CliError, Result};
-use crate::fetch;
 use crate::idx::{self, Images};
+use stagecraft_fetch as fetch;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -227,12 +227,12 @@ fn extract(tgz: &Path, dir: &Path) -> Result<()> {
 }
 
 fn verify(expected: &Expected, bytes: &[u8]) -> Result<()> {
-    fetch::verify(
+    Ok(fetch::verify(
         expected.name,
         bytes,
         expected.size as usize,
         expected.sha256,
-    )
+    )?)
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 //! 10 % validate.
 
 use crate::error::{CliError, Result};
-use crate::fetch;
+use stagecraft_fetch as fetch;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 

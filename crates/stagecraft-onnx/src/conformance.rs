@@ -19,11 +19,10 @@ use crate::model::{Mode, Model};
 use crate::proto::TensorProto;
 use crate::tensor::decode;
 use prost::Message;
-use sha2::{Digest, Sha256};
+use stagecraft_fetch as fetch;
 use stagecraft_tensor::{DType, DenseHostTensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// The PyPI requirement the test data comes from.
 pub const PACKAGE: &str = "onnx==1.22.0";
@@ -66,12 +65,7 @@ pub fn ensure_data(dir: &Path) -> Result<()> {
     }
     std::fs::create_dir_all(dir)
         .map_err(|e| OnnxError::io(format!("cannot create {}: {e}", dir.display())))?;
-    let scratch = dir.join(format!(".download-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch)
-        .map_err(|e| OnnxError::io(format!("cannot create {}: {e}", scratch.display())))?;
-    let result = fetch_into(dir, &scratch);
-    let _ = std::fs::remove_dir_all(&scratch);
-    result
+    fetch::in_scratch(dir, |scratch| fetch_into(dir, scratch))
 }
 
 fn by_hand(dir: &Path) -> String {
@@ -104,7 +98,13 @@ fn fetch_into(dir: &Path, scratch: &Path) -> Result<()> {
         ".",
         PACKAGE,
     ];
-    run_tool("python3", &args, scratch, &by_hand(dir))?;
+    fetch::run_tool(
+        "python3",
+        &args,
+        scratch,
+        &format!("python3 -m pip download {PACKAGE}"),
+        &by_hand(dir),
+    )?;
     let wheel = scratch.join(WHEEL);
     let bytes = std::fs::read(&wheel).map_err(|e| {
         OnnxError::io(format!(
@@ -113,7 +113,7 @@ fn fetch_into(dir: &Path, scratch: &Path) -> Result<()> {
             by_hand(dir)
         ))
     })?;
-    verify(WHEEL, &bytes, WHEEL_LEN, WHEEL_SHA256)?;
+    fetch::verify(WHEEL, &bytes, WHEEL_LEN, WHEEL_SHA256)?;
     drop(bytes);
     // Extract with Python's zipfile (pip needs Python anyway), into the
     // scratch directory first, then move each category into place.
@@ -125,10 +125,11 @@ fn fetch_into(dir: &Path, scratch: &Path) -> Result<()> {
     let out = scratch.join("x");
     let wheel_s = wheel.to_string_lossy().into_owned();
     let out_s = out.to_string_lossy().into_owned();
-    run_tool(
+    fetch::run_tool(
         "python3",
         &["-c", script, &wheel_s, &out_s],
         scratch,
+        "python3 -c <extract the test data>",
         &by_hand(dir),
     )?;
     let extracted = out.join("onnx/backend/test/data");
@@ -147,44 +148,6 @@ fn fetch_into(dir: &Path, scratch: &Path) -> Result<()> {
         "extracted the ONNX backend test data into {}",
         dir.display()
     );
-    Ok(())
-}
-
-fn run_tool(program: &str, args: &[&str], cwd: &Path, by_hand: &str) -> Result<()> {
-    let output = Command::new(program)
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .map_err(|e| OnnxError::io(format!("cannot run {program}: {e}; {by_hand}")))?;
-    if !output.status.success() {
-        return Err(OnnxError::io(format!(
-            "`{program} {}` failed ({}): {}; {by_hand}",
-            args.first().copied().unwrap_or(""),
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        )));
-    }
-    Ok(())
-}
-
-/// Checks that `bytes` (the file `name`) has `len` bytes and the SHA-256
-/// digest `sha256` (lowercase hex).
-pub fn verify(name: &str, bytes: &[u8], len: usize, sha256: &str) -> Result<()> {
-    if bytes.len() != len {
-        return Err(OnnxError::io(format!(
-            "{name}: {} bytes, the original has {len}",
-            bytes.len()
-        )));
-    }
-    let digest: String = Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    if digest != sha256 {
-        return Err(OnnxError::io(format!(
-            "{name}: SHA-256 {digest} does not match the original's {sha256}"
-        )));
-    }
     Ok(())
 }
 
@@ -706,13 +669,5 @@ mod tests {
         assert!(compare(&e, &b).unwrap_err().contains("element 0"));
         let c = DenseHostTensor::from_slice(&[1.0f32, 2.0], [2]).unwrap();
         assert!(compare(&e, &c).unwrap_err().contains("shape"));
-    }
-
-    #[test]
-    fn verify_checks_size_then_digest() {
-        let abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
-        assert!(verify("f", b"abc", 3, abc).is_ok());
-        assert!(verify("f", b"ab", 3, abc).is_err());
-        assert!(verify("f", b"abd", 3, abc).is_err());
     }
 }

@@ -131,6 +131,12 @@ impl From<stagecraft_tensor::Error> for OnnxError {
     }
 }
 
+impl From<stagecraft_fetch::FetchError> for OnnxError {
+    fn from(e: stagecraft_fetch::FetchError) -> OnnxError {
+        OnnxError::io(e.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
