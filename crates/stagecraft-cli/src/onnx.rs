@@ -13,20 +13,9 @@ impl From<stagecraft::onnx::OnnxError> for CliError {
 }
 
 fn describe_shape(shape: &Option<Vec<Dim>>) -> String {
-    match shape {
-        None => "?".to_string(),
-        Some(dims) => {
-            let parts: Vec<String> = dims
-                .iter()
-                .map(|d| match d {
-                    Dim::Fixed(n) => n.to_string(),
-                    Dim::Named(s) => s.clone(),
-                    Dim::Unknown => "?".to_string(),
-                })
-                .collect();
-            format!("[{}]", parts.join(", "))
-        }
-    }
+    shape
+        .as_deref()
+        .map_or_else(|| "?".to_string(), stagecraft::onnx::describe_dims)
 }
 
 /// Prints a model's opset, inputs and outputs, op counts and the ops the

@@ -602,12 +602,8 @@ impl Report {
                 c.pass, c.fail, c.unsupported
             ));
         }
-        let mut slowest: Vec<&CaseResult> = self.results.iter().collect();
-        slowest.sort_by_key(|r| std::cmp::Reverse(r.elapsed));
-        s.push_str("\n## Slowest cases\n\n");
-        for r in slowest.iter().take(10) {
-            s.push_str(&format!("- `{}`: {:.2} s\n", r.id, r.elapsed.as_secs_f64()));
-        }
+        // No timings: the report is checked in, and a time without its
+        // host and a peer beside it says nothing (B8 is the speed figure).
         s.push_str("\n## Failures\n\n");
         for r in &self.results {
             if let Outcome::Fail(why) = &r.outcome {

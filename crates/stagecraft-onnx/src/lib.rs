@@ -35,5 +35,5 @@ pub mod proto {
 }
 
 pub use error::{NodeRef, OnnxError, OnnxErrorKind, Result};
-pub use model::{Dim, Mode, Model, ModelInput, ValueInfo, MAX_OPSET};
+pub use model::{describe_dims, Dim, Mode, Model, ModelInput, ValueInfo, MAX_OPSET};
 pub use tensor::{decode as decode_tensor, dtype_of, encode as encode_tensor, onnx_type_of};

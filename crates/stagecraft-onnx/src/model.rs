@@ -446,7 +446,7 @@ impl Model {
                             "input '{}' has shape {}, the model expects {}",
                             info.name,
                             value.shape(),
-                            describe(shape)
+                            describe_dims(shape)
                         )));
                     }
                 }
@@ -514,7 +514,8 @@ impl Model {
     }
 }
 
-fn describe(shape: &[Dim]) -> String {
+/// A declared shape as text: `[batch, 3, 224, 224]`, `?` for an open size.
+pub fn describe_dims(shape: &[Dim]) -> String {
     let parts: Vec<String> = shape
         .iter()
         .map(|d| match d {

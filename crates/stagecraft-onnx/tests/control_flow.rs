@@ -5,6 +5,8 @@ use stagecraft_onnx::conformance::{self, Outcome};
 use stagecraft_onnx::Mode;
 use std::path::PathBuf;
 
+mod common;
+
 #[test]
 fn control_flow_cases() {
     if std::env::var_os("STAGECRAFT_ONNX_SKIP_CONFORMANCE").is_some() {
@@ -40,84 +42,31 @@ mod built {
     //! Loops built in Rust: a counted loop with a scan output, and one that
     //! runs until its body's condition fails, in every mode.
 
-    use prost::Message;
     use stagecraft_onnx::proto::{
-        attribute_proto::AttributeType, tensor_proto::DataType, tensor_shape_proto, type_proto,
-        AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorShapeProto,
-        TypeProto, ValueInfoProto,
+        attribute_proto::AttributeType, tensor_proto::DataType, AttributeProto, GraphProto,
+        NodeProto, ValueInfoProto,
     };
-    use stagecraft_onnx::{encode_tensor, Mode, Model};
+    use stagecraft_onnx::{Mode, Model};
     use stagecraft_tensor::{DenseHostTensor, Shape};
 
     fn value(name: &str, elem: DataType, dims: &[i64]) -> ValueInfoProto {
-        ValueInfoProto {
-            name: Some(name.into()),
-            r#type: Some(TypeProto {
-                value: Some(type_proto::Value::TensorType(type_proto::Tensor {
-                    elem_type: Some(elem as i32),
-                    shape: Some(TensorShapeProto {
-                        dim: dims
-                            .iter()
-                            .map(|&n| tensor_shape_proto::Dimension {
-                                value: Some(tensor_shape_proto::dimension::Value::DimValue(n)),
-                                ..Default::default()
-                            })
-                            .collect(),
-                    }),
-                })),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
+        super::common::fixed(name, elem, dims)
     }
 
+    /// A node named after its first output.
     fn node(
         op: &str,
         inputs: &[&str],
         outputs: &[&str],
         attribute: Vec<AttributeProto>,
     ) -> NodeProto {
-        NodeProto {
-            op_type: Some(op.into()),
-            name: Some(outputs[0].into()),
-            input: inputs.iter().map(|s| s.to_string()).collect(),
-            output: outputs.iter().map(|s| s.to_string()).collect(),
-            attribute,
-            ..Default::default()
-        }
+        super::common::node(op, outputs[0], inputs, outputs, attribute)
     }
 
-    fn graph(
-        nodes: Vec<NodeProto>,
-        inputs: Vec<ValueInfoProto>,
-        outputs: Vec<ValueInfoProto>,
-        inits: Vec<(&str, DenseHostTensor)>,
-    ) -> GraphProto {
-        GraphProto {
-            name: Some("g".into()),
-            node: nodes,
-            input: inputs,
-            output: outputs,
-            initializer: inits
-                .iter()
-                .map(|(n, t)| encode_tensor(n, t).unwrap())
-                .collect(),
-            ..Default::default()
-        }
-    }
+    use super::common::graph;
 
     fn model(g: GraphProto) -> Model {
-        let bytes = ModelProto {
-            ir_version: Some(8),
-            opset_import: vec![OperatorSetIdProto {
-                domain: Some(String::new()),
-                version: Some(16),
-            }],
-            graph: Some(g),
-            ..Default::default()
-        }
-        .encode_to_vec();
-        Model::from_bytes(&bytes).unwrap()
+        Model::from_bytes(&super::common::model_bytes(g, 16)).unwrap()
     }
 
     fn body_attr(g: GraphProto) -> AttributeProto {

@@ -2,65 +2,16 @@
 //! and run: hand-computed results, the three modes agree, and bad input
 //! gives clear errors.
 
-use prost::Message;
 use stagecraft_onnx::proto::{
-    attribute_proto::AttributeType, tensor_proto::DataType, tensor_shape_proto, type_proto,
-    AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorShapeProto,
-    TypeProto, ValueInfoProto,
+    attribute_proto::AttributeType, tensor_proto::DataType, AttributeProto, NodeProto,
+    ValueInfoProto,
 };
-use stagecraft_onnx::{encode_tensor, Dim, Mode, Model, OnnxErrorKind};
+use stagecraft_onnx::{Dim, Mode, Model, OnnxErrorKind};
 use stagecraft_tensor::{DType, DenseHostTensor};
 
-fn value(name: &str, elem: DataType, dims: &[Option<i64>]) -> ValueInfoProto {
-    ValueInfoProto {
-        name: Some(name.into()),
-        r#type: Some(TypeProto {
-            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
-                elem_type: Some(elem as i32),
-                shape: Some(TensorShapeProto {
-                    dim: dims
-                        .iter()
-                        .map(|d| tensor_shape_proto::Dimension {
-                            value: Some(match d {
-                                Some(n) => tensor_shape_proto::dimension::Value::DimValue(*n),
-                                None => tensor_shape_proto::dimension::Value::DimParam("N".into()),
-                            }),
-                            ..Default::default()
-                        })
-                        .collect(),
-                }),
-            })),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
+mod common;
 
-fn node(
-    op: &str,
-    name: &str,
-    inputs: &[&str],
-    outputs: &[&str],
-    attrs: Vec<AttributeProto>,
-) -> NodeProto {
-    NodeProto {
-        op_type: Some(op.into()),
-        name: Some(name.into()),
-        input: inputs.iter().map(|s| s.to_string()).collect(),
-        output: outputs.iter().map(|s| s.to_string()).collect(),
-        attribute: attrs,
-        ..Default::default()
-    }
-}
-
-fn int_attr(name: &str, v: i64) -> AttributeProto {
-    AttributeProto {
-        name: Some(name.into()),
-        r#type: Some(AttributeType::Int as i32),
-        i: Some(v),
-        ..Default::default()
-    }
-}
+use common::{int_attr, node, value};
 
 fn model(
     nodes: Vec<NodeProto>,
@@ -69,26 +20,7 @@ fn model(
     inits: Vec<(&str, DenseHostTensor)>,
     opset: i64,
 ) -> Vec<u8> {
-    ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(opset),
-        }],
-        graph: Some(GraphProto {
-            name: Some("g".into()),
-            node: nodes,
-            input: inputs,
-            output: outputs,
-            initializer: inits
-                .iter()
-                .map(|(n, t)| encode_tensor(n, t).unwrap())
-                .collect(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-    .encode_to_vec()
+    common::model_bytes(common::graph(nodes, inputs, outputs, inits), opset)
 }
 
 fn f32s(v: &[f32], shape: &[usize]) -> DenseHostTensor {

@@ -51,6 +51,40 @@ pub struct Traced {
     pub captures: Vec<TensorHandle>,
 }
 
+/// Gives several traced functions one parameter list, as an `If`'s
+/// branches or a `While`'s condition and body need: the first `fixed`
+/// parameters stay as they are, then comes the union of all captures (in
+/// order of first appearance), which the op receives as extra inputs.
+/// Returns that union; each function's `captures` becomes it.
+pub fn unify_captures(fixed: usize, traced: &mut [&mut Traced]) -> Vec<TensorHandle> {
+    let mut union: Vec<TensorHandle> = Vec::new();
+    for t in traced.iter() {
+        for c in &t.captures {
+            if !union.iter().any(|u| u.ptr_eq(c)) {
+                union.push(c.clone());
+            }
+        }
+    }
+    for t in traced.iter_mut() {
+        let mut params: Vec<TensorMetadata> = t.function.params[..fixed].to_vec();
+        params.extend(union.iter().map(|u| u.metadata().clone()));
+        let positions: Vec<u32> = t
+            .captures
+            .iter()
+            .map(|c| (fixed + union.iter().position(|u| u.ptr_eq(c)).unwrap_or(0)) as u32)
+            .collect();
+        t.function.rebind_params(params, |i| {
+            if (i as usize) < fixed {
+                i
+            } else {
+                positions[i as usize - fixed]
+            }
+        });
+        t.captures = union.clone();
+    }
+    union
+}
+
 /// True while this thread is tracing a function.
 pub fn is_tracing() -> bool {
     FRAMES.with(|f| !f.borrow().is_empty())

@@ -124,37 +124,6 @@ pub(crate) fn trace(
     tracing::end(&results, location)
 }
 
-/// Gives several traced functions one parameter list: the first `fixed`
-/// parameters are shared as they are, then the union of all captures.
-fn unify_captures(fixed: usize, traced: &mut [&mut tracing::Traced]) -> Vec<TensorHandle> {
-    let mut union: Vec<TensorHandle> = Vec::new();
-    for t in traced.iter() {
-        for c in &t.captures {
-            if !union.iter().any(|u| u.ptr_eq(c)) {
-                union.push(c.clone());
-            }
-        }
-    }
-    for t in traced.iter_mut() {
-        let mut params: Vec<TensorMetadata> = t.function.params[..fixed].to_vec();
-        params.extend(union.iter().map(|u| u.metadata().clone()));
-        let positions: Vec<u32> = t
-            .captures
-            .iter()
-            .map(|c| (fixed + union.iter().position(|u| u.ptr_eq(c)).unwrap_or(0)) as u32)
-            .collect();
-        t.function.rebind_params(params, |i| {
-            if (i as usize) < fixed {
-                i
-            } else {
-                positions[i as usize - fixed]
-            }
-        });
-        t.captures = union.clone();
-    }
-    union
-}
-
 /// Runs a control-flow op and rebuilds `template`'s structure from its
 /// first outputs; an op that failed fills every output with its error.
 pub(crate) fn run_control<S: TensorGroup>(
@@ -249,7 +218,7 @@ pub fn cond<S: TensorGroup>(
         (Ok(t), Ok(e)) => (t, e),
         (Err(e), _) | (_, Err(e)) => return error_like(&template, e, location),
     };
-    let captures = unify_captures(0, &mut [&mut then_traced, &mut else_traced]);
+    let captures = tracing::unify_captures(0, &mut [&mut then_traced, &mut else_traced]);
     let then_id = then_traced.function.register();
     let else_id = else_traced.function.register();
     let mut attrs = OpAttrs::new();
@@ -310,7 +279,7 @@ pub fn while_loop<S: TensorGroup>(
         (Ok(c), Ok(b)) => (c, b),
         (Err(e), _) | (_, Err(e)) => return error_like(&init, e, location),
     };
-    let captures = unify_captures(n, &mut [&mut cond_traced, &mut body_traced]);
+    let captures = tracing::unify_captures(n, &mut [&mut cond_traced, &mut body_traced]);
     // Invariant inputs pass through the body unchanged.
     let body_fn = &mut body_traced.function;
     body_fn

@@ -197,38 +197,6 @@ fn run_graph(
         .collect()
 }
 
-/// Gives several traced functions one parameter list: the first `fixed`
-/// parameters stay as they are, then comes the union of all captures,
-/// which the op receives as extra inputs.
-fn unify_captures(fixed: usize, traced: &mut [&mut tracing::Traced]) -> Vec<TensorHandle> {
-    let mut union: Vec<TensorHandle> = Vec::new();
-    for t in traced.iter() {
-        for c in &t.captures {
-            if !union.iter().any(|u| u.ptr_eq(c)) {
-                union.push(c.clone());
-            }
-        }
-    }
-    for t in traced.iter_mut() {
-        let mut params: Vec<TensorMetadata> = t.function.params[..fixed].to_vec();
-        params.extend(union.iter().map(|u| u.metadata().clone()));
-        let positions: Vec<u32> = t
-            .captures
-            .iter()
-            .map(|c| (fixed + union.iter().position(|u| u.ptr_eq(c)).unwrap_or(0)) as u32)
-            .collect();
-        t.function.rebind_params(params, |i| {
-            if (i as usize) < fixed {
-                i
-            } else {
-                positions[i as usize - fixed]
-            }
-        });
-        t.captures = union.clone();
-    }
-    union
-}
-
 /// `x` as a scalar (one element).
 fn to_scalar(c: &Ctx<'_>, x: &TensorHandle) -> Result<TensorHandle> {
     if x.metadata().shape.numel() != 1 {
@@ -264,7 +232,7 @@ fn if_op(c: &Ctx<'_>, outer: &HashMap<String, Val>) -> Result<Vec<TensorHandle>>
             "If whose branches return different types or shapes ({then_metas:?} and {else_metas:?}) on a condition known only while the model runs"
         )));
     }
-    let captures = unify_captures(0, &mut [&mut then_t, &mut else_t]);
+    let captures = tracing::unify_captures(0, &mut [&mut then_t, &mut else_t]);
     let mut attrs = OpAttrs::new();
     attrs
         .set_func("then_branch", then_t.function.register())
@@ -430,7 +398,7 @@ fn run_loop(
         }
         Ok(results)
     })?;
-    let captures = unify_captures(fixed, &mut [&mut cond_t, &mut body_t]);
+    let captures = tracing::unify_captures(fixed, &mut [&mut cond_t, &mut body_t]);
     body_t
         .function
         .results

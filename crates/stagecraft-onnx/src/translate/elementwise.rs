@@ -1,7 +1,7 @@
 //! Elementwise ONNX ops: math, activations, comparisons, logic, `Where`,
 //! `Cast`, `Clip`, and the variadic `Sum`/`Mean`/`Max`/`Min`.
 
-use super::{Ctx, Translate};
+use super::{require_float, Ctx, Translate};
 use crate::error::{OnnxError, Result};
 use crate::tensor::dtype_of;
 use stagecraft_ops as ops;
@@ -90,18 +90,6 @@ fn float_unary(c: &Ctx<'_>, op: &'static OpDef) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
     require_float(c, &x)?;
     Ok(vec![c.unary(op, &x)?])
-}
-
-fn require_float(c: &Ctx<'_>, x: &TensorHandle) -> Result<()> {
-    if x.dtype().is_float() {
-        Ok(())
-    } else {
-        Err(OnnxError::unsupported(format!(
-            "{} on {} tensors",
-            c.op_type(),
-            x.dtype()
-        )))
-    }
 }
 
 fn binary(c: &Ctx<'_>, op: &'static OpDef) -> Result<Vec<TensorHandle>> {

@@ -541,3 +541,17 @@ pub(crate) fn axis(axis: i64, rank: usize) -> Result<usize> {
     }
     Ok(if axis < 0 { axis + r } else { axis } as usize)
 }
+
+/// Requires a float input: the ops that call it have no integer meaning
+/// in stagecraft (or none ONNX defines), so another dtype is unsupported.
+pub(crate) fn require_float(c: &Ctx<'_>, x: &TensorHandle) -> Result<()> {
+    if x.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(OnnxError::unsupported(format!(
+            "{} on {} tensors",
+            c.op_type(),
+            x.dtype()
+        )))
+    }
+}

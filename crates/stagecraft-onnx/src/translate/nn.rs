@@ -4,7 +4,7 @@
 
 use super::reduce::reduce_with;
 use super::shape::{pad_with, slice_axis};
-use super::{axis, dims, Ctx, Translate};
+use super::{axis, dims, require_float, Ctx, Translate};
 use crate::error::{OnnxError, Result};
 use stagecraft_ops as ops;
 use stagecraft_ops::OpAttrs;
@@ -165,16 +165,24 @@ fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     attrs.set_dims("padding", &padding);
     attrs.set_dims("dilation", &two(&dilations, 1));
     attrs.set_int("groups", c.attr_int("group", 1));
-    let mut y = c.op1(&ops::CONV2D, &[x2, w2], &attrs)?;
+    let y = c.op1(&ops::CONV2D, &[x2, w2], &attrs)?;
+    Ok(vec![add_bias_and_unfold(c, y, spatial)?])
+}
+
+/// A 2-D convolution's result finished as the node asks: plus the optional
+/// bias input (one per output channel), and a 1-D convolution's dummy
+/// height (it ran as 2-D) dropped again.
+fn add_bias_and_unfold(c: &Ctx<'_>, y: TensorHandle, spatial: usize) -> Result<TensorHandle> {
+    let mut y = y;
     if let Some(b) = c.opt_input(2) {
-        let b = c.reshape(b, &[1, wd[0], 1, 1])?;
+        let b = c.reshape(b, &[1, dims(&y)[1], 1, 1])?;
         y = c.binary(&ops::ADD, &y, &b)?;
     }
     if spatial == 1 {
         let d = dims(&y);
         y = c.reshape(&y, &[d[0], d[1], d[3]])?;
     }
-    Ok(vec![y])
+    Ok(y)
 }
 
 /// A 3-D convolution as a sum over the kernel's depth offsets of 2-D
@@ -266,19 +274,6 @@ fn conv3d(
         y = c.binary(&ops::ADD, &y, &b)?;
     }
     Ok(vec![y])
-}
-
-/// Requires a float input of a convolution or pooling op.
-fn require_float(c: &Ctx<'_>, x: &TensorHandle) -> Result<()> {
-    if x.dtype().is_float() {
-        Ok(())
-    } else {
-        Err(OnnxError::unsupported(format!(
-            "{} on {} tensors",
-            c.op_type(),
-            x.dtype()
-        )))
-    }
 }
 
 fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
@@ -791,17 +786,8 @@ fn conv_transpose(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let op2 = two(&out_pad, 0);
     let before = [0, 0, -pads2[0].0, -pads2[1].0];
     let after = [0, 0, op2[0] as i64 - pads2[0].1, op2[1] as i64 - pads2[1].1];
-    let mut y = pad_with(c, &y, &before, &after, 0.0)?;
-    if let Some(b) = c.opt_input(2) {
-        let o = dims(&y)[1];
-        let b = c.reshape(b, &[1, o, 1, 1])?;
-        y = c.binary(&ops::ADD, &y, &b)?;
-    }
-    if spatial == 1 {
-        let d = dims(&y);
-        y = c.reshape(&y, &[d[0], d[1], d[3]])?;
-    }
-    Ok(vec![y])
+    let y = pad_with(c, &y, &before, &after, 0.0)?;
+    Ok(vec![add_bias_and_unfold(c, y, spatial)?])
 }
 
 /// The negative log-likelihood of `log_prob: [N, C, ...]` at `target:
