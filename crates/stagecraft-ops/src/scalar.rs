@@ -462,7 +462,7 @@ pub fn gelu_derivative(x: f64, y: f64) -> f64 {
 }
 
 /// [`gelu_derivative`] for `x` read from f32, f16 or bf16 and a result
-/// rounded to one of them, without a branch or a library call, so that
+/// rounded to one of them, with selects only and no library call, so that
 /// a loop over a slice vectorizes: `x²` is exact in f64 for such an `x`,
 /// and `e^{-x²/2}` comes from [`exp_to_narrow`] (within 1e-15).
 #[inline(always)]

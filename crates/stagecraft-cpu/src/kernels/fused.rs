@@ -479,11 +479,9 @@ fn run_block<T: Real + Arith>(
         Step::Chain(..) => CHAIN_PARTS,
         _ => 1,
     };
-    let phases = steps.iter().map(parts).sum();
-    let mut phase = 0;
     let mut progress = Progress {
-        phase: &mut phase,
-        phases,
+        phase: 0,
+        phases: steps.iter().map(parts).sum(),
         between: &mut between,
     };
     for step in body {
@@ -499,9 +497,17 @@ fn run_block<T: Real + Arith>(
 
 /// Where a block is in its program, for the callback between phases.
 struct Progress<'a, B> {
-    phase: &'a mut usize,
+    phase: usize,
     phases: usize,
     between: &'a mut B,
+}
+
+impl<B: FnMut(usize, usize)> Progress<'_, B> {
+    /// Tells the callback a phase starts, and counts it.
+    fn next(&mut self) {
+        (self.between)(self.phase, self.phases);
+        self.phase += 1;
+    }
 }
 
 /// One step of a block. A function rather than a closure in
@@ -519,15 +525,12 @@ fn run_block_step<T: Real + Arith, B: FnMut(usize, usize)>(
     progress: &mut Progress<'_, B>,
 ) {
     let Step::Chain(chain, _) = step else {
-        (progress.between)(*progress.phase, progress.phases);
-        *progress.phase += 1;
+        progress.next();
         return run_step(isa, step, dst, srcs, regs, n);
     };
-    let mut before_part = || {
-        (progress.between)(*progress.phase, progress.phases);
-        *progress.phase += 1;
-    };
-    run_chain_step(isa, chain, dst, (srcs, regs), CHAIN_PARTS, &mut before_part);
+    run_chain_step(isa, chain, dst, (srcs, regs), CHAIN_PARTS, &mut || {
+        progress.next()
+    });
 }
 
 /// A chain step over its block, in `parts` ranges (see
