@@ -90,11 +90,15 @@ pub struct Model {
     /// in per call).
     statics: HashSet<String>,
     functions: Mutex<HashMap<Signature, FuncId>>,
+    /// The model without its graph (IR version, opset imports, producer),
+    /// kept to write the model back with new initializer values.
+    header: ModelProto,
 }
 
-/// What a traced function is specialized on: the inputs' metadata, and the
-/// values of the inputs baked in as constants (see [`baked`]).
-type Signature = (Vec<TensorMetadata>, Vec<Option<Vec<u8>>>);
+/// What a traced function is specialized on: the inputs' metadata, the
+/// values of the inputs baked in as constants (see [`baked`]), and the
+/// initializers taken as parameters instead of constants.
+type Signature = (Vec<TensorMetadata>, Vec<Option<Vec<u8>>>, Vec<String>);
 
 /// The inputs baked in as constants: those whose values some node needs
 /// when it is translated (see [`Model::from_proto`]).
@@ -189,9 +193,10 @@ impl Model {
     }
 
     /// A model from its decoded protobuf.
-    pub fn from_proto(proto: ModelProto) -> Result<Model> {
+    pub fn from_proto(mut proto: ModelProto) -> Result<Model> {
         let graph = proto
             .graph
+            .take()
             .ok_or_else(|| OnnxError::new(OnnxErrorKind::Decode, "the model has no graph"))?;
         let opset = proto
             .opset_import
@@ -259,7 +264,58 @@ impl Model {
             inputs,
             outputs,
             functions: Mutex::new(HashMap::new()),
+            header: proto,
         })
+    }
+
+    /// The initializers a caller can train: the floating-point ones that no
+    /// node needs known while translating (a shape, axes or scales tensor
+    /// stays a constant), sorted by name.
+    pub fn trainable_initializers(&self) -> Vec<(String, DenseHostTensor)> {
+        let mut v: Vec<(String, DenseHostTensor)> = self
+            .initializers
+            .iter()
+            .filter(|(name, t)| t.dtype().is_float() && !self.statics.contains(*name))
+            .map(|(name, t)| (name.clone(), t.clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// The model as a protobuf, with the initializers named in `replace`
+    /// holding the given values instead of their own (fine-tuned weights
+    /// written back). A name that is not an initializer, or a value of
+    /// another dtype or shape, is an error.
+    pub fn to_proto_with(&self, replace: &[(String, DenseHostTensor)]) -> Result<ModelProto> {
+        let mut graph = self.graph.clone();
+        for (name, value) in replace {
+            let old = self.initializers.get(name).ok_or_else(|| {
+                OnnxError::invalid(format!("the model has no initializer '{name}'"))
+            })?;
+            if old.metadata() != value.metadata() {
+                return Err(OnnxError::invalid(format!(
+                    "initializer '{name}' is {} {}, the new value {} {}",
+                    old.dtype(),
+                    old.shape(),
+                    value.dtype(),
+                    value.shape()
+                )));
+            }
+            let slot = graph
+                .initializer
+                .iter_mut()
+                .find(|t| t.name() == name)
+                .expect("every decoded initializer comes from the graph");
+            *slot = crate::tensor::encode(name, value)?;
+        }
+        let mut proto = self.header.clone();
+        proto.graph = Some(graph);
+        Ok(proto)
+    }
+
+    /// [`Model::to_proto_with`] as the bytes of an `.onnx` file.
+    pub fn to_bytes_with(&self, replace: &[(String, DenseHostTensor)]) -> Result<Vec<u8>> {
+        Ok(self.to_proto_with(replace)?.encode_to_vec())
     }
 
     /// The version of the default opset the model imports.
@@ -367,12 +423,26 @@ impl Model {
         metas: &[TensorMetadata],
         baked: &[Option<DenseHostTensor>],
     ) -> Result<FuncId> {
+        self.function_with_params(metas, baked, &[])
+    }
+
+    /// [`Model::function_for`] with the initializers named in `params`
+    /// taken as parameters after the inputs, in that order, instead of
+    /// constants: the function a caller differentiates with respect to the
+    /// model's weights (see [`Model::trainable_initializers`]).
+    pub fn function_with_params(
+        &self,
+        metas: &[TensorMetadata],
+        baked: &[Option<DenseHostTensor>],
+        params: &[String],
+    ) -> Result<FuncId> {
         let key: Signature = (
             metas.to_vec(),
             baked
                 .iter()
                 .map(|b| b.as_ref().map(|t| t.buffer().bytes().to_vec()))
                 .collect(),
+            params.to_vec(),
         );
         if let Some(id) = self
             .functions
@@ -382,8 +452,23 @@ impl Model {
         {
             return Ok(*id);
         }
-        let params = tracing::begin("onnx", metas);
-        let result = self.translate_handles(tracing::tracer_device(), params, baked);
+        let mut all_metas = metas.to_vec();
+        for name in params {
+            let t = self
+                .initializers
+                .get(name)
+                .filter(|t| t.dtype().is_float() && !self.statics.contains(name))
+                .ok_or_else(|| {
+                    OnnxError::invalid(format!(
+                        "'{name}' is not a trainable initializer of the model"
+                    ))
+                })?;
+            all_metas.push(t.metadata().clone());
+        }
+        let mut handles = tracing::begin("onnx", &all_metas);
+        let param_handles = handles.split_off(metas.len());
+        let replaced = params.iter().cloned().zip(param_handles).collect();
+        let result = self.translate_handles(tracing::tracer_device(), handles, baked, replaced);
         let results = match result {
             Ok(r) => r,
             Err(e) => {
@@ -409,7 +494,40 @@ impl Model {
     /// Checks the caller's inputs against the declared ones and returns
     /// them in declaration order.
     fn check_inputs<I: ModelInput>(&self, given: &[(&str, I)]) -> Result<Vec<DenseHostTensor>> {
-        for (name, _) in given {
+        let names: Vec<&str> = given.iter().map(|(n, _)| *n).collect();
+        let order = self.order_inputs(&names)?;
+        order
+            .into_iter()
+            .zip(&self.inputs)
+            .map(|(i, info)| {
+                let value = given[i].1.to_host()?;
+                self.check_input(info, value.metadata())?;
+                Ok(value)
+            })
+            .collect()
+    }
+
+    /// For each declared input (in the order of [`Model::inputs`]), the
+    /// position of the caller's value among `given`, with each value's
+    /// dtype and shape checked against the declaration.
+    pub fn match_inputs(&self, given: &[(&str, &TensorMetadata)]) -> Result<Vec<usize>> {
+        let names: Vec<&str> = given.iter().map(|(n, _)| *n).collect();
+        let order = self.order_inputs(&names)?;
+        for (&i, info) in order.iter().zip(&self.inputs) {
+            self.check_input(info, given[i].1)?;
+        }
+        Ok(order)
+    }
+
+    /// Whether the value of input `name` is baked into the traced function
+    /// (some node needs it known: a shape, axes, a count), so the function
+    /// is specialized on it.
+    pub fn input_is_baked(&self, name: &str) -> bool {
+        self.statics.contains(name)
+    }
+
+    fn order_inputs(&self, given: &[&str]) -> Result<Vec<usize>> {
+        for name in given {
             if !self.inputs.iter().any(|i| i.name == *name) {
                 let names: Vec<&str> = self.inputs.iter().map(|i| i.name.as_str()).collect();
                 return Err(OnnxError::invalid(format!(
@@ -420,39 +538,40 @@ impl Model {
         self.inputs
             .iter()
             .map(|info| {
-                let (_, value) = given
+                given
                     .iter()
-                    .find(|(n, _)| *n == info.name)
-                    .ok_or_else(|| OnnxError::invalid(format!("missing input '{}'", info.name)))?;
-                let value = value.to_host()?;
-                if let Some(dt) = info.dtype {
-                    if value.dtype() != dt {
-                        return Err(OnnxError::invalid(format!(
-                            "input '{}' is {}, the model expects {dt}",
-                            info.name,
-                            value.dtype()
-                        )));
-                    }
-                }
-                if let Some(shape) = &info.shape {
-                    let d = value.shape().dims();
-                    let ok = d.len() == shape.len()
-                        && d.iter().zip(shape).all(|(&n, s)| match s {
-                            Dim::Fixed(f) => *f == n,
-                            _ => true,
-                        });
-                    if !ok {
-                        return Err(OnnxError::invalid(format!(
-                            "input '{}' has shape {}, the model expects {}",
-                            info.name,
-                            value.shape(),
-                            describe_dims(shape)
-                        )));
-                    }
-                }
-                Ok(value)
+                    .position(|n| *n == info.name)
+                    .ok_or_else(|| OnnxError::invalid(format!("missing input '{}'", info.name)))
             })
             .collect()
+    }
+
+    fn check_input(&self, info: &ValueInfo, value: &TensorMetadata) -> Result<()> {
+        if let Some(dt) = info.dtype {
+            if value.dtype != dt {
+                return Err(OnnxError::invalid(format!(
+                    "input '{}' is {}, the model expects {dt}",
+                    info.name, value.dtype
+                )));
+            }
+        }
+        if let Some(shape) = &info.shape {
+            let d = value.shape.dims();
+            let ok = d.len() == shape.len()
+                && d.iter().zip(shape).all(|(&n, s)| match s {
+                    Dim::Fixed(f) => *f == n,
+                    _ => true,
+                });
+            if !ok {
+                return Err(OnnxError::invalid(format!(
+                    "input '{}' has shape {}, the model expects {}",
+                    info.name,
+                    value.shape,
+                    describe_dims(shape)
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn translate(
@@ -465,16 +584,18 @@ impl Model {
             .iter()
             .map(|v| TensorHandle::available(device, v.clone().into()))
             .collect();
-        self.translate_handles(device, handles, baked)
+        self.translate_handles(device, handles, baked, Vec::new())
     }
 
     /// Translates the graph on `device` with `inputs` (in the order of
-    /// [`Model::inputs`]) and returns the output handles.
+    /// [`Model::inputs`]) and the initializers in `params` replaced by the
+    /// given handles, and returns the output handles.
     fn translate_handles(
         &self,
         device: Device,
         inputs: Vec<TensorHandle>,
         baked: &[Option<DenseHostTensor>],
+        params: Vec<(String, TensorHandle)>,
     ) -> Result<Vec<TensorHandle>> {
         let mut values: HashMap<String, Val> = HashMap::new();
         for (name, t) in &self.initializers {
@@ -483,6 +604,15 @@ impl Model {
                 Val {
                     handle: TensorHandle::available(device, t.clone().into()),
                     known: Some(t.clone()),
+                },
+            );
+        }
+        for (name, handle) in params {
+            values.insert(
+                name,
+                Val {
+                    handle,
+                    known: None,
                 },
             );
         }
