@@ -24,6 +24,7 @@
 
 pub mod conformance;
 mod error;
+mod export;
 mod model;
 mod tensor;
 mod translate;
@@ -35,5 +36,6 @@ pub mod proto {
 }
 
 pub use error::{NodeRef, OnnxError, OnnxErrorKind, Result};
+pub use export::{export_function, export_to_bytes, ExportParam, EXPORT_OPSET};
 pub use model::{describe_dims, Dim, Mode, Model, ModelInput, ValueInfo, MAX_OPSET};
 pub use tensor::{decode as decode_tensor, dtype_of, encode as encode_tensor, onnx_type_of};

@@ -1,5 +1,7 @@
-//! ONNX import: the `stagecraft-onnx` crate, with [`Tensor`]s as model
-//! inputs.
+//! ONNX import and export: the `stagecraft-onnx` crate, with [`Tensor`]s
+//! as model inputs, imported models as trainable modules
+//! ([`OnnxModule`]), and staged functions written as ONNX models
+//! ([`export`]).
 //!
 //! ```no_run
 //! use stagecraft::{onnx, Device, Tensor};
@@ -207,4 +209,77 @@ impl crate::nn::Module for OnnxModule {
             f(&crate::nn::join(prefix, name), t);
         }
     }
+}
+
+/// Writes the staged function `function` as an ONNX model at `path`: the
+/// graph traced on its one call signature, its arguments as inputs
+/// `input_0, input_1, ..`, the tensors it captured (a model's weights) as
+/// initializers `param_0, ..`, its results as outputs `output_0, ..`.
+/// Call it once before exporting; a function traced on several signatures
+/// is an error (each would be a model of its own).
+///
+/// ```
+/// use stagecraft::{function, onnx, Device, Tensor};
+/// let cpu = Device::cpu();
+/// let w = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2], &cpu)?;
+/// let f = function(|x: Tensor<f32>| x.matmul(&w).relu());
+/// let x = Tensor::<f32>::from_vec(vec![1.0, -1.0], &[1, 2], &cpu)?;
+/// let y = f.call(x.clone());
+/// let bytes = onnx::export_to_bytes(&f)?;
+/// let model = onnx::Model::from_bytes(&bytes)?;
+/// let out = model.run(&[("input_0", x)])?;
+/// assert_eq!(out[0].as_slice::<f32>()?, y.to_vec()?.as_slice());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn export<A, R, F>(
+    function: &crate::StagedFunction<A, R, F>,
+    path: impl AsRef<std::path::Path>,
+) -> crate::Result<()>
+where
+    A: crate::TensorGroup,
+    R: crate::TensorGroup,
+    F: Fn(A) -> R,
+{
+    let path = path.as_ref();
+    let bytes = export_to_bytes(function)?;
+    std::fs::write(path, bytes)
+        .map_err(|e| Error::invalid(format!("cannot write {}: {e}", path.display())))
+}
+
+/// [`export`] as the bytes of an `.onnx` file.
+pub fn export_to_bytes<A, R, F>(function: &crate::StagedFunction<A, R, F>) -> crate::Result<Vec<u8>>
+where
+    A: crate::TensorGroup,
+    R: crate::TensorGroup,
+    F: Fn(A) -> R,
+{
+    let mut traces = function.traces();
+    let (f, captures) = match traces.len() {
+        1 => traces.remove(0),
+        0 => {
+            return Err(Error::invalid(
+                "the function has not been traced yet: call it once with inputs of the shapes to export",
+            )
+            .with_op("onnx::export"))
+        }
+        n => {
+            return Err(Error::invalid(format!(
+                "the function was traced for {n} input signatures; export one traced once"
+            ))
+            .with_op("onnx::export"))
+        }
+    };
+    let inputs = f.params.len() - captures.len();
+    let mut params: Vec<ExportParam> = (0..inputs)
+        .map(|i| ExportParam::Input(format!("input_{i}")))
+        .collect();
+    for (i, c) in captures.iter().enumerate() {
+        let value = c.wait()?.to_dense()?;
+        params.push(ExportParam::Initializer(format!("param_{i}"), value));
+    }
+    let outputs: Vec<String> = (0..f.results.len())
+        .map(|i| format!("output_{i}"))
+        .collect();
+    stagecraft_onnx::export_to_bytes(&f, &params, &outputs)
+        .map_err(|e| Error::invalid(e.to_string()).with_op("onnx::export"))
 }

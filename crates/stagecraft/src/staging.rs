@@ -414,6 +414,16 @@ where
         )
     }
 
+    /// The traced functions with the tensors each captured (its parameters
+    /// after the arguments), one per input signature traced so far.
+    pub(crate) fn traces(&self) -> Vec<(std::sync::Arc<Function>, Vec<TensorHandle>)> {
+        let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        cache
+            .values()
+            .filter_map(|t| Function::lookup(t.id).map(|f| (f, t.captures.clone())))
+            .collect()
+    }
+
     /// The graph function traced for this input signature, if any (for
     /// printing and inspection).
     pub fn traced_function(&self, args: &A) -> Option<std::sync::Arc<Function>> {
