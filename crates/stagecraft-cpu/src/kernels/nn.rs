@@ -75,26 +75,58 @@ struct ConvGeometry {
 /// Writes the im2col matrix of one image and one channel group:
 /// rows = (channel, kh, kw), columns = output pixels.
 fn im2col<T: Element>(x: &[T], g: &ConvGeometry, group: usize, cols: &mut [T]) {
+    im2col_columns(x, g, group, 0..g.oh * g.ow, cols);
+}
+
+/// The columns `pixels` (output pixels in row-major order) of the im2col
+/// matrix of one image and channel group, into `cols`: `patch` rows of
+/// `pixels.len()` values.
+fn im2col_columns<T: Element>(
+    x: &[T],
+    g: &ConvGeometry,
+    group: usize,
+    pixels: std::ops::Range<usize>,
+    cols: &mut [T],
+) {
     let cg = g.c / g.groups;
     let (kh, kw) = (g.win.kernel[0], g.win.kernel[1]);
-    let pixels = g.oh * g.ow;
+    let width = pixels.len();
     for ci in 0..cg {
         let plane = &x[(group * cg + ci) * g.h * g.w..][..g.h * g.w];
         for ki in 0..kh {
             for kj in 0..kw {
-                let row = &mut cols[((ci * kh + ki) * kw + kj) * pixels..][..pixels];
-                for oy in 0..g.oh {
+                let row = &mut cols[((ci * kh + ki) * kw + kj) * width..][..width];
+                let dx = (kj * g.win.dilation[1]) as isize - g.win.padding[1] as isize;
+                // Runs of one output row at a time: the pixels of `pixels`
+                // that share `oy`.
+                let mut p = pixels.start;
+                while p < pixels.end {
+                    let (oy, ox0) = (p / g.ow, p % g.ow);
+                    let run = (g.ow - ox0).min(pixels.end - p);
+                    let out = &mut row[p - pixels.start..][..run];
+                    p += run;
                     let iy = (oy * g.win.stride[0] + ki * g.win.dilation[0]) as isize
                         - g.win.padding[0] as isize;
-                    let out_row = &mut row[oy * g.ow..(oy + 1) * g.ow];
                     if iy < 0 || iy >= g.h as isize {
-                        out_row.fill(T::default());
+                        out.fill(T::default());
                         continue;
                     }
                     let src = &plane[iy as usize * g.w..][..g.w];
-                    for (ox, v) in out_row.iter_mut().enumerate() {
-                        let ix = (ox * g.win.stride[1] + kj * g.win.dilation[1]) as isize
-                            - g.win.padding[1] as isize;
+                    if g.win.stride[1] == 1 {
+                        // Contiguous taps: a copy between the padding.
+                        let first = ox0 as isize + dx;
+                        let lo = (-first).clamp(0, run as isize) as usize;
+                        let hi = (g.w as isize - first).clamp(lo as isize, run as isize) as usize;
+                        out[..lo].fill(T::default());
+                        if lo < hi {
+                            let from = (first + lo as isize) as usize;
+                            out[lo..hi].copy_from_slice(&src[from..from + (hi - lo)]);
+                        }
+                        out[hi..].fill(T::default());
+                        continue;
+                    }
+                    for (i, v) in out.iter_mut().enumerate() {
+                        let ix = ((ox0 + i) * g.win.stride[1]) as isize + dx;
                         *v = if ix < 0 || ix >= g.w as isize {
                             T::default()
                         } else {
@@ -105,6 +137,17 @@ fn im2col<T: Element>(x: &[T], g: &ConvGeometry, group: usize, cols: &mut [T]) {
             }
         }
     }
+}
+
+/// Output pixels per block of a convolution's im2col product: enough that
+/// the block's columns (`patch` rows of it) stay in a core's L2 cache
+/// while the product reads them, a multiple of 64 for whole vector tiles,
+/// and a function of the shape alone, so that the product's bits do not
+/// depend on the thread count.
+fn pixel_block(patch: usize, pixels: usize) -> usize {
+    const COLUMN_BYTES: usize = 256 << 10;
+    let fit = COLUMN_BYTES / (4 * patch.max(1));
+    fit.next_multiple_of(64).clamp(64, 1024).min(pixels.max(1))
 }
 
 fn conv2d_typed<T: GemmElement + Send + Sync>(
@@ -126,7 +169,8 @@ fn conv2d_typed<T: GemmElement + Send + Sync>(
         groups,
         win,
     };
-    let mut out = DenseHostTensor::zeros(meta.clone())?;
+    // Every output value is written by a product below.
+    let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
     let (xv, wv) = (x.as_slice::<T>()?, w.as_slice::<T>()?);
     let pixels = g.oh * g.ow;
     let (cg, og) = (g.c / groups, g.o / groups);
@@ -135,25 +179,103 @@ fn conv2d_typed<T: GemmElement + Send + Sync>(
     if image_out == 0 || g.n == 0 {
         return Ok(out);
     }
-    let per_image = |(image, y): (usize, &mut [T]), parallel_gemm: bool| {
+    if patch == 0 {
+        out.as_mut_slice::<T>()?.fill(T::default());
+        return Ok(out);
+    }
+    // A 1×1 window with unit stride and no padding reads each pixel once
+    // in place: the image's channel planes are its im2col matrix.
+    let pointwise = win.kernel == [1, 1] && win.stride == [1, 1] && win.padding == [0, 0];
+    let block = pixel_block(patch, pixels);
+    let y = out.as_mut_slice::<T>()?;
+    let images_in_parallel = g.n > 1 && g.n * image_out * patch >= crate::PARALLEL_THRESHOLD;
+    let per_image = |image: usize, y: &mut [T], parallel: bool| {
         let x_img = &xv[image * g.c * g.h * g.w..][..g.c * g.h * g.w];
-        let mut cols = vec![T::default(); patch * pixels];
         for group in 0..groups {
-            im2col(x_img, &g, group, &mut cols);
             let w_g = &wv[group * og * patch..][..og * patch];
             let y_g = &mut y[group * og * pixels..][..og * pixels];
-            gemm_into(og, pixels, patch, w_g, &cols, y_g, parallel_gemm);
+            if pointwise {
+                let x_g = &x_img[group * cg * pixels..][..cg * pixels];
+                gemm_into(og, pixels, cg, w_g, x_g, y_g, parallel);
+            } else {
+                conv_blocks(x_img, &g, group, w_g, y_g, (patch, block), parallel);
+            }
         }
     };
-    let y = out.as_mut_slice::<T>()?;
-    if g.n > 1 && g.n * image_out * patch >= crate::PARALLEL_THRESHOLD {
-        crate::pool::for_each_chunk(y, image_out, |i, image| per_image((i, image), false));
+    if images_in_parallel {
+        crate::pool::for_each_chunk(y, image_out, |i, image| per_image(i, image, false));
     } else {
-        y.chunks_mut(image_out)
-            .enumerate()
-            .for_each(|item| per_image(item, true));
+        for (i, image) in y.chunks_mut(image_out).enumerate() {
+            per_image(i, image, true);
+        }
     }
     Ok(out)
+}
+
+/// One image and channel group of a convolution, `block` output pixels at
+/// a time: the block's im2col columns, their product with the group's
+/// filters, and the result copied into the block's columns of `y_g`
+/// (`og` rows of all pixels). Blocks run in parallel when `parallel`.
+fn conv_blocks<T: GemmElement + Send + Sync>(
+    x_img: &[T],
+    g: &ConvGeometry,
+    group: usize,
+    w_g: &[T],
+    y_g: &mut [T],
+    (patch, block): (usize, usize),
+    parallel: bool,
+) {
+    let pixels = g.oh * g.ow;
+    let og = y_g.len() / pixels;
+    let blocks = pixels.div_ceil(block);
+    // Each block's piece of every output row, as disjoint slices.
+    let mut pieces: Vec<Vec<&mut [T]>> = (0..blocks).map(|_| Vec::with_capacity(og)).collect();
+    for row in y_g.chunks_mut(pixels) {
+        for (b, piece) in row.chunks_mut(block).enumerate() {
+            pieces[b].push(piece);
+        }
+    }
+    let run = |(cols, product): &mut (Vec<T>, Vec<T>), b: usize, rows: Vec<&mut [T]>| {
+        let first = b * block;
+        let width = block.min(pixels - first);
+        let cols = &mut cols[..patch * width];
+        im2col_columns(x_img, g, group, first..first + width, cols);
+        let product = &mut product[..og * width];
+        gemm_into(og, width, patch, w_g, cols, product, false);
+        for (row, values) in rows.into_iter().zip(product.chunks_exact(width)) {
+            row.copy_from_slice(values);
+        }
+    };
+    let buffers = || {
+        (
+            vec![T::default(); patch * block],
+            vec![T::default(); og * block],
+        )
+    };
+    let jobs = pieces.into_iter().enumerate();
+    let workers = if parallel {
+        rayon::current_num_threads().min(blocks)
+    } else {
+        1
+    };
+    if workers <= 1 {
+        let mut state = buffers();
+        for (b, rows) in jobs {
+            run(&mut state, b, rows);
+        }
+        return;
+    }
+    let queue = std::sync::Mutex::new(jobs);
+    crate::pool::split_with_caller(vec![(); workers], |()| {
+        let mut state = buffers();
+        loop {
+            let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+            let Some((b, rows)) = next else {
+                return;
+            };
+            run(&mut state, b, rows);
+        }
+    });
 }
 
 /// The window of a convolution whose filter is `w`. Its size is read from
@@ -741,12 +863,28 @@ mod tests {
         close(&got, &want, 1e-4);
     }
 
+    /// Images of more output pixels than one block (see `pixel_block`):
+    /// blocks that start and end inside an output row, padded edges on
+    /// either side of a block, strided and dilated taps, and a last block
+    /// shorter than the others.
+    #[test]
+    fn conv2d_in_pixel_blocks_matches_reference() {
+        assert_eq!(pixel_block(64 * 9, 21 * 19), 128);
+        check_conv(1, 64, 21, 19, 5, [3, 3], [1, 1], [1, 1], [1, 1], 1);
+        check_conv(1, 64, 23, 30, 3, [3, 3], [1, 2], [2, 1], [2, 1], 1);
+        check_conv(2, 64, 17, 17, 4, [3, 3], [1, 1], [1, 1], [1, 1], 2);
+        check_conv(1, 16, 40, 40, 2, [2, 2], [1, 1], [0, 1], [1, 1], 1);
+        // Padding wider than the image: taps wholly outside on both sides.
+        check_conv(1, 64, 3, 27, 2, [7, 7], [1, 1], [3, 30], [1, 1], 1);
+    }
+
     #[test]
     fn conv2d_matches_reference() {
         check_conv(1, 1, 5, 5, 1, [3, 3], [1, 1], [0, 0], [1, 1], 1);
         check_conv(2, 3, 8, 7, 4, [3, 3], [2, 1], [1, 2], [1, 1], 1);
         check_conv(2, 4, 9, 9, 6, [3, 2], [1, 2], [2, 0], [2, 1], 2);
         check_conv(1, 3, 4, 4, 3, [1, 1], [1, 1], [0, 0], [1, 1], 3);
+        check_conv(2, 5, 6, 6, 4, [1, 1], [1, 1], [0, 0], [1, 1], 1);
         check_conv(3, 8, 28, 28, 16, [5, 5], [1, 1], [2, 2], [1, 1], 1);
         check_conv(0, 2, 4, 4, 2, [3, 3], [1, 1], [0, 0], [1, 1], 1);
     }
