@@ -322,38 +322,83 @@ fn window_span(o: usize, axis: usize, size: usize, win: Window2d) -> (usize, usi
 
 /// Applies `reduce` to every pooling window of every (image, channel)
 /// plane; `reduce(window values, count of in-bounds taps)`.
-fn pool<T: Element + Send + Sync>(
+/// A pooling of `x` into `meta`: each output is `finish(acc, count)` of
+/// the window's in-bounds taps folded into `acc` (starting from `init`) in
+/// row-major order, `count` the number of those taps.
+///
+/// The taps are folded one output row at a time: for each window row and
+/// each column offset, across the whole row of outputs, so the inner loop
+/// is a strided sweep without per-output bounds (outputs whose window
+/// crosses the left or right edge are done one by one).
+fn pool<T: Element + Send + Sync, A: Copy + Send + Sync>(
     x: &DenseHostTensor,
     meta: &TensorMetadata,
     win: Window2d,
-    reduce: impl Fn(&mut dyn Iterator<Item = T>, usize) -> T + Sync,
+    init: A,
+    step: impl Fn(A, T) -> A + Sync,
+    finish: impl Fn(A, usize) -> T + Sync,
 ) -> Result<DenseHostTensor> {
     let xs = x.shape();
     let (h, w) = (xs[2], xs[3]);
     let (oh, ow) = (meta.shape[2], meta.shape[3]);
-    let mut out = DenseHostTensor::zeros(meta.clone())?;
+    let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
     let xv = x.as_slice::<T>()?;
     if oh * ow == 0 {
         return Ok(out);
     }
-    let plane_job = |(p, y): (usize, &mut [T])| {
+    let (kw, sw, pw) = (win.kernel[1], win.stride[1], win.padding[1]);
+    // Outputs whose window lies inside the row: `ox·sw ≥ pw` and
+    // `ox·sw - pw + kw ≤ w`.
+    let inner_start = pw.div_ceil(sw).min(ow);
+    let inner_end = if w + pw >= kw {
+        ((w + pw - kw) / sw + 1).clamp(inner_start, ow)
+    } else {
+        inner_start
+    };
+    let plane_job = |p: usize, y: &mut [T], acc: &mut Vec<A>| {
         let plane = &xv[p * h * w..][..h * w];
-        for oy in 0..oh {
+        for (oy, y_row) in y.chunks_exact_mut(ow).enumerate() {
             let (ys, ye) = window_span(oy, 0, h, win);
-            for ox in 0..ow {
-                let (xs_, xe) = window_span(ox, 1, w, win);
-                let count = ye.saturating_sub(ys) * xe.saturating_sub(xs_);
-                let mut taps =
-                    (ys..ye).flat_map(|iy| plane[iy * w + xs_..iy * w + xe].iter().copied());
-                y[oy * ow + ox] = reduce(&mut taps, count);
+            acc.clear();
+            acc.resize(ow, init);
+            for iy in ys..ye {
+                let src = &plane[iy * w..][..w];
+                for ox in (0..inner_start).chain(inner_end..ow) {
+                    let (xs_, xe) = window_span(ox, 1, w, win);
+                    for &v in &src[xs_..xe] {
+                        acc[ox] = step(acc[ox], v);
+                    }
+                }
+                for kx in (0..kw).filter(|_| inner_start < inner_end) {
+                    let first = inner_start * sw + kx - pw;
+                    let taps = src[first..].iter().step_by(sw);
+                    for (a, &v) in acc[inner_start..inner_end].iter_mut().zip(taps) {
+                        *a = step(*a, v);
+                    }
+                }
+            }
+            let rows = ye.saturating_sub(ys);
+            for (ox, (out, &a)) in y_row.iter_mut().zip(acc.iter()).enumerate() {
+                let count = if (inner_start..inner_end).contains(&ox) {
+                    rows * kw
+                } else {
+                    let (xs_, xe) = window_span(ox, 1, w, win);
+                    rows * xe.saturating_sub(xs_)
+                };
+                *out = finish(a, count);
             }
         }
     };
     let y = out.as_mut_slice::<T>()?;
     if y.len() >= crate::PARALLEL_THRESHOLD {
-        crate::pool::for_each_chunk(y, oh * ow, |i, plane| plane_job((i, plane)));
+        crate::pool::for_each_chunk_init(y, oh * ow, Vec::new, |acc, i, plane| {
+            plane_job(i, plane, acc)
+        });
     } else {
-        y.chunks_mut(oh * ow).enumerate().for_each(plane_job);
+        let mut acc = Vec::new();
+        for (i, plane) in y.chunks_mut(oh * ow).enumerate() {
+            plane_job(i, plane, &mut acc);
+        }
     }
     Ok(out)
 }
@@ -363,18 +408,10 @@ fn max_pool_typed<T: Element + Send + Sync + num_like::Float>(
     meta: &TensorMetadata,
     win: Window2d,
 ) -> Result<DenseHostTensor> {
-    pool::<T>(x, meta, win, |taps, _| {
-        // NaN wins, as in the Max reduction.
-        taps.fold(T::NEG_INF, |m, v| {
-            if v.is_nan() || m.is_nan() {
-                T::NAN
-            } else if v > m {
-                v
-            } else {
-                m
-            }
-        })
-    })
+    // NaN wins, as in the Max reduction: once the running maximum is NaN
+    // no comparison replaces it.
+    let step = |m: T, v: T| if v.is_nan() || v > m { v } else { m };
+    pool::<T, T>(x, meta, win, T::NEG_INF, step, |m, _| m)
 }
 
 fn avg_pool_typed<T: Element + Send + Sync + num_like::Float>(
@@ -384,26 +421,30 @@ fn avg_pool_typed<T: Element + Send + Sync + num_like::Float>(
     include_pad: bool,
 ) -> Result<DenseHostTensor> {
     let full = win.kernel[0] * win.kernel[1];
-    pool::<T>(x, meta, win, |taps, count| {
-        let sum: f64 = taps.map(Element::to_f64).sum();
-        // Windows never pass the padded edge (no ceil mode), so counting
-        // padding means dividing by the whole window.
-        let divisor = if include_pad { full } else { count.max(1) };
-        <T as num_like::Float>::from_f64(sum / divisor as f64)
-    })
+    pool::<T, f64>(
+        x,
+        meta,
+        win,
+        0.0,
+        |sum, v| sum + v.to_f64(),
+        |sum, count| {
+            // Windows never pass the padded edge (no ceil mode), so
+            // counting padding means dividing by the whole window.
+            let divisor = if include_pad { full } else { count.max(1) };
+            <T as num_like::Float>::from_f64(sum / divisor as f64)
+        },
+    )
 }
 
 /// The few float operations pooling needs, for f32 and f64.
 mod num_like {
     pub trait Float: Copy + PartialOrd {
         const NEG_INF: Self;
-        const NAN: Self;
         fn is_nan(self) -> bool;
         fn from_f64(v: f64) -> Self;
     }
     impl Float for f32 {
         const NEG_INF: f32 = f32::NEG_INFINITY;
-        const NAN: f32 = f32::NAN;
         fn is_nan(self) -> bool {
             f32::is_nan(self)
         }
@@ -413,7 +454,6 @@ mod num_like {
     }
     impl Float for f64 {
         const NEG_INF: f64 = f64::NEG_INFINITY;
-        const NAN: f64 = f64::NAN;
         fn is_nan(self) -> bool {
             f64::is_nan(self)
         }
@@ -946,6 +986,11 @@ mod tests {
         check_pool([2, 3, 7, 5], [3, 2], [2, 1], [1, 1]);
         check_pool([1, 2, 5, 5], [3, 3], [1, 1], [1, 0]);
         check_pool([1, 1, 1, 1], [1, 1], [1, 1], [0, 0]);
+        // Rows where every window crosses an edge (no interior outputs),
+        // windows wider than the padded row's interior, stride 3.
+        check_pool([1, 2, 3, 2], [3, 3], [1, 1], [1, 1]);
+        check_pool([1, 1, 4, 9], [2, 5], [1, 3], [0, 2]);
+        check_pool([1, 3, 8, 13], [3, 3], [2, 2], [1, 1]);
     }
 
     #[test]
