@@ -4,8 +4,8 @@
 //! A file is the magic `\x93NUMPY`, a version, a header length, a Python
 //! dict literal with `descr`, `fortran_order` and `shape`, padded so the
 //! data starts on a 64-byte boundary, then the elements in C order. Only
-//! little-endian (or byte-sized) `f32`, `f64`, `f16`, `i64`, `i32`, `i8`,
-//! `u8` and `bool` in C order are supported; anything else is a clear
+//! little-endian (or byte-sized) `f32`, `f64`, `f16`, `i64`, `i32`, `i16`,
+//! `i8`, `u64`, `u32`, `u16`, `u8` and `bool` in C order are supported; anything else is a clear
 //! error naming the file.
 
 use crate::error::{CliError, Result};
@@ -25,6 +25,10 @@ pub fn descr_of(dtype: DType) -> Option<&'static str> {
         DType::I32 => "<i4",
         DType::I8 => "|i1",
         DType::U8 => "|u1",
+        DType::I16 => "<i2",
+        DType::U16 => "<u2",
+        DType::U32 => "<u4",
+        DType::U64 => "<u8",
         DType::Bool => "|b1",
         _ => return None,
     })
@@ -47,6 +51,10 @@ fn dtype_of(descr: &str) -> Option<DType> {
         "i4" => DType::I32,
         "i1" => DType::I8,
         "u1" => DType::U8,
+        "i2" => DType::I16,
+        "u2" => DType::U16,
+        "u4" => DType::U32,
+        "u8" => DType::U64,
         "b1" => DType::Bool,
         _ => return None,
     })
@@ -104,7 +112,7 @@ pub fn decode(bytes: &[u8], name: &str) -> Result<DenseHostTensor> {
     let descr = descr.trim_matches(|c| c == '\'' || c == '"');
     let dtype = dtype_of(descr).ok_or_else(|| {
         CliError::new(format!(
-            "{name}: unsupported .npy dtype '{descr}' (supported: little-endian f4, f8, f2, i8, i4, i1, u1, b1)"
+            "{name}: unsupported .npy dtype '{descr}' (supported: little-endian f4, f8, f2, i8, i4, i2, i1, u8, u4, u2, u1, b1)"
         ))
     })?;
     match field(header, "fortran_order") {

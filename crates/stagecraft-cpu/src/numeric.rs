@@ -44,6 +44,22 @@ macro_rules! with_numeric_type {
                 type $T = i8;
                 $body
             }
+            stagecraft_tensor::DType::U16 => {
+                type $T = u16;
+                $body
+            }
+            stagecraft_tensor::DType::I16 => {
+                type $T = i16;
+                $body
+            }
+            stagecraft_tensor::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            stagecraft_tensor::DType::U64 => {
+                type $T = u64;
+                $body
+            }
             stagecraft_tensor::DType::I32 => {
                 type $T = i32;
                 $body
@@ -53,6 +69,49 @@ macro_rules! with_numeric_type {
                 $body
             }
             _ => $crate::with_float_type!($dtype, $T => $body, _ => $otherwise),
+        }
+    };
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of an integer dtype;
+/// other dtypes evaluate `$otherwise`.
+#[macro_export]
+macro_rules! with_int_type {
+    ($dtype:expr, $T:ident => $body:expr, _ => $otherwise:expr) => {
+        match $dtype {
+            stagecraft_tensor::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            stagecraft_tensor::DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            stagecraft_tensor::DType::U16 => {
+                type $T = u16;
+                $body
+            }
+            stagecraft_tensor::DType::I16 => {
+                type $T = i16;
+                $body
+            }
+            stagecraft_tensor::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            stagecraft_tensor::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            stagecraft_tensor::DType::U64 => {
+                type $T = u64;
+                $body
+            }
+            stagecraft_tensor::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            _ => $otherwise,
         }
     };
 }
@@ -72,6 +131,22 @@ macro_rules! with_any_type {
             }
             stagecraft_tensor::DType::I8 => {
                 type $T = i8;
+                $body
+            }
+            stagecraft_tensor::DType::U16 => {
+                type $T = u16;
+                $body
+            }
+            stagecraft_tensor::DType::I16 => {
+                type $T = i16;
+                $body
+            }
+            stagecraft_tensor::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            stagecraft_tensor::DType::U64 => {
+                type $T = u64;
                 $body
             }
             stagecraft_tensor::DType::I32 => {

@@ -20,7 +20,7 @@ use crate::proto::TensorProto;
 use crate::tensor::decode;
 use prost::Message;
 use stagecraft_fetch as fetch;
-use stagecraft_tensor::{DType, DenseHostTensor};
+use stagecraft_tensor::DenseHostTensor;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -290,13 +290,16 @@ pub fn compare_with(
             })
             .collect()
     };
-    if expected.dtype() == DType::I64 {
-        let (e, a) = (
-            expected.to_vec::<i64>().map_err(|e| e.to_string())?,
-            actual.to_vec::<i64>().map_err(|e| e.to_string())?,
-        );
-        if let Some(i) = (0..e.len()).find(|&i| e[i] != a[i]) {
-            return Err(format!("element {i}: {} instead of {}", a[i], e[i]));
+    if expected.dtype().is_int() {
+        // Exactly, beyond 2^53 too (no detour through f64).
+        for i in 0..expected.numel() {
+            let (e, a) = (expected.get_scalar(i), actual.get_scalar(i));
+            let (Some(e), Some(a)) = (e, a) else {
+                return Err("unreadable value".to_string());
+            };
+            if e != a {
+                return Err(format!("element {i}: {a} instead of {e}"));
+            }
         }
         return Ok(());
     }

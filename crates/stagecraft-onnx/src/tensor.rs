@@ -22,6 +22,10 @@ pub fn dtype_of(onnx: i32) -> Result<DType> {
         DataType::Int64 => DType::I64,
         DataType::Int8 => DType::I8,
         DataType::Uint8 => DType::U8,
+        DataType::Uint16 => DType::U16,
+        DataType::Int16 => DType::I16,
+        DataType::Uint32 => DType::U32,
+        DataType::Uint64 => DType::U64,
         DataType::Bool => DType::Bool,
         other => {
             return Err(OnnxError::unsupported(format!(
@@ -43,6 +47,10 @@ pub fn onnx_type_of(dtype: DType) -> Result<i32> {
         DType::I64 => DataType::Int64,
         DType::I8 => DataType::Int8,
         DType::U8 => DataType::Uint8,
+        DType::U16 => DataType::Uint16,
+        DType::I16 => DataType::Int16,
+        DType::U32 => DataType::Uint32,
+        DType::U64 => DataType::Uint64,
         DType::Bool => DataType::Bool,
         DType::List => return Err(OnnxError::unsupported("a tensor list has no ONNX type")),
     } as i32)
@@ -115,6 +123,22 @@ pub fn decode(t: &TensorProto) -> Result<DenseHostTensor> {
             shape,
             "int32_data",
         )?,
+        DType::U16 => typed(
+            &i32s.iter().map(|&v| v as u16).collect::<Vec<_>>(),
+            shape,
+            "int32_data",
+        )?,
+        DType::I16 => typed(
+            &i32s.iter().map(|&v| v as i16).collect::<Vec<_>>(),
+            shape,
+            "int32_data",
+        )?,
+        DType::U32 => typed(
+            &t.uint64_data.iter().map(|&v| v as u32).collect::<Vec<_>>(),
+            shape,
+            "uint64_data",
+        )?,
+        DType::U64 => typed(&t.uint64_data, shape, "uint64_data")?,
         DType::Bool => typed(
             &i32s.iter().map(|&v| v != 0).collect::<Vec<_>>(),
             shape,

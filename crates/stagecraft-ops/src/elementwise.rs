@@ -25,17 +25,21 @@ pub enum DTypeClass {
     Float,
     /// Every number: integers and floats.
     Numeric,
+    /// The integer dtypes (signed and unsigned). Their ops have no
+    /// gradient rule at all: no float flows through them.
+    Int,
     /// `bool` alone.
     Bool,
 }
 
 impl DTypeClass {
     /// True when `dtype` belongs to the class.
-    pub fn accepts(self, dtype: DType) -> bool {
+    pub const fn accepts(self, dtype: DType) -> bool {
         match self {
             DTypeClass::Float => dtype.is_float(),
             DTypeClass::Numeric => dtype.is_numeric(),
-            DTypeClass::Bool => dtype == DType::Bool,
+            DTypeClass::Int => dtype.is_int(),
+            DTypeClass::Bool => matches!(dtype, DType::Bool),
         }
     }
 
@@ -44,6 +48,7 @@ impl DTypeClass {
         match self {
             DTypeClass::Float => "a floating-point tensor",
             DTypeClass::Numeric => "a numeric tensor",
+            DTypeClass::Int => "an integer tensor",
             DTypeClass::Bool => "a bool tensor",
         }
     }
@@ -162,7 +167,7 @@ macro_rules! unary_ops {
             }
 
             /// The dtypes it accepts.
-            pub fn class(self) -> $crate::elementwise::DTypeClass {
+            pub const fn class(self) -> $crate::elementwise::DTypeClass {
                 match self {
                     $(UnaryOp::$variant => $crate::elementwise::DTypeClass::$class,)*
                 }
@@ -274,7 +279,7 @@ macro_rules! binary_ops {
             }
 
             /// The dtypes it accepts.
-            pub fn class(self) -> $crate::elementwise::DTypeClass {
+            pub const fn class(self) -> $crate::elementwise::DTypeClass {
                 match self {
                     $(BinaryOp::$variant => $crate::elementwise::DTypeClass::$class,)*
                 }

@@ -48,6 +48,23 @@ pub trait Num: Copy + PartialOrd + Send + Sync + 'static {
     fn abs(self) -> Self;
     /// True for a NaN.
     fn is_nan(self) -> bool;
+    /// `self & o` (integers; the bitwise ops' dtype class keeps floats
+    /// out, for which it returns `self`).
+    fn bit_and(self, o: Self) -> Self;
+    /// `self | o` (integers; floats return `self`).
+    fn bit_or(self, o: Self) -> Self;
+    /// `self ^ o` (integers; floats return `self`).
+    fn bit_xor(self, o: Self) -> Self;
+    /// `!self`, every bit flipped (integers; floats return `self`).
+    fn bit_not(self) -> Self;
+    /// `self << o`; an amount outside `0..bits` shifts every bit out
+    /// (giving 0). Integers; floats return `self`.
+    fn shift_left(self, o: Self) -> Self;
+    /// `self >> o`, arithmetic for signed types (the sign fills in) and
+    /// logical for unsigned ones; an amount outside `0..bits` shifts every
+    /// bit out (giving 0, or -1 for a negative signed value). Integers;
+    /// floats return `self`.
+    fn shift_right(self, o: Self) -> Self;
 
     /// `f` of the value, computed in f64 and rounded once.
     #[inline(always)]
@@ -131,11 +148,75 @@ macro_rules! int_num {
             fn is_nan(self) -> bool {
                 false
             }
+            #[inline(always)]
+            fn bit_and(self, o: $t) -> $t {
+                self & o
+            }
+            #[inline(always)]
+            fn bit_or(self, o: $t) -> $t {
+                self | o
+            }
+            #[inline(always)]
+            fn bit_xor(self, o: $t) -> $t {
+                self ^ o
+            }
+            #[inline(always)]
+            fn bit_not(self) -> $t {
+                !self
+            }
+            #[inline(always)]
+            fn shift_left(self, o: $t) -> $t {
+                // `o` in 0..bits, as a u32 (a negative amount is out).
+                match u32::try_from(o) {
+                    Ok(k) if k < <$t>::BITS => self << k,
+                    _ => 0,
+                }
+            }
+            #[inline(always)]
+            fn shift_right(self, o: $t) -> $t {
+                match u32::try_from(o) {
+                    Ok(k) if k < <$t>::BITS => self >> k,
+                    // Every bit out: what a shift by bits - 1 leaves of
+                    // the sign (0 for unsigned types and non-negatives).
+                    _ => self >> (<$t>::BITS - 1) >> 1,
+                }
+            }
         }
     )*};
 }
-int_num!(u8, i8, i32, i64);
+int_num!(u8, i8, u16, i16, u32, i32, u64, i64);
 
+/// The bitwise methods of [`Num`] for a float type: not defined there
+/// (the bitwise ops accept integers alone), so each returns its first
+/// operand.
+macro_rules! float_bit_ops {
+    ($t:ty) => {
+        #[inline(always)]
+        fn bit_and(self, _: $t) -> $t {
+            self
+        }
+        #[inline(always)]
+        fn bit_or(self, _: $t) -> $t {
+            self
+        }
+        #[inline(always)]
+        fn bit_xor(self, _: $t) -> $t {
+            self
+        }
+        #[inline(always)]
+        fn bit_not(self) -> $t {
+            self
+        }
+        #[inline(always)]
+        fn shift_left(self, _: $t) -> $t {
+            self
+        }
+        #[inline(always)]
+        fn shift_right(self, _: $t) -> $t {
+            self
+        }
+    };
+}
 macro_rules! float_num {
     ($($t:ty: $narrow:expr),*) => {$(
         impl Num for $t {
@@ -179,6 +260,7 @@ macro_rules! float_num {
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
+            float_bit_ops!($t);
         }
     )*};
 }
@@ -229,6 +311,7 @@ macro_rules! half_num {
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
+            float_bit_ops!($t);
             #[inline(always)]
             fn maximum(self, o: $t) -> $t {
                 <$t>::from_f32(Num::maximum(self.to_f32(), o.to_f32()))
@@ -629,6 +712,27 @@ mod tests {
         }
         assert!(gelu_derivative_to_narrow(f64::NAN, f64::NAN).is_nan());
         assert!(gelu_derivative(f64::NAN, f64::NAN).is_nan());
+    }
+
+    #[test]
+    fn bitwise_and_shifts() {
+        assert_eq!(Num::bit_and(0b1100u8, 0b1010), 0b1000);
+        assert_eq!(Num::bit_or(0b1100u16, 0b1010), 0b1110);
+        assert_eq!(Num::bit_xor(-1i16, 5), -6);
+        assert_eq!(Num::bit_not(0u64), u64::MAX);
+        assert_eq!(Num::bit_not(5i32), -6);
+        assert_eq!(Num::shift_left(1u8, 7), 128);
+        assert_eq!(Num::shift_left(1u8, 8), 0);
+        assert_eq!(Num::shift_left(3u32, 31), 1 << 31);
+        assert_eq!(Num::shift_left(1i64, -1), 0);
+        assert_eq!(Num::shift_right(0x80u8, 7), 1);
+        assert_eq!(Num::shift_right(u64::MAX, 64), 0);
+        assert_eq!(Num::shift_right(-8i8, 1), -4);
+        assert_eq!(Num::shift_right(-8i8, 100), -1);
+        assert_eq!(Num::shift_right(8i16, 16), 0);
+        assert_eq!(Num::shift_right(i32::MIN, 31), -1);
+        // Floats are outside the bitwise ops' class: their first operand.
+        assert_eq!(Num::bit_and(1.5f32, 2.0), 1.5);
     }
 
     #[test]

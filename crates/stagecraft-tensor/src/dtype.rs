@@ -14,8 +14,16 @@ pub enum DType {
     U8,
     /// 8-bit signed integer.
     I8,
+    /// 16-bit unsigned integer.
+    U16,
+    /// 16-bit signed integer.
+    I16,
+    /// 32-bit unsigned integer.
+    U32,
     /// 32-bit signed integer.
     I32,
+    /// 64-bit unsigned integer.
+    U64,
     /// 64-bit signed integer.
     I64,
     /// IEEE half precision (storage and casts; arithmetic runs in f32).
@@ -33,12 +41,18 @@ pub enum DType {
 }
 
 impl DType {
-    /// Every dtype, in promotion order.
-    pub const ALL: [DType; 9] = [
+    /// Every dtype but [`DType::List`], in declaration order (so a dtype's
+    /// discriminant is its index here): bool, the integers by width, the
+    /// floats by width.
+    pub const ALL: [DType; 13] = [
         DType::Bool,
         DType::U8,
         DType::I8,
+        DType::U16,
+        DType::I16,
+        DType::U32,
         DType::I32,
+        DType::U64,
         DType::I64,
         DType::F16,
         DType::BF16,
@@ -50,9 +64,9 @@ impl DType {
     pub const fn size_in_bytes(self) -> usize {
         match self {
             DType::Bool | DType::U8 | DType::I8 => 1,
-            DType::F16 | DType::BF16 => 2,
-            DType::I32 | DType::F32 => 4,
-            DType::I64 | DType::F64 => 8,
+            DType::U16 | DType::I16 | DType::F16 | DType::BF16 => 2,
+            DType::U32 | DType::I32 | DType::F32 => 4,
+            DType::U64 | DType::I64 | DType::F64 => 8,
             // A list owns its items; a list tensor itself holds no elements.
             DType::List => 0,
         }
@@ -65,7 +79,22 @@ impl DType {
 
     /// True for the integer dtypes.
     pub const fn is_int(self) -> bool {
-        matches!(self, DType::U8 | DType::I8 | DType::I32 | DType::I64)
+        matches!(
+            self,
+            DType::U8
+                | DType::I8
+                | DType::U16
+                | DType::I16
+                | DType::U32
+                | DType::I32
+                | DType::U64
+                | DType::I64
+        )
+    }
+
+    /// True for the unsigned integer dtypes.
+    pub const fn is_unsigned(self) -> bool {
+        matches!(self, DType::U8 | DType::U16 | DType::U32 | DType::U64)
     }
 
     /// True for the dtypes that index tensors (i32, i64).
@@ -84,7 +113,11 @@ impl DType {
             DType::Bool => "bool",
             DType::U8 => "u8",
             DType::I8 => "i8",
+            DType::U16 => "u16",
+            DType::I16 => "i16",
+            DType::U32 => "u32",
             DType::I32 => "i32",
+            DType::U64 => "u64",
             DType::I64 => "i64",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
@@ -118,8 +151,16 @@ pub enum Scalar {
     U8(u8),
     /// An i8 value.
     I8(i8),
+    /// A u16 value.
+    U16(u16),
+    /// An i16 value.
+    I16(i16),
+    /// A u32 value.
+    U32(u32),
     /// An i32 value.
     I32(i32),
+    /// A u64 value.
+    U64(u64),
     /// An i64 value.
     I64(i64),
     /// An f16 value.
@@ -139,6 +180,10 @@ impl Scalar {
             Scalar::Bool(_) => DType::Bool,
             Scalar::U8(_) => DType::U8,
             Scalar::I8(_) => DType::I8,
+            Scalar::U16(_) => DType::U16,
+            Scalar::I16(_) => DType::I16,
+            Scalar::U32(_) => DType::U32,
+            Scalar::U64(_) => DType::U64,
             Scalar::I32(_) => DType::I32,
             Scalar::I64(_) => DType::I64,
             Scalar::F16(_) => DType::F16,
@@ -148,12 +193,17 @@ impl Scalar {
         }
     }
 
-    /// The value as f64 (exact for every dtype but i64 beyond 2^53).
+    /// The value as f64 (exact for every dtype but i64 and u64 beyond
+    /// 2^53).
     pub fn to_f64(self) -> f64 {
         match self {
             Scalar::Bool(v) => v as u8 as f64,
             Scalar::U8(v) => v as f64,
             Scalar::I8(v) => v as f64,
+            Scalar::U16(v) => v as f64,
+            Scalar::I16(v) => v as f64,
+            Scalar::U32(v) => v as f64,
+            Scalar::U64(v) => v as f64,
             Scalar::I32(v) => v as f64,
             Scalar::I64(v) => v as f64,
             Scalar::F16(v) => v.to_f64(),
@@ -163,12 +213,17 @@ impl Scalar {
         }
     }
 
-    /// The value as i64, truncating floats toward zero (saturating).
+    /// The value as i64, truncating floats toward zero (saturating); a u64
+    /// above `i64::MAX` wraps (as Rust's `as`).
     pub fn to_i64(self) -> i64 {
         match self {
             Scalar::Bool(v) => v as i64,
             Scalar::U8(v) => v as i64,
             Scalar::I8(v) => v as i64,
+            Scalar::U16(v) => v as i64,
+            Scalar::I16(v) => v as i64,
+            Scalar::U32(v) => v as i64,
+            Scalar::U64(v) => v as i64,
             Scalar::I32(v) => v as i64,
             Scalar::I64(v) => v,
             other => other.to_f64() as i64,
@@ -184,31 +239,37 @@ impl Scalar {
             }),
             // Integers wrap to a narrower integer type (as Rust's `as`);
             // floats truncate toward zero and saturate.
-            DType::U8 => Scalar::U8(if self.dtype().is_float() {
-                self.to_f64() as u8
-            } else {
-                self.to_i64() as u8
-            }),
-            DType::I8 => Scalar::I8(if self.dtype().is_float() {
-                self.to_f64() as i8
-            } else {
-                self.to_i64() as i8
-            }),
-            DType::I32 => Scalar::I32(match self {
-                Scalar::I64(v) => v as i32,
-                other => other.to_f64() as i32,
-            }),
-            DType::I64 => Scalar::I64(self.to_i64()),
+            DType::U8 => Scalar::U8(self.int_cast(|v| v as u8, |f| f as u8)),
+            DType::I8 => Scalar::I8(self.int_cast(|v| v as i8, |f| f as i8)),
+            DType::U16 => Scalar::U16(self.int_cast(|v| v as u16, |f| f as u16)),
+            DType::I16 => Scalar::I16(self.int_cast(|v| v as i16, |f| f as i16)),
+            DType::U32 => Scalar::U32(self.int_cast(|v| v as u32, |f| f as u32)),
+            DType::I32 => Scalar::I32(self.int_cast(|v| v as i32, |f| f as i32)),
+            DType::U64 => Scalar::U64(self.int_cast(|v| v as u64, |f| f as u64)),
+            DType::I64 => Scalar::I64(self.int_cast(|v| v, |f| f as i64)),
             DType::F16 => Scalar::F16(f16::from_f64(self.to_f64())),
             DType::BF16 => Scalar::BF16(bf16::from_f64(self.to_f64())),
             DType::F32 => Scalar::F32(match self {
                 Scalar::F64(v) => v as f32,
                 Scalar::I64(v) => v as f32,
+                Scalar::U64(v) => v as f32,
                 other => other.to_f64() as f32,
             }),
             // No scalar has the list dtype: a value cast to it keeps its own
             // dtype, and the ops that would use it reject a list operand.
             DType::F64 | DType::List => Scalar::F64(self.to_f64()),
+        }
+    }
+
+    /// An integer conversion: from an integer through `int` on its bits as
+    /// an i64 (two's complement, so narrowing wraps), from a float (or
+    /// bool) through `float` (Rust's `as`: truncating, saturating, NaN to
+    /// 0).
+    fn int_cast<T>(self, int: impl Fn(i64) -> T, float: impl Fn(f64) -> T) -> T {
+        if self.dtype().is_int() {
+            int(self.to_i64())
+        } else {
+            float(self.to_f64())
         }
     }
 
@@ -218,6 +279,10 @@ impl Scalar {
             Scalar::Bool(v) => v as u64,
             Scalar::U8(v) => v as u64,
             Scalar::I8(v) => v as u8 as u64,
+            Scalar::U16(v) => v as u64,
+            Scalar::I16(v) => v as u16 as u64,
+            Scalar::U32(v) => v as u64,
+            Scalar::U64(v) => v,
             Scalar::I32(v) => v as u32 as u64,
             Scalar::I64(v) => v as u64,
             Scalar::F16(v) => v.to_bits() as u64,
@@ -233,6 +298,10 @@ impl Scalar {
             DType::Bool => Scalar::Bool(bits != 0),
             DType::U8 => Scalar::U8(bits as u8),
             DType::I8 => Scalar::I8(bits as u8 as i8),
+            DType::U16 => Scalar::U16(bits as u16),
+            DType::I16 => Scalar::I16(bits as u16 as i16),
+            DType::U32 => Scalar::U32(bits as u32),
+            DType::U64 => Scalar::U64(bits),
             DType::I32 => Scalar::I32(bits as u32 as i32),
             DType::I64 => Scalar::I64(bits as i64),
             DType::F16 => Scalar::F16(f16::from_bits(bits as u16)),
@@ -249,6 +318,10 @@ impl fmt::Display for Scalar {
             Scalar::Bool(v) => write!(f, "{v}"),
             Scalar::U8(v) => write!(f, "{v}"),
             Scalar::I8(v) => write!(f, "{v}"),
+            Scalar::U16(v) => write!(f, "{v}"),
+            Scalar::I16(v) => write!(f, "{v}"),
+            Scalar::U32(v) => write!(f, "{v}"),
+            Scalar::U64(v) => write!(f, "{v}"),
             Scalar::I32(v) => write!(f, "{v}"),
             Scalar::I64(v) => write!(f, "{v}"),
             Scalar::F16(v) => write!(f, "{v:?}"),
@@ -290,7 +363,10 @@ pub trait NumElement: Element {}
 pub trait FloatElement: NumElement {}
 
 /// Integer element types usable as indices (i32, i64).
-pub trait IndexElement: NumElement {}
+pub trait IndexElement: IntElement {}
+
+/// Integer element types, signed and unsigned (what the bitwise ops take).
+pub trait IntElement: NumElement {}
 
 macro_rules! impl_element {
     ($t:ty, $dtype:ident, $variant:ident) => {
@@ -317,6 +393,10 @@ macro_rules! impl_element {
 impl_element!(bool, Bool, Bool);
 impl_element!(u8, U8, U8);
 impl_element!(i8, I8, I8);
+impl_element!(u16, U16, U16);
+impl_element!(i16, I16, I16);
+impl_element!(u32, U32, U32);
+impl_element!(u64, U64, U64);
 impl_element!(i32, I32, I32);
 impl_element!(i64, I64, I64);
 impl_element!(f16, F16, F16);
@@ -326,12 +406,24 @@ impl_element!(f64, F64, F64);
 
 impl NumElement for u8 {}
 impl NumElement for i8 {}
+impl NumElement for u16 {}
+impl NumElement for i16 {}
+impl NumElement for u32 {}
+impl NumElement for u64 {}
 impl NumElement for i32 {}
 impl NumElement for i64 {}
 impl NumElement for f16 {}
 impl NumElement for bf16 {}
 impl NumElement for f32 {}
 impl NumElement for f64 {}
+impl IntElement for u8 {}
+impl IntElement for i8 {}
+impl IntElement for u16 {}
+impl IntElement for i16 {}
+impl IntElement for u32 {}
+impl IntElement for i32 {}
+impl IntElement for u64 {}
+impl IntElement for i64 {}
 impl IndexElement for i32 {}
 impl IndexElement for i64 {}
 impl FloatElement for f16 {}
@@ -349,6 +441,10 @@ mod tests {
         assert_eq!(DType::F16.size_in_bytes(), std::mem::size_of::<f16>());
         assert_eq!(DType::BF16.size_in_bytes(), std::mem::size_of::<bf16>());
         assert_eq!(DType::I64.size_in_bytes(), std::mem::size_of::<i64>());
+        assert_eq!(DType::U16.size_in_bytes(), std::mem::size_of::<u16>());
+        assert_eq!(DType::I16.size_in_bytes(), std::mem::size_of::<i16>());
+        assert_eq!(DType::U32.size_in_bytes(), std::mem::size_of::<u32>());
+        assert_eq!(DType::U64.size_in_bytes(), std::mem::size_of::<u64>());
     }
 
     #[test]
@@ -357,6 +453,10 @@ mod tests {
             assert_eq!(DType::parse(d.name()), Some(d));
         }
         assert_eq!(DType::parse("f128"), None);
+        // `ALL` is in declaration order: a dtype's discriminant indexes it.
+        for (i, d) in DType::ALL.into_iter().enumerate() {
+            assert_eq!(d as usize, i);
+        }
     }
 
     #[test]
@@ -380,12 +480,57 @@ mod tests {
     }
 
     #[test]
+    fn wide_unsigned_and_16_bit_casts_at_range_edges() {
+        // Integers wrap, whatever the widths and signs.
+        assert_eq!(Scalar::I32(-1).cast(DType::U16), Scalar::U16(u16::MAX));
+        assert_eq!(Scalar::I32(70_000).cast(DType::U16), Scalar::U16(4464));
+        assert_eq!(Scalar::U16(40_000).cast(DType::I16), Scalar::I16(-25_536));
+        assert_eq!(
+            Scalar::I16(i16::MIN).cast(DType::U32),
+            Scalar::U32(4_294_934_528)
+        );
+        assert_eq!(Scalar::I64(-1).cast(DType::U64), Scalar::U64(u64::MAX));
+        assert_eq!(Scalar::U64(u64::MAX).cast(DType::I64), Scalar::I64(-1));
+        assert_eq!(
+            Scalar::U64(u64::MAX).cast(DType::U32),
+            Scalar::U32(u32::MAX)
+        );
+        assert_eq!(Scalar::U32(u32::MAX).cast(DType::I32), Scalar::I32(-1));
+        assert_eq!(
+            Scalar::U32(u32::MAX).cast(DType::I64),
+            Scalar::I64(4_294_967_295)
+        );
+        // Floats truncate and saturate; NaN is 0.
+        assert_eq!(Scalar::F32(-5.5).cast(DType::U16), Scalar::U16(0));
+        assert_eq!(Scalar::F64(1e30).cast(DType::U64), Scalar::U64(u64::MAX));
+        assert_eq!(Scalar::F64(-1e30).cast(DType::I16), Scalar::I16(i16::MIN));
+        assert_eq!(Scalar::F32(f32::NAN).cast(DType::U32), Scalar::U32(0));
+        assert_eq!(Scalar::F64(65_535.9).cast(DType::U16), Scalar::U16(65_535));
+        // To floats: u64 beyond 2^63 keeps its value.
+        assert_eq!(
+            Scalar::U64(u64::MAX).cast(DType::F64),
+            Scalar::F64(1.8446744073709552e19)
+        );
+        assert_eq!(
+            Scalar::U64(1 << 63).cast(DType::F32),
+            Scalar::F32(9.223372e18)
+        );
+        assert_eq!(Scalar::U16(7).cast(DType::Bool), Scalar::Bool(true));
+        assert_eq!(Scalar::Bool(true).cast(DType::U64), Scalar::U64(1));
+        assert_eq!(u32::from_scalar(Scalar::I8(-1)), u32::MAX);
+    }
+
+    #[test]
     fn bits_round_trip() {
         for v in [
             Scalar::F32(-0.0),
             Scalar::I32(-7),
             Scalar::BF16(bf16::from_f32(3.0)),
             Scalar::Bool(true),
+            Scalar::U16(65_000),
+            Scalar::I16(-300),
+            Scalar::U32(4_000_000_000),
+            Scalar::U64(u64::MAX - 3),
         ] {
             assert_eq!(Scalar::from_bits(v.dtype(), v.to_bits()), v);
         }

@@ -11,7 +11,7 @@ mod host;
 mod shape;
 
 pub use buffer::{Arena, Buffer, BufferStats};
-pub use dtype::{DType, Element, FloatElement, IndexElement, NumElement, Scalar};
+pub use dtype::{DType, Element, FloatElement, IndexElement, IntElement, NumElement, Scalar};
 pub use error::{Error, ErrorKind, Location, Result};
 pub use host::{DenseHostTensor, HostTensor, ScalarHostTensor, TensorList};
 pub use shape::{broadcast_shapes, element_count, normalize_axis, Shape, TensorMetadata};

@@ -57,8 +57,8 @@ pub use stagecraft_runtime::{
     ExecutionMode,
 };
 pub use stagecraft_tensor::{
-    bf16, f16, DType, Element, Error, ErrorKind, FloatElement, IndexElement, Location, NumElement,
-    Result, Shape,
+    bf16, f16, DType, Element, Error, ErrorKind, FloatElement, IndexElement, IntElement, Location,
+    NumElement, Result, Shape,
 };
 
 /// The README's Rust samples, compiled and run as doctests (`cargo test

@@ -7,7 +7,8 @@ use stagecraft_ops as ops;
 use stagecraft_ops::{BinaryOp, OpAttrs, UnaryOp};
 use stagecraft_runtime::TensorHandle;
 use stagecraft_tensor::{
-    normalize_axis, Element, Error, FloatElement, IndexElement, Location, NumElement, Scalar,
+    normalize_axis, Element, Error, FloatElement, IndexElement, IntElement, Location, NumElement,
+    Scalar,
 };
 
 mod attention;
@@ -203,6 +204,28 @@ binary_methods!(NumElement -> T:
 binary_methods!(FloatElement -> T:
     /// Elementwise power with broadcasting.
     pow => POW,
+);
+
+binary_methods!(IntElement -> T:
+    /// Bitwise and, elementwise with broadcasting.
+    bitwise_and => BITWISE_AND,
+    /// Bitwise or, elementwise with broadcasting.
+    bitwise_or => BITWISE_OR,
+    /// Bitwise exclusive or, elementwise with broadcasting.
+    bitwise_xor => BITWISE_XOR,
+    /// `self << other`, elementwise with broadcasting; an amount outside
+    /// `0..bits` (the type's width) gives 0.
+    shift_left => SHIFT_LEFT,
+    /// `self >> other`, elementwise with broadcasting: arithmetic for
+    /// signed types, logical for unsigned ones; an amount outside
+    /// `0..bits` shifts every bit out (0, or -1 for a negative signed
+    /// value).
+    shift_right => SHIFT_RIGHT,
+);
+
+unary_methods!(IntElement:
+    /// Bitwise not (every bit flipped), elementwise.
+    bitwise_not => BITWISE_NOT,
 );
 
 binary_methods!(Element -> bool:

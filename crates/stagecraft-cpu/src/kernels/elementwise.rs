@@ -47,6 +47,7 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
     }
     registry.add(&ops::SELECT, select_factory);
     registry.add(&ops::CAST, cast_factory);
+    registry.add(&ops::BITCAST, bitcast_factory);
 }
 
 // ---------------------------------------------------------------------------
@@ -207,6 +208,22 @@ fn i64_to_f32_odd(v: i64) -> f32 {
     f32::from_bits(toward_zero.to_bits() | 1)
 }
 
+/// [`f64_to_f32_odd`] for any integer, exact for every value: through
+/// [`i64_to_f32_odd`], a u64 above `i64::MAX` halved first with its low bit
+/// kept as a sticky bit (which keeps the rounding to odd exact), then
+/// doubled (exact in f32).
+#[inline(always)]
+fn int_to_f32_odd<T: Into<i128> + Copy>(v: T) -> f32 {
+    let wide: i128 = v.into();
+    match i64::try_from(wide) {
+        Ok(small) => i64_to_f32_odd(small),
+        Err(_) => {
+            let halved = ((wide >> 1) | (wide & 1)) as i64;
+            i64_to_f32_odd(halved) * 2.0
+        }
+    }
+}
+
 impl Real for f16 {
     #[inline(always)]
     fn wide(self) -> f64 {
@@ -284,8 +301,24 @@ impl<T> UnaryKernel<T> {
 impl<T: Arith> UnaryVisitor for UnaryKernel<T> {
     type Output = Kernel;
     fn visit<F: UnaryFn>(self) -> Kernel {
-        unary_kernel(F::eval::<T>)
+        // Decided at compile time, so an op's loop is only instantiated for
+        // the dtypes of its class (an integer `Exp` or a float `BitwiseNot`
+        // would be dead code, and the many dtypes make it a lot of it).
+        if const { F::CLASS.accepts(T::DTYPE) } {
+            unary_kernel(F::eval::<T>)
+        } else {
+            class_mismatch(F::OP.def().name, T::DTYPE)
+        }
     }
+}
+
+/// The kernel of an op for a dtype outside its class: never made, since
+/// the factories check the class first, but an error rather than a panic
+/// if it were.
+fn class_mismatch(op: &'static str, dtype: DType) -> Kernel {
+    Arc::new(move |_: Inputs, _: &KernelContext<'_>| {
+        Err(Error::dtype(format!("{op} has no CPU kernel for {dtype}")))
+    })
 }
 
 /// Makes the eager kernel of a bool unary op from its definition on 0/1.
@@ -544,10 +577,15 @@ impl<T> BinaryKernel<T> {
 impl<T: Arith> BinaryVisitor for BinaryKernel<T> {
     type Output = Kernel;
     fn visit<F: BinaryFn>(self) -> Kernel {
-        if F::ZERO_DIVISOR_IS_ERROR && !T::FLOAT {
-            checked_divisor_kernel(F::eval::<T>)
+        // As for the unary ops: only the dtypes of the op's class.
+        if const { F::CLASS.accepts(T::DTYPE) } {
+            if F::ZERO_DIVISOR_IS_ERROR && !T::FLOAT {
+                checked_divisor_kernel(F::eval::<T>)
+            } else {
+                binary_kernel(F::eval::<T>)
+            }
         } else {
-            binary_kernel(F::eval::<T>)
+            class_mismatch(F::OP.def().name, T::DTYPE)
         }
     }
 }
@@ -777,6 +815,10 @@ trait CastElem: Element {
     fn cast_bool(self) -> bool;
     fn cast_u8(self) -> u8;
     fn cast_i8(self) -> i8;
+    fn cast_u16(self) -> u16;
+    fn cast_i16(self) -> i16;
+    fn cast_u32(self) -> u32;
+    fn cast_u64(self) -> u64;
     fn cast_i32(self) -> i32;
     fn cast_i64(self) -> i64;
     fn cast_f16(self) -> f16;
@@ -794,6 +836,18 @@ impl CastElem for bool {
     }
     fn cast_i8(self) -> i8 {
         self as i8
+    }
+    fn cast_u16(self) -> u16 {
+        self as u16
+    }
+    fn cast_i16(self) -> i16 {
+        self as i16
+    }
+    fn cast_u32(self) -> u32 {
+        self as u32
+    }
+    fn cast_u64(self) -> u64 {
+        self as u64
     }
     fn cast_i32(self) -> i32 {
         self as i32
@@ -839,6 +893,22 @@ macro_rules! cast_int {
                 self as i8
             }
             #[inline(always)]
+            fn cast_u16(self) -> u16 {
+                self as u16
+            }
+            #[inline(always)]
+            fn cast_i16(self) -> i16 {
+                self as i16
+            }
+            #[inline(always)]
+            fn cast_u32(self) -> u32 {
+                self as u32
+            }
+            #[inline(always)]
+            fn cast_u64(self) -> u64 {
+                self as u64
+            }
+            #[inline(always)]
             fn cast_i32(self) -> i32 {
                 self as i32
             }
@@ -848,11 +918,11 @@ macro_rules! cast_int {
             }
             #[inline(always)]
             fn cast_f16(self) -> f16 {
-                f16::from_f32(i64_to_f32_odd(self as i64))
+                f16::from_f32(int_to_f32_odd(self))
             }
             #[inline(always)]
             fn cast_bf16(self) -> bf16 {
-                bf16::from_f32(i64_to_f32_odd(self as i64))
+                bf16::from_f32(int_to_f32_odd(self))
             }
             #[inline(always)]
             fn cast_f32(self) -> f32 {
@@ -867,6 +937,10 @@ macro_rules! cast_int {
 }
 cast_int!(u8);
 cast_int!(i8);
+cast_int!(u16);
+cast_int!(i16);
+cast_int!(u32);
+cast_int!(u64);
 cast_int!(i32);
 cast_int!(i64);
 
@@ -884,6 +958,22 @@ macro_rules! cast_float {
             #[inline(always)]
             fn cast_i8(self) -> i8 {
                 self as i8
+            }
+            #[inline(always)]
+            fn cast_u16(self) -> u16 {
+                self as u16
+            }
+            #[inline(always)]
+            fn cast_i16(self) -> i16 {
+                self as i16
+            }
+            #[inline(always)]
+            fn cast_u32(self) -> u32 {
+                self as u32
+            }
+            #[inline(always)]
+            fn cast_u64(self) -> u64 {
+                self as u64
             }
             #[inline(always)]
             fn cast_i32(self) -> i32 {
@@ -929,6 +1019,22 @@ macro_rules! cast_half {
             #[inline(always)]
             fn cast_i8(self) -> i8 {
                 self.to_f32() as i8
+            }
+            #[inline(always)]
+            fn cast_u16(self) -> u16 {
+                self.to_f32() as u16
+            }
+            #[inline(always)]
+            fn cast_i16(self) -> i16 {
+                self.to_f32() as i16
+            }
+            #[inline(always)]
+            fn cast_u32(self) -> u32 {
+                self.to_f32() as u32
+            }
+            #[inline(always)]
+            fn cast_u64(self) -> u64 {
+                self.to_f32() as u64
             }
             #[inline(always)]
             fn cast_i32(self) -> i32 {
@@ -978,6 +1084,10 @@ macro_rules! cast_target {
 cast_target!(bool, cast_bool);
 cast_target!(u8, cast_u8);
 cast_target!(i8, cast_i8);
+cast_target!(u16, cast_u16);
+cast_target!(i16, cast_i16);
+cast_target!(u32, cast_u32);
+cast_target!(u64, cast_u64);
 cast_target!(i32, cast_i32);
 cast_target!(i64, cast_i64);
 cast_target!(f16, cast_f16);
@@ -999,6 +1109,16 @@ fn cast_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> 
         }));
     }
     Ok(crate::with_any_type!(from, S => crate::with_any_type!(to, D => cast_kernel::<S, D>())))
+}
+
+/// Bitcast: the input's buffer under the output's metadata (no copy; to
+/// bool, the bytes are checked to be 0 or 1).
+fn bitcast_factory(_: &Attrs<'_>, _: &[TensorMetadata]) -> Result<Kernel> {
+    Ok(Arc::new(|inputs: Inputs, ctx: &KernelContext<'_>| {
+        let [x] = take(inputs)?;
+        let out = DenseHostTensor::from_buffer(out_meta(ctx)?.clone(), x.buffer().clone())?;
+        Ok(smallvec![out])
+    }))
 }
 
 fn cast_kernel<S: CastElem, D: CastTarget>() -> Kernel {
@@ -1123,6 +1243,15 @@ pub(crate) mod tests {
                     // Every value of the 8-bit types, so wrapping shows.
                     DType::U8 => (self.next() % 256) as f64,
                     DType::I8 => (self.next() % 256) as f64 - 128.0,
+                    // And of the 16-bit types.
+                    DType::U16 => (self.next() % 65_536) as f64,
+                    DType::I16 => (self.next() % 65_536) as f64 - 32_768.0,
+                    // The wide unsigned types: small values (shift amounts
+                    // in range) or any value exact in the f64s the tests
+                    // compare (below 2^32 and 2^53).
+                    DType::U32 | DType::U64 if self.next() & 1 == 0 => (self.next() % 80) as f64,
+                    DType::U32 => (self.next() >> 32) as f64,
+                    DType::U64 => (self.next() >> 11) as f64,
                     _ if specials && self.next() & 7 == 0 => SPECIAL[(self.next() % 6) as usize],
                     _ => self.uniform(-5.0, 5.0),
                 })
@@ -1131,9 +1260,13 @@ pub(crate) mod tests {
     }
 
     const FLOATS: [DType; 4] = [DType::F16, DType::BF16, DType::F32, DType::F64];
-    const NUMERIC: [DType; 8] = [
+    const NUMERIC: [DType; 12] = [
         DType::U8,
         DType::I8,
+        DType::U16,
+        DType::I16,
+        DType::U32,
+        DType::U64,
         DType::I32,
         DType::I64,
         DType::F16,
@@ -1507,6 +1640,75 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn bitcast_reinterprets_bytes() {
+        let mut attrs = OpAttrs::new();
+        attrs.set_dtype("dtype", DType::I32);
+        let x = DenseHostTensor::from_slice(&[1.0f32, -0.0], [2]).unwrap();
+        let y = run(&stagecraft_ops::BITCAST, vec![x], &attrs).unwrap();
+        assert_eq!(y.to_vec::<i32>().unwrap(), [0x3f80_0000, i32::MIN]);
+        let mut attrs = OpAttrs::new();
+        attrs.set_dtype("dtype", DType::I16);
+        let x = DenseHostTensor::from_slice(&[65_535u16, 32_768, 7], [3]).unwrap();
+        let y = run(&stagecraft_ops::BITCAST, vec![x], &attrs).unwrap();
+        assert_eq!(y.to_vec::<i16>().unwrap(), [-1, i16::MIN, 7]);
+        // To bool, only 0 and 1 are values.
+        let mut attrs = OpAttrs::new();
+        attrs.set_dtype("dtype", DType::Bool);
+        let ok = DenseHostTensor::from_slice(&[0u8, 1], [2]).unwrap();
+        let y = run(&stagecraft_ops::BITCAST, vec![ok], &attrs).unwrap();
+        assert_eq!(y.to_vec::<bool>().unwrap(), [false, true]);
+        let bad = DenseHostTensor::from_slice(&[2u8], [1]).unwrap();
+        assert!(run(&stagecraft_ops::BITCAST, vec![bad], &attrs).is_err());
+    }
+
+    #[test]
+    fn bitwise_kernels_at_range_edges() {
+        let none = OpAttrs::new();
+        let t = |v: &[u64]| DenseHostTensor::from_slice(v, [v.len()]).unwrap();
+        let a = t(&[u64::MAX, 1 << 63, 0xF0F0, 5]);
+        let b = t(&[1, 63, 4, 64]);
+        let got = |def: &'static OpDef, x: Vec<DenseHostTensor>| {
+            run(def, x, &none).unwrap().to_vec::<u64>().unwrap()
+        };
+        assert_eq!(
+            got(&stagecraft_ops::SHIFT_LEFT, vec![a.clone(), b.clone()]),
+            [u64::MAX - 1, 0, 0xF0F00, 0]
+        );
+        assert_eq!(
+            got(&stagecraft_ops::SHIFT_RIGHT, vec![a.clone(), b.clone()]),
+            [u64::MAX >> 1, 1, 0xF0F, 0]
+        );
+        assert_eq!(
+            got(&stagecraft_ops::BITWISE_AND, vec![a.clone(), b.clone()]),
+            [1, 0, 0, 0]
+        );
+        assert_eq!(
+            got(&stagecraft_ops::BITWISE_XOR, vec![a.clone(), b.clone()]),
+            [u64::MAX - 1, (1 << 63) | 63, 0xF0F4, 69]
+        );
+        assert_eq!(
+            got(&stagecraft_ops::BITWISE_NOT, vec![a.clone()]),
+            [0, u64::MAX >> 1, !0xF0F0, !5]
+        );
+        // Signed right shifts fill with the sign, also past the width.
+        let x = DenseHostTensor::from_slice(&[-32_768i16, -1, 16_384], [3]).unwrap();
+        let k = DenseHostTensor::from_slice(&[15i16, 3, 20], [3]).unwrap();
+        let r = run(
+            &stagecraft_ops::SHIFT_RIGHT,
+            vec![x.clone(), k.clone()],
+            &none,
+        )
+        .unwrap();
+        assert_eq!(r.to_vec::<i16>().unwrap(), [-1, -1, 0]);
+        let l = run(&stagecraft_ops::SHIFT_LEFT, vec![x, k], &none).unwrap();
+        assert_eq!(l.to_vec::<i16>().unwrap(), [0, -8, 0]);
+        // A float operand is refused by the op, not the kernel.
+        let f = DenseHostTensor::from_slice(&[1.0f32], [1]).unwrap();
+        let e = run(&stagecraft_ops::BITWISE_OR, vec![f.clone(), f], &none).unwrap_err();
+        assert!(e.to_string().contains("integer"), "{e}");
+    }
+
+    #[test]
     fn cast_follows_scalar_cast_for_every_pair() {
         let specials = [
             0.0,
@@ -1553,6 +1755,37 @@ pub(crate) mod tests {
                     DenseHostTensor::from_slice(&[i32::MIN, i32::MAX, 16_777_217], [3]).unwrap(),
                 );
             }
+            // The range edges of the 16-bit and wide unsigned types, and
+            // u64s beyond 2^63 (which must not pass through i64).
+            let edges = match from {
+                DType::U16 => Some(DenseHostTensor::from_slice(
+                    &[0u16, 1, 255, 256, 32_768, u16::MAX],
+                    [6],
+                )),
+                DType::I16 => Some(DenseHostTensor::from_slice(
+                    &[i16::MIN, -129, -1, 128, 2049, i16::MAX],
+                    [6],
+                )),
+                DType::U32 => Some(DenseHostTensor::from_slice(
+                    &[u32::MAX, 1 << 31, 16_777_217, 65_536],
+                    [4],
+                )),
+                DType::U64 => Some(DenseHostTensor::from_slice(
+                    &[
+                        u64::MAX,
+                        1 << 63,
+                        (1 << 63) + 1,
+                        (1 << 63) + (1 << 39) + 1,
+                        (1 << 53) + 1,
+                        4_294_967_296,
+                    ],
+                    [6],
+                )),
+                _ => None,
+            };
+            if let Some(t) = edges {
+                extra.push(t.unwrap());
+            }
             for to in DType::ALL {
                 let mut attrs = OpAttrs::new();
                 attrs.set_dtype("dtype", to);
@@ -1574,7 +1807,7 @@ pub(crate) mod tests {
                         );
                     }
                     let want = reference::cast(&values(x), from, to);
-                    if from != DType::I64 {
+                    if !matches!(from, DType::I64 | DType::U64) {
                         assert_close(to, &values(&y), &want, &format!("cast {from}->{to}"));
                     }
                 }
@@ -1842,7 +2075,7 @@ pub(crate) mod tests {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
         #[test]
-        fn broadcasting_binary_ops_match_the_reference((da, db) in broadcast_pair(), seed in any::<u64>(), dtype_pick in 0usize..6) {
+        fn broadcasting_binary_ops_match_the_reference((da, db) in broadcast_pair(), seed in any::<u64>(), dtype_pick in 0usize..10) {
             let dtype = NUMERIC[dtype_pick];
             let mut rng = Rng(seed | 1);
             let na: usize = da.iter().product();

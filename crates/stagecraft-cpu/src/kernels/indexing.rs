@@ -366,7 +366,7 @@ mod tests {
                 match dtype {
                     DType::Bool => (v > 0.0) as u8 as f64,
                     // Unsigned: shifted to stay in range, so the cast is exact.
-                    DType::U8 => v + 11.0,
+                    d if d.is_unsigned() => v + 11.0,
                     d if d.is_float() => v * 0.25,
                     _ => v,
                 }
@@ -538,7 +538,11 @@ mod tests {
             DType::F64,
             DType::U8,
             DType::I8,
+            DType::U16,
+            DType::I16,
+            DType::U32,
             DType::I32,
+            DType::U64,
             DType::I64,
         ] {
             check_gather_elements(dtype, &[3, 4], &[5, 2], 0, 1, false);

@@ -538,7 +538,7 @@ macro_rules! int_mul_add {
         }
     )*};
 }
-int_mul_add!(u8, i8, i32, i64);
+int_mul_add!(u8, i8, u16, i16, u32, i32, u64, i64);
 
 /// The geometry of a batched product, resolved once per call.
 struct Plan {
@@ -728,6 +728,10 @@ fn matmul_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
         DType::BF16 => |x, y, m, t| matmul_half::<bf16>(x, y, m, t, bf16::to_f32, bf16::from_f32),
         DType::U8 => matmul_int::<u8>,
         DType::I8 => matmul_int::<i8>,
+        DType::U16 => matmul_int::<u16>,
+        DType::I16 => matmul_int::<i16>,
+        DType::U32 => matmul_int::<u32>,
+        DType::U64 => matmul_int::<u64>,
         DType::I32 => matmul_int::<i32>,
         DType::I64 => matmul_int::<i64>,
         DType::Bool => return Err(Error::dtype("matmul is not defined for bool")),

@@ -74,6 +74,10 @@ fn reduce_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel
         // elementwise ops do (cast first for a wider sum).
         DType::U8 => int_reduce::<u8>(op, axes),
         DType::I8 => int_reduce::<i8>(op, axes),
+        DType::U16 => int_reduce::<u16>(op, axes),
+        DType::I16 => int_reduce::<i16>(op, axes),
+        DType::U32 => int_reduce::<u32>(op, axes),
+        DType::U64 => int_reduce::<u64>(op, axes),
         DType::I32 => int_reduce::<i32>(op, axes),
         DType::I64 => int_reduce::<i64>(op, axes),
         DType::Bool | DType::List => None,
@@ -154,6 +158,10 @@ macro_rules! int_fold {
 }
 int_fold!(u8);
 int_fold!(i8);
+int_fold!(u16);
+int_fold!(i16);
+int_fold!(u32);
+int_fold!(u64);
 int_fold!(i32);
 int_fold!(i64);
 
@@ -518,6 +526,10 @@ fn arg_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
     Ok(match dtype {
         DType::U8 => arg_for::<u8>(axis, max),
         DType::I8 => arg_for::<i8>(axis, max),
+        DType::U16 => arg_for::<u16>(axis, max),
+        DType::I16 => arg_for::<i16>(axis, max),
+        DType::U32 => arg_for::<u32>(axis, max),
+        DType::U64 => arg_for::<u64>(axis, max),
         DType::I32 => arg_for::<i32>(axis, max),
         DType::I64 => arg_for::<i64>(axis, max),
         DType::F16 => arg_for::<f16>(axis, max),

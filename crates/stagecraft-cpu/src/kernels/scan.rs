@@ -73,6 +73,10 @@ macro_rules! int_scan {
 
 int_scan!(u8);
 int_scan!(i8);
+int_scan!(u16);
+int_scan!(i16);
+int_scan!(u32);
+int_scan!(u64);
 int_scan!(i32);
 int_scan!(i64);
 
@@ -245,7 +249,11 @@ mod tests {
             DType::F64,
             DType::U8,
             DType::I8,
+            DType::U16,
+            DType::I16,
+            DType::U32,
             DType::I32,
+            DType::U64,
             DType::I64,
         ] {
             for (exclusive, reverse) in [(false, false), (true, false), (false, true), (true, true)]

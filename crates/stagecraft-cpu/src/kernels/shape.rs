@@ -847,7 +847,7 @@ mod tests {
             .map(|i| {
                 if dtype == DType::Bool {
                     (i % 3 == 1) as u8 as f64
-                } else if dtype == DType::U8 {
+                } else if dtype.is_unsigned() {
                     (i % 200) as f64
                 } else {
                     (i % 200) as f64 - 100.0

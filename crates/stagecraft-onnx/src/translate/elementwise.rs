@@ -1,5 +1,5 @@
 //! Elementwise ONNX ops: math, activations, comparisons, logic, `Where`,
-//! `Cast`, `Clip`, and the variadic `Sum`/`Mean`/`Max`/`Min`.
+//! `Cast`, `Clip`, the bitwise ops, and the variadic `Sum`/`Mean`/`Max`/`Min`.
 
 use super::{require_float, Ctx, Translate};
 use crate::error::{OnnxError, Result};
@@ -49,6 +49,7 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "Where" => where_,
         "Cast" => cast,
         "CastLike" => cast_like,
+        "BitCast" => bit_cast,
         "Clip" => clip,
         "Identity" => |c| Ok(vec![c.input(0)?]),
         "LeakyRelu" => leaky_relu,
@@ -72,6 +73,11 @@ pub(super) fn lookup(op_type: &str) -> Option<Translate> {
         "Swish" => swish,
         "IsInf" => is_inf,
         "Shrink" => shrink,
+        "BitwiseAnd" => |c| binary(c, &ops::BITWISE_AND),
+        "BitwiseOr" => |c| binary(c, &ops::BITWISE_OR),
+        "BitwiseXor" => |c| binary(c, &ops::BITWISE_XOR),
+        "BitwiseNot" => |c| unary(c, &ops::BITWISE_NOT),
+        "BitShift" => bit_shift,
         "IsNaN" => |c| {
             let x = c.input(0)?;
             Ok(vec![c.binary(&ops::NOT_EQUAL, &x, &x)?])
@@ -94,6 +100,19 @@ fn float_unary(c: &Ctx<'_>, op: &'static OpDef) -> Result<Vec<TensorHandle>> {
 
 fn binary(c: &Ctx<'_>, op: &'static OpDef) -> Result<Vec<TensorHandle>> {
     Ok(vec![c.binary(op, &c.input(0)?, &c.input(1)?)?])
+}
+
+fn bit_shift(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let op = match c.attr_str("direction", "").as_str() {
+        "LEFT" => &ops::SHIFT_LEFT,
+        "RIGHT" => &ops::SHIFT_RIGHT,
+        other => {
+            return Err(OnnxError::invalid(format!(
+                "BitShift direction must be LEFT or RIGHT, got '{other}'"
+            )))
+        }
+    };
+    binary(c, op)
 }
 
 fn pow(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
@@ -217,6 +236,17 @@ fn where_(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
 fn cast(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let to = dtype_of(c.attr_int("to", 1) as i32)?;
     Ok(vec![c.cast(&c.input(0)?, to)?])
+}
+
+fn bit_cast(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
+    let to = dtype_of(c.attr_int("to", 1) as i32)?;
+    let x = c.input(0)?;
+    if x.dtype() == to {
+        return Ok(vec![x]);
+    }
+    let mut a = ops::OpAttrs::new();
+    a.set_dtype("dtype", to);
+    Ok(vec![c.op1(&ops::BITCAST, &[x], &a)?])
 }
 
 fn cast_like(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {

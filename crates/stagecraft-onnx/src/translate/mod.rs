@@ -20,6 +20,7 @@ mod attention;
 mod control;
 mod elementwise;
 mod nn;
+mod quantize;
 mod reduce;
 mod resize;
 mod shape;
@@ -54,6 +55,7 @@ pub(crate) fn lookup(op_type: &str) -> Option<Translate> {
         .or_else(|| shape::lookup(op_type))
         .or_else(|| resize::lookup(op_type))
         .or_else(|| attention::lookup(op_type))
+        .or_else(|| quantize::lookup(op_type))
 }
 
 /// Whether `op_type` (default domain) has a translation.
@@ -511,14 +513,9 @@ pub(crate) fn ints_of(t: &DenseHostTensor) -> Result<Vec<i64>> {
             let s = t
                 .get_scalar(i)
                 .ok_or_else(|| OnnxError::invalid("cannot read a constant"))?;
-            Ok(match s {
-                Scalar::I64(v) => v,
-                Scalar::I32(v) => v as i64,
-                Scalar::I8(v) => v as i64,
-                Scalar::U8(v) => v as i64,
-                Scalar::Bool(v) => v as i64,
-                other => scalar_f64(other) as i64,
-            })
+            // Integers exactly (a u64 above i64::MAX wraps), floats
+            // truncated.
+            Ok(s.to_i64())
         })
         .collect()
 }

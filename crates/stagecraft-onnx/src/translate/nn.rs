@@ -130,6 +130,18 @@ fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
     require_float(c, &x)?;
     let w = c.input(1)?;
+    Ok(vec![conv_of(c, x, w, c.opt_input(2))?])
+}
+
+/// The convolution of `x` by `w` (plus `bias`, one per output channel)
+/// with the node's `Conv` attributes: `Conv` itself, and the integer
+/// convolutions of `quantize.rs`, whose third input is no bias.
+pub(super) fn conv_of(
+    c: &Ctx<'_>,
+    x: TensorHandle,
+    w: TensorHandle,
+    bias: Option<&TensorHandle>,
+) -> Result<TensorHandle> {
     let xd = dims(&x);
     let wd = dims(&w);
     let spatial = xd.len().saturating_sub(2);
@@ -143,7 +155,7 @@ fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let dilations = ints_or(c, "dilations", spatial, 1)?;
     let pads = spatial_pads(c, &xd[2..], kernel, &strides, &dilations)?;
     if spatial == 3 {
-        return conv3d(c, &x, &w, &strides, &dilations, &pads);
+        return conv3d(c, &x, &w, bias, &strides, &dilations, &pads);
     }
     let (mut x2, w2) = if spatial == 1 {
         (as_2d(c, &x)?, as_2d(c, &w)?)
@@ -166,15 +178,20 @@ fn conv(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     attrs.set_dims("dilation", &two(&dilations, 1));
     attrs.set_int("groups", c.attr_int("group", 1));
     let y = c.op1(&ops::CONV2D, &[x2, w2], &attrs)?;
-    Ok(vec![add_bias_and_unfold(c, y, spatial)?])
+    add_bias_and_unfold(c, y, bias, spatial)
 }
 
 /// A 2-D convolution's result finished as the node asks: plus the optional
-/// bias input (one per output channel), and a 1-D convolution's dummy
-/// height (it ran as 2-D) dropped again.
-fn add_bias_and_unfold(c: &Ctx<'_>, y: TensorHandle, spatial: usize) -> Result<TensorHandle> {
+/// bias (one per output channel), and a 1-D convolution's dummy height (it
+/// ran as 2-D) dropped again.
+fn add_bias_and_unfold(
+    c: &Ctx<'_>,
+    y: TensorHandle,
+    bias: Option<&TensorHandle>,
+    spatial: usize,
+) -> Result<TensorHandle> {
     let mut y = y;
-    if let Some(b) = c.opt_input(2) {
+    if let Some(b) = bias {
         let b = c.reshape(b, &[1, dims(&y)[1], 1, 1])?;
         y = c.binary(&ops::ADD, &y, &b)?;
     }
@@ -193,10 +210,11 @@ fn conv3d(
     c: &Ctx<'_>,
     x: &TensorHandle,
     w: &TensorHandle,
+    bias: Option<&TensorHandle>,
     strides: &[usize],
     dilations: &[usize],
     pads: &[(usize, usize)],
-) -> Result<Vec<TensorHandle>> {
+) -> Result<TensorHandle> {
     let before: Vec<i64> = [0, 0]
         .into_iter()
         .chain(pads.iter().map(|p| p.0 as i64))
@@ -269,11 +287,11 @@ fn conv3d(
     let yd = dims(&y);
     let y = c.reshape(&y, &[n, od, m, yd[2], yd[3]])?;
     let mut y = transpose(&y, &[0, 2, 1, 3, 4])?;
-    if let Some(b) = c.opt_input(2) {
+    if let Some(b) = bias {
         let b = c.reshape(b, &[1, m, 1, 1, 1])?;
         y = c.binary(&ops::ADD, &y, &b)?;
     }
-    Ok(vec![y])
+    Ok(y)
 }
 
 fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
@@ -787,7 +805,7 @@ fn conv_transpose(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let before = [0, 0, -pads2[0].0, -pads2[1].0];
     let after = [0, 0, op2[0] as i64 - pads2[0].1, op2[1] as i64 - pads2[1].1];
     let y = pad_with(c, &y, &before, &after, 0.0)?;
-    Ok(vec![add_bias_and_unfold(c, y, spatial)?])
+    Ok(vec![add_bias_and_unfold(c, y, c.opt_input(2), spatial)?])
 }
 
 /// The negative log-likelihood of `log_prob: [N, C, ...]` at `target:

@@ -13,7 +13,8 @@ use crate::scalar::{
 use stagecraft_tensor::{broadcast_shapes, DType, Error, Result, TensorMetadata};
 
 /// The definition every unary op shares: one input, no attributes, the
-/// dtype class and gradient rule of its table entry.
+/// dtype class and gradient rule of its table entry (none at all for an
+/// integer op).
 const fn unary_def(name: &'static str, op: UnaryOp) -> OpDef {
     OpDef {
         name,
@@ -25,7 +26,11 @@ const fn unary_def(name: &'static str, op: UnaryOp) -> OpDef {
         effect: Effect::Pure,
         shape_kind: ShapeKind::Static,
         metadata: unary_meta,
-        grad: Some(unary_grad),
+        grad: if matches!(op.class(), DTypeClass::Int) {
+            None
+        } else {
+            Some(unary_grad)
+        },
     }
 }
 
@@ -62,7 +67,11 @@ const fn binary_def(name: &'static str, op: BinaryOp) -> OpDef {
         effect: Effect::Pure,
         shape_kind: ShapeKind::Static,
         metadata: binary_meta,
-        grad: Some(binary_grad),
+        grad: if matches!(op.class(), DTypeClass::Int) {
+            None
+        } else {
+            Some(binary_grad)
+        },
     }
 }
 
@@ -335,6 +344,11 @@ crate::unary_ops! {
             b.mul(g, twice)
         },
     }
+    /// Bitwise not of an integer tensor (every bit flipped).
+    BitNot => BITWISE_NOT("BitwiseNot", Int) {
+        eval: |x| x.bit_not(),
+        grad: none,
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -436,6 +450,34 @@ crate::binary_ops! {
         eval: |a, b| if a != T::ZERO || b != T::ZERO { T::ONE } else { T::ZERO },
         grad: none,
     }
+    /// Bitwise and of integer tensors.
+    BitAnd => BITWISE_AND("BitwiseAnd", Int) {
+        eval: |a, b| a.bit_and(b),
+        grad: none,
+    }
+    /// Bitwise or of integer tensors.
+    BitOr => BITWISE_OR("BitwiseOr", Int) {
+        eval: |a, b| a.bit_or(b),
+        grad: none,
+    }
+    /// Bitwise exclusive or of integer tensors.
+    BitXor => BITWISE_XOR("BitwiseXor", Int) {
+        eval: |a, b| a.bit_xor(b),
+        grad: none,
+    }
+    /// `a << b` on integer tensors; an amount outside `0..bits` (the
+    /// dtype's width) gives 0.
+    ShiftLeft => SHIFT_LEFT("ShiftLeft", Int) {
+        eval: |a, b| a.shift_left(b),
+        grad: none,
+    }
+    /// `a >> b` on integer tensors: arithmetic for signed dtypes, logical
+    /// for unsigned ones; an amount outside `0..bits` shifts every bit out
+    /// (0, or -1 for a negative signed value).
+    ShiftRight => SHIFT_RIGHT("ShiftRight", Int) {
+        eval: |a, b| a.shift_right(b),
+        grad: none,
+    }
 }
 
 const fn compare(name: &'static str, op: CompareOp) -> OpDef {
@@ -513,6 +555,36 @@ pub static CAST: OpDef = OpDef {
     metadata: cast_meta,
     grad: Some(cast_grad),
 };
+
+/// Reinterprets the bytes of each element as `dtype`, which must have the
+/// same width (`i32` from `f32`, `u8` from `i8` or `bool`, ...); to bool
+/// only bytes that are 0 or 1. Bit patterns, so no gradient.
+pub static BITCAST: OpDef = OpDef {
+    name: "Bitcast",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 1,
+    attrs: &[AttrSpec::required("dtype", AttrKind::DType)],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: bitcast_meta,
+    grad: None,
+};
+
+fn bitcast_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let x = &inputs[0];
+    let to = attrs.dtype("dtype")?;
+    if x.dtype == DType::List || to == DType::List || x.dtype.size_in_bytes() != to.size_in_bytes()
+    {
+        return Err(Error::dtype(format!(
+            "Bitcast needs dtypes of one width, got {x} to {to} ({} and {} bytes)",
+            x.dtype.size_in_bytes(),
+            to.size_in_bytes()
+        )));
+    }
+    one(TensorMetadata::new(to, x.shape.clone()))
+}
 
 fn cast_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     one(TensorMetadata::new(
@@ -616,6 +688,66 @@ mod tests {
             .infer(&[m(DType::I32, &[2]), m(DType::I32, &[2])], &none)
             .is_err());
         assert!(ADD.infer(&[m(DType::F32, &[2])], &none).is_err());
+    }
+
+    #[test]
+    fn bitcast_keeps_the_width() {
+        let mut to = OpAttrs::new();
+        to.set_dtype("dtype", DType::I32);
+        assert_eq!(
+            BITCAST.infer(&[m(DType::F32, &[2, 3])], &to).unwrap()[0],
+            m(DType::I32, &[2, 3])
+        );
+        assert!(BITCAST.infer(&[m(DType::U32, &[])], &to).is_ok());
+        let e = BITCAST.infer(&[m(DType::F64, &[2])], &to).unwrap_err();
+        assert!(e.to_string().contains("width"), "{e}");
+        let mut to_u8 = OpAttrs::new();
+        to_u8.set_dtype("dtype", DType::U8);
+        assert!(BITCAST.infer(&[m(DType::Bool, &[4])], &to_u8).is_ok());
+        assert!(BITCAST.infer(&[m(DType::I16, &[4])], &to_u8).is_err());
+        assert!(BITCAST.grad.is_none());
+    }
+
+    #[test]
+    fn bitwise_ops_take_integers_alone() {
+        let none = OpAttrs::new();
+        for dtype in DType::ALL {
+            let pair = [m(dtype, &[2, 1]), m(dtype, &[3])];
+            for op in [
+                &BITWISE_AND,
+                &BITWISE_OR,
+                &BITWISE_XOR,
+                &SHIFT_LEFT,
+                &SHIFT_RIGHT,
+            ] {
+                let out = op.infer(&pair, &none);
+                if dtype.is_int() {
+                    assert_eq!(out.unwrap()[0], m(dtype, &[2, 3]));
+                } else {
+                    let message = out.unwrap_err().to_string();
+                    assert!(message.contains("integer"), "{}: {message}", op.name);
+                }
+            }
+            assert_eq!(
+                BITWISE_NOT.infer(&[m(dtype, &[4])], &none).is_ok(),
+                dtype.is_int()
+            );
+        }
+        assert!(BITWISE_AND
+            .infer(&[m(DType::U16, &[2]), m(DType::U32, &[2])], &none)
+            .is_err());
+        // Integer ops carry no gradient rule; the others keep theirs.
+        for op in [
+            &BITWISE_AND,
+            &BITWISE_OR,
+            &BITWISE_XOR,
+            &SHIFT_LEFT,
+            &SHIFT_RIGHT,
+            &BITWISE_NOT,
+        ] {
+            assert!(op.grad.is_none(), "{}", op.name);
+        }
+        assert!(ADD.grad.is_some() && NEG.grad.is_some());
     }
 
     #[test]

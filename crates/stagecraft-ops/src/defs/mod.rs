@@ -56,6 +56,7 @@ const OTHER_OPS: &[&OpDef] = &[
     &GREATER_EQUAL,
     &SELECT,
     &CAST,
+    &BITCAST,
     &FUSED_ELEMENTWISE,
     &FUSED_REDUCE,
     &FUSED_MATMUL,
