@@ -321,6 +321,17 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// Every input slot (`None` for an absent optional input).
+    pub fn inputs_vals(&self) -> Vec<Option<Val>> {
+        self.inputs.clone()
+    }
+
+    /// A context for the same node and device with other inputs: for a
+    /// translation that rewrites an input (a cast) and reuses another.
+    pub fn with_inputs(&self, inputs: Vec<Option<Val>>) -> Ctx<'a> {
+        Ctx::new(self.node, self.opset, self.device, inputs)
+    }
+
     /// The op type.
     pub fn op_type(&self) -> &str {
         self.node.op_type()

@@ -9,7 +9,7 @@ use crate::error::{OnnxError, Result};
 use stagecraft_ops as ops;
 use stagecraft_ops::OpAttrs;
 use stagecraft_runtime::TensorHandle;
-use stagecraft_tensor::DenseHostTensor;
+use stagecraft_tensor::{DType, DenseHostTensor};
 
 pub(super) fn lookup(op_type: &str) -> Option<Translate> {
     Some(match op_type {
@@ -279,6 +279,11 @@ fn conv3d(
 
 fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
+    if max && matches!(x.dtype(), DType::U8 | DType::I8) {
+        // Every 8-bit value is exact in f32 and a maximum picks one of
+        // them: pooled in f32, the result casts back exactly.
+        return max_pool_narrow(c, &x);
+    }
     require_float(c, &x)?;
     let xd = dims(&x);
     let spatial = xd.len().saturating_sub(2);
@@ -376,6 +381,26 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
         y = c.reshape(&y, &[d[0], d[1], d[3]])?;
     }
     Ok(vec![y])
+}
+
+/// `MaxPool` of 8-bit integers through f32 (see [`pool`]); the node's
+/// input is swapped for its f32 copy, so every pooling path serves.
+fn max_pool_narrow(c: &Ctx<'_>, x: &TensorHandle) -> Result<Vec<TensorHandle>> {
+    let wide = c.cast(x, DType::F32)?;
+    let mut inputs = c.inputs_vals();
+    if let Some(Some(v)) = inputs.get_mut(0) {
+        v.handle = wide;
+        v.known = None;
+    }
+    let sub = c.with_inputs(inputs);
+    let outs = pool(&sub, true)?;
+    let mut outs = outs.into_iter();
+    let y = outs
+        .next()
+        .ok_or_else(|| OnnxError::invalid("MaxPool produced no output"))?;
+    let mut result = vec![c.cast(&y, x.dtype())?];
+    result.extend(outs);
+    Ok(result)
 }
 
 /// `MaxPool` with its second output, the flat index of each maximum in
