@@ -355,7 +355,8 @@ impl Model {
             .node
             .iter()
             .filter(|n| {
-                !matches!(n.domain(), "" | "ai.onnx") || !translate::is_supported(n.op_type())
+                !translate::in_domain(n.domain(), n.op_type())
+                    || !translate::is_supported(n.op_type())
             })
             .map(|n| n.op_type().to_string())
             .collect::<HashSet<_>>()

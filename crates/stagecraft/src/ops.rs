@@ -53,6 +53,12 @@ unary_methods!(FloatElement:
     sin => SIN,
     /// Cosine, elementwise.
     cos => COS,
+    /// Arcsine, elementwise (NaN outside `[-1, 1]`).
+    asin => ASIN,
+    /// Arccosine, elementwise (NaN outside `[-1, 1]`).
+    acos => ACOS,
+    /// Arctangent, elementwise.
+    atan => ATAN,
     /// The error function, elementwise.
     erf => ERF,
     /// GELU's tanh approximation, `x·(1 + tanh(√(2/π)(x + 0.044715x³)))/2`

@@ -257,7 +257,9 @@ fn cases() -> Vec<Case> {
     let away = away_from_zero(&[2, 3], 3, &d);
     // Unary math.
     type Un = fn(&T) -> T;
-    let unary: [(&str, Un, &T); 27] = [
+    // Inside (-1, 1), away from the arcsine's and arccosine's poles.
+    let inner23 = tensor(&[2, 3], 5, -0.8, 0.8, &d);
+    let unary: [(&str, Un, &T); 30] = [
         ("Neg", |x| -x, &x23),
         ("Abs", |x| x.abs(), &away),
         ("Exp", |x| x.exp(), &x23),
@@ -270,6 +272,9 @@ fn cases() -> Vec<Case> {
         ("Gelu", |x| x.gelu(), &x23),
         ("Sin", |x| x.sin(), &x23),
         ("Cos", |x| x.cos(), &x23),
+        ("Asin", |x| x.asin(), &inner23),
+        ("Acos", |x| x.acos(), &inner23),
+        ("Atan", |x| x.atan(), &x23),
         // The rule gives no gradient: d(sign(x)·x) = sign(x).
         ("Sign", |x| x.sign() * x, &away),
         ("Print", |x| x.print("gradient_check"), &x23),

@@ -42,7 +42,7 @@ fn transpose(c: &Ctx<'_>, x: &TensorHandle, perm: &[i64]) -> Result<TensorHandle
 }
 
 /// Each of the `heads` of `x: [B, H, T, D]` repeated `reps` times in place.
-fn repeat_heads(c: &Ctx<'_>, x: &TensorHandle, reps: usize) -> Result<TensorHandle> {
+pub(crate) fn repeat_heads(c: &Ctx<'_>, x: &TensorHandle, reps: usize) -> Result<TensorHandle> {
     if reps == 1 {
         return Ok(x.clone());
     }

@@ -13,17 +13,30 @@
 //! dimensions are therefore resolved per input signature.
 //!
 //! Each ONNX op is a small function in a family file (`elementwise.rs`,
-//! `nn.rs`, `shape.rs`, `reduce.rs`) that reads the node's opset version
-//! and attributes; [`lookup`] is the table from op type to function.
+//! `nn.rs`, `shape.rs`, `reduce.rs`, `recurrent.rs`, `signal.rs`,
+//! `vision.rs`, `data.rs`, ...) that reads the node's opset version and
+//! attributes; [`lookup`] is the table from op type to function.
+//!
+//! Ops whose output shape depends on input values (`NonZero`, `Unique`,
+//! `Compress`, `NonMaxSuppression`, ...) need those values known before
+//! the model runs: they are listed in [`static_inputs`], so a graph input
+//! feeding one is baked per call, and a value computed inside the model
+//! is refused as unsupported with a message saying so.
 
 mod attention;
 mod control;
+mod data;
 mod elementwise;
+mod flex;
 mod nn;
+mod norm;
 mod quantize;
+mod recurrent;
 mod reduce;
 mod resize;
 mod shape;
+mod signal;
+mod vision;
 
 use crate::error::{NodeRef, OnnxError, OnnxErrorKind, Result};
 use crate::proto::attribute_proto::AttributeType;
@@ -56,6 +69,22 @@ pub(crate) fn lookup(op_type: &str) -> Option<Translate> {
         .or_else(|| resize::lookup(op_type))
         .or_else(|| attention::lookup(op_type))
         .or_else(|| quantize::lookup(op_type))
+        .or_else(|| recurrent::lookup(op_type))
+        .or_else(|| signal::lookup(op_type))
+        .or_else(|| flex::lookup(op_type))
+        .or_else(|| data::lookup(op_type))
+        .or_else(|| norm::lookup(op_type))
+        .or_else(|| vision::lookup(op_type))
+}
+
+/// Whether ops of `domain` named `op_type` are translated: the default
+/// domain, and the preview ops that have a translation.
+pub(crate) fn in_domain(domain: &str, op_type: &str) -> bool {
+    match domain {
+        "" | "ai.onnx" => true,
+        "ai.onnx.preview" => op_type == "FlexAttention",
+        _ => false,
+    }
 }
 
 /// Whether `op_type` (default domain) has a translation.
@@ -81,6 +110,18 @@ pub(crate) fn static_inputs(op_type: &str) -> &'static [usize] {
         "Dropout" => &[1, 2],
         "ConstantOfShape" => &[0],
         "Attention" => &[6],
+        "RNN" | "GRU" | "LSTM" => &[4],
+        "Compress" | "ReverseSequence" => &[1],
+        "NonZero" | "Unique" => &[0],
+        "NonMaxSuppression" => &[0, 1, 2, 3, 4],
+        "AffineGrid" => &[1],
+        "MaxUnpool" => &[2],
+        "RoiAlign" => &[1, 2],
+        "TensorScatter" => &[2],
+        "DFT" => &[1, 2],
+        "STFT" => &[1, 3],
+        "HannWindow" | "HammingWindow" | "BlackmanWindow" => &[0],
+        "MelWeightMatrix" => &[0, 1, 2, 3, 4],
         "Loop" => &[0],
         _ => &[],
     }
@@ -149,7 +190,7 @@ fn translate_node(
     device: Device,
     values: &mut HashMap<String, Val>,
 ) -> Result<()> {
-    if !matches!(node.domain(), "" | "ai.onnx") {
+    if !in_domain(node.domain(), node.op_type()) {
         return Err(OnnxError::unsupported(format!(
             "op {} of domain '{}'",
             node.op_type(),
@@ -280,6 +321,17 @@ impl<'a> Ctx<'a> {
             location: Location::caller(),
             made: RefCell::new(Vec::new()),
         }
+    }
+
+    /// Every input slot (`None` for an absent optional input).
+    pub fn inputs_vals(&self) -> Vec<Option<Val>> {
+        self.inputs.clone()
+    }
+
+    /// A context for the same node and device with other inputs: for a
+    /// translation that rewrites an input (a cast) and reuses another.
+    pub fn with_inputs(&self, inputs: Vec<Option<Val>>) -> Ctx<'a> {
+        Ctx::new(self.node, self.opset, self.device, inputs)
     }
 
     /// The op type.

@@ -9,6 +9,7 @@ use crate::error::{OnnxError, Result};
 use stagecraft_ops as ops;
 use stagecraft_ops::OpAttrs;
 use stagecraft_runtime::TensorHandle;
+use stagecraft_tensor::{DType, DenseHostTensor};
 
 pub(super) fn lookup(op_type: &str) -> Option<Translate> {
     Some(match op_type {
@@ -296,6 +297,11 @@ fn conv3d(
 
 fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
+    if max && matches!(x.dtype(), DType::U8 | DType::I8) {
+        // Every 8-bit value is exact in f32 and a maximum picks one of
+        // them: pooled in f32, the result casts back exactly.
+        return max_pool_narrow(c, &x);
+    }
     require_float(c, &x)?;
     let xd = dims(&x);
     let spatial = xd.len().saturating_sub(2);
@@ -312,6 +318,9 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
     let strides = ints_or(c, "strides", spatial, 1)?;
     let dilations = ints_or(c, "dilations", spatial, 1)?;
     let mut pads = spatial_pads(c, &xd[2..], &kernel, &strides, &dilations)?;
+    if max && c.node.output.get(1).is_some_and(|o| !o.is_empty()) {
+        return max_pool_with_indices(c, &x, &kernel, &strides, &dilations, &pads);
+    }
     if spatial == 3 || dilations.iter().any(|&d| d != 1) {
         return pool_by_slices(c, &x, max, false, &kernel, &strides, &dilations, &pads);
     }
@@ -390,6 +399,146 @@ fn pool(c: &Ctx<'_>, max: bool) -> Result<Vec<TensorHandle>> {
         y = c.reshape(&y, &[d[0], d[1], d[3]])?;
     }
     Ok(vec![y])
+}
+
+/// `MaxPool` of 8-bit integers through f32 (see [`pool`]); the node's
+/// input is swapped for its f32 copy, so every pooling path serves.
+fn max_pool_narrow(c: &Ctx<'_>, x: &TensorHandle) -> Result<Vec<TensorHandle>> {
+    let wide = c.cast(x, DType::F32)?;
+    let mut inputs = c.inputs_vals();
+    if let Some(Some(v)) = inputs.get_mut(0) {
+        v.handle = wide;
+        v.known = None;
+    }
+    let sub = c.with_inputs(inputs);
+    let outs = pool(&sub, true)?;
+    let mut outs = outs.into_iter();
+    let y = outs
+        .next()
+        .ok_or_else(|| OnnxError::invalid("MaxPool produced no output"))?;
+    let mut result = vec![c.cast(&y, x.dtype())?];
+    result.extend(outs);
+    Ok(result)
+}
+
+/// `MaxPool` with its second output, the flat index of each maximum in
+/// its `[N, C, ...]` input (row-major; column-major over the spatial axes
+/// with `storage_order = 1`). One strided slice of the `-inf`-padded input
+/// per kernel offset, each with a constant table of the input positions it
+/// reads; a running maximum keeps the first offset reaching it and that
+/// offset's positions.
+fn max_pool_with_indices(
+    c: &Ctx<'_>,
+    x: &TensorHandle,
+    kernel: &[usize],
+    strides: &[usize],
+    dilations: &[usize],
+    pads: &[(usize, usize)],
+) -> Result<Vec<TensorHandle>> {
+    if c.attr_int("ceil_mode", 0) != 0 {
+        return Err(OnnxError::unsupported(
+            "MaxPool's indices output with ceil_mode",
+        ));
+    }
+    let column_major = c.attr_int("storage_order", 0) != 0;
+    let xd = dims(x);
+    let spatial = kernel.len();
+    let sp = &xd[2..];
+    let mut out = vec![0usize; spatial];
+    for i in 0..spatial {
+        let ke = dilations[i] * (kernel[i] - 1) + 1;
+        let padded = sp[i] + pads[i].0 + pads[i].1;
+        if ke > padded {
+            return Err(OnnxError::invalid(format!(
+                "a pooling window of {ke} over {padded} elements"
+            )));
+        }
+        out[i] = (padded - ke) / strides[i] + 1;
+    }
+    let before: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads.iter().map(|p| p.0 as i64))
+        .collect();
+    let after: Vec<i64> = [0, 0]
+        .into_iter()
+        .chain(pads.iter().map(|p| p.1 as i64))
+        .collect();
+    let xp = pad_with(c, x, &before, &after, f64::NEG_INFINITY)?;
+    // The flat stride of each spatial axis.
+    let mut stride_of = vec![1usize; spatial];
+    if column_major {
+        for i in 1..spatial {
+            stride_of[i] = stride_of[i - 1] * sp[i - 1];
+        }
+    } else {
+        for i in (0..spatial.saturating_sub(1)).rev() {
+            stride_of[i] = stride_of[i + 1] * sp[i + 1];
+        }
+    }
+    let positions: usize = out.iter().product();
+    let mut table_shape = vec![1, 1];
+    table_shape.extend(&out);
+    let mut acc: Option<(TensorHandle, TensorHandle)> = None;
+    for flat in 0..kernel.iter().product::<usize>() {
+        let mut offset = vec![0usize; spatial];
+        let mut r = flat;
+        for i in (0..spatial).rev() {
+            offset[i] = r % kernel[i];
+            r /= kernel[i];
+        }
+        let mut starts = vec![0i64, 0];
+        let mut ends = vec![xd[0] as i64, xd[1] as i64];
+        let mut steps = vec![1i64, 1];
+        for i in 0..spatial {
+            let s = (offset[i] * dilations[i]) as i64;
+            starts.push(s);
+            ends.push(s + ((out[i] - 1) * strides[i]) as i64 + 1);
+            steps.push(strides[i] as i64);
+        }
+        let mut a = OpAttrs::new();
+        a.set_ints("starts", &starts);
+        a.set_ints("ends", &ends);
+        a.set_ints("steps", &steps);
+        let w = c.op1(&ops::SLICE, std::slice::from_ref(&xp), &a)?;
+        // The input position each output position reads at this offset
+        // (a padded one reads -inf, so its index is never taken unless
+        // the whole window is padding).
+        let table: Vec<i64> = (0..positions)
+            .map(|p| {
+                let mut rest = p;
+                let mut at = 0i64;
+                for i in (0..spatial).rev() {
+                    let o = rest % out[i];
+                    rest /= out[i];
+                    let h = (o * strides[i] + offset[i] * dilations[i]) as i64 - pads[i].0 as i64;
+                    at += h.clamp(0, sp[i] as i64 - 1) * stride_of[i] as i64;
+                }
+                at
+            })
+            .collect();
+        let t = c.constant(DenseHostTensor::from_slice(&table, table_shape.clone())?);
+        acc = Some(match acc {
+            None => {
+                let mut b = OpAttrs::new();
+                b.set_dims("shape", &dims(&w));
+                (w.clone(), c.op1(&ops::BROADCAST_TO, &[t], &b)?)
+            }
+            Some((m, idx)) => {
+                let better = c.binary(&ops::GREATER, &w, &m)?;
+                let m = c.op1(&ops::SELECT, &[better.clone(), w, m], &OpAttrs::new())?;
+                let idx = c.op1(&ops::SELECT, &[better, t, idx], &OpAttrs::new())?;
+                (m, idx)
+            }
+        });
+    }
+    let (y, idx) = acc.ok_or_else(|| OnnxError::invalid("an empty pooling kernel"))?;
+    // Each (n, c) plane starts at (n·C + c) · its size.
+    let plane: usize = sp.iter().product();
+    let bases: Vec<i64> = (0..xd[0] * xd[1]).map(|i| (i * plane) as i64).collect();
+    let mut base_shape = vec![xd[0], xd[1]];
+    base_shape.extend(std::iter::repeat_n(1, spatial));
+    let bases = c.constant(DenseHostTensor::from_slice(&bases, base_shape)?);
+    Ok(vec![y, c.binary(&ops::ADD, &idx, &bases)?])
 }
 
 /// Pooling of any rank with dilations, composed from strided slices: one
@@ -589,9 +738,7 @@ fn per_channel(c: &Ctx<'_>, v: &TensorHandle, rank: usize) -> Result<TensorHandl
 
 fn batch_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     if c.attr_int("training_mode", 0) != 0 {
-        return Err(OnnxError::unsupported(
-            "BatchNormalization in training mode",
-        ));
+        return super::norm::batch_norm_training(c);
     }
     if c.node.output.iter().skip(1).any(|o| !o.is_empty()) {
         return Err(OnnxError::unsupported(
@@ -967,20 +1114,125 @@ fn mean_variance_norm(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     Ok(vec![y])
 }
 
-/// `Einsum` without ellipses or repeated subscripts in one operand: every
-/// operand is laid out over all subscripts (missing ones as unit axes),
-/// the operands are multiplied with broadcasting, the subscripts not in
-/// the output are summed, and the rest put in the output's order. Simple
-/// and exact, not fast: large contractions deserve a `MatMul`.
+/// An operand whose term repeats a subscript, reduced to its diagonal over
+/// each repeated pair (the product with an identity mask, summed over the
+/// second axis), with the term's second occurrence removed.
+fn diagonals(c: &Ctx<'_>, term: &[char], x: &TensorHandle) -> Result<(Vec<char>, TensorHandle)> {
+    let mut t = term.to_vec();
+    let mut x = x.clone();
+    while let Some((p, q)) = (0..t.len())
+        .flat_map(|q| (0..q).map(move |p| (p, q)))
+        .find(|&(p, q)| t[p] == t[q])
+    {
+        let d = dims(&x);
+        if d.len() != t.len() || d[p] != d[q] {
+            return Err(OnnxError::invalid(format!(
+                "Einsum subscript {} repeats over axes of {} and {}",
+                t[p],
+                d.get(p).copied().unwrap_or(0),
+                d.get(q).copied().unwrap_or(0)
+            )));
+        }
+        let n = d[p];
+        let eye: Vec<f64> = (0..n * n)
+            .map(|i| if i / n == i % n { 1.0 } else { 0.0 })
+            .collect();
+        let mut shape = vec![1; d.len()];
+        shape[p] = n;
+        shape[q] = n;
+        let eye = c.constant(DenseHostTensor::from_slice(&eye, shape)?);
+        let eye = c.cast(&eye, x.dtype())?;
+        let masked = c.binary(&ops::MUL, &x, &eye)?;
+        x = reduce_with(c, &ops::SUM, &masked, &[q as i64], false)?;
+        t.remove(q);
+    }
+    Ok((t, x))
+}
+
+/// An Einsum equation with each `...` replaced by letters the equation
+/// does not use: one per broadcast dimension, right-aligned across the
+/// operands as NumPy aligns them. An implicit output lists the ellipsis's
+/// letters first, then the subscripts used once in alphabetical order.
+fn expand_ellipsis(equation: &str, inputs: &[TensorHandle]) -> Result<String> {
+    if !equation.contains("...") {
+        return Ok(equation.to_string());
+    }
+    let (lhs, rhs) = match equation.split_once("->") {
+        Some((l, r)) => (l, Some(r)),
+        None => (equation, None),
+    };
+    let terms: Vec<&str> = lhs.split(',').collect();
+    if terms.len() != inputs.len() {
+        return Err(OnnxError::invalid(format!(
+            "Einsum equation {equation} names {} operands, the node has {}",
+            terms.len(),
+            inputs.len()
+        )));
+    }
+    let spans: Vec<usize> = terms
+        .iter()
+        .zip(inputs)
+        .map(|(t, x)| {
+            let named = t.replace("...", "").chars().count();
+            if t.contains("...") {
+                dims(x).len().checked_sub(named).ok_or_else(|| {
+                    OnnxError::invalid(format!(
+                        "Einsum term {t} for an operand of rank {}",
+                        dims(x).len()
+                    ))
+                })
+            } else {
+                Ok(0)
+            }
+        })
+        .collect::<Result<_>>()?;
+    let width = spans.iter().copied().max().unwrap_or(0);
+    let free: Vec<char> = ('A'..='Z')
+        .chain('a'..='z')
+        .filter(|ch| !equation.contains(*ch))
+        .take(width)
+        .collect();
+    if free.len() < width {
+        return Err(OnnxError::unsupported(
+            "Einsum with more broadcast dimensions than free letters",
+        ));
+    }
+    let ell = |k: usize| -> String { free[width - k..].iter().collect() };
+    let new_terms: Vec<String> = terms
+        .iter()
+        .zip(&spans)
+        .map(|(t, &k)| t.replace("...", &ell(k)))
+        .collect();
+    let output = match rhs {
+        Some(r) => r.replace("...", &ell(width)),
+        None => {
+            let joined: String = terms.concat().replace("...", "");
+            let mut once: Vec<char> = joined
+                .chars()
+                .filter(|ch| joined.matches(*ch).count() == 1)
+                .collect();
+            once.sort_unstable();
+            let mut o = ell(width);
+            o.extend(once);
+            o
+        }
+    };
+    Ok(format!("{}->{output}", new_terms.join(",")))
+}
+
+/// `Einsum`: ellipses become fresh subscripts ([`expand_ellipsis`]), a
+/// subscript repeated in one operand takes that operand's diagonal, then
+/// every operand is laid out over all subscripts (missing ones as unit
+/// axes), the operands are multiplied with broadcasting, the subscripts
+/// not in the output are summed, and the rest put in the output's order.
+/// Simple and exact, not fast: large contractions deserve a `MatMul`.
 fn einsum(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let equation: String = c
         .attr_str("equation", "")
         .chars()
         .filter(|ch| !ch.is_whitespace())
         .collect();
-    if equation.contains("...") {
-        return Err(OnnxError::unsupported("Einsum with an ellipsis"));
-    }
+    let equation = expand_ellipsis(&equation, &c.inputs())?;
     let (lhs, rhs) = match equation.split_once("->") {
         Some((l, r)) => (l.to_string(), Some(r.to_string())),
         None => (equation.clone(), None),
@@ -1027,6 +1279,8 @@ fn einsum(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     order.extend(all.iter().copied().filter(|ch| !output.contains(ch)));
     let mut product: Option<TensorHandle> = None;
     for (t, x) in terms.iter().zip(&inputs) {
+        let (t, x) = diagonals(c, t, x)?;
+        let (t, x) = (&t, &x);
         let d = dims(x);
         if t.len() != d.len() {
             return Err(OnnxError::invalid(format!(
@@ -1034,15 +1288,6 @@ fn einsum(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
                 t.iter().collect::<String>(),
                 d.len()
             )));
-        }
-        let mut seen = Vec::new();
-        for &ch in t {
-            if seen.contains(&ch) {
-                return Err(OnnxError::unsupported(
-                    "Einsum with a repeated subscript (a diagonal)",
-                ));
-            }
-            seen.push(ch);
         }
         // Permute the operand's axes into `order`, then insert unit axes.
         let mut perm: Vec<i64> = Vec::new();

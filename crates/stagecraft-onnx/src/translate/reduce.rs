@@ -110,6 +110,17 @@ fn reduce(c: &Ctx<'_>, kind: Kind) -> Result<Vec<TensorHandle>> {
         Kind::Max | Kind::Min => {
             let empty = axes.iter().any(|&a| dims(&x)[a as usize] == 0)
                 || axes.is_empty() && x.metadata().shape.numel() == 0;
+            if empty && float {
+                // Nothing to compare: the max of no values is -inf and the
+                // min +inf, an empty sum (0, of the right shape) shifted.
+                let s = reduce_with(c, &ops::SUM, &x, &axes, keepdim)?;
+                let inf = if kind == Kind::Max {
+                    f64::NEG_INFINITY
+                } else {
+                    f64::INFINITY
+                };
+                return Ok(vec![c.with_scalar(&ops::ADD, &s, inf)?]);
+            }
             if empty {
                 return Err(OnnxError::unsupported(format!(
                     "{} over an empty axis",

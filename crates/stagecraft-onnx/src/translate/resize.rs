@@ -33,6 +33,15 @@ struct Plan<'a> {
     nearest: &'a str,
     cubic_a: f64,
     exclude_outside: bool,
+    /// Per axis, the crop `(start, end)` of `tf_crop_and_resize` (in
+    /// normalized input coordinates); empty in the other modes.
+    roi: Vec<(f64, f64)>,
+    /// The value of positions whose crop coordinate falls outside the
+    /// input (`tf_crop_and_resize`).
+    extrapolation: f64,
+    /// Whether a downscaling linear or cubic filter is widened by the
+    /// inverse scale (`antialias`).
+    antialias: bool,
 }
 
 fn upsample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
@@ -55,6 +64,9 @@ fn upsample(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         nearest: "floor",
         cubic_a: -0.75,
         exclude_outside: false,
+        roi: Vec::new(),
+        extrapolation: 0.0,
+        antialias: false,
     };
     let out: Vec<usize> = d
         .iter()
@@ -94,9 +106,6 @@ fn resize(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
     let d = dims(&x);
     let rank = d.len();
-    if c.attr_int("antialias", 0) != 0 {
-        return Err(OnnxError::unsupported("Resize with antialias"));
-    }
     let mode_name = c.attr_str("mode", "nearest");
     let mode = parse_mode(&mode_name)?;
     let coordinate = if c.opset < 11 {
@@ -104,11 +113,6 @@ fn resize(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     } else {
         c.attr_str("coordinate_transformation_mode", "half_pixel")
     };
-    if coordinate == "tf_crop_and_resize" {
-        return Err(OnnxError::unsupported(
-            "Resize with coordinate_transformation_mode tf_crop_and_resize",
-        ));
-    }
     let nearest = if c.opset < 11 {
         "floor".to_string()
     } else {
@@ -173,12 +177,33 @@ fn resize(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
         }
         (None, None) => return Err(OnnxError::invalid("Resize needs scales or sizes")),
     }
+    let roi = if coordinate == "tf_crop_and_resize" {
+        let r = known_floats(c, 1)?
+            .ok_or_else(|| OnnxError::invalid("tf_crop_and_resize needs a roi"))?;
+        if r.len() != 2 * axes.len() {
+            return Err(OnnxError::invalid(format!(
+                "roi of {} values for {} axes",
+                r.len(),
+                axes.len()
+            )));
+        }
+        let mut full = vec![(0.0, 1.0); rank];
+        for (i, &a) in axes.iter().enumerate() {
+            full[a] = (r[i], r[axes.len() + i]);
+        }
+        full
+    } else {
+        Vec::new()
+    };
     let plan = Plan {
         mode,
         coordinate: &coordinate,
         nearest: &nearest,
         cubic_a: c.attr_float("cubic_coeff_a", -0.75) as f64,
         exclude_outside: c.attr_int("exclude_outside", 0) != 0,
+        roi,
+        extrapolation: c.attr_float("extrapolation_value", 0.0) as f64,
+        antialias: c.attr_int("antialias", 0) != 0,
     };
     Ok(vec![apply(c, &x, &out, &full_scales, &plan)?])
 }
@@ -228,17 +253,97 @@ fn cubic_weights(t: f64, a: f64) -> [f64; 4] {
 
 /// The taps of one axis: for each tap, the source index and weight of
 /// every output position.
-fn taps(plan: &Plan<'_>, n: usize, m: usize, scale: f64) -> Result<Vec<(Vec<i64>, Vec<f64>)>> {
+/// With a crop (`roi`, `tf_crop_and_resize`), positions whose source lies
+/// outside the input get no taps and are flagged in the second result.
+#[allow(clippy::type_complexity)]
+fn taps(
+    plan: &Plan<'_>,
+    n: usize,
+    m: usize,
+    scale: f64,
+    roi: Option<(f64, f64)>,
+) -> Result<(Vec<(Vec<i64>, Vec<f64>)>, Vec<bool>)> {
     let last = n as i64 - 1;
     let clamp = |i: i64| i.clamp(0, last);
+    let widened = plan.antialias && plan.mode != Mode::Nearest && scale < 1.0;
+    let reach = if plan.mode == Mode::Linear { 1.0 } else { 2.0 };
+    // The first tap offset of the widened filter, and the tap count.
+    let start = (-reach / scale).floor() as i64 + 1;
     let k = match plan.mode {
+        _ if widened => (2 - 2 * start) as usize,
         Mode::Nearest => 1,
         Mode::Linear => 2,
         Mode::Cubic => 4,
     };
     let mut out = vec![(Vec::with_capacity(m), Vec::with_capacity(m)); k];
+    let mut outside = Vec::with_capacity(m);
     for o in 0..m {
-        let s = source(plan.coordinate, o as f64, n, m, scale)?;
+        outside.push(false);
+        let s = match roi {
+            Some((start, end)) => {
+                let span = (n - 1) as f64;
+                let s = if m > 1 {
+                    start * span + o as f64 * (end - start) * span / (m - 1) as f64
+                } else {
+                    0.5 * (start + end) * span
+                };
+                if s < 0.0 || s > span {
+                    if let Some(flag) = outside.last_mut() {
+                        *flag = true;
+                    }
+                    for tap in out.iter_mut() {
+                        tap.0.push(0);
+                        tap.1.push(0.0);
+                    }
+                    continue;
+                }
+                s
+            }
+            None => source(plan.coordinate, o as f64, n, m, scale)?,
+        };
+        if widened {
+            // The filter stretched by 1/scale: taps at floor(s) + i for
+            // every i whose scaled distance is inside the kernel's
+            // support, weights normalized to sum to 1; taps past the
+            // edges read the edge (or are dropped with exclude_outside).
+            let base = s.floor();
+            let ratio = s - base;
+            let count = k;
+            let a = plan.cubic_a;
+            let kernel = |x: f64| -> f64 {
+                let x = x.abs();
+                if plan.mode == Mode::Linear {
+                    (1.0 - x).max(0.0)
+                } else if x <= 1.0 {
+                    ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+                } else if x < 2.0 {
+                    ((a * x - 5.0 * a) * x + 8.0 * a) * x - 4.0 * a
+                } else {
+                    0.0
+                }
+            };
+            let mut idx = Vec::with_capacity(count);
+            let mut w = Vec::with_capacity(count);
+            for j in 0..count {
+                let i = start + j as i64;
+                let at = base as i64 + i;
+                let mut v = kernel((i as f64 - ratio) * scale);
+                if plan.exclude_outside && (at < 0 || at > last) {
+                    v = 0.0;
+                }
+                idx.push(clamp(at));
+                w.push(v);
+            }
+            let total: f64 = w.iter().sum();
+            if total != 0.0 {
+                w.iter_mut().for_each(|v| *v /= total);
+            }
+            for (j, tap) in out.iter_mut().enumerate() {
+                tap.0.push(idx[j]);
+                tap.1.push(w[j]);
+            }
+            continue;
+        }
         match plan.mode {
             Mode::Nearest => {
                 let i = match plan.nearest {
@@ -299,7 +404,7 @@ fn taps(plan: &Plan<'_>, n: usize, m: usize, scale: f64) -> Result<Vec<(Vec<i64>
             }
         }
     }
-    Ok(out)
+    Ok((out, outside))
 }
 
 fn apply(
@@ -337,8 +442,9 @@ fn apply(
                 scales[a]
             )));
         }
-        let taps = taps(plan, n, m, scales[a])?;
-        let identity = n == m
+        let (taps, outside) = taps(plan, n, m, scales[a], plan.roi.get(a).copied())?;
+        let identity = !outside.contains(&true)
+            && n == m
             && taps.iter().all(|(idx, w)| {
                 w.iter().all(|&w| w == 0.0 || w == 1.0)
                     && idx
@@ -371,6 +477,26 @@ fn apply(
             acc = Some(match acc {
                 Some(a) => c.binary(&ops::ADD, &a, &term)?,
                 None => term,
+            });
+        }
+        if outside.contains(&true) {
+            // Positions cropped outside the input take the extrapolation
+            // value (their taps all weigh 0).
+            let fill: Vec<f64> = outside
+                .iter()
+                .map(|&o| if o { plan.extrapolation } else { 0.0 })
+                .collect();
+            let ft = DenseHostTensor::from_slice(&fill, wshape.as_slice())?;
+            let ft = c.cast(&c.constant(ft), x.dtype())?;
+            acc = Some(match acc {
+                Some(a) => c.binary(&ops::ADD, &a, &ft)?,
+                None => {
+                    let mut shape = dims(&y);
+                    shape[a] = m;
+                    let mut b = OpAttrs::new();
+                    b.set_dims("shape", &shape);
+                    c.op1(&ops::BROADCAST_TO, &[ft], &b)?
+                }
             });
         }
         y = acc.ok_or_else(|| OnnxError::invalid("Resize with all-zero weights"))?;

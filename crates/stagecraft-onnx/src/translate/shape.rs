@@ -700,7 +700,10 @@ fn top_k(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
 fn dropout(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let x = c.input(0)?;
     let training = c.opset >= 12 && c.known_ints(2)?.is_some_and(|v| v.first() == Some(&1));
-    if training || c.attr_int("is_test", 1) == 0 && c.opset < 7 {
+    // Training with a ratio of 0 drops nothing: the identity, every mask
+    // entry kept. Any other ratio draws a random mask no reference shares.
+    let drops_nothing = training && c.known_f64(1)? == Some(0.0);
+    if (training && !drops_nothing) || c.attr_int("is_test", 1) == 0 && c.opset < 7 {
         return Err(OnnxError::unsupported("Dropout in training mode"));
     }
     let mask_meta = TensorMetadata::new(DType::Bool, x.metadata().shape.clone());
@@ -1106,14 +1109,27 @@ fn cumprod(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
 /// `GatherND` with `batch_dims = 0`: the index tuples along the last axis
 /// of `indices` become linear indices into `data`'s leading axes, which a
 /// `Gather` reads from `data` flattened over them.
+/// `GatherND`: each index tuple becomes a flat index into the data's
+/// first `k` axes after the `batch_dims` leading ones, offset by its batch
+/// entry's block when there are batch axes, and one `Gather` reads them.
 fn gather_nd(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
-    if c.attr_int("batch_dims", 0) != 0 {
-        return Err(OnnxError::unsupported("GatherND with batch_dims"));
-    }
+    let b = c.attr_int("batch_dims", 0);
     let data = c.input(0)?;
     let indices = c.cast(&c.input(1)?, DType::I64)?;
     let dd = dims(&data);
     let id = dims(&indices);
+    if b < 0
+        || b as usize >= id.len()
+        || b as usize > dd.len()
+        || id[..b as usize] != dd[..b as usize]
+    {
+        return Err(OnnxError::invalid(format!(
+            "GatherND batch_dims {b} for data {dd:?} and indices {id:?}"
+        )));
+    }
+    let b = b as usize;
+    let batch: usize = dd[..b].iter().product();
+    let dd = dd[b..].to_vec();
     let k = *id
         .last()
         .ok_or_else(|| OnnxError::invalid("GatherND indices need a last axis"))?;
@@ -1139,9 +1155,17 @@ fn gather_nd(c: &Ctx<'_>) -> Result<Vec<TensorHandle>> {
     let mut sum = OpAttrs::new();
     sum.set_ints("axes", &[-1]);
     sum.set_bool("keepdim", false);
-    let linear = c.op1(&ops::SUM, &[scaled], &sum)?;
+    let mut linear = c.op1(&ops::SUM, &[scaled], &sum)?;
     let outer: usize = dd[..k].iter().product();
-    let mut flat_dims = vec![outer];
+    if b > 0 {
+        // Batch entry i's tuples index its own block of `outer` rows.
+        let offsets: Vec<i64> = (0..batch).map(|i| (i * outer) as i64).collect();
+        let mut shape = id[..b].to_vec();
+        shape.extend(std::iter::repeat_n(1, id.len() - 1 - b));
+        let offsets = c.constant(DenseHostTensor::from_slice(&offsets, shape)?);
+        linear = c.binary(&ops::ADD, &linear, &offsets)?;
+    }
+    let mut flat_dims = vec![batch * outer];
     flat_dims.extend_from_slice(&dd[k..]);
     let flat = c.reshape(&data, &flat_dims)?;
     let mut g = OpAttrs::new();

@@ -212,6 +212,42 @@ crate::unary_ops! {
             b.neg(d)
         },
     }
+    /// Arcsine, in `[-π/2, π/2]` (NaN outside `[-1, 1]`).
+    Asin => ASIN("Asin", Float) {
+        eval: |x| x.via_f64(f64::asin),
+        // d asin(x) = 1 / sqrt(1 - x²)
+        grad: |b, x, _, g| {
+            let x2 = b.mul(x, x)?;
+            let one = b.scalar(1.0, b.meta(x).dtype)?;
+            let rest = b.sub(one, x2)?;
+            let root = b.unary(&SQRT, rest)?;
+            b.div(g, root)
+        },
+    }
+    /// Arccosine, in `[0, π]` (NaN outside `[-1, 1]`).
+    Acos => ACOS("Acos", Float) {
+        eval: |x| x.via_f64(f64::acos),
+        // d acos(x) = -1 / sqrt(1 - x²)
+        grad: |b, x, _, g| {
+            let x2 = b.mul(x, x)?;
+            let one = b.scalar(1.0, b.meta(x).dtype)?;
+            let rest = b.sub(one, x2)?;
+            let root = b.unary(&SQRT, rest)?;
+            let d = b.div(g, root)?;
+            b.neg(d)
+        },
+    }
+    /// Arctangent, in `(-π/2, π/2)`.
+    Atan => ATAN("Atan", Float) {
+        eval: |x| x.via_f64(f64::atan),
+        // d atan(x) = 1 / (1 + x²)
+        grad: |b, x, _, g| {
+            let x2 = b.mul(x, x)?;
+            let one = b.scalar(1.0, b.meta(x).dtype)?;
+            let den = b.add(one, x2)?;
+            b.div(g, den)
+        },
+    }
     /// Sign: -1, 0 or 1 (±0 and NaN stay as they are).
     Sign => SIGN("Sign", Numeric) {
         eval: |x| {
