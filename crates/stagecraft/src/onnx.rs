@@ -41,7 +41,8 @@ pub fn to_tensor<T: Element>(value: &DenseHostTensor) -> crate::Result<Tensor<T>
 /// the tape like any op and its gradient is the function's gradient.
 ///
 /// ```no_run
-/// use stagecraft::{nn::ModuleExt, onnx, optim, Device, Tensor};
+/// use stagecraft::optim::{self, Optimizer};
+/// use stagecraft::{nn::ModuleExt, onnx, Device, Tensor};
 /// let mut net = onnx::OnnxModule::new(onnx::Model::load("classifier.onnx")?, &Device::cpu());
 /// let mut opt = optim::Adam::new(optim::AdamConfig::default());
 /// let x = Tensor::<f32>::zeros(&[8, 4], &Device::cpu());

@@ -6,6 +6,8 @@
 //! `<case>_output_<i>.pb`) for `scripts/onnx_export_ort.sh`, which runs
 //! them in onnxruntime.
 
+mod common;
+
 use stagecraft::layers::tensor::DenseHostTensor;
 use stagecraft::nn::{CausalSelfAttention, Conv2d, Forward, LayerNorm, Linear};
 use stagecraft::onnx::{self, encode_tensor, Mode, Model};
@@ -22,14 +24,9 @@ fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
 
 fn input(dims: &[usize], seed: u64) -> Tensor<f32> {
     let n: usize = dims.iter().product();
-    let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
+    let v: Vec<f32> = common::values(n, seed, -1.0, 1.0)
+        .into_iter()
+        .map(|v| v as f32)
         .collect();
     Tensor::from_vec(v, dims, &Device::cpu()).unwrap()
 }

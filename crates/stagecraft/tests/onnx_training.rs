@@ -5,6 +5,8 @@
 //! again with the same results.
 
 use stagecraft::layers::tensor::DenseHostTensor;
+mod common;
+
 use stagecraft::nn::{Module, ModuleExt};
 use stagecraft::onnx::proto::{
     attribute_proto::AttributeType, tensor_proto::DataType, tensor_shape_proto, type_proto,
@@ -67,18 +69,11 @@ fn unary(op: &str, input: &str, output: &str) -> NodeProto {
     }
 }
 
-/// Deterministic values in [-scale, scale) (a 64-bit LCG).
+/// Deterministic values in [-scale, scale).
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
+    common::values(n, seed, -scale as f64, scale as f64)
+        .into_iter()
+        .map(|v| v as f32)
         .collect()
 }
 
