@@ -228,6 +228,15 @@ fn conv_blocks<T: GemmElement + Send + Sync>(
     let pixels = g.oh * g.ow;
     let og = y_g.len() / pixels;
     let blocks = pixels.div_ceil(block);
+    if blocks == 1 {
+        // One block is the whole image: the product goes straight into
+        // `y_g`, split across threads by the GEMM itself (the same shape,
+        // so the same bits, as the block path would give).
+        let mut cols = vec![T::default(); patch * pixels];
+        im2col_columns(x_img, g, group, 0..pixels, &mut cols);
+        gemm_into(og, pixels, patch, w_g, &cols, y_g, parallel);
+        return;
+    }
     // Each block's piece of every output row, as disjoint slices.
     let mut pieces: Vec<Vec<&mut [T]>> = (0..blocks).map(|_| Vec::with_capacity(og)).collect();
     for row in y_g.chunks_mut(pixels) {
