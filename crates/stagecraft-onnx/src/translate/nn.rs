@@ -486,20 +486,7 @@ fn max_pool_with_indices(
             offset[i] = r % kernel[i];
             r /= kernel[i];
         }
-        let mut starts = vec![0i64, 0];
-        let mut ends = vec![xd[0] as i64, xd[1] as i64];
-        let mut steps = vec![1i64, 1];
-        for i in 0..spatial {
-            let s = (offset[i] * dilations[i]) as i64;
-            starts.push(s);
-            ends.push(s + ((out[i] - 1) * strides[i]) as i64 + 1);
-            steps.push(strides[i] as i64);
-        }
-        let mut a = OpAttrs::new();
-        a.set_ints("starts", &starts);
-        a.set_ints("ends", &ends);
-        a.set_ints("steps", &steps);
-        let w = c.op1(&ops::SLICE, std::slice::from_ref(&xp), &a)?;
+        let w = window_at(c, &xp, &offset, (dilations, strides, &out))?;
         // The input position each output position reads at this offset
         // (a padded one reads -inf, so its index is never taken unless
         // the whole window is padding).
@@ -539,6 +526,32 @@ fn max_pool_with_indices(
     base_shape.extend(std::iter::repeat_n(1, spatial));
     let bases = c.constant(DenseHostTensor::from_slice(&bases, base_shape)?);
     Ok(vec![y, c.binary(&ops::ADD, &idx, &bases)?])
+}
+
+/// The values of the padded input `t: [N, C, spatial..]` that the window
+/// tap at `offset` reads for every output position: a strided slice with
+/// `out` positions per spatial axis.
+fn window_at(
+    c: &Ctx<'_>,
+    t: &TensorHandle,
+    offset: &[usize],
+    (dilations, strides, out): (&[usize], &[usize], &[usize]),
+) -> Result<TensorHandle> {
+    let d = dims(t);
+    let mut starts = vec![0i64, 0];
+    let mut ends = vec![d[0] as i64, d[1] as i64];
+    let mut steps = vec![1i64, 1];
+    for i in 0..out.len() {
+        let s = (offset[i] * dilations[i]) as i64;
+        starts.push(s);
+        ends.push(s + ((out[i] - 1) * strides[i]) as i64 + 1);
+        steps.push(strides[i] as i64);
+    }
+    let mut a = OpAttrs::new();
+    a.set_ints("starts", &starts);
+    a.set_ints("ends", &ends);
+    a.set_ints("steps", &steps);
+    c.op1(&ops::SLICE, std::slice::from_ref(t), &a)
 }
 
 /// Pooling of any rank with dilations, composed from strided slices: one
@@ -614,21 +627,7 @@ fn pool_by_slices(
         })
     };
     let window = |t: &TensorHandle, offset: &[usize]| -> Result<TensorHandle> {
-        let d = dims(t);
-        let mut starts = vec![0i64, 0];
-        let mut ends = vec![d[0] as i64, d[1] as i64];
-        let mut steps = vec![1i64, 1];
-        for i in 0..spatial {
-            let s = (offset[i] * dilations[i]) as i64;
-            starts.push(s);
-            ends.push(s + ((out[i] - 1) * strides[i]) as i64 + 1);
-            steps.push(strides[i] as i64);
-        }
-        let mut a = OpAttrs::new();
-        a.set_ints("starts", &starts);
-        a.set_ints("ends", &ends);
-        a.set_ints("steps", &steps);
-        c.op1(&ops::SLICE, std::slice::from_ref(t), &a)
+        window_at(c, t, offset, (dilations, strides, &out))
     };
     let count: usize = kernel.iter().product();
     let mut acc: Option<TensorHandle> = None;
