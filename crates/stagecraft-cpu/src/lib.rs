@@ -7,6 +7,7 @@
 //! [`reference`](mod@reference) module holds slow, obviously correct versions of the same
 //! ops that the tests compare against.
 
+pub mod collective;
 mod kernel;
 mod kernels;
 pub mod numeric;

@@ -87,6 +87,10 @@ pub enum ErrorKind {
     /// A device has no kernel for the op, or a device cannot be used.
     #[error("device error")]
     Device,
+    /// Another process of a collective's group failed, hung, or ran a
+    /// different collective (a distributed run cannot go on).
+    #[error("distributed error")]
+    Distributed,
     /// A broken internal invariant: always a stagecraft bug.
     #[error("internal error")]
     Internal,

@@ -231,8 +231,19 @@ fn add(a: &TensorHandle, b: &TensorHandle, location: Location) -> TensorHandle {
     crate::tensor::run_handle(&stagecraft_ops::ADD, args, &OpAttrs::new(), location)
 }
 
+/// Called by [`Tensor::backward_watching`] with the index of a watched
+/// tensor and its gradient, as soon as that gradient is final.
+type OnFinal<'a> = &'a mut dyn FnMut(usize, &TensorHandle) -> Result<()>;
+
 /// Reverse mode over the innermost tape that tracks `loss`; consumes it.
-fn backward_handle(loss: &TensorHandle, location: Location) -> Result<Gradients> {
+/// `watch` lists tensors whose final gradients go to `on_final` as soon
+/// as reverse mode has passed every use of them.
+fn backward_handle(
+    loss: &TensorHandle,
+    location: Location,
+    watch: &[&TensorHandle],
+    on_final: OnFinal<'_>,
+) -> Result<Gradients> {
     if !loss.dtype().is_float() {
         return Err(Error::dtype(format!(
             "cannot differentiate a {} tensor: gradients need a floating-point loss",
@@ -265,13 +276,35 @@ fn backward_handle(loss: &TensorHandle, location: Location) -> Result<Gradients>
         loss.addr(),
         TensorHandle::available(loss.device(), HostTensor::Scalar(seed)),
     );
-    for entry in tape.entries.iter().rev() {
+    // A tensor's gradient is final once reverse mode has run the rule of
+    // the earliest entry that reads it: every contribution comes from an
+    // entry that reads it. Watched tensors are announced right then.
+    let mut finals_at: HashMap<usize, SmallVec<[usize; 2]>> = HashMap::new();
+    if !watch.is_empty() {
+        let wanted: HashMap<usize, usize> = watch
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (h.addr(), i))
+            .collect();
+        let mut seen = vec![false; watch.len()];
+        for (at, entry) in tape.entries.iter().enumerate() {
+            for input in &entry.inputs {
+                if let Some(&i) = wanted.get(&input.addr()) {
+                    if !std::mem::replace(&mut seen[i], true) {
+                        finals_at.entry(at).or_default().push(i);
+                    }
+                }
+            }
+        }
+    }
+    for (at, entry) in tape.entries.iter().enumerate().rev() {
         let incoming: SmallVec<[Option<TensorHandle>; 1]> = entry
             .outputs
             .iter()
             .map(|o| grads.get(&o.addr()).cloned())
             .collect();
         if incoming.iter().all(Option::is_none) {
+            announce(finals_at.get(&at), watch, &grads, on_final)?;
             continue;
         }
         let rule = entry.def.grad.ok_or_else(|| {
@@ -307,6 +340,7 @@ fn backward_handle(loss: &TensorHandle, location: Location) -> Result<Gradients>
             };
             grads.insert(input.addr(), total);
         }
+        announce(finals_at.get(&at), watch, &grads, on_final)?;
     }
     for g in grads.values() {
         if let Some(e) = g.resolved_error() {
@@ -314,6 +348,22 @@ fn backward_handle(loss: &TensorHandle, location: Location) -> Result<Gradients>
         }
     }
     Ok(Gradients { by_tensor: grads })
+}
+
+/// Hands the watched tensors whose gradients just became final (those
+/// with one) to `on_final`.
+fn announce(
+    indices: Option<&SmallVec<[usize; 2]>>,
+    watch: &[&TensorHandle],
+    grads: &HashMap<usize, TensorHandle>,
+    on_final: OnFinal<'_>,
+) -> Result<()> {
+    for &i in indices.into_iter().flatten() {
+        if let Some(g) = grads.get(&watch[i].addr()) {
+            on_final(i, g)?;
+        }
+    }
+    Ok(())
 }
 
 impl<T: FloatElement> Tensor<T> {
@@ -330,7 +380,45 @@ impl<T: FloatElement> Tensor<T> {
     /// tensor it depends on. Consumes the tape.
     #[track_caller]
     pub fn backward(&self) -> Result<Gradients> {
-        backward_handle(&self.handle, Location::caller())
+        backward_handle(&self.handle, Location::caller(), &[], &mut |_, _| Ok(()))
+    }
+
+    /// [`backward`](Tensor::backward), calling `on_final(i, grad)` for
+    /// `watch[i]` as soon as its gradient is final, while reverse mode goes
+    /// on with the rest: what data-parallel training uses to start
+    /// reducing a bucket of gradients before backward has finished. Each
+    /// watched tensor with a gradient is announced once, in the order
+    /// reverse mode completes them; an error from `on_final` stops
+    /// backward and is returned.
+    ///
+    /// ```
+    /// use stagecraft::{Device, Tensor};
+    /// let cpu = Device::cpu();
+    /// let w1 = Tensor::<f32>::from_vec(vec![2.0], &[1], &cpu).unwrap().requires_grad();
+    /// let w2 = Tensor::<f32>::from_vec(vec![3.0], &[1], &cpu).unwrap().requires_grad();
+    /// let loss = (&(&w1 * &w1) * &w2).sum(&[], false);
+    /// let mut order = Vec::new();
+    /// loss.backward_watching(&[&w1, &w2], |i, g| {
+    ///     order.push((i, g.to_vec().unwrap()[0]));
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// // w2 is read last, so its gradient (w1² = 4) is final first.
+    /// assert_eq!(order, vec![(1, 4.0), (0, 12.0)]);
+    /// ```
+    #[track_caller]
+    pub fn backward_watching(
+        &self,
+        watch: &[&Tensor<T>],
+        mut on_final: impl FnMut(usize, Tensor<T>) -> Result<()>,
+    ) -> Result<Gradients> {
+        let handles: Vec<&TensorHandle> = watch.iter().map(|t| &t.handle).collect();
+        backward_handle(
+            &self.handle,
+            Location::caller(),
+            &handles,
+            &mut |i, g| on_final(i, Tensor::try_from_handle(g.clone())?),
+        )
     }
 }
 
@@ -375,7 +463,7 @@ where
             );
             let x_var = x_var.requires_grad();
             let y = f(&x_var);
-            let g = match backward_handle(&y.handle, location) {
+            let g = match backward_handle(&y.handle, location, &[], &mut |_, _| Ok(())) {
                 Ok(grads) => grads
                     .get(&x_var)
                     .unwrap_or_else(|| Tensor::zeros(x.dims(), &x.device())),

@@ -26,6 +26,7 @@
 //! ```
 
 mod autodiff;
+pub mod distributed;
 pub mod lazy;
 pub mod nn;
 pub mod onnx;

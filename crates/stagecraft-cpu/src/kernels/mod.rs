@@ -4,6 +4,7 @@ use crate::{Inputs, KernelContext, KernelRegistry};
 use stagecraft_tensor::{element_count, DType, DenseHostTensor, Error, Result, TensorMetadata};
 
 pub(crate) mod attention;
+mod collective;
 mod creation;
 pub(crate) mod effects;
 mod elementwise;
@@ -72,6 +73,7 @@ pub(crate) fn split3(dims: &[usize], axis: usize) -> (usize, usize, usize) {
 
 pub(crate) fn register_all(registry: &mut KernelRegistry) {
     attention::register(registry);
+    collective::register(registry);
     creation::register(registry);
     effects::register(registry);
     elementwise::register(registry);

@@ -3,6 +3,7 @@
 //! elementwise op is one entry of its table in `elementwise.rs` alone.
 
 mod attention;
+mod collective;
 mod control;
 mod creation;
 mod effects;
@@ -22,6 +23,7 @@ mod transfer;
 mod transformer;
 
 pub use attention::*;
+pub use collective::*;
 pub use control::*;
 pub use creation::*;
 pub use effects::*;
@@ -118,6 +120,14 @@ const OTHER_OPS: &[&OpDef] = &[
     // cross-device transfer
     &SEND,
     &RECV,
+    // collectives across processes
+    &ALL_REDUCE,
+    &BROADCAST,
+    &REDUCE_TO_ROOT,
+    &ALL_GATHER,
+    &REDUCE_SCATTER,
+    &ALL_REDUCE_START,
+    &ALL_REDUCE_DONE,
     // lists (the stacks of While gradients)
     &LIST_PUSH,
     &LIST_POP,

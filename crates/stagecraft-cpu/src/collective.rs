@@ -1,0 +1,187 @@
+//! The process group that collective kernels talk to.
+//!
+//! A [`Communicator`] carries collectives between the processes of a
+//! group. Kernels see only this trait: the transport (MPI, in the
+//! `stagecraft` crate's `distributed` module behind its `mpi` feature) is
+//! installed at start-up with [`set_communicator`]. Without one, the
+//! process is a group of one ([`SingleProcess`]), where every collective
+//! hands its input back, so code written for many processes runs
+//! unchanged in one.
+//!
+//! A collective *starts* and is *waited for* separately: starting hands
+//! the input to the transport and returns at once, so the caller can keep
+//! computing while it travels (`AllReduceStart`/`AllReduceDone`); the
+//! plain collective kernels start and wait in one go.
+
+use stagecraft_ops::Reduction;
+use stagecraft_tensor::{DenseHostTensor, Error, ErrorKind, Result, TensorMetadata};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+/// One collective, with what it needs besides the tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// Every process gets the reduction.
+    AllReduce(Reduction),
+    /// The root gets the reduction; the others get zeros.
+    ReduceToRoot {
+        /// How values combine.
+        reduction: Reduction,
+        /// The rank that gets the result.
+        root: usize,
+    },
+    /// Every process gets the root's tensor.
+    Broadcast {
+        /// The rank whose tensor is sent.
+        root: usize,
+    },
+    /// Every process gets all tensors concatenated along axis 0.
+    AllGather,
+    /// Rank `r` gets part `r` along axis 0 of the reduction.
+    ReduceScatter(Reduction),
+}
+
+impl Collective {
+    /// The op name, for errors and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce(_) => "AllReduce",
+            Collective::ReduceToRoot { .. } => "ReduceToRoot",
+            Collective::Broadcast { .. } => "Broadcast",
+            Collective::AllGather => "AllGather",
+            Collective::ReduceScatter(_) => "ReduceScatter",
+        }
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Collective::AllReduce(r) | Collective::ReduceScatter(r) => {
+                write!(f, "{}({})", self.name(), r.name())
+            }
+            Collective::ReduceToRoot { reduction, root } => {
+                write!(f, "ReduceToRoot({}, root {root})", reduction.name())
+            }
+            Collective::Broadcast { root } => write!(f, "Broadcast(root {root})"),
+            Collective::AllGather => f.write_str("AllGather"),
+        }
+    }
+}
+
+/// A collective in flight: [`PendingCollective::wait`] blocks until it has
+/// completed (or failed) and returns the result.
+pub trait PendingCollective: Send {
+    /// The result, once every process has taken part.
+    fn wait(self: Box<Self>) -> Result<DenseHostTensor>;
+}
+
+/// A collective that completed when it started.
+pub struct Completed(pub Result<DenseHostTensor>);
+
+impl PendingCollective for Completed {
+    fn wait(self: Box<Self>) -> Result<DenseHostTensor> {
+        self.0
+    }
+}
+
+/// A group of processes that run collectives together.
+pub trait Communicator: Send + Sync {
+    /// This process's rank, `0..size()`.
+    fn rank(&self) -> usize;
+    /// The number of processes.
+    fn size(&self) -> usize;
+    /// A short description for logs (`"MPI: Open MPI v4.1.4, 2 processes"`).
+    fn describe(&self) -> String;
+    /// Starts `op` on `input`; the result will have metadata `output`
+    /// (what the op's shape rule computed). Every process must start the
+    /// same collectives in the same order.
+    fn start(
+        &self,
+        op: Collective,
+        input: DenseHostTensor,
+        output: &TensorMetadata,
+    ) -> Result<Box<dyn PendingCollective>>;
+}
+
+/// A group of one: every collective returns its input.
+pub struct SingleProcess;
+
+impl Communicator for SingleProcess {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn describe(&self) -> String {
+        "a single process".to_string()
+    }
+    fn start(
+        &self,
+        _: Collective,
+        input: DenseHostTensor,
+        output: &TensorMetadata,
+    ) -> Result<Box<dyn PendingCollective>> {
+        // With one process, the sum, mean, max and min of one tensor, its
+        // broadcast, gather and scatter are all the tensor itself.
+        Ok(Box::new(Completed(input.into_relabelled(output.clone()))))
+    }
+}
+
+static COMMUNICATOR: RwLock<Option<Arc<dyn Communicator>>> = RwLock::new(None);
+
+/// Installs the group collectives run in (`None`: a single process).
+/// Affects every later collective kernel of every thread.
+pub fn set_communicator(communicator: Option<Arc<dyn Communicator>>) {
+    *COMMUNICATOR.write().unwrap_or_else(PoisonError::into_inner) = communicator;
+}
+
+/// The group collectives run in.
+pub fn communicator() -> Arc<dyn Communicator> {
+    COMMUNICATOR
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone()
+        .unwrap_or_else(|| Arc::new(SingleProcess))
+}
+
+/// Collectives started by `AllReduceStart` and not yet redeemed by
+/// `AllReduceDone`, by ticket.
+fn in_flight() -> &'static Mutex<HashMap<u64, Box<dyn PendingCollective>>> {
+    static IN_FLIGHT: std::sync::OnceLock<Mutex<HashMap<u64, Box<dyn PendingCollective>>>> =
+        std::sync::OnceLock::new();
+    IN_FLIGHT.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Parks a started collective and returns its ticket.
+pub(crate) fn park(pending: Box<dyn PendingCollective>) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let ticket = NEXT.fetch_add(1, Ordering::Relaxed);
+    in_flight()
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(ticket, pending);
+    ticket
+}
+
+/// Takes the collective parked under `ticket`.
+pub(crate) fn redeem(ticket: u64) -> Result<Box<dyn PendingCollective>> {
+    in_flight()
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&ticket)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "no all-reduce is in flight under ticket {ticket}: each ticket of \
+                 AllReduceStart is redeemed by exactly one AllReduceDone"
+            ))
+        })
+}
+
+/// The error of a collective whose group cannot go on.
+pub fn distributed_error(message: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Distributed, message)
+}

@@ -1,0 +1,863 @@
+//! The MPI transport: collectives as non-blocking MPI calls with a
+//! watchdog, and a progress thread that drives them while the caller
+//! computes.
+//!
+//! MPI runs in `MPI_THREAD_SERIALIZED` mode: any thread may call it, one
+//! at a time, so every call happens under the `state` lock. Collectives
+//! are issued by the thread that starts them (no hand-off, so a small
+//! synchronous all-reduce costs what MPI's does), in the order they are
+//! started, which is the program order chains give side-effecting ops.
+//! Open MPI only moves a non-blocking collective forward inside MPI calls;
+//! the progress thread tests every collective in flight while the caller
+//! is busy elsewhere (backward, while gradient buckets travel).
+//!
+//! Each collective travels with a header all-reduced (max) on a second
+//! communicator: `[h, -h]` for a fingerprint `h` of (sequence number, op,
+//! dtype, shape), so `max(h) == -max(-h)` exactly when every process ran
+//! the same collective. A mismatch or a watchdog timeout fails the group:
+//! the failing collective returns an error naming the ranks at fault, and
+//! every later one fails at once with the same error.
+
+use crate::{Error, Result};
+use mpi::ffi;
+use stagecraft_cpu::collective::{
+    distributed_error, Collective, Communicator, PendingCollective,
+};
+use stagecraft_ops::Reduction;
+use stagecraft_tensor::{Buffer, DType, DenseHostTensor, TensorMetadata};
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+use std::os::raw::{c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long live processes listen for each other after a timeout before
+/// naming the silent ones.
+const GRACE: Duration = Duration::from_secs(2);
+
+/// The default watchdog: a process that has not joined a collective
+/// within this is reported (with [`GRACE`], under the 10 s the others may
+/// wait in all).
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(6);
+
+/// Message tag of the "I am waiting at collective #n" notes exchanged
+/// after a timeout.
+const WAITING_TAG: c_int = 17;
+
+/// Bytes of each process's description of a collective in a mismatch
+/// report.
+const DESCRIPTION_BYTES: usize = 160;
+
+/// True when this process was started by an MPI launcher.
+pub(super) fn launched_by_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// An MPI handle (communicator, request), which Open MPI represents as a
+/// pointer.
+#[derive(Clone, Copy)]
+struct Raw<T>(T);
+
+// SAFETY: MPI handles are plain identifiers that any thread may pass to
+// MPI; this module only does so under the `state` lock, which is what
+// MPI_THREAD_SERIALIZED requires.
+unsafe impl<T> Send for Raw<T> {}
+
+struct Comms {
+    /// The collectives' data.
+    data: Raw<ffi::MPI_Comm>,
+    /// Their headers, so headers always pair up in order even when the
+    /// data of a mismatched collective does not.
+    check: Raw<ffi::MPI_Comm>,
+    /// Point-to-point notes and reports after a failure.
+    control: Raw<ffi::MPI_Comm>,
+}
+
+/// One collective in flight. It owns every buffer MPI reads or writes
+/// until both requests complete.
+struct Flight {
+    what: String,
+    started: Instant,
+    timeout: Duration,
+    header: Box<[i64; 2]>,
+    header_out: Box<[i64; 2]>,
+    header_request: Option<Raw<ffi::MPI_Request>>,
+    data_request: Option<Raw<ffi::MPI_Request>>,
+    _input: Option<DenseHostTensor>,
+    output: Option<(TensorMetadata, Buffer)>,
+    divide_by: Option<usize>,
+    outcome: Option<Result<DenseHostTensor>>,
+}
+
+impl Flight {
+    fn complete(&self) -> bool {
+        self.header_request.is_none() && self.data_request.is_none()
+    }
+}
+
+struct State {
+    comms: Comms,
+    next_seq: u64,
+    flights: HashMap<u64, Flight>,
+    /// Set by the first failure: the group cannot go on.
+    failed: Option<Error>,
+    /// Flights abandoned with requests MPI may still complete: their
+    /// buffers must outlive the process's use of MPI.
+    wreckage: Vec<Flight>,
+    stop: bool,
+}
+
+struct Shared {
+    rank: usize,
+    size: usize,
+    library: String,
+    timeout_ms: AtomicU64,
+    state: Mutex<State>,
+    work: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+}
+
+/// Membership in the MPI job: the universe (finalized on drop), the
+/// communicator installed for collective ops, and the progress thread.
+pub(super) struct MpiGroup {
+    shared: Arc<Shared>,
+    progress: Option<JoinHandle<()>>,
+    universe: Option<mpi::environment::Universe>,
+}
+
+/// Turns an MPI return code into an error.
+fn check(rc: c_int, what: &str) -> Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let mut text = vec![0u8; 512];
+    let mut len: c_int = 0;
+    // SAFETY: `text` has room for MPI_MAX_ERROR_STRING (256 in Open MPI)
+    // characters and `len` receives how many were written.
+    unsafe { ffi::MPI_Error_string(rc, text.as_mut_ptr().cast(), &mut len) };
+    text.truncate(len.clamp(0, 512) as usize);
+    Err(distributed_error(format!(
+        "{what} failed in MPI: {} (error code {rc})",
+        String::from_utf8_lossy(&text)
+    )))
+}
+
+fn datatype(dtype: DType) -> Result<ffi::MPI_Datatype> {
+    // SAFETY: the RSMPI_* datatype handles are constants MPI initialized.
+    let t = unsafe {
+        match dtype {
+            DType::F32 => ffi::RSMPI_FLOAT,
+            DType::F64 => ffi::RSMPI_DOUBLE,
+            DType::I8 => ffi::RSMPI_INT8_T,
+            DType::I16 => ffi::RSMPI_INT16_T,
+            DType::I32 => ffi::RSMPI_INT32_T,
+            DType::I64 => ffi::RSMPI_INT64_T,
+            DType::U8 | DType::Bool => ffi::RSMPI_UINT8_T,
+            DType::U16 | DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
+            DType::U32 => ffi::RSMPI_UINT32_T,
+            DType::U64 => ffi::RSMPI_UINT64_T,
+            other => {
+                return Err(Error::dtype(format!(
+                    "collectives cannot carry {other} tensors"
+                )))
+            }
+        }
+    };
+    Ok(t)
+}
+
+fn mpi_op(reduction: Reduction) -> ffi::MPI_Op {
+    // SAFETY: the RSMPI_* op handles are constants MPI initialized.
+    unsafe {
+        match reduction {
+            Reduction::Sum | Reduction::Mean => ffi::RSMPI_SUM,
+            Reduction::Max => ffi::RSMPI_MAX,
+            Reduction::Min => ffi::RSMPI_MIN,
+        }
+    }
+}
+
+fn count(n: usize, what: &str) -> Result<c_int> {
+    c_int::try_from(n).map_err(|_| {
+        Error::invalid(format!(
+            "{what} of {n} elements is more than one MPI call carries (2^31 - 1); split it"
+        ))
+    })
+}
+
+/// The fingerprint every process must agree on, in 62 bits so that its
+/// negation is exact.
+fn fingerprint(seq: u64, what: &str) -> i64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (seq, what).hash(&mut h);
+    (h.finish() >> 2) as i64
+}
+
+impl MpiGroup {
+    /// Initializes MPI, duplicates the world communicator three times with
+    /// errors set to return, and starts the progress thread.
+    pub(super) fn init() -> Result<MpiGroup> {
+        let (universe, threading) =
+            mpi::initialize_with_threading(mpi::Threading::Serialized).ok_or_else(|| {
+                distributed_error("MPI was already initialized in this process")
+            })?;
+        if threading < mpi::Threading::Serialized {
+            return Err(distributed_error(format!(
+                "this MPI library provides thread support {threading:?}; stagecraft needs \
+                 MPI_THREAD_SERIALIZED"
+            )));
+        }
+        let mut rank: c_int = 0;
+        let mut size: c_int = 0;
+        let dup = |what: &str| -> Result<Raw<ffi::MPI_Comm>> {
+            // SAFETY: MPI is initialized; `comm` receives a new handle.
+            unsafe {
+                let mut comm: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
+                check(ffi::MPI_Comm_dup(ffi::RSMPI_COMM_WORLD, &mut comm), what)?;
+                check(
+                    ffi::MPI_Comm_set_errhandler(comm, ffi::RSMPI_ERRORS_RETURN),
+                    what,
+                )?;
+                Ok(Raw(comm))
+            }
+        };
+        // SAFETY: MPI is initialized; the out-parameters are valid ints.
+        unsafe {
+            check(
+                ffi::MPI_Comm_set_errhandler(ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN),
+                "setting MPI errors to return",
+            )?;
+            check(ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank), "MPI_Comm_rank")?;
+            check(ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size), "MPI_Comm_size")?;
+        }
+        let comms = Comms {
+            data: dup("duplicating the data communicator")?,
+            check: dup("duplicating the header communicator")?,
+            control: dup("duplicating the control communicator")?,
+        };
+        let timeout = std::env::var("STAGECRAFT_COLLECTIVE_TIMEOUT")
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| *s > 0.0)
+            .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
+        let shared = Arc::new(Shared {
+            rank: rank as usize,
+            size: size as usize,
+            library: library_version(),
+            timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
+            state: Mutex::new(State {
+                comms,
+                next_seq: 0,
+                flights: HashMap::new(),
+                failed: None,
+                wreckage: Vec::new(),
+                stop: false,
+            }),
+            work: Condvar::new(),
+        });
+        let for_thread = Arc::clone(&shared);
+        let progress = std::thread::Builder::new()
+            .name("stagecraft-mpi-progress".into())
+            .spawn(move || progress_loop(&for_thread))
+            .map_err(|e| distributed_error(format!("cannot start the MPI progress thread: {e}")))?;
+        Ok(MpiGroup {
+            shared,
+            progress: Some(progress),
+            universe: Some(universe),
+        })
+    }
+
+    /// The communicator collective ops use.
+    pub(super) fn communicator(&self) -> Arc<dyn Communicator> {
+        Arc::new(MpiCommunicator(Arc::clone(&self.shared)))
+    }
+
+    pub(super) fn set_timeout(&self, timeout: Duration) {
+        self.shared
+            .timeout_ms
+            .store(timeout.as_millis().max(1) as u64, Ordering::Relaxed);
+    }
+
+    pub(super) fn barrier(&self, timeout: Duration) -> Result<()> {
+        let empty = DenseHostTensor::zeros(TensorMetadata::new(
+            DType::F32,
+            stagecraft_tensor::Shape::new(&[0]),
+        ))?;
+        let meta = empty.metadata().clone();
+        let pending = start(
+            &self.shared,
+            Collective::AllReduce(Reduction::Sum),
+            empty,
+            &meta,
+            Some(timeout),
+            "Barrier",
+        )?;
+        pending.wait().map(|_| ())
+    }
+
+    pub(super) fn abort(&self, code: i32) -> ! {
+        // Another thread may be inside MPI; aborting is the one call that
+        // may not wait for it.
+        // SAFETY: MPI is initialized; MPI_Abort does not return.
+        unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
+        std::process::exit(code)
+    }
+}
+
+impl Drop for MpiGroup {
+    fn drop(&mut self) {
+        let failed = {
+            let mut state = self.shared.lock();
+            state.stop = true;
+            state.failed.is_some()
+        };
+        self.shared.work.notify_all();
+        if let Some(t) = self.progress.take() {
+            let _ = t.join();
+        }
+        if failed {
+            // Collectives that will never complete would hang finalize:
+            // end the whole job instead, as MPI programs do on error.
+            self.abort(1);
+        }
+        let mut state = self.shared.lock();
+        let comms = &mut state.comms;
+        for comm in [&mut comms.data, &mut comms.check, &mut comms.control] {
+            // SAFETY: each was duplicated in `init`, no request on it is in
+            // flight (the group did not fail), and it is freed once.
+            unsafe { ffi::MPI_Comm_free(&mut comm.0) };
+        }
+        drop(state);
+        // Finalizes MPI.
+        drop(self.universe.take());
+    }
+}
+
+fn library_version() -> String {
+    let mut text = vec![0u8; 8192];
+    let mut len: c_int = 0;
+    // SAFETY: the buffer holds MPI_MAX_LIBRARY_VERSION_STRING (256 in Open
+    // MPI) characters, and `len` receives how many were written.
+    unsafe { ffi::MPI_Get_library_version(text.as_mut_ptr().cast(), &mut len) };
+    text.truncate(len.clamp(0, 8192) as usize);
+    let text = String::from_utf8_lossy(&text);
+    text.split(',').next().unwrap_or("MPI").trim().to_string()
+}
+
+struct MpiCommunicator(Arc<Shared>);
+
+impl Communicator for MpiCommunicator {
+    fn rank(&self) -> usize {
+        self.0.rank
+    }
+    fn size(&self) -> usize {
+        self.0.size
+    }
+    fn describe(&self) -> String {
+        format!("MPI: {}, {} processes", self.0.library, self.0.size)
+    }
+    fn start(
+        &self,
+        op: Collective,
+        input: DenseHostTensor,
+        output: &TensorMetadata,
+    ) -> Result<Box<dyn PendingCollective>> {
+        start(&self.0, op, input, output, None, op.name())
+    }
+}
+
+/// Issues `op`'s header and data requests and records the flight.
+fn start(
+    shared: &Arc<Shared>,
+    op: Collective,
+    input: DenseHostTensor,
+    output: &TensorMetadata,
+    timeout: Option<Duration>,
+    label: &str,
+) -> Result<Box<dyn PendingCollective>> {
+    let n = shared.size;
+    let what = format!("{label} {op} {}", input.metadata());
+    let dtype = datatype(input.dtype())?;
+    let in_count = count(input.numel(), &what)?;
+    let out_count = count(output.shape.numel(), &what)?;
+    let non_root_reduce = matches!(op, Collective::ReduceToRoot { root, .. } if root != shared.rank);
+    let out_bytes = output.shape.numel() * output.dtype.size_in_bytes();
+    // A non-root's ReduceToRoot result is zeros MPI never writes.
+    let mut buffer = if non_root_reduce {
+        Buffer::zeroed(out_bytes)
+    } else {
+        Buffer::for_overwrite(out_bytes)
+    };
+    if let Collective::Broadcast { root } = op {
+        if root == shared.rank {
+            buffer = Buffer::copy_of(input.buffer().bytes());
+        }
+    }
+    let divide_by = match op {
+        Collective::AllReduce(Reduction::Mean) | Collective::ReduceScatter(Reduction::Mean) => {
+            Some(n)
+        }
+        Collective::ReduceToRoot {
+            reduction: Reduction::Mean,
+            root,
+        } if root == shared.rank => Some(n),
+        _ => None,
+    };
+    let mut state = shared.lock();
+    if let Some(e) = &state.failed {
+        return Err(e.clone());
+    }
+    let seq = state.next_seq;
+    state.next_seq += 1;
+    let h = fingerprint(seq, &what);
+    let mut flight = Flight {
+        what,
+        started: Instant::now(),
+        timeout: timeout.unwrap_or_else(|| shared.timeout()),
+        header: Box::new([h, -h]),
+        header_out: Box::new([0, 0]),
+        header_request: None,
+        data_request: None,
+        _input: None,
+        output: None,
+        divide_by,
+        outcome: None,
+    };
+    let send: *const c_void = input.buffer().bytes().as_ptr().cast();
+    let recv: *mut c_void = buffer
+        .typed_mut::<u8>()
+        .map_err(|_| Error::internal("a fresh buffer is shared"))?
+        .as_mut_ptr()
+        .cast();
+    let (data, check_comm) = (state.comms.data.0, state.comms.check.0);
+    // SAFETY: the header arrays, the input (kept in the flight) and the
+    // output buffer (kept in the flight; its heap block does not move when
+    // the `Buffer` handle does) outlive the requests, which the flight
+    // holds until they complete or, after a failure, forever (wreckage).
+    // Counts match the buffers: `in_count` elements of the input's dtype;
+    // `out_count` of the output's, which the shape rule sized from the
+    // input and the group size. All calls happen under the state lock.
+    unsafe {
+        let mut request: ffi::MPI_Request = ffi::RSMPI_REQUEST_NULL;
+        let rc = ffi::MPI_Iallreduce(
+            flight.header.as_ptr().cast(),
+            flight.header_out.as_mut_ptr().cast(),
+            2,
+            ffi::RSMPI_INT64_T,
+            ffi::RSMPI_MAX,
+            check_comm,
+            &mut request,
+        );
+        check(rc, &flight.what)?;
+        flight.header_request = Some(Raw(request));
+        let mut request: ffi::MPI_Request = ffi::RSMPI_REQUEST_NULL;
+        let rc = match op {
+            Collective::AllReduce(r) => {
+                ffi::MPI_Iallreduce(send, recv, in_count, dtype, mpi_op(r), data, &mut request)
+            }
+            Collective::ReduceToRoot { reduction, root } => ffi::MPI_Ireduce(
+                send,
+                recv,
+                in_count,
+                dtype,
+                mpi_op(reduction),
+                root as c_int,
+                data,
+                &mut request,
+            ),
+            Collective::Broadcast { root } => {
+                ffi::MPI_Ibcast(recv, in_count, dtype, root as c_int, data, &mut request)
+            }
+            Collective::AllGather => ffi::MPI_Iallgather(
+                send,
+                in_count,
+                dtype,
+                recv,
+                in_count,
+                dtype,
+                data,
+                &mut request,
+            ),
+            Collective::ReduceScatter(r) => ffi::MPI_Ireduce_scatter_block(
+                send,
+                recv,
+                out_count,
+                dtype,
+                mpi_op(r),
+                data,
+                &mut request,
+            ),
+        };
+        if let Err(e) = check(rc, &flight.what) {
+            // The header is in flight: keep its buffers.
+            flight._input = Some(input);
+            state.wreckage.push(flight);
+            state.failed = Some(e.clone());
+            return Err(e);
+        }
+        flight.data_request = Some(Raw(request));
+    }
+    flight._input = Some(input);
+    flight.output = Some((output.clone(), buffer));
+    state.flights.insert(seq, flight);
+    drop(state);
+    shared.work.notify_one();
+    Ok(Box::new(MpiPending {
+        shared: Arc::clone(shared),
+        seq,
+    }))
+}
+
+struct MpiPending {
+    shared: Arc<Shared>,
+    seq: u64,
+}
+
+impl PendingCollective for MpiPending {
+    fn wait(self: Box<Self>) -> Result<DenseHostTensor> {
+        let mut spins = 0u32;
+        loop {
+            let mut state = self.shared.lock();
+            progress(&self.shared, &mut state);
+            let done = state
+                .flights
+                .get(&self.seq)
+                .is_some_and(|f| f.outcome.is_some());
+            if done {
+                let mut flight = state
+                    .flights
+                    .remove(&self.seq)
+                    .expect("the flight was just found");
+                let outcome = flight.outcome.take().expect("the outcome was just found");
+                if !flight.complete() {
+                    state.wreckage.push(flight);
+                }
+                return outcome;
+            }
+            if !state.flights.contains_key(&self.seq) {
+                return Err(Error::internal(format!(
+                    "collective #{} was waited for twice",
+                    self.seq
+                )));
+            }
+            drop(state);
+            // Small collectives complete within microseconds: test again
+            // at once a few times before sleeping between tests.
+            spins += 1;
+            if spins < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(if spins < 1024 { 20 } else { 200 }));
+            }
+        }
+    }
+}
+
+fn progress_loop(shared: &Shared) {
+    loop {
+        let mut state = shared.lock();
+        while !state.stop && !state.flights.values().any(|f| f.outcome.is_none()) {
+            state = shared
+                .work
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        if state.stop {
+            return;
+        }
+        progress(shared, &mut state);
+        drop(state);
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+/// Tests one request; `Ok(true)` once it has completed.
+fn test(request: &mut Option<Raw<ffi::MPI_Request>>, what: &str) -> Result<bool> {
+    let Some(Raw(mut raw)) = *request else {
+        return Ok(true);
+    };
+    let mut flag: c_int = 0;
+    // SAFETY: `raw` is an active request of a live flight, tested under the
+    // state lock; MPI sets it to MPI_REQUEST_NULL when it completes.
+    let rc = unsafe { ffi::MPI_Test(&mut raw, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+    check(rc, what)?;
+    if flag != 0 {
+        *request = None;
+        Ok(true)
+    } else {
+        *request = Some(Raw(raw));
+        Ok(false)
+    }
+}
+
+/// Moves every flight forward: completes, checks headers, enforces the
+/// watchdog. A failure fails the group and every flight.
+fn progress(shared: &Shared, state: &mut State) {
+    if state.failed.is_some() {
+        fail_all(state);
+        return;
+    }
+    let mut seqs: Vec<u64> = state
+        .flights
+        .iter()
+        .filter(|(_, f)| f.outcome.is_none())
+        .map(|(s, _)| *s)
+        .collect();
+    seqs.sort_unstable();
+    for seq in seqs {
+        let flight = state.flights.get_mut(&seq).expect("listed above");
+        let header_was_pending = flight.header_request.is_some();
+        let mut tested = test(&mut flight.header_request, &flight.what)
+            .and_then(|h| Ok((h, test(&mut flight.data_request, &flight.what)?)));
+        if tested.is_err() {
+            // The data of mismatched collectives can fail (truncated)
+            // before their header arrives: the header says why.
+            let deadline = Instant::now() + GRACE;
+            while let Ok(false) = test(&mut flight.header_request, &flight.what) {
+                if Instant::now() > deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if flight.header_request.is_none() && flight.header_out[0] != -flight.header_out[1] {
+                tested = Ok((true, false));
+            }
+        }
+        let agreed = flight.header_out[0] == -flight.header_out[1];
+        let late = flight.started.elapsed() > flight.timeout;
+        let error = match tested {
+            Err(e) => Some(e),
+            Ok((true, _)) if header_was_pending && !agreed => Some(mismatch(shared, state, seq)),
+            Ok((true, true)) => {
+                let flight = state.flights.get_mut(&seq).expect("listed above");
+                flight.outcome = Some(finish(flight));
+                None
+            }
+            Ok((header_done, _)) if late => Some(timed_out(shared, state, seq, header_done)),
+            Ok(_) => None,
+        };
+        if let Some(e) = error {
+            state.failed = Some(e);
+            fail_all(state);
+            return;
+        }
+    }
+}
+
+fn fail_all(state: &mut State) {
+    let error = state.failed.clone().expect("called after a failure");
+    for flight in state.flights.values_mut() {
+        if flight.outcome.is_none() {
+            flight.outcome = Some(Err(error.clone()));
+        }
+    }
+}
+
+/// The completed flight's result (divided by the group size for a mean).
+fn finish(flight: &mut Flight) -> Result<DenseHostTensor> {
+    let (meta, buffer) = flight
+        .output
+        .take()
+        .ok_or_else(|| Error::internal("a collective finished twice"))?;
+    let mut out = DenseHostTensor::from_buffer(meta, buffer)?;
+    if let Some(n) = flight.divide_by {
+        match out.dtype() {
+            DType::F32 => out.as_mut_slice::<f32>()?.iter_mut().for_each(|v| *v /= n as f32),
+            DType::F64 => out.as_mut_slice::<f64>()?.iter_mut().for_each(|v| *v /= n as f64),
+            DType::I32 => out.as_mut_slice::<i32>()?.iter_mut().for_each(|v| *v /= n as i32),
+            DType::I64 => out.as_mut_slice::<i64>()?.iter_mut().for_each(|v| *v /= n as i64),
+            other => {
+                return Err(Error::dtype(format!(
+                    "a mean over processes needs f32, f64, i32 or i64, got {other}"
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Every process saw the header disagree at `seq`: gathers what each ran
+/// (on the control communicator, with the watchdog's grace as its limit)
+/// and reports it.
+fn mismatch(shared: &Shared, state: &mut State, seq: u64) -> Error {
+    let what = state.flights[&seq].what.clone();
+    let mut mine = vec![0u8; DESCRIPTION_BYTES];
+    let text = what.as_bytes();
+    let len = text.len().min(DESCRIPTION_BYTES);
+    mine[..len].copy_from_slice(&text[..len]);
+    let mut all = vec![0u8; DESCRIPTION_BYTES * shared.size];
+    // SAFETY: reading a constant MPI initialized.
+    let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
+    // SAFETY: `mine` holds DESCRIPTION_BYTES bytes and `all` one such block
+    // per process; both stay alive until the request completes or, if it
+    // does not within the grace period, are leaked below.
+    let rc = unsafe {
+        ffi::MPI_Iallgather(
+            mine.as_ptr().cast(),
+            DESCRIPTION_BYTES as c_int,
+            ffi::RSMPI_UINT8_T,
+            all.as_mut_ptr().cast(),
+            DESCRIPTION_BYTES as c_int,
+            ffi::RSMPI_UINT8_T,
+            state.comms.control.0,
+            &mut request,
+        )
+    };
+    let mut report = format!(
+        "collective #{seq} differs between processes: rank {} ran {what}",
+        shared.rank
+    );
+    let mut request = Some(Raw(request));
+    let deadline = Instant::now() + GRACE;
+    let gathered = rc == 0
+        && loop {
+            match test(&mut request, "gathering the mismatch report") {
+                Ok(true) => break true,
+                Ok(false) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                _ => break false,
+            }
+        };
+    if gathered {
+        report = format!("collective #{seq} differs between processes:");
+        for (rank, block) in all.chunks(DESCRIPTION_BYTES).enumerate() {
+            let end = block.iter().position(|&b| b == 0).unwrap_or(block.len());
+            report.push_str(&format!(
+                " rank {rank} ran {};",
+                String::from_utf8_lossy(&block[..end])
+            ));
+        }
+        report.pop();
+    } else {
+        std::mem::forget(mine);
+        std::mem::forget(all);
+    }
+    report.push_str(
+        " (every process must run the same collectives, with the same dtypes and shapes, \
+         in the same order)",
+    );
+    distributed_error(report)
+}
+
+/// `seq` has waited past its timeout: tells every other process this one
+/// is waiting, listens for the others for [`GRACE`], and names those that
+/// stayed silent.
+fn timed_out(shared: &Shared, state: &mut State, seq: u64, header_done: bool) -> Error {
+    let flight = &state.flights[&seq];
+    let (what, waited) = (flight.what.clone(), flight.timeout);
+    let me = shared.rank;
+    let control = state.comms.control.0;
+    let note: &'static mut i64 = Box::leak(Box::new(seq as i64));
+    for other in (0..shared.size).filter(|&r| r != me) {
+        // SAFETY: reading a constant MPI initialized.
+    let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: `note` is leaked, so it outlives the send, whose request
+        // is abandoned (the group is failing).
+        unsafe {
+            ffi::MPI_Isend(
+                (note as *const i64).cast(),
+                1,
+                ffi::RSMPI_INT64_T,
+                other as c_int,
+                WAITING_TAG,
+                control,
+                &mut request,
+            );
+        }
+    }
+    let mut heard: BTreeMap<usize, i64> = BTreeMap::new();
+    let deadline = Instant::now() + GRACE;
+    while heard.len() + 1 < shared.size && Instant::now() < deadline {
+        let mut flag: c_int = 0;
+        // SAFETY: an all-zero MPI_Status is a valid value to be overwritten.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: `control` is a live communicator; `status` is writable.
+        let rc = unsafe {
+            ffi::MPI_Iprobe(
+                ffi::RSMPI_ANY_SOURCE,
+                WAITING_TAG,
+                control,
+                &mut flag,
+                &mut status,
+            )
+        };
+        if rc != 0 {
+            break;
+        }
+        if flag == 0 {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
+        let mut their_seq: i64 = -1;
+        let source = status.MPI_SOURCE;
+        // SAFETY: the probed message is one i64 from `source`.
+        unsafe {
+            ffi::MPI_Recv(
+                (&mut their_seq as *mut i64).cast(),
+                1,
+                ffi::RSMPI_INT64_T,
+                source,
+                WAITING_TAG,
+                control,
+                ffi::RSMPI_STATUS_IGNORE,
+            );
+        }
+        heard.insert(source as usize, their_seq);
+    }
+    let silent: Vec<String> = (0..shared.size)
+        .filter(|r| *r != me && !heard.contains_key(r))
+        .map(|r| r.to_string())
+        .collect();
+    let seconds = waited.as_secs_f64();
+    if !silent.is_empty() {
+        let plural = if silent.len() == 1 { "" } else { "s" };
+        return distributed_error(format!(
+            "rank{plural} {} did not reach collective #{seq} ({what}) within {seconds:.1} s: \
+             hung, or died (rank {me} waited for it{})",
+            silent.join(", "),
+            if heard.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; ranks {} are waiting too",
+                    heard.keys().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+                )
+            }
+        ));
+    }
+    let elsewhere: Vec<String> = heard
+        .iter()
+        .filter(|(_, s)| **s != seq as i64)
+        .map(|(r, s)| format!("rank {r} at #{s}"))
+        .collect();
+    if !elsewhere.is_empty() {
+        return distributed_error(format!(
+            "collective #{seq} ({what}) timed out after {seconds:.1} s on rank {me} while other \
+             processes wait at other collectives ({}): they ran a different number of collectives",
+            elsewhere.join(", ")
+        ));
+    }
+    distributed_error(format!(
+        "collective #{seq} ({what}) did not complete within {seconds:.1} s although every \
+         process reached it{}",
+        if header_done {
+            " and agreed on it: the transport stalled"
+        } else {
+            ""
+        }
+    ))
+}

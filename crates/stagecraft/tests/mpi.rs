@@ -1,0 +1,453 @@
+//! Collectives across processes, run under `mpirun`.
+//!
+//! `cargo test -p stagecraft --features mpi --test mpi` runs this file's
+//! `main`, which launches itself under `mpirun -np 2` once per scenario
+//! (as a worker: `STAGECRAFT_MPI_WORKER=<scenario>`) and checks what the
+//! workers printed, their exit status and how long they took. Workers
+//! check their own results and exit non-zero on a wrong one. Every
+//! scenario's collectives run in one `main` thread, in the same order on
+//! every rank, as collectives require (the libtest harness would run
+//! tests on parallel threads).
+
+use stagecraft::distributed::{self, DataParallel, Reduction};
+use stagecraft::nn::{Forward, Linear, ModuleExt};
+use stagecraft::{function, lazy, Device, Rng, Tensor};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn main() {
+    match std::env::var("STAGECRAFT_MPI_WORKER") {
+        Ok(scenario) => worker(&scenario),
+        Err(_) => launcher(),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The launcher: one `mpirun` per scenario.
+
+struct Run {
+    output: String,
+    success: bool,
+    took: Duration,
+}
+
+fn mpirun(scenario: &str, ranks: usize, env: &[(&str, &str)]) -> Run {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--oversubscribe", "-np", &ranks.to_string()])
+        .arg(exe)
+        .env("STAGECRAFT_MPI_WORKER", scenario)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdin(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let start = Instant::now();
+    let out = cmd.output().unwrap_or_else(|e| {
+        panic!("cannot run mpirun ({e}): install Open MPI with scripts/mpi.sh")
+    });
+    Run {
+        output: format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        success: out.status.success(),
+        took: start.elapsed(),
+    }
+}
+
+fn launcher() {
+    let checks: &[(&str, fn() -> Result<(), String>)] = &[
+        ("collectives give MPI's results on 2 ranks", || {
+            expect_success("collectives", 2)
+        }),
+        ("gradients of collectives", || expect_success("gradients", 2)),
+        ("collectives in lazy traces and functions", || {
+            expect_success("staged", 2)
+        }),
+        ("bucketed data-parallel gradients equal full-batch ones", || {
+            expect_success("data_parallel", 2)
+        }),
+        ("three ranks", || expect_success("collectives", 3)),
+        ("a shape mismatch is reported on every rank", mismatch),
+        ("a hung rank is named within 10 s", hang),
+        ("a dead rank stops the job within 10 s", death),
+        ("Ctrl-C on mpirun leaves no process behind", interrupt),
+    ];
+    let (mut passed, mut failed) = (0, 0);
+    for (name, check) in checks {
+        match check() {
+            Ok(()) => {
+                println!("test {name} ... ok");
+                passed += 1;
+            }
+            Err(why) => {
+                println!("test {name} ... FAILED\n{why}");
+                failed += 1;
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+fn expect_success(scenario: &str, ranks: usize) -> Result<(), String> {
+    let run = mpirun(scenario, ranks, &[]);
+    let oks = run.output.matches("worker ok").count();
+    if run.success && oks == ranks {
+        Ok(())
+    } else {
+        Err(format!("{ranks} ranks of `{scenario}` did not all pass:\n{}", run.output))
+    }
+}
+
+fn mismatch() -> Result<(), String> {
+    let run = mpirun("mismatch", 2, &[]);
+    let reported = run
+        .output
+        .matches("differs between processes: rank 0 ran AllReduce AllReduce(sum) f32[3]; rank 1 ran AllReduce AllReduce(sum) f32[4]")
+        .count();
+    if reported == 2 && run.took < Duration::from_secs(10) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected both ranks to report the mismatch ({:?}):\n{}",
+            run.took, run.output
+        ))
+    }
+}
+
+fn hang() -> Result<(), String> {
+    let run = mpirun("hang", 2, &[("STAGECRAFT_COLLECTIVE_TIMEOUT", "4")]);
+    let named = run.output.contains("rank 1 did not reach collective #1");
+    if named && !run.success && run.took < Duration::from_secs(10) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected rank 0 to name rank 1 and the job to stop within 10 s ({:?}):\n{}",
+            run.took, run.output
+        ))
+    }
+}
+
+fn death() -> Result<(), String> {
+    let run = mpirun("death", 2, &[("STAGECRAFT_COLLECTIVE_TIMEOUT", "4")]);
+    // Either mpirun notices the exit first and names the process, or rank
+    // 0's watchdog does.
+    let named = run.output.contains("rank 1 did not reach")
+        || (run.output.contains("exited") && run.output.contains(",1]"));
+    if named && !run.success && run.took < Duration::from_secs(10) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected the job to stop within 10 s naming rank 1 ({:?}):\n{}",
+            run.took, run.output
+        ))
+    }
+}
+
+fn interrupt() -> Result<(), String> {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let marker = format!("interrupt-{}", std::process::id());
+    let mut child = Command::new("mpirun")
+        .args(["--oversubscribe", "-np", "2"])
+        .arg(&exe)
+        .env("STAGECRAFT_MPI_WORKER", &marker)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot run mpirun: {e}"))?;
+    // Let both workers start their endless loop of collectives.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while workers(&marker) < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let started = workers(&marker);
+    // SAFETY: sending SIGINT to the child we spawned, as Ctrl-C would.
+    let rc = unsafe { libc_kill(child.id() as i32, 2) };
+    if rc != 0 {
+        return Err("could not signal mpirun".into());
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if child.try_wait().map_err(|e| e.to_string())?.is_some() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Err("mpirun did not stop within 10 s of SIGINT".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let left = workers(&marker);
+    if started == 2 && left == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "{started} workers were running before SIGINT and {left} are left after it"
+        ))
+    }
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, signal: i32) -> i32;
+}
+
+/// Processes whose environment carries `marker` as their scenario.
+fn workers(marker: &str) -> usize {
+    let needle = format!("STAGECRAFT_MPI_WORKER={marker}");
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter(|e| {
+            std::fs::read(e.path().join("environ"))
+                .map(|env| {
+                    env.split(|&b| b == 0)
+                        .any(|var| var == needle.as_bytes())
+                })
+                .unwrap_or(false)
+        })
+        .filter(|e| {
+            // mpirun itself carries the variable too; count the workers.
+            std::fs::read_to_string(e.path().join("comm"))
+                .map(|c| !c.trim().starts_with("mpirun") && !c.trim().starts_with("orted"))
+                .unwrap_or(false)
+        })
+        .count()
+}
+
+// ---------------------------------------------------------------------------
+// The workers.
+
+fn worker(scenario: &str) {
+    let group = distributed::init().expect("joining the MPI job");
+    let rank = group.rank();
+    let result = match scenario {
+        "collectives" => collectives(rank, group.size()),
+        "gradients" => gradients(rank, group.size()),
+        "staged" => staged(rank, group.size()),
+        "data_parallel" => data_parallel(rank, group.size()),
+        "mismatch" => {
+            let x = Tensor::<f32>::ones(&[3 + rank], &Device::cpu());
+            let y = distributed::all_reduce(&x, Reduction::Sum);
+            match y.to_vec() {
+                Ok(v) => Err(format!("a mismatched all-reduce returned {v:?}")),
+                Err(e) => {
+                    println!("rank {rank}: {e}");
+                    // The group has failed: end the job without finalizing,
+                    // once the other rank has had time to report too.
+                    std::thread::sleep(Duration::from_secs(1));
+                    group.abort(0);
+                }
+            }
+        }
+        "hang" | "death" => {
+            let x = Tensor::<f32>::ones(&[8], &Device::cpu());
+            // Collective #0 succeeds; rank 1 then hangs (or dies) before #1.
+            let _ = distributed::all_reduce(&x, Reduction::Sum).to_vec();
+            if rank == 1 {
+                if scenario == "death" {
+                    std::process::exit(3);
+                }
+                std::thread::sleep(Duration::from_secs(60));
+            }
+            match distributed::all_reduce(&x, Reduction::Sum).to_vec() {
+                Ok(_) => Err("the all-reduce completed without rank 1".into()),
+                Err(e) => {
+                    println!("rank {rank}: {e}");
+                    group.abort(1);
+                }
+            }
+        }
+        other if other.starts_with("interrupt") => {
+            let x = Tensor::<f32>::ones(&[1024], &Device::cpu());
+            let until = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < until {
+                let _ = distributed::all_reduce(&x, Reduction::Sum).to_vec();
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Ok(())
+        }
+        other => Err(format!("unknown scenario {other}")),
+    };
+    match result {
+        Ok(()) => println!("rank {rank}: worker ok"),
+        Err(why) => {
+            eprintln!("rank {rank}: {why}");
+            group.abort(1);
+        }
+    }
+}
+
+fn same(what: &str, got: Vec<f32>, want: Vec<f32>) -> Result<(), String> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("{what}: got {got:?}, want {want:?}"))
+    }
+}
+
+/// `[rank + 1, 10 (rank + 1), -(rank + 1)]`
+fn ranked(rank: usize, device: &Device) -> Tensor<f32> {
+    let r = (rank + 1) as f32;
+    Tensor::from_vec(vec![r, 10.0 * r, -r], &[3], device).unwrap()
+}
+
+fn collectives(rank: usize, n: usize) -> Result<(), String> {
+    let cpu = Device::cpu();
+    let x = ranked(rank, &cpu);
+    let total: f32 = (1..=n).map(|r| r as f32).sum();
+    let nf = n as f32;
+    let v = |t: Tensor<f32>| t.to_vec().map_err(|e| e.to_string());
+    same("sum", v(distributed::all_reduce(&x, Reduction::Sum))?, vec![total, 10.0 * total, -total])?;
+    same(
+        "mean",
+        v(distributed::all_reduce(&x, Reduction::Mean))?,
+        vec![total / nf, 10.0 * total / nf, -total / nf],
+    )?;
+    same("max", v(distributed::all_reduce(&x, Reduction::Max))?, vec![nf, 10.0 * nf, -1.0])?;
+    same("min", v(distributed::all_reduce(&x, Reduction::Min))?, vec![1.0, 10.0, -nf])?;
+    let ints = Tensor::<i64>::from_vec(vec![rank as i64, 7], &[2], &cpu).unwrap();
+    let summed = distributed::all_reduce(&ints, Reduction::Sum).to_vec().map_err(|e| e.to_string())?;
+    if summed != vec![(n * (n - 1) / 2) as i64, 7 * n as i64] {
+        return Err(format!("i64 sum: {summed:?}"));
+    }
+    let root = n - 1;
+    same("broadcast", v(distributed::broadcast(&x, root))?, ranked(root, &cpu).to_vec().unwrap())?;
+    let reduced = v(distributed::reduce_to_root(&x, Reduction::Sum, root))?;
+    let want = if rank == root {
+        vec![total, 10.0 * total, -total]
+    } else {
+        vec![0.0; 3]
+    };
+    same("reduce to root", reduced, want)?;
+    let gathered = v(distributed::all_gather(&x.reshape(&[1, 3])))?;
+    let want: Vec<f32> = (0..n).flat_map(|r| ranked(r, &cpu).to_vec().unwrap()).collect();
+    same("all-gather", gathered, want)?;
+    // Rank r's part of the sum of [n, 2] tensors filled with rank + 1.
+    let rows = Tensor::<f32>::full(&[n, 2], (rank + 1) as f32, &cpu);
+    same("reduce-scatter", v(distributed::reduce_scatter(&rows, Reduction::Sum))?, vec![total; 2])?;
+    let started = distributed::all_reduce_start(&x, Reduction::Sum);
+    let meanwhile = (&x * &x).to_vec().unwrap();
+    same("start/done", v(started.wait())?, vec![total, 10.0 * total, -total])?;
+    same("work between start and done", meanwhile, vec![(rank + 1) as f32; 3].iter().zip([1.0, 100.0, 1.0]).map(|(a, b)| a * a * b).collect())?;
+    // A larger reduction, past Open MPI's eager limit.
+    let big = Tensor::<f32>::full(&[1 << 20], (rank + 1) as f32, &cpu);
+    let sum = distributed::all_reduce(&big, Reduction::Sum).to_vec().unwrap();
+    if sum.iter().any(|&s| s != total) {
+        return Err("a 4 MiB all-reduce gave a wrong element".into());
+    }
+    Ok(())
+}
+
+fn gradients(rank: usize, n: usize) -> Result<(), String> {
+    let cpu = Device::cpu();
+    let w = |r: usize| Tensor::<f32>::from_vec(vec![r as f32 + 1.0, 2.0 * r as f32], &[1, 2], &cpu).unwrap();
+    // loss_r = Σ all_gather(x) · W_r, with W_r [n, 2] of rows w(r): the
+    // gradient of the summed losses at x_r is Σ_r' w(r') = ReduceScatter.
+    let x = Tensor::<f32>::ones(&[1, 2], &cpu).requires_grad();
+    let rows: Vec<Tensor<f32>> = (0..n).map(|_| w(rank)).collect();
+    let weights = Tensor::concat(&rows.iter().collect::<Vec<_>>(), 0);
+    let loss = (&distributed::all_gather(&x) * &weights).sum(&[], false);
+    let grads = loss.backward().map_err(|e| e.to_string())?;
+    let want: Vec<f32> = (0..n).fold(vec![0.0, 0.0], |acc, r| {
+        let w = w(r).to_vec().unwrap();
+        vec![acc[0] + w[0], acc[1] + w[1]]
+    });
+    same("AllGather's gradient", grads.get(&x).unwrap().to_vec().unwrap(), want.clone())?;
+    // The gradient of a sum all-reduce is the sum of the gradients.
+    let x = Tensor::<f32>::ones(&[1, 2], &cpu).requires_grad();
+    let loss = (&distributed::all_reduce(&x, Reduction::Sum) * &w(rank)).sum(&[], false);
+    let grads = loss.backward().map_err(|e| e.to_string())?;
+    same("AllReduce's gradient", grads.get(&x).unwrap().to_vec().unwrap(), want)?;
+    // Broadcast's gradient reaches only the root.
+    let x = Tensor::<f32>::ones(&[1, 2], &cpu).requires_grad();
+    let loss = (&distributed::broadcast(&x, 0) * &w(rank)).sum(&[], false);
+    let got = loss.backward().map_err(|e| e.to_string())?.get(&x).unwrap().to_vec().unwrap();
+    let total: Vec<f32> = (0..n).fold(vec![0.0, 0.0], |acc, r| {
+        let w = w(r).to_vec().unwrap();
+        vec![acc[0] + w[0], acc[1] + w[1]]
+    });
+    same("Broadcast's gradient", got, if rank == 0 { total } else { vec![0.0, 0.0] })
+}
+
+fn staged(rank: usize, n: usize) -> Result<(), String> {
+    let total: f32 = (1..=n).map(|r| r as f32).sum();
+    let lazy_cpu = Device::lazy(&Device::cpu());
+    lazy::reset_metrics();
+    for step in 0..3 {
+        let x = ranked(rank, &lazy_cpu);
+        let y = &distributed::all_reduce(&(&x * 2.0f32), Reduction::Sum) + 1.0f32;
+        lazy::mark_step();
+        same(
+            &format!("lazy step {step}"),
+            y.to_vec().map_err(|e| e.to_string())?,
+            vec![2.0 * total + 1.0, 20.0 * total + 1.0, -2.0 * total + 1.0],
+        )?;
+    }
+    let compiled = lazy::metrics().traces_compiled;
+    if compiled != 1 {
+        return Err(format!("3 lazy steps compiled {compiled} traces"));
+    }
+    let f = function(|x: Tensor<f32>| distributed::all_reduce(&x, Reduction::Max));
+    for _ in 0..2 {
+        same(
+            "function",
+            f.call(ranked(rank, &Device::cpu())).to_vec().map_err(|e| e.to_string())?,
+            vec![n as f32, 10.0 * n as f32, -1.0],
+        )?;
+    }
+    Ok(())
+}
+
+fn data_parallel(rank: usize, n: usize) -> Result<(), String> {
+    let cpu = Device::cpu();
+    let batch = 4 * n;
+    let mut rng = Rng::new(11);
+    let x_all = Tensor::<f32>::from_vec(
+        (0..batch * 5).map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5).collect(),
+        &[batch, 5],
+        &cpu,
+    )
+    .unwrap();
+    // Different initial parameters on each rank: broadcast makes them equal.
+    let mut model = stagecraft::nn::Sequential::new()
+        .push(Linear::new(5, 8, true, &mut Rng::new(rank as u64 + 1), &cpu))
+        .push(stagecraft::nn::Activation::Tanh)
+        .push(Linear::new(8, 3, true, &mut rng, &cpu));
+    // Tiny buckets: several reductions in flight during backward.
+    let ddp = DataParallel::with_bucket_bytes(&model, 64);
+    if ddp.buckets().len() < 3 {
+        return Err(format!("expected several buckets, got {:?}", ddp.buckets()));
+    }
+    ddp.broadcast_parameters(&mut model).map_err(|e| e.to_string())?;
+    // The full batch's gradient, on every rank without communication.
+    model.requires_grad();
+    let full = model.forward(&x_all).square().mean(&[], false);
+    let want = full.backward().map_err(|e| e.to_string())?;
+    // This rank's shard, averaged over the group.
+    model.requires_grad();
+    let shard = x_all.narrow(0, rank * 4, 4);
+    let local = model.forward(&shard).square().mean(&[], false);
+    let got = ddp.backward(&model, &local).map_err(|e| e.to_string())?;
+    for (name, p) in model.named_params() {
+        let (g, w) = (got.get(&p).unwrap().to_vec().unwrap(), want.get(&p).unwrap().to_vec().unwrap());
+        let worst = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        if worst > 1e-6 {
+            return Err(format!("{name}: data-parallel gradient differs by {worst}"));
+        }
+    }
+    Ok(())
+}
