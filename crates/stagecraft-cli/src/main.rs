@@ -184,6 +184,11 @@ struct TrainArgs {
     /// Start from saved parameters (with `--epochs 0`: only evaluate).
     #[arg(long, value_name = "FILE")]
     load: Option<PathBuf>,
+    /// Data-parallel training over the processes `mpirun -np N` started
+    /// (needs a build with `--features mpi`): each process takes its shard
+    /// of every batch, gradients are averaged, rank 0 prints and saves.
+    #[arg(long)]
+    distributed: bool,
 }
 
 #[derive(Args, Debug)]
@@ -308,11 +313,39 @@ fn generate(args: GenerateArgs) -> Result<()> {
 }
 
 fn train(args: TrainArgs) -> Result<()> {
+    if !args.distributed {
+        return train_in(args, None);
+    }
+    let group = stagecraft::distributed::init()?;
+    let result = train_in(args, Some(&group));
+    if let Err(e) = &result {
+        if group.size() > 1 {
+            // The others may wait in a collective for this process: end
+            // the whole job rather than leave them to their watchdogs.
+            eprintln!("error on rank {}: {e}", group.rank());
+            group.abort(1);
+        }
+    }
+    result
+}
+
+fn train_in(args: TrainArgs, group: Option<&stagecraft::distributed::Group>) -> Result<()> {
     let model = match args.model {
+        TrainModel::Gpt if args.distributed => {
+            return Err(error::CliError::new(
+                "--distributed trains mlp and cnn; gpt trains in one process for now",
+            ))
+        }
         TrainModel::Gpt => return train_gpt(args),
         TrainModel::Mlp => ModelKind::Mlp,
         TrainModel::Cnn => ModelKind::Cnn,
     };
+    let root = group.is_none_or(|g| g.is_root());
+    if let Some(g) = group {
+        if root && !args.json {
+            eprintln!("data-parallel training on {}", g.describe());
+        }
+    }
     let (epochs, lr) = defaults(model);
     let options = train::TrainOptions {
         model,
@@ -325,18 +358,51 @@ fn train(args: TrainArgs) -> Result<()> {
         steps: args.steps,
         compare_steps: args.compare_steps,
         json: args.json,
-        profile: args.profile,
+        profile: args.profile.map(|p| match group {
+            Some(g) if g.size() > 1 => per_rank(&p, g.rank()),
+            _ => p,
+        }),
         save: args.save,
         load: args.load,
+        distributed: group.is_some(),
     };
-    let data = mnist::load(args.data.as_deref())?;
+    let data = match group {
+        // Rank 0 fetches the data on first use while the others wait,
+        // then they read what it wrote.
+        Some(g) if g.size() > 1 => {
+            let data = if root {
+                Some(mnist::load(args.data.as_deref())?)
+            } else {
+                None
+            };
+            g.barrier(std::time::Duration::from_secs(600))?;
+            match data {
+                Some(d) => d,
+                None => mnist::load(args.data.as_deref())?,
+            }
+        }
+        _ => mnist::load(args.data.as_deref())?,
+    };
     let summary = train::run(&options, &data)?;
+    if !root {
+        return Ok(());
+    }
     if options.json {
         print_json(&summary)
     } else {
         train::print_summary(&summary);
         Ok(())
     }
+}
+
+/// `trace.json` → `trace.rank1.json`: one timeline per process.
+fn per_rank(path: &std::path::Path, rank: usize) -> PathBuf {
+    let stem = path.file_stem().map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    path.with_file_name(name)
 }
 
 fn trace(args: TraceArgs) -> Result<()> {

@@ -12,6 +12,7 @@ use crate::profile;
 use crate::splitmix::SplitMix64;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
+use stagecraft::distributed::{self, DataParallel, Reduction};
 use stagecraft::layers::runtime::profile as rt_profile;
 use stagecraft::nn::ModuleExt;
 use stagecraft::optim::{Optimizer, Sgd, SgdConfig};
@@ -78,6 +79,11 @@ pub struct TrainOptions {
     pub save: Option<PathBuf>,
     /// Start from these parameters (safetensors).
     pub load: Option<PathBuf>,
+    /// Data-parallel over the processes of the group
+    /// (`stagecraft::distributed::init` must have run): each takes its
+    /// shard of every global batch of `batch_size`, gradients are averaged
+    /// in buckets, and rank 0 alone prints, evaluates and saves.
+    pub distributed: bool,
 }
 
 /// Mean time per step on each device, measured on the same model.
@@ -182,6 +188,10 @@ pub struct Summary {
     pub profile: Option<PathBuf>,
     /// Where the checkpoint went.
     pub saved: Option<PathBuf>,
+    /// Processes that trained (1 unless `--distributed`).
+    pub ranks: usize,
+    /// Mean training loss of each epoch (over all processes' shards).
+    pub epoch_losses: Vec<f64>,
 }
 
 /// Scaled pixels: MNIST's mean and standard deviation, so inputs are
@@ -235,6 +245,23 @@ pub fn train_step(
     let grads = loss.backward()?;
     sgd.step(model, &grads)?;
     Ok(loss)
+}
+
+/// One data-parallel step on this process's shard: forward, backward with
+/// gradients averaged over the group in buckets, update. Returns the loss
+/// averaged over the group.
+pub fn train_step_distributed(
+    model: &mut Model,
+    sgd: &mut Sgd,
+    ddp: &DataParallel,
+    x: &Tensor<f32>,
+    y: &Tensor<i32>,
+) -> Result<Tensor<f32>> {
+    model.requires_grad();
+    let loss = loss(&model.forward(x), y);
+    let grads = ddp.backward(model, &loss)?;
+    sgd.step(model, &grads)?;
+    Ok(distributed::all_reduce(&loss, Reduction::Mean))
 }
 
 /// Ends a step: on a lazy device runs its trace; reads the loss.
@@ -302,7 +329,7 @@ fn time_steps(
 }
 
 fn progress_bar(options: &TrainOptions, len: u64) -> ProgressBar {
-    if options.json || !std::io::stderr().is_terminal() {
+    if options.json || !std::io::stderr().is_terminal() || !is_root(options) {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
@@ -314,10 +341,28 @@ fn progress_bar(options: &TrainOptions, len: u64) -> ProgressBar {
     bar
 }
 
+/// True where this process prints, evaluates and saves: always, unless
+/// it is a rank other than 0 of a distributed run.
+fn is_root(options: &TrainOptions) -> bool {
+    !options.distributed || distributed::rank() == 0
+}
+
 /// Trains, evaluates, compares devices and returns the summary.
 pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     if options.batch_size == 0 {
         return Err(CliError::new("--batch-size must be at least 1"));
+    }
+    let (rank, ranks) = if options.distributed {
+        (distributed::rank(), distributed::world_size())
+    } else {
+        (0, 1)
+    };
+    if options.batch_size % ranks != 0 {
+        return Err(CliError::new(format!(
+            "--batch-size {} does not split evenly over {ranks} processes: each takes an equal \
+             shard of every batch",
+            options.batch_size
+        )));
     }
     for (set, images) in [
         ("training", &data.train_images),
@@ -345,8 +390,13 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         None => Model::init(options.model, options.seed, &device),
     };
     let mut sgd = sgd(options.lr, options.momentum);
+    let ddp = options.distributed.then(|| DataParallel::new(&model));
+    if let Some(ddp) = &ddp {
+        ddp.broadcast_parameters(&mut model)?;
+    }
     lazy::mark_step();
     lazy::reset_metrics();
+    let mut epoch_losses = Vec::new();
 
     let train_count = data.train_images.count;
     // Whole batches only: a short last batch would be a second trace shape.
@@ -373,11 +423,16 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         let mut epoch_time = Duration::ZERO;
         let mut loss_sum = 0.0f64;
         for (i, indices) in order.chunks_exact(batch_size).take(this_epoch).enumerate() {
+            let shard = batch_size / ranks;
+            let indices = &indices[rank * shard..(rank + 1) * shard];
             let (x, y) = batch(&data.train_images, &data.train_labels, indices, &device)?;
             sgd.set_lr(f64::from(options.lr) * (1.0 - steps as f64 / total_steps as f64));
             let span = rt_profile::begin();
             let start = Instant::now();
-            let loss = train_step(&mut model, &mut sgd, &x, &y)?;
+            let loss = match &ddp {
+                Some(ddp) => train_step_distributed(&mut model, &mut sgd, ddp, &x, &y)?,
+                None => train_step(&mut model, &mut sgd, &x, &y)?,
+            };
             let value = finish_step(&loss)?;
             let took = start.elapsed();
             if let Some(span) = span {
@@ -406,19 +461,26 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
             if steps >= budget {
                 bar.finish_and_clear();
                 report_epoch(options, epoch, i + 1, loss_sum, epoch_time);
+                epoch_losses.push(loss_sum / (i + 1) as f64);
                 break 'epochs;
             }
         }
         bar.finish_and_clear();
         report_epoch(options, epoch, this_epoch, loss_sum, epoch_time);
+        epoch_losses.push(loss_sum / this_epoch.max(1) as f64);
     }
 
-    let accuracy = evaluate(&model, &data.test_images, &data.test_labels)?;
+    // Every process holds the same parameters: rank 0 evaluates for all.
+    let accuracy = if is_root(options) {
+        evaluate(&model, &data.test_images, &data.test_labels)?
+    } else {
+        f64::NAN
+    };
     let metrics = lazy::metrics();
     let lazy_summary =
         (options.device == DeviceKind::Lazy).then(|| LazySummary::from_metrics(&metrics));
 
-    let comparison = if options.compare_steps > 0 {
+    let comparison = if options.compare_steps > 0 && !options.distributed {
         if !options.json {
             eprintln!(
                 "timing {} steps of the same model on each device...",
@@ -448,11 +510,11 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     };
 
     let saved = match &options.save {
-        Some(path) => {
+        Some(path) if is_root(options) => {
             checkpoint::save(&model, path)?;
             Some(path.clone())
         }
-        None => None,
+        _ => None,
     };
     if let Some(path) = &options.profile {
         let events = profile::finish(path)?;
@@ -482,13 +544,15 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         lazy: lazy_summary,
         profile: options.profile.clone(),
         saved,
+        ranks,
+        epoch_losses,
     })
 }
 
 /// One line per epoch on stderr, which stays when the epoch's progress bar
 /// is cleared (and is all that logs and pipes see).
 fn report_epoch(options: &TrainOptions, epoch: usize, steps: usize, loss_sum: f64, time: Duration) {
-    if options.json || steps == 0 {
+    if options.json || steps == 0 || !is_root(options) {
         return;
     }
     eprintln!(
@@ -503,11 +567,16 @@ fn report_epoch(options: &TrainOptions, epoch: usize, steps: usize, loss_sum: f6
 /// The summary for people.
 pub fn print_summary(s: &Summary) {
     println!(
-        "{} on the {} device: {} steps in {} epochs ({:.1} s, {:.2} ms/step), final loss {}",
+        "{} on the {} device{}: {} steps in {} epochs ({:.1} s, {:.2} ms/step), final loss {}",
         s.model.name(),
         match s.device {
             DeviceKind::Eager => "eager",
             DeviceKind::Lazy => "lazy",
+        },
+        if s.ranks > 1 {
+            format!(", data-parallel over {} processes", s.ranks)
+        } else {
+            String::new()
         },
         s.steps,
         s.epochs,
