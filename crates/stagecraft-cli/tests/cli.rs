@@ -431,3 +431,74 @@ fn onnx_run_reads_and_writes_npy() {
     let out = run(&["onnx", "run", "m.onnx", "--input", "z=x.npy"], &dir);
     assert!(!out.status.success());
 }
+
+/// `mpirun -np N stagecraft args...` in `cwd`.
+#[cfg(feature = "mpi")]
+fn mpirun(ranks: usize, args: &[&str], cwd: &Path) -> Output {
+    Command::new("mpirun")
+        .args(["--oversubscribe", "-np", &ranks.to_string(), BIN])
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .current_dir(cwd)
+        .output()
+        .expect("mpirun runs (scripts/mpi.sh installs Open MPI)")
+}
+
+#[cfg(feature = "mpi")]
+fn losses(summary: &Value) -> Vec<f64> {
+    summary["epoch_losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect()
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn distributed_training_matches_one_process_with_the_same_global_batch() {
+    let dir = scratch("distributed");
+    tiny_mnist(&dir, 256, 100);
+    let data = dir.to_str().unwrap();
+    for model in ["mlp", "cnn"] {
+        let args = [
+            "train", "--model", model, "--data", data, "--epochs", "2", "--batch-size", "32",
+            "--compare-steps", "0", "--json", "--device", "lazy", "--seed", "3",
+        ];
+        let single = json_of(&run(&args, &dir));
+        let with_flag: Vec<&str> = args.iter().copied().chain(["--distributed"]).collect();
+        let first = json_of(&mpirun(2, &with_flag, &dir));
+        let second = json_of(&mpirun(2, &with_flag, &dir));
+        assert_eq!(first["ranks"], 2, "{first}");
+        assert_eq!(single["ranks"], 1);
+        // The same seed and rank count give the same curve, bit for bit.
+        assert_eq!(losses(&first), losses(&second), "{model}");
+        assert_eq!(first["test_accuracy"], second["test_accuracy"]);
+        // Averaging the shards' gradients is the full batch's gradient: the
+        // curves differ only by the order of float sums.
+        for (a, b) in losses(&single).iter().zip(losses(&first)) {
+            assert!((a - b).abs() < 1e-4 * a.abs().max(1.0), "{model}: {a} vs {b}");
+        }
+        let (acc1, acc2) = (
+            single["test_accuracy"].as_f64().unwrap(),
+            first["test_accuracy"].as_f64().unwrap(),
+        );
+        assert!((acc1 - acc2).abs() <= 0.003, "{model}: {acc1} vs {acc2}");
+    }
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn distributed_training_rejects_a_batch_that_does_not_split() {
+    let dir = scratch("distributed-split");
+    tiny_mnist(&dir, 64, 10);
+    let out = mpirun(
+        2,
+        &["train", "--data", dir.to_str().unwrap(), "--batch-size", "33", "--distributed"],
+        &dir,
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--batch-size 33 does not split evenly over 2 processes"), "{err}");
+}

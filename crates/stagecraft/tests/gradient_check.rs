@@ -49,6 +49,7 @@ use stagecraft::{
     cond, function, grad, where_, while_loop, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
     CrossEntropyOptions, CumsumOptions, Device, Location, Pool2dOptions, Reduction, Rng, Tensor,
 };
+use stagecraft::distributed;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
@@ -776,6 +777,40 @@ fn cases() -> Vec<Case> {
 
     // Training ops. Each call draws the same mask: the stream restarts
     // from its seed.
+    // Collectives in a group of one (their rules are what run; the
+    // values across processes are checked under mpirun in tests/mpi.rs).
+    for reduction in [
+        distributed::Reduction::Sum,
+        distributed::Reduction::Mean,
+        distributed::Reduction::Max,
+    ] {
+        out.push(case(
+            "AllReduce",
+            &format!("all-reduce {}", reduction.name()),
+            x234.clone(),
+            move |x| weighted(distributed::all_reduce(&x.tanh(), reduction)),
+        ));
+        out.push(case(
+            "ReduceScatter",
+            &format!("reduce-scatter {}", reduction.name()),
+            x234.clone(),
+            move |x| weighted(distributed::reduce_scatter(&x.sin(), reduction)),
+        ));
+    }
+    for reduction in [distributed::Reduction::Sum, distributed::Reduction::Mean] {
+        out.push(case(
+            "ReduceToRoot",
+            &format!("reduce to root {}", reduction.name()),
+            x234.clone(),
+            move |x| weighted(distributed::reduce_to_root(&x.tanh(), reduction, 0)),
+        ));
+    }
+    out.push(case("Broadcast", "broadcast from 0", x234.clone(), |x| {
+        weighted(distributed::broadcast(&x.tanh(), 0))
+    }));
+    out.push(case("AllGather", "all-gather", x234.clone(), |x| {
+        weighted(distributed::all_gather(&x.sin()))
+    }));
     out.push(case("Dropout", "dropout p = 0.3", x234.clone(), |x| {
         weighted(x.dropout(0.3, &mut Rng::new(5)).tanh())
     }));

@@ -29,6 +29,11 @@ mod data_parallel;
 mod mpi;
 
 pub use data_parallel::DataParallel;
+/// The rsmpi crate stagecraft's MPI transport is built on, for programs
+/// that mix their own MPI calls with stagecraft's (and for the benchmark
+/// that compares the two).
+#[cfg(feature = "mpi")]
+pub use ::mpi as rsmpi;
 pub use stagecraft_cpu::collective::{Collective, Communicator, PendingCollective};
 pub use stagecraft_ops::Reduction;
 

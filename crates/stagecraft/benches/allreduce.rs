@@ -1,0 +1,118 @@
+//! All-reduce bandwidth: stagecraft's `AllReduce` op (eager, through
+//! `execute`) and its communicator (start + wait) against a plain rsmpi
+//! `all_reduce_into` loop on buffers of the same size, side by side in one
+//! run on 2 processes.
+//!
+//! `cargo bench -p stagecraft --features mpi --bench allreduce` launches
+//! itself under `mpirun -np 2`. Every process must run the same number of
+//! collectives, so iteration counts are fixed per size rather than chosen
+//! adaptively per process (as criterion and divan would): each row is the
+//! median of 5 rounds, the three contenders interleaved round by round.
+
+use stagecraft::distributed::{self, Reduction};
+use stagecraft::{Device, Tensor};
+use std::process::Command;
+use std::time::Instant;
+
+const SIZES: [(usize, &str, usize); 3] = [
+    (4 << 10, "4 KiB", 2000),
+    (1 << 20, "1 MiB", 200),
+    (64 << 20, "64 MiB", 6),
+];
+const ROUNDS: usize = 5;
+
+fn main() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none() {
+        let exe = std::env::current_exe().expect("the bench's own path");
+        let status = Command::new("mpirun")
+            .args(["--oversubscribe", "-np", "2"])
+            .arg(exe)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .status()
+            .expect("mpirun runs (scripts/mpi.sh installs Open MPI)");
+        std::process::exit(status.code().unwrap_or(1));
+    }
+    let group = distributed::init().expect("joining the MPI job");
+    let world = distributed::rsmpi::topology::SimpleCommunicator::world();
+    let root = group.is_root();
+    if root {
+        println!("all-reduce (sum, f32) on {}; {}", group.describe(), host());
+        println!(
+            "{:>8} {:>14} {:>14} {:>14} {:>10} {:>10}",
+            "size", "rsmpi GB/s", "op GB/s", "comm GB/s", "op/rsmpi", "comm/rsmpi"
+        );
+    }
+    for (bytes, label, iterations) in SIZES {
+        let n = bytes / 4;
+        let host_values = vec![1.0f32; n];
+        let mut received = vec![0.0f32; n];
+        let x = Tensor::<f32>::from_vec(host_values.clone(), &[n], &Device::cpu()).unwrap();
+        let dense = stagecraft::layers::tensor::DenseHostTensor::from_slice(
+            &host_values,
+            stagecraft::layers::tensor::Shape::new(&[n]),
+        )
+        .unwrap();
+        let comm = distributed::communicator();
+        let mut times = [Vec::new(), Vec::new(), Vec::new()];
+        for _ in 0..ROUNDS {
+            use distributed::rsmpi::traits::*;
+            world.barrier();
+            let start = Instant::now();
+            for _ in 0..iterations {
+                world.all_reduce_into(
+                    &host_values[..],
+                    &mut received[..],
+                    distributed::rsmpi::collective::SystemOperation::sum(),
+                );
+            }
+            times[0].push(start.elapsed().as_secs_f64() / iterations as f64);
+            world.barrier();
+            let start = Instant::now();
+            for _ in 0..iterations {
+                distributed::all_reduce(&x, Reduction::Sum).wait().unwrap();
+            }
+            times[1].push(start.elapsed().as_secs_f64() / iterations as f64);
+            world.barrier();
+            let meta = dense.metadata().clone();
+            let start = Instant::now();
+            for _ in 0..iterations {
+                let op = distributed::Collective::AllReduce(Reduction::Sum);
+                comm.start(op, dense.clone(), &meta).unwrap().wait().unwrap();
+            }
+            times[2].push(start.elapsed().as_secs_f64() / iterations as f64);
+        }
+        assert!(received.iter().all(|&v| v == 2.0), "rsmpi's sum is wrong");
+        let gbps: Vec<f64> = times
+            .iter_mut()
+            .map(|t| {
+                t.sort_by(f64::total_cmp);
+                bytes as f64 / t[ROUNDS / 2] / 1e9
+            })
+            .collect();
+        if root {
+            println!(
+                "{label:>8} {:>14.3} {:>14.3} {:>14.3} {:>10.2} {:>10.2}",
+                gbps[0],
+                gbps[1],
+                gbps[2],
+                gbps[1] / gbps[0],
+                gbps[2] / gbps[0]
+            );
+        }
+    }
+}
+
+/// The CPU model and core count, for the figures' header.
+fn host() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = info
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .unwrap_or("unknown CPU")
+        .trim()
+        .to_string();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{model}, {cores} cores")
+}
