@@ -17,6 +17,7 @@ use serde::Serialize;
 use stagecraft::layers::runtime::profile as rt_profile;
 use stagecraft::nn::{Module, ModuleExt};
 use stagecraft::optim::{AdamConfig, AdamW, Cosine, LrSchedule, Optimizer};
+use stagecraft::distributed::{self, DataParallel, Reduction};
 use stagecraft::{clip_grad_norm, lazy, Device, Gradients, Tensor};
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -62,6 +63,11 @@ pub struct LmOptions {
     pub profile: Option<PathBuf>,
     /// Save the trained parameters here (safetensors).
     pub save: Option<PathBuf>,
+    /// Data-parallel over the processes of the group
+    /// (`stagecraft::distributed::init` must have run): each takes its
+    /// rows of every global batch of `batch_size` sequences, gradients are
+    /// averaged before clipping, and rank 0 alone prints and saves.
+    pub distributed: bool,
 }
 
 impl LmOptions {
@@ -86,6 +92,7 @@ impl LmOptions {
             json: false,
             profile: None,
             save: None,
+            distributed: false,
         }
     }
 }
@@ -199,9 +206,27 @@ pub fn train_step(
     x: &Tensor<i32>,
     y: &Tensor<i32>,
 ) -> Result<Tensor<f32>> {
+    train_step_with(model, optimizer, schedule, clip, x, y, None)
+}
+
+/// [`train_step`], with the gradients averaged over the group by `ddp`
+/// (before clipping, so every process clips the same gradients) when
+/// given; the returned loss is then this process's.
+pub fn train_step_with(
+    model: &mut Gpt,
+    optimizer: &mut AdamW,
+    schedule: &dyn LrSchedule,
+    clip: f64,
+    x: &Tensor<i32>,
+    y: &Tensor<i32>,
+    ddp: Option<&DataParallel>,
+) -> Result<Tensor<f32>> {
     model.requires_grad();
     let loss = model.loss(x, y);
-    let grads = loss.backward()?;
+    let grads = match ddp {
+        Some(ddp) => ddp.backward(model, &loss)?,
+        None => loss.backward()?,
+    };
     let params = model.named_params();
     let mut raw = Vec::with_capacity(params.len());
     for (name, p) in &params {
@@ -322,8 +347,25 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
     if options.profile.is_some() {
         profile::start();
     }
+    let (rank, ranks) = if options.distributed {
+        (distributed::rank(), distributed::world_size())
+    } else {
+        (0, 1)
+    };
+    if options.batch_size % ranks != 0 {
+        return Err(CliError::new(format!(
+            "--batch-size {} does not split evenly over {ranks} processes: each takes an equal \
+             shard of every batch",
+            options.batch_size
+        )));
+    }
+    let root = rank == 0;
     let device = options.device.device();
     let mut model = Gpt::new(options.config, options.seed, &device);
+    let ddp = options.distributed.then(|| DataParallel::new(&model));
+    if let Some(ddp) = &ddp {
+        ddp.broadcast_parameters(&mut model)?;
+    }
     let (mut opt, schedule) = optimizer(options);
     let mut batches = Batches::new(
         &corpus.train,
@@ -334,7 +376,7 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
     lazy::mark_step();
     lazy::reset_metrics();
     let say = |line: String| {
-        if !options.json {
+        if !options.json && root {
             eprintln!("{line}");
         }
     };
@@ -364,15 +406,27 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
             val_loss,
         })
     };
-    let live = !options.json && std::io::stderr().is_terminal();
+    let live = !options.json && root && std::io::stderr().is_terminal();
     let mut evaluations = Vec::new();
     let mut train_time = Duration::ZERO;
     let mut final_loss = None;
     for step in 0..options.steps {
         let (x, y) = batches.next(&device)?;
+        // Every process draws the same global batch and keeps its rows.
+        let shard = options.batch_size / ranks;
+        let (x, y) = if ranks > 1 {
+            (x.narrow(0, rank * shard, shard), y.narrow(0, rank * shard, shard))
+        } else {
+            (x, y)
+        };
         let span = rt_profile::begin();
         let start = Instant::now();
-        let loss = train_step(&mut model, &mut opt, &schedule, options.clip, &x, &y)?;
+        let clip = options.clip;
+        let loss = train_step_with(&mut model, &mut opt, &schedule, clip, &x, &y, ddp.as_ref())?;
+        let loss = match &ddp {
+            Some(_) => distributed::all_reduce(&loss, Reduction::Mean),
+            None => loss,
+        };
         lazy::mark_step();
         let value = loss.item()?;
         let took = start.elapsed();
@@ -421,7 +475,7 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
     evaluations.push(last);
     let lazy = (options.device == DeviceKind::Lazy).then(lazy_summary);
 
-    let comparison = if options.compare_steps > 0 {
+    let comparison = if options.compare_steps > 0 && !options.distributed {
         say(format!(
             "timing {} steps of the same model on each device...",
             options.compare_steps
@@ -454,11 +508,11 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
         None
     };
     let saved = match &options.save {
-        Some(path) => {
+        Some(path) if root => {
             save_model(&model, &corpus.vocab, path)?;
             Some(path.clone())
         }
-        None => None,
+        _ => None,
     };
     if let Some(path) = &options.profile {
         let events = profile::finish(path)?;

@@ -253,13 +253,13 @@ fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
     Ok(())
 }
 
-fn train_gpt(args: TrainArgs) -> Result<()> {
+fn train_gpt(args: TrainArgs, group: Option<&stagecraft::distributed::Group>) -> Result<()> {
     if args.load.is_some() {
         return Err(error::CliError::new(
             "--load is for mlp and cnn; a saved gpt is sampled with `stagecraft generate --load`",
         ));
     }
-    let corpus = shakespeare::load(args.data.as_deref())?;
+    let corpus = root_first(group, || shakespeare::load(args.data.as_deref()))?;
     let mut options = LmOptions::defaults(corpus.vocab.len());
     options.device = args.device;
     options.steps = args.steps.unwrap_or(options.steps);
@@ -269,9 +269,16 @@ fn train_gpt(args: TrainArgs) -> Result<()> {
     options.eval_every = args.eval_every;
     options.compare_steps = args.compare_steps;
     options.json = args.json;
-    options.profile = args.profile;
+    options.profile = args.profile.map(|p| match group {
+        Some(g) if g.size() > 1 => per_rank(&p, g.rank()),
+        _ => p,
+    });
     options.save = args.save;
+    options.distributed = group.is_some();
     let summary = lm::run(&options, &corpus)?;
+    if group.is_some_and(|g| !g.is_root()) {
+        return Ok(());
+    }
     if options.json {
         print_json(&summary)
     } else {
@@ -331,12 +338,7 @@ fn train(args: TrainArgs) -> Result<()> {
 
 fn train_in(args: TrainArgs, group: Option<&stagecraft::distributed::Group>) -> Result<()> {
     let model = match args.model {
-        TrainModel::Gpt if args.distributed => {
-            return Err(error::CliError::new(
-                "--distributed trains mlp and cnn; gpt trains in one process for now",
-            ))
-        }
-        TrainModel::Gpt => return train_gpt(args),
+        TrainModel::Gpt => return train_gpt(args, group),
         TrainModel::Mlp => ModelKind::Mlp,
         TrainModel::Cnn => ModelKind::Cnn,
     };
@@ -366,23 +368,7 @@ fn train_in(args: TrainArgs, group: Option<&stagecraft::distributed::Group>) -> 
         load: args.load,
         distributed: group.is_some(),
     };
-    let data = match group {
-        // Rank 0 fetches the data on first use while the others wait,
-        // then they read what it wrote.
-        Some(g) if g.size() > 1 => {
-            let data = if root {
-                Some(mnist::load(args.data.as_deref())?)
-            } else {
-                None
-            };
-            g.barrier(std::time::Duration::from_secs(600))?;
-            match data {
-                Some(d) => d,
-                None => mnist::load(args.data.as_deref())?,
-            }
-        }
-        _ => mnist::load(args.data.as_deref())?,
-    };
+    let data = root_first(group, || mnist::load(args.data.as_deref()))?;
     let summary = train::run(&options, &data)?;
     if !root {
         return Ok(());
@@ -392,6 +378,23 @@ fn train_in(args: TrainArgs, group: Option<&stagecraft::distributed::Group>) -> 
     } else {
         train::print_summary(&summary);
         Ok(())
+    }
+}
+
+/// Loads data on rank 0 first (which fetches it on first use) while the
+/// others wait, then on the others from what rank 0 wrote.
+fn root_first<T>(
+    group: Option<&stagecraft::distributed::Group>,
+    load: impl Fn() -> Result<T>,
+) -> Result<T> {
+    let Some(g) = group.filter(|g| g.size() > 1) else {
+        return load();
+    };
+    let data = if g.is_root() { Some(load()?) } else { None };
+    g.barrier(std::time::Duration::from_secs(600))?;
+    match data {
+        Some(d) => Ok(d),
+        None => load(),
     }
 }
 
