@@ -502,3 +502,29 @@ fn distributed_training_rejects_a_batch_that_does_not_split() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--batch-size 33 does not split evenly over 2 processes"), "{err}");
 }
+
+#[cfg(feature = "mpi")]
+#[test]
+fn distributed_gpt_training_matches_one_process() {
+    let dir = scratch("distributed-gpt");
+    let text = "To be, or not to be, that is the question:\n\
+                Whether 'tis nobler in the mind to suffer\n\
+                The slings and arrows of outrageous fortune,\n"
+        .repeat(40);
+    std::fs::write(dir.join("shakespeare.txt"), text).unwrap();
+    let args = [
+        "train", "--model", "gpt", "--data", dir.to_str().unwrap(), "--steps", "12",
+        "--batch-size", "4", "--eval-every", "0", "--compare-steps", "0", "--json",
+    ];
+    let single = json_of(&run(&args, &dir));
+    let with_flag: Vec<&str> = args.iter().copied().chain(["--distributed"]).collect();
+    let first = json_of(&mpirun(2, &with_flag, &dir));
+    let second = json_of(&mpirun(2, &with_flag, &dir));
+    assert_eq!(first["final_loss"], second["final_loss"]);
+    let (a, b) = (
+        single["final_loss"].as_f64().unwrap(),
+        first["final_loss"].as_f64().unwrap(),
+    );
+    // Averaged shard gradients are the global batch's, up to float sums.
+    assert!((a - b).abs() < 1e-3 * a, "one process {a}, two {b}");
+}
