@@ -15,22 +15,18 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 cargo build --release -p stagecraft-cli --features mpi
 bin=target/release/stagecraft
 echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, $(date -u +%F)"
-ms_per_step() { python3 -c 'import json,sys; print(json.load(sys.stdin)["ms_per_step"])'; }
+summary() { python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["ms_per_step"], d.get("parameters", 0))'; }
+rows=()
 for model in mlp cnn; do
     for device in lazy eager; do
         per=32
-        one=$(RAYON_NUM_THREADS=1 taskset -c 0 $bin train --model $model --device $device \
-            --batch-size $per --steps "$steps" --compare-steps 0 --json | ms_per_step)
-        two=$(RAYON_NUM_THREADS=1 mpirun --oversubscribe --bind-to core -np 2 $bin train \
-            --distributed --model $model --device $device --batch-size $((2 * per)) \
-            --steps "$steps" --compare-steps 0 --json | ms_per_step)
-        python3 - "$model" "$device" "$per" "$one" "$two" <<'PY'
-import sys
-model, device, per, one, two = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
-s1, s2 = per / one * 1e3, 2 * per / two * 1e3
-print(f"{model:4} {device:5}: 1 rank x 1 thread {one:7.3f} ms/step {s1:8.0f} samples/s | "
-      f"2 ranks x 1 thread {two:7.3f} ms/step {s2:8.0f} samples/s | scaling {s2 / s1:.2f}x")
-PY
+        read -r one params < <(RAYON_NUM_THREADS=1 taskset -c 0 $bin train --model $model \
+            --device $device --batch-size $per --steps "$steps" --compare-steps 0 --json | summary)
+        read -r two _ < <(RAYON_NUM_THREADS=1 mpirun --oversubscribe --bind-to core -np 2 $bin \
+            train --distributed --model $model --device $device --batch-size $((2 * per)) \
+            --steps "$steps" --compare-steps 0 --json | summary)
+        rows+=("$model $device $per $one $two $params")
     done
 done
-cargo bench -p stagecraft --features mpi --bench allreduce
+bench=$(cargo bench -p stagecraft --features mpi --bench allreduce | tee /dev/stderr)
+printf '%s\n' "${rows[@]}" | python3 scripts/scaling_model.py "$bench"

@@ -14,10 +14,10 @@ use crate::shakespeare::{Corpus, Vocab};
 use crate::splitmix::SplitMix64;
 use crate::train::{Comparison, DeviceKind, LazySummary};
 use serde::Serialize;
+use stagecraft::distributed::{self, DataParallel, Reduction};
 use stagecraft::layers::runtime::profile as rt_profile;
 use stagecraft::nn::{Module, ModuleExt};
 use stagecraft::optim::{AdamConfig, AdamW, Cosine, LrSchedule, Optimizer};
-use stagecraft::distributed::{self, DataParallel, Reduction};
 use stagecraft::{clip_grad_norm, lazy, Device, Gradients, Tensor};
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -415,7 +415,10 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
         // Every process draws the same global batch and keeps its rows.
         let shard = options.batch_size / ranks;
         let (x, y) = if ranks > 1 {
-            (x.narrow(0, rank * shard, shard), y.narrow(0, rank * shard, shard))
+            (
+                x.narrow(0, rank * shard, shard),
+                y.narrow(0, rank * shard, shard),
+            )
         } else {
             (x, y)
         };

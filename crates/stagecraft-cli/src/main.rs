@@ -400,7 +400,9 @@ fn root_first<T>(
 
 /// `trace.json` → `trace.rank1.json`: one timeline per process.
 fn per_rank(path: &std::path::Path, rank: usize) -> PathBuf {
-    let stem = path.file_stem().map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    let stem = path
+        .file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
     let name = match path.extension() {
         Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
         None => format!("{stem}.rank{rank}"),

@@ -190,6 +190,9 @@ pub struct Summary {
     pub saved: Option<PathBuf>,
     /// Processes that trained (1 unless `--distributed`).
     pub ranks: usize,
+    /// Scalar parameters of the model (what data-parallel training
+    /// all-reduces each step, 4 bytes each).
+    pub parameters: usize,
     /// Mean training loss of each epoch (over all processes' shards).
     pub epoch_losses: Vec<f64>,
 }
@@ -545,6 +548,7 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         profile: options.profile.clone(),
         saved,
         ranks,
+        parameters: model.num_params(),
         epoch_losses,
     })
 }

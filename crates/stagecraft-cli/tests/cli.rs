@@ -463,8 +463,22 @@ fn distributed_training_matches_one_process_with_the_same_global_batch() {
     let data = dir.to_str().unwrap();
     for model in ["mlp", "cnn"] {
         let args = [
-            "train", "--model", model, "--data", data, "--epochs", "2", "--batch-size", "32",
-            "--compare-steps", "0", "--json", "--device", "lazy", "--seed", "3",
+            "train",
+            "--model",
+            model,
+            "--data",
+            data,
+            "--epochs",
+            "2",
+            "--batch-size",
+            "32",
+            "--compare-steps",
+            "0",
+            "--json",
+            "--device",
+            "lazy",
+            "--seed",
+            "3",
         ];
         let single = json_of(&run(&args, &dir));
         let with_flag: Vec<&str> = args.iter().copied().chain(["--distributed"]).collect();
@@ -478,7 +492,10 @@ fn distributed_training_matches_one_process_with_the_same_global_batch() {
         // Averaging the shards' gradients is the full batch's gradient: the
         // curves differ only by the order of float sums.
         for (a, b) in losses(&single).iter().zip(losses(&first)) {
-            assert!((a - b).abs() < 1e-4 * a.abs().max(1.0), "{model}: {a} vs {b}");
+            assert!(
+                (a - b).abs() < 1e-4 * a.abs().max(1.0),
+                "{model}: {a} vs {b}"
+            );
         }
         let (acc1, acc2) = (
             single["test_accuracy"].as_f64().unwrap(),
@@ -495,12 +512,22 @@ fn distributed_training_rejects_a_batch_that_does_not_split() {
     tiny_mnist(&dir, 64, 10);
     let out = mpirun(
         2,
-        &["train", "--data", dir.to_str().unwrap(), "--batch-size", "33", "--distributed"],
+        &[
+            "train",
+            "--data",
+            dir.to_str().unwrap(),
+            "--batch-size",
+            "33",
+            "--distributed",
+        ],
         &dir,
     );
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--batch-size 33 does not split evenly over 2 processes"), "{err}");
+    assert!(
+        err.contains("--batch-size 33 does not split evenly over 2 processes"),
+        "{err}"
+    );
 }
 
 #[cfg(feature = "mpi")]
@@ -513,8 +540,20 @@ fn distributed_gpt_training_matches_one_process() {
         .repeat(40);
     std::fs::write(dir.join("shakespeare.txt"), text).unwrap();
     let args = [
-        "train", "--model", "gpt", "--data", dir.to_str().unwrap(), "--steps", "12",
-        "--batch-size", "4", "--eval-every", "0", "--compare-steps", "0", "--json",
+        "train",
+        "--model",
+        "gpt",
+        "--data",
+        dir.to_str().unwrap(),
+        "--steps",
+        "12",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--compare-steps",
+        "0",
+        "--json",
     ];
     let single = json_of(&run(&args, &dir));
     let with_flag: Vec<&str> = args.iter().copied().chain(["--distributed"]).collect();

@@ -78,7 +78,10 @@ fn main() {
             let start = Instant::now();
             for _ in 0..iterations {
                 let op = distributed::Collective::AllReduce(Reduction::Sum);
-                comm.start(op, dense.clone(), &meta).unwrap().wait().unwrap();
+                comm.start(op, dense.clone(), &meta)
+                    .unwrap()
+                    .wait()
+                    .unwrap();
             }
             times[2].push(start.elapsed().as_secs_f64() / iterations as f64);
         }

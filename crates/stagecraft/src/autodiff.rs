@@ -413,12 +413,9 @@ impl<T: FloatElement> Tensor<T> {
         mut on_final: impl FnMut(usize, Tensor<T>) -> Result<()>,
     ) -> Result<Gradients> {
         let handles: Vec<&TensorHandle> = watch.iter().map(|t| &t.handle).collect();
-        backward_handle(
-            &self.handle,
-            Location::caller(),
-            &handles,
-            &mut |i, g| on_final(i, Tensor::try_from_handle(g.clone())?),
-        )
+        backward_handle(&self.handle, Location::caller(), &handles, &mut |i, g| {
+            on_final(i, Tensor::try_from_handle(g.clone())?)
+        })
     }
 }
 

@@ -41,6 +41,7 @@
 mod common;
 use common::values;
 use proptest::prelude::*;
+use stagecraft::distributed;
 use stagecraft::layers::graph::Function;
 use stagecraft::layers::ops::{self as ops, OpAttrs};
 use stagecraft::layers::runtime::{self as runtime, Args, TensorHandle};
@@ -49,7 +50,6 @@ use stagecraft::{
     cond, function, grad, where_, while_loop, Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions,
     CrossEntropyOptions, CumsumOptions, Device, Location, Pool2dOptions, Reduction, Rng, Tensor,
 };
-use stagecraft::distributed;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 

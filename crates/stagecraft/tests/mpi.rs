@@ -63,13 +63,16 @@ fn launcher() {
         ("collectives give MPI's results on 2 ranks", || {
             expect_success("collectives", 2)
         }),
-        ("gradients of collectives", || expect_success("gradients", 2)),
+        ("gradients of collectives", || {
+            expect_success("gradients", 2)
+        }),
         ("collectives in lazy traces and functions", || {
             expect_success("staged", 2)
         }),
-        ("bucketed data-parallel gradients equal full-batch ones", || {
-            expect_success("data_parallel", 2)
-        }),
+        (
+            "bucketed data-parallel gradients equal full-batch ones",
+            || expect_success("data_parallel", 2),
+        ),
         ("three ranks", || expect_success("collectives", 3)),
         ("a shape mismatch is reported on every rank", mismatch),
         ("a hung rank is named within 10 s", hang),
@@ -101,7 +104,10 @@ fn expect_success(scenario: &str, ranks: usize) -> Result<(), String> {
     if run.success && oks == ranks {
         Ok(())
     } else {
-        Err(format!("{ranks} ranks of `{scenario}` did not all pass:\n{}", run.output))
+        Err(format!(
+            "{ranks} ranks of `{scenario}` did not all pass:\n{}",
+            run.output
+        ))
     }
 }
 
@@ -213,10 +219,7 @@ fn workers(marker: &str) -> usize {
         .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
         .filter(|e| {
             std::fs::read(e.path().join("environ"))
-                .map(|env| {
-                    env.split(|&b| b == 0)
-                        .any(|var| var == needle.as_bytes())
-                })
+                .map(|env| env.split(|&b| b == 0).any(|var| var == needle.as_bytes()))
                 .unwrap_or(false)
         })
         .filter(|e| {
@@ -311,21 +314,39 @@ fn collectives(rank: usize, n: usize) -> Result<(), String> {
     let total: f32 = (1..=n).map(|r| r as f32).sum();
     let nf = n as f32;
     let v = |t: Tensor<f32>| t.to_vec().map_err(|e| e.to_string());
-    same("sum", v(distributed::all_reduce(&x, Reduction::Sum))?, vec![total, 10.0 * total, -total])?;
+    same(
+        "sum",
+        v(distributed::all_reduce(&x, Reduction::Sum))?,
+        vec![total, 10.0 * total, -total],
+    )?;
     same(
         "mean",
         v(distributed::all_reduce(&x, Reduction::Mean))?,
         vec![total / nf, 10.0 * total / nf, -total / nf],
     )?;
-    same("max", v(distributed::all_reduce(&x, Reduction::Max))?, vec![nf, 10.0 * nf, -1.0])?;
-    same("min", v(distributed::all_reduce(&x, Reduction::Min))?, vec![1.0, 10.0, -nf])?;
+    same(
+        "max",
+        v(distributed::all_reduce(&x, Reduction::Max))?,
+        vec![nf, 10.0 * nf, -1.0],
+    )?;
+    same(
+        "min",
+        v(distributed::all_reduce(&x, Reduction::Min))?,
+        vec![1.0, 10.0, -nf],
+    )?;
     let ints = Tensor::<i64>::from_vec(vec![rank as i64, 7], &[2], &cpu).unwrap();
-    let summed = distributed::all_reduce(&ints, Reduction::Sum).to_vec().map_err(|e| e.to_string())?;
+    let summed = distributed::all_reduce(&ints, Reduction::Sum)
+        .to_vec()
+        .map_err(|e| e.to_string())?;
     if summed != vec![(n * (n - 1) / 2) as i64, 7 * n as i64] {
         return Err(format!("i64 sum: {summed:?}"));
     }
     let root = n - 1;
-    same("broadcast", v(distributed::broadcast(&x, root))?, ranked(root, &cpu).to_vec().unwrap())?;
+    same(
+        "broadcast",
+        v(distributed::broadcast(&x, root))?,
+        ranked(root, &cpu).to_vec().unwrap(),
+    )?;
     let reduced = v(distributed::reduce_to_root(&x, Reduction::Sum, root))?;
     let want = if rank == root {
         vec![total, 10.0 * total, -total]
@@ -334,18 +355,38 @@ fn collectives(rank: usize, n: usize) -> Result<(), String> {
     };
     same("reduce to root", reduced, want)?;
     let gathered = v(distributed::all_gather(&x.reshape(&[1, 3])))?;
-    let want: Vec<f32> = (0..n).flat_map(|r| ranked(r, &cpu).to_vec().unwrap()).collect();
+    let want: Vec<f32> = (0..n)
+        .flat_map(|r| ranked(r, &cpu).to_vec().unwrap())
+        .collect();
     same("all-gather", gathered, want)?;
     // Rank r's part of the sum of [n, 2] tensors filled with rank + 1.
     let rows = Tensor::<f32>::full(&[n, 2], (rank + 1) as f32, &cpu);
-    same("reduce-scatter", v(distributed::reduce_scatter(&rows, Reduction::Sum))?, vec![total; 2])?;
+    same(
+        "reduce-scatter",
+        v(distributed::reduce_scatter(&rows, Reduction::Sum))?,
+        vec![total; 2],
+    )?;
     let started = distributed::all_reduce_start(&x, Reduction::Sum);
     let meanwhile = (&x * &x).to_vec().unwrap();
-    same("start/done", v(started.wait())?, vec![total, 10.0 * total, -total])?;
-    same("work between start and done", meanwhile, vec![(rank + 1) as f32; 3].iter().zip([1.0, 100.0, 1.0]).map(|(a, b)| a * a * b).collect())?;
+    same(
+        "start/done",
+        v(started.wait())?,
+        vec![total, 10.0 * total, -total],
+    )?;
+    same(
+        "work between start and done",
+        meanwhile,
+        vec![(rank + 1) as f32; 3]
+            .iter()
+            .zip([1.0, 100.0, 1.0])
+            .map(|(a, b)| a * a * b)
+            .collect(),
+    )?;
     // A larger reduction, past Open MPI's eager limit.
     let big = Tensor::<f32>::full(&[1 << 20], (rank + 1) as f32, &cpu);
-    let sum = distributed::all_reduce(&big, Reduction::Sum).to_vec().unwrap();
+    let sum = distributed::all_reduce(&big, Reduction::Sum)
+        .to_vec()
+        .unwrap();
     if sum.iter().any(|&s| s != total) {
         return Err("a 4 MiB all-reduce gave a wrong element".into());
     }
@@ -354,7 +395,9 @@ fn collectives(rank: usize, n: usize) -> Result<(), String> {
 
 fn gradients(rank: usize, n: usize) -> Result<(), String> {
     let cpu = Device::cpu();
-    let w = |r: usize| Tensor::<f32>::from_vec(vec![r as f32 + 1.0, 2.0 * r as f32], &[1, 2], &cpu).unwrap();
+    let w = |r: usize| {
+        Tensor::<f32>::from_vec(vec![r as f32 + 1.0, 2.0 * r as f32], &[1, 2], &cpu).unwrap()
+    };
     // loss_r = Σ all_gather(x) · W_r, with W_r [n, 2] of rows w(r): the
     // gradient of the summed losses at x_r is Σ_r' w(r') = ReduceScatter.
     let x = Tensor::<f32>::ones(&[1, 2], &cpu).requires_grad();
@@ -366,21 +409,39 @@ fn gradients(rank: usize, n: usize) -> Result<(), String> {
         let w = w(r).to_vec().unwrap();
         vec![acc[0] + w[0], acc[1] + w[1]]
     });
-    same("AllGather's gradient", grads.get(&x).unwrap().to_vec().unwrap(), want.clone())?;
+    same(
+        "AllGather's gradient",
+        grads.get(&x).unwrap().to_vec().unwrap(),
+        want.clone(),
+    )?;
     // The gradient of a sum all-reduce is the sum of the gradients.
     let x = Tensor::<f32>::ones(&[1, 2], &cpu).requires_grad();
     let loss = (&distributed::all_reduce(&x, Reduction::Sum) * &w(rank)).sum(&[], false);
     let grads = loss.backward().map_err(|e| e.to_string())?;
-    same("AllReduce's gradient", grads.get(&x).unwrap().to_vec().unwrap(), want)?;
+    same(
+        "AllReduce's gradient",
+        grads.get(&x).unwrap().to_vec().unwrap(),
+        want,
+    )?;
     // Broadcast's gradient reaches only the root.
     let x = Tensor::<f32>::ones(&[1, 2], &cpu).requires_grad();
     let loss = (&distributed::broadcast(&x, 0) * &w(rank)).sum(&[], false);
-    let got = loss.backward().map_err(|e| e.to_string())?.get(&x).unwrap().to_vec().unwrap();
+    let got = loss
+        .backward()
+        .map_err(|e| e.to_string())?
+        .get(&x)
+        .unwrap()
+        .to_vec()
+        .unwrap();
     let total: Vec<f32> = (0..n).fold(vec![0.0, 0.0], |acc, r| {
         let w = w(r).to_vec().unwrap();
         vec![acc[0] + w[0], acc[1] + w[1]]
     });
-    same("Broadcast's gradient", got, if rank == 0 { total } else { vec![0.0, 0.0] })
+    same(
+        "Broadcast's gradient",
+        got,
+        if rank == 0 { total } else { vec![0.0, 0.0] },
+    )
 }
 
 fn staged(rank: usize, n: usize) -> Result<(), String> {
@@ -405,7 +466,9 @@ fn staged(rank: usize, n: usize) -> Result<(), String> {
     for _ in 0..2 {
         same(
             "function",
-            f.call(ranked(rank, &Device::cpu())).to_vec().map_err(|e| e.to_string())?,
+            f.call(ranked(rank, &Device::cpu()))
+                .to_vec()
+                .map_err(|e| e.to_string())?,
             vec![n as f32, 10.0 * n as f32, -1.0],
         )?;
     }
@@ -417,14 +480,22 @@ fn data_parallel(rank: usize, n: usize) -> Result<(), String> {
     let batch = 4 * n;
     let mut rng = Rng::new(11);
     let x_all = Tensor::<f32>::from_vec(
-        (0..batch * 5).map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5).collect(),
+        (0..batch * 5)
+            .map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5)
+            .collect(),
         &[batch, 5],
         &cpu,
     )
     .unwrap();
     // Different initial parameters on each rank: broadcast makes them equal.
     let mut model = stagecraft::nn::Sequential::new()
-        .push(Linear::new(5, 8, true, &mut Rng::new(rank as u64 + 1), &cpu))
+        .push(Linear::new(
+            5,
+            8,
+            true,
+            &mut Rng::new(rank as u64 + 1),
+            &cpu,
+        ))
         .push(stagecraft::nn::Activation::Tanh)
         .push(Linear::new(8, 3, true, &mut rng, &cpu));
     // Tiny buckets: several reductions in flight during backward.
@@ -432,7 +503,8 @@ fn data_parallel(rank: usize, n: usize) -> Result<(), String> {
     if ddp.buckets().len() < 3 {
         return Err(format!("expected several buckets, got {:?}", ddp.buckets()));
     }
-    ddp.broadcast_parameters(&mut model).map_err(|e| e.to_string())?;
+    ddp.broadcast_parameters(&mut model)
+        .map_err(|e| e.to_string())?;
     // The full batch's gradient, on every rank without communication.
     model.requires_grad();
     let full = model.forward(&x_all).square().mean(&[], false);
@@ -443,8 +515,15 @@ fn data_parallel(rank: usize, n: usize) -> Result<(), String> {
     let local = model.forward(&shard).square().mean(&[], false);
     let got = ddp.backward(&model, &local).map_err(|e| e.to_string())?;
     for (name, p) in model.named_params() {
-        let (g, w) = (got.get(&p).unwrap().to_vec().unwrap(), want.get(&p).unwrap().to_vec().unwrap());
-        let worst = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let (g, w) = (
+            got.get(&p).unwrap().to_vec().unwrap(),
+            want.get(&p).unwrap().to_vec().unwrap(),
+        );
+        let worst = g
+            .iter()
+            .zip(&w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
         if worst > 1e-6 {
             return Err(format!("{name}: data-parallel gradient differs by {worst}"));
         }

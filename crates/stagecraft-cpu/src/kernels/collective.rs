@@ -131,7 +131,12 @@ mod tests {
             &stagecraft_ops::REDUCE_SCATTER,
         ] {
             let y = run(def, &attrs, x.clone()).unwrap();
-            assert_eq!(y.to_vec::<f32>().unwrap(), vec![1.0, -2.0, 3.5], "{}", def.name);
+            assert_eq!(
+                y.to_vec::<f32>().unwrap(),
+                vec![1.0, -2.0, 3.5],
+                "{}",
+                def.name
+            );
         }
     }
 
@@ -146,7 +151,10 @@ mod tests {
         let y = run(&stagecraft_ops::ALL_REDUCE_DONE, &done, ticket.clone()).unwrap();
         assert_eq!(y.to_vec::<i64>().unwrap(), vec![4, 5]);
         let err = run(&stagecraft_ops::ALL_REDUCE_DONE, &done, ticket).unwrap_err();
-        assert!(err.to_string().contains("no all-reduce is in flight"), "{err}");
+        assert!(
+            err.to_string().contains("no all-reduce is in flight"),
+            "{err}"
+        );
     }
 
     #[test]

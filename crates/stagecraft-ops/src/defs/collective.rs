@@ -161,9 +161,7 @@ fn where_extreme(b: &mut dyn GradBuilder, g: G, x: G, y: G) -> Result<G> {
 fn all_reduce_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
     let (g, n) = (ctx.grad()?, world_size(&ctx.attrs)?);
     let dx = match Reduction::of(&ctx.attrs)? {
-        r @ (Reduction::Sum | Reduction::Mean) => {
-            collective(b, &ALL_REDUCE, g, Some(r), None, n)?
-        }
+        r @ (Reduction::Sum | Reduction::Mean) => collective(b, &ALL_REDUCE, g, Some(r), None, n)?,
         Reduction::Max | Reduction::Min => {
             let total = collective(b, &ALL_REDUCE, g, Some(Reduction::Sum), None, n)?;
             where_extreme(b, total, ctx.inputs[0], ctx.outputs[0])?
@@ -196,19 +194,8 @@ pub static BROADCAST: OpDef = OpDef {
 };
 
 fn broadcast_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let (g, n, root) = (
-        ctx.grad()?,
-        world_size(&ctx.attrs)?,
-        root(&ctx.attrs)?,
-    );
-    let dx = collective(
-        b,
-        &REDUCE_TO_ROOT,
-        g,
-        Some(Reduction::Sum),
-        Some(root),
-        n,
-    )?;
+    let (g, n, root) = (ctx.grad()?, world_size(&ctx.attrs)?, root(&ctx.attrs)?);
+    let dx = collective(b, &REDUCE_TO_ROOT, g, Some(Reduction::Sum), Some(root), n)?;
     Ok(smallvec![Some(dx)])
 }
 
@@ -237,11 +224,7 @@ pub static REDUCE_TO_ROOT: OpDef = OpDef {
 };
 
 fn reduce_to_root_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let (g, n, root) = (
-        ctx.grad()?,
-        world_size(&ctx.attrs)?,
-        root(&ctx.attrs)?,
-    );
+    let (g, n, root) = (ctx.grad()?, world_size(&ctx.attrs)?, root(&ctx.attrs)?);
     let spread = collective(b, &BROADCAST, g, None, Some(root), n)?;
     let dx = match Reduction::of(&ctx.attrs)? {
         Reduction::Sum => spread,

@@ -151,7 +151,11 @@ impl DataParallel {
         // loss, or tied to another) start now; other processes may have one.
         for (i, (_, p)) in params.iter().enumerate() {
             if ready[i].is_none() {
-                ready[i] = Some(grads.get(p).unwrap_or_else(|| Tensor::zeros(p.dims(), &p.device())));
+                ready[i] = Some(
+                    grads
+                        .get(p)
+                        .unwrap_or_else(|| Tensor::zeros(p.dims(), &p.device())),
+                );
             }
         }
         while in_flight.len() < self.buckets.len() {
@@ -188,7 +192,9 @@ impl DataParallel {
         let flat: Vec<Tensor<f32>> = self.buckets[b]
             .iter()
             .map(|&i| {
-                let g = ready[i].as_ref().expect("a started bucket has every gradient");
+                let g = ready[i]
+                    .as_ref()
+                    .expect("a started bucket has every gradient");
                 g.reshape(&[params[i].1.dims().iter().product()])
             })
             .collect();

@@ -28,12 +28,12 @@ mod data_parallel;
 #[cfg(feature = "mpi")]
 mod mpi;
 
-pub use data_parallel::DataParallel;
 /// The rsmpi crate stagecraft's MPI transport is built on, for programs
 /// that mix their own MPI calls with stagecraft's (and for the benchmark
 /// that compares the two).
 #[cfg(feature = "mpi")]
 pub use ::mpi as rsmpi;
+pub use data_parallel::DataParallel;
 pub use stagecraft_cpu::collective::{Collective, Communicator, PendingCollective};
 pub use stagecraft_ops::Reduction;
 
@@ -178,7 +178,11 @@ impl Drop for Group {
 
 impl std::fmt::Debug for Group {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Group(rank {} of {}, {})", self.rank, self.size, self.description)
+        write!(
+            f,
+            "Group(rank {} of {}, {})",
+            self.rank, self.size, self.description
+        )
     }
 }
 
@@ -205,7 +209,13 @@ fn collective<T: Element>(
 #[track_caller]
 pub fn all_reduce<T: Element>(x: &Tensor<T>, reduction: Reduction) -> Tensor<T> {
     let location = Location::caller();
-    collective(&stagecraft_ops::ALL_REDUCE, x, Some(reduction), None, location)
+    collective(
+        &stagecraft_ops::ALL_REDUCE,
+        x,
+        Some(reduction),
+        None,
+        location,
+    )
 }
 
 /// Every process gets `root`'s `x`.
@@ -288,7 +298,9 @@ impl<T: Element> InFlight<T> {
     pub fn wait(&self) -> Tensor<T> {
         let location = Location::caller();
         let mut attrs = OpAttrs::new();
-        attrs.set_dtype("dtype", T::DTYPE).set_dims("shape", &self.dims);
+        attrs
+            .set_dtype("dtype", T::DTYPE)
+            .set_dims("shape", &self.dims);
         crate::tensor::run(
             &stagecraft_ops::ALL_REDUCE_DONE,
             smallvec::smallvec![self.ticket.handle.clone()],

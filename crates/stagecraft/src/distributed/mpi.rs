@@ -20,9 +20,7 @@
 
 use crate::{Error, Result};
 use mpi::ffi;
-use stagecraft_cpu::collective::{
-    distributed_error, Collective, Communicator, PendingCollective,
-};
+use stagecraft_cpu::collective::{distributed_error, Collective, Communicator, PendingCollective};
 use stagecraft_ops::Reduction;
 use stagecraft_tensor::{Buffer, DType, DenseHostTensor, TensorMetadata};
 use std::collections::{BTreeMap, HashMap};
@@ -210,10 +208,8 @@ impl MpiGroup {
     /// Initializes MPI, duplicates the world communicator three times with
     /// errors set to return, and starts the progress thread.
     pub(super) fn init() -> Result<MpiGroup> {
-        let (universe, threading) =
-            mpi::initialize_with_threading(mpi::Threading::Serialized).ok_or_else(|| {
-                distributed_error("MPI was already initialized in this process")
-            })?;
+        let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Serialized)
+            .ok_or_else(|| distributed_error("MPI was already initialized in this process"))?;
         if threading < mpi::Threading::Serialized {
             return Err(distributed_error(format!(
                 "this MPI library provides thread support {threading:?}; stagecraft needs \
@@ -240,8 +236,14 @@ impl MpiGroup {
                 ffi::MPI_Comm_set_errhandler(ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN),
                 "setting MPI errors to return",
             )?;
-            check(ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank), "MPI_Comm_rank")?;
-            check(ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size), "MPI_Comm_size")?;
+            check(
+                ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank),
+                "MPI_Comm_rank",
+            )?;
+            check(
+                ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size),
+                "MPI_Comm_size",
+            )?;
         }
         let comms = Comms {
             data: dup("duplicating the data communicator")?,
@@ -393,7 +395,8 @@ fn start(
     let dtype = datatype(input.dtype())?;
     let in_count = count(input.numel(), &what)?;
     let out_count = count(output.shape.numel(), &what)?;
-    let non_root_reduce = matches!(op, Collective::ReduceToRoot { root, .. } if root != shared.rank);
+    let non_root_reduce =
+        matches!(op, Collective::ReduceToRoot { root, .. } if root != shared.rank);
     let out_bytes = output.shape.numel() * output.dtype.size_in_bytes();
     // A non-root's ReduceToRoot result is zeros MPI never writes.
     let mut buffer = if non_root_reduce {
@@ -675,10 +678,22 @@ fn finish(flight: &mut Flight) -> Result<DenseHostTensor> {
     let mut out = DenseHostTensor::from_buffer(meta, buffer)?;
     if let Some(n) = flight.divide_by {
         match out.dtype() {
-            DType::F32 => out.as_mut_slice::<f32>()?.iter_mut().for_each(|v| *v /= n as f32),
-            DType::F64 => out.as_mut_slice::<f64>()?.iter_mut().for_each(|v| *v /= n as f64),
-            DType::I32 => out.as_mut_slice::<i32>()?.iter_mut().for_each(|v| *v /= n as i32),
-            DType::I64 => out.as_mut_slice::<i64>()?.iter_mut().for_each(|v| *v /= n as i64),
+            DType::F32 => out
+                .as_mut_slice::<f32>()?
+                .iter_mut()
+                .for_each(|v| *v /= n as f32),
+            DType::F64 => out
+                .as_mut_slice::<f64>()?
+                .iter_mut()
+                .for_each(|v| *v /= n as f64),
+            DType::I32 => out
+                .as_mut_slice::<i32>()?
+                .iter_mut()
+                .for_each(|v| *v /= n as i32),
+            DType::I64 => out
+                .as_mut_slice::<i64>()?
+                .iter_mut()
+                .for_each(|v| *v /= n as i64),
             other => {
                 return Err(Error::dtype(format!(
                     "a mean over processes needs f32, f64, i32 or i64, got {other}"
@@ -764,7 +779,7 @@ fn timed_out(shared: &Shared, state: &mut State, seq: u64, header_done: bool) ->
     let note: &'static mut i64 = Box::leak(Box::new(seq as i64));
     for other in (0..shared.size).filter(|&r| r != me) {
         // SAFETY: reading a constant MPI initialized.
-    let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: `note` is leaked, so it outlives the send, whose request
         // is abandoned (the group is failing).
         unsafe {
@@ -834,7 +849,11 @@ fn timed_out(shared: &Shared, state: &mut State, seq: u64, header_done: bool) ->
             } else {
                 format!(
                     "; ranks {} are waiting too",
-                    heard.keys().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+                    heard
+                        .keys()
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )
             }
         ));
