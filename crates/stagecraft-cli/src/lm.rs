@@ -352,13 +352,7 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
     } else {
         (0, 1)
     };
-    if options.batch_size % ranks != 0 {
-        return Err(CliError::new(format!(
-            "--batch-size {} does not split evenly over {ranks} processes: each takes an equal \
-             shard of every batch",
-            options.batch_size
-        )));
-    }
+    let shard = crate::train::shard_size(options.batch_size, ranks)?;
     let root = rank == 0;
     let device = options.device.device();
     let mut model = Gpt::new(options.config, options.seed, &device);
@@ -413,7 +407,6 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
     for step in 0..options.steps {
         let (x, y) = batches.next(&device)?;
         // Every process draws the same global batch and keeps its rows.
-        let shard = options.batch_size / ranks;
         let (x, y) = if ranks > 1 {
             (
                 x.narrow(0, rank * shard, shard),

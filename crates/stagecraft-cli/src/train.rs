@@ -344,6 +344,18 @@ fn progress_bar(options: &TrainOptions, len: u64) -> ProgressBar {
     bar
 }
 
+/// The rows of a global batch of `batch_size` each of `ranks` processes
+/// takes.
+pub fn shard_size(batch_size: usize, ranks: usize) -> Result<usize> {
+    if !batch_size.is_multiple_of(ranks) {
+        return Err(CliError::new(format!(
+            "--batch-size {batch_size} does not split evenly over {ranks} processes: each takes \
+             an equal shard of every batch"
+        )));
+    }
+    Ok(batch_size / ranks)
+}
+
 /// True where this process prints, evaluates and saves: always, unless
 /// it is a rank other than 0 of a distributed run.
 fn is_root(options: &TrainOptions) -> bool {
@@ -360,13 +372,6 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     } else {
         (0, 1)
     };
-    if options.batch_size % ranks != 0 {
-        return Err(CliError::new(format!(
-            "--batch-size {} does not split evenly over {ranks} processes: each takes an equal \
-             shard of every batch",
-            options.batch_size
-        )));
-    }
     for (set, images) in [
         ("training", &data.train_images),
         ("test", &data.test_images),
@@ -404,6 +409,7 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     let train_count = data.train_images.count;
     // Whole batches only: a short last batch would be a second trace shape.
     let batch_size = options.batch_size.min(train_count);
+    let shard = shard_size(batch_size, ranks)?;
     let per_epoch = train_count / batch_size;
     let budget = options.steps.unwrap_or(usize::MAX);
     // The step size decays linearly to zero over the run: the last steps
@@ -426,7 +432,6 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         let mut epoch_time = Duration::ZERO;
         let mut loss_sum = 0.0f64;
         for (i, indices) in order.chunks_exact(batch_size).take(this_epoch).enumerate() {
-            let shard = batch_size / ranks;
             let indices = &indices[rank * shard..(rank + 1) * shard];
             let (x, y) = batch(&data.train_images, &data.train_labels, indices, &device)?;
             sgd.set_lr(f64::from(options.lr) * (1.0 - steps as f64 / total_steps as f64));

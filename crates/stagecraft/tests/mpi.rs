@@ -59,7 +59,8 @@ fn mpirun(scenario: &str, ranks: usize, env: &[(&str, &str)]) -> Run {
 }
 
 fn launcher() {
-    let checks: &[(&str, fn() -> Result<(), String>)] = &[
+    type Check = fn() -> Result<(), String>;
+    let checks: &[(&str, Check)] = &[
         ("collectives give MPI's results on 2 ranks", || {
             expect_success("collectives", 2)
         }),
@@ -376,10 +377,9 @@ fn collectives(rank: usize, n: usize) -> Result<(), String> {
     same(
         "work between start and done",
         meanwhile,
-        vec![(rank + 1) as f32; 3]
+        [1.0, 100.0, 1.0]
             .iter()
-            .zip([1.0, 100.0, 1.0])
-            .map(|(a, b)| a * a * b)
+            .map(|scale| ((rank + 1) as f32).powi(2) * scale)
             .collect(),
     )?;
     // A larger reduction, past Open MPI's eager limit.
