@@ -74,9 +74,10 @@ static JOINED: AtomicBool = AtomicBool::new(false);
 ///
 /// Under MPI, errors return rather than abort, and every collective has a
 /// watchdog: if a process has not joined a collective within the timeout
-/// (10 s by default; `STAGECRAFT_COLLECTIVE_TIMEOUT=seconds` or
-/// [`Group::set_timeout`]), the others fail it with an error that names
-/// the missing rank, and a collective whose op, dtype or shape differ
+/// (6 s by default, so that with the 2 s the waiting processes then
+/// listen for each other the error comes within 10 s;
+/// `STAGECRAFT_COLLECTIVE_TIMEOUT=seconds` or [`Group::set_timeout`]),
+/// the others fail it with an error that names the missing rank, and a collective whose op, dtype or shape differ
 /// between processes fails on all of them with an error that says what
 /// each ran. After such an error the group cannot go on: report it and
 /// call [`Group::abort`], which ends every process of the job.
