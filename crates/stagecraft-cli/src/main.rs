@@ -269,10 +269,7 @@ fn train_gpt(args: TrainArgs, group: Option<&stagecraft::distributed::Group>) ->
     options.eval_every = args.eval_every;
     options.compare_steps = args.compare_steps;
     options.json = args.json;
-    options.profile = args.profile.map(|p| match group {
-        Some(g) if g.size() > 1 => per_rank(&p, g.rank()),
-        _ => p,
-    });
+    options.profile = args.profile.map(|p| per_rank(p, group));
     options.save = args.save;
     options.distributed = group.is_some();
     let summary = lm::run(&options, &corpus)?;
@@ -360,10 +357,7 @@ fn train_in(args: TrainArgs, group: Option<&stagecraft::distributed::Group>) -> 
         steps: args.steps,
         compare_steps: args.compare_steps,
         json: args.json,
-        profile: args.profile.map(|p| match group {
-            Some(g) if g.size() > 1 => per_rank(&p, g.rank()),
-            _ => p,
-        }),
+        profile: args.profile.map(|p| per_rank(p, group)),
         save: args.save,
         load: args.load,
         distributed: group.is_some(),
@@ -398,14 +392,18 @@ fn root_first<T>(
     }
 }
 
-/// `trace.json` → `trace.rank1.json`: one timeline per process.
-fn per_rank(path: &std::path::Path, rank: usize) -> PathBuf {
+/// `trace.json` → `trace.rank1.json` in a group of several processes
+/// (one timeline each); the path itself otherwise.
+fn per_rank(path: PathBuf, group: Option<&stagecraft::distributed::Group>) -> PathBuf {
+    let Some(g) = group.filter(|g| g.size() > 1) else {
+        return path;
+    };
     let stem = path
         .file_stem()
         .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
     let name = match path.extension() {
-        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
-        None => format!("{stem}.rank{rank}"),
+        Some(ext) => format!("{stem}.rank{}.{}", g.rank(), ext.to_string_lossy()),
+        None => format!("{stem}.rank{}", g.rank()),
     };
     path.with_file_name(name)
 }
