@@ -104,6 +104,55 @@ pub trait Communicator: Send + Sync {
         input: DenseHostTensor,
         output: &TensorMetadata,
     ) -> Result<Box<dyn PendingCollective>>;
+    /// The group's point-to-point transport, if it has one.
+    fn point_to_point(&self) -> Option<&dyn PointToPoint> {
+        None
+    }
+}
+
+/// One edge of a function split across processes: a `Send` on one rank
+/// and its `Recv` on another. Both processes partition the same function
+/// the same way, so both name the edge alike.
+#[derive(Clone, Copy, Debug)]
+pub struct Edge<'a> {
+    /// The partitioner's name of the edge (function, edge number, devices).
+    pub key: &'a str,
+    /// The edge's number within its function: the MPI tag, so that edges
+    /// between the same two processes never take each other's messages.
+    pub tag: u32,
+    /// How many times this process has run the function before: both ends
+    /// check it, so a message left over from a failed run is never taken
+    /// for the next run's.
+    pub run: u64,
+}
+
+/// A group of processes that exchange tensors point to point: the
+/// cross-process `Send`/`Recv` of a partitioned function.
+pub trait PointToPoint: Send + Sync {
+    /// Starts sending `value` to rank `to` along `edge`; the pending
+    /// transfer completes (handing `value` back) once the value has left
+    /// this process's buffer.
+    fn send(
+        &self,
+        to: usize,
+        edge: Edge<'_>,
+        value: DenseHostTensor,
+    ) -> Result<Box<dyn PendingCollective>>;
+    /// Tells rank `to`, in place of the value it waits for along `edge`,
+    /// that this process failed with `error`, so that it stops at once
+    /// with the cause instead of timing out.
+    fn send_failure(&self, to: usize, edge: Edge<'_>, error: &Error);
+    /// Waits for the value of `edge` from rank `from`, which must have
+    /// metadata `meta`. Returns early with a cancellation error when
+    /// `stop()` turns true, and with an error naming `from` when nothing
+    /// arrives within the group's timeout.
+    fn recv(
+        &self,
+        from: usize,
+        edge: Edge<'_>,
+        meta: &TensorMetadata,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<DenseHostTensor>;
 }
 
 /// A group of one: every collective returns its input.

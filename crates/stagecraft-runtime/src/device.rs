@@ -2,7 +2,8 @@
 //! that executes ops there.
 
 use crate::cpu_handler::CpuOpHandler;
-use crate::op_handler::OpHandler;
+use crate::handle::TensorHandle;
+use crate::op_handler::{OpHandler, OpInvocation, Results};
 use stagecraft_tensor::{Error, ErrorKind, Result};
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -30,6 +31,8 @@ pub struct DeviceInner {
     name: String,
     kind: DeviceKind,
     index: usize,
+    /// The process rank a `/rank:R/...` name gives.
+    rank: Option<usize>,
     handler: Arc<dyn OpHandler>,
 }
 
@@ -45,8 +48,7 @@ fn devices() -> &'static Mutex<Vec<&'static DeviceInner>> {
 
 fn intern(
     name: String,
-    kind: DeviceKind,
-    index: usize,
+    (kind, index, rank): (DeviceKind, usize, Option<usize>),
     make_handler: impl FnOnce() -> Arc<dyn OpHandler>,
     must_be_new: bool,
 ) -> Result<Device> {
@@ -66,6 +68,7 @@ fn intern(
         name,
         kind,
         index,
+        rank,
         handler: make_handler(),
     }));
     all.push(inner);
@@ -87,8 +90,7 @@ impl Device {
         *HOST.get_or_init(|| {
             intern(
                 "host".to_string(),
-                DeviceKind::Host,
-                0,
+                (DeviceKind::Host, 0, None),
                 || Arc::new(CpuOpHandler::new(0)),
                 false,
             )
@@ -99,18 +101,60 @@ impl Device {
     fn cpu_n(index: usize) -> Device {
         intern(
             format!("cpu:{index}"),
-            DeviceKind::Cpu,
-            index,
+            (DeviceKind::Cpu, index, None),
             || Arc::new(CpuOpHandler::new(index)),
             false,
         )
         .expect("interning an existing or new cpu device cannot fail")
     }
 
+    /// A CPU device of the process of rank `rank` in the distributed
+    /// group, `/rank:R/cpu:N`: nodes of a function placed there run in
+    /// that process, joined to the others by Send/Recv pairs over the
+    /// group's point-to-point transport. `/rank:R/cpu:N` of this process's
+    /// own rank runs ops eagerly as `cpu:N` does.
+    pub fn on_rank(rank: usize, index: usize) -> Device {
+        intern(
+            format!("/rank:{rank}/cpu:{index}"),
+            (DeviceKind::Cpu, index, Some(rank)),
+            || {
+                Arc::new(RankedOpHandler {
+                    rank,
+                    name: format!("/rank:{rank}/cpu:{index}"),
+                    local: CpuOpHandler::new(index),
+                })
+            },
+            false,
+        )
+        .expect("interning an existing or new ranked device cannot fail")
+    }
+
     /// Parses `cpu`, `cpu:0`, `cpu:1`, ... (`cpu:N` for N > 0 are virtual
-    /// CPU devices), or the name of a registered custom device.
+    /// CPU devices), `/rank:R/cpu:N` (a CPU device of the process of rank
+    /// R, see [`Device::on_rank`]; `/rank:R` alone is its `cpu:0`), or the
+    /// name of a registered custom device.
     pub fn parse(name: &str) -> Result<Device> {
         let name = name.trim();
+        if let Some(rest) = name.strip_prefix("/rank:") {
+            let (rank, local) = rest.split_once('/').unwrap_or((rest, "cpu:0"));
+            let bad = |why: &str| {
+                Error::new(
+                    ErrorKind::Device,
+                    format!("bad device `{name}`: {why} (expected /rank:R/cpu:N)"),
+                )
+            };
+            let rank = rank
+                .parse::<usize>()
+                .map_err(|_| bad("the rank is not a number"))?;
+            if rank > 1 << 20 {
+                return Err(bad("the rank is too large"));
+            }
+            let local = Device::parse(local)?;
+            if local.kind() != DeviceKind::Cpu || local.rank().is_some() {
+                return Err(bad("a rank has CPU devices only"));
+            }
+            return Ok(Device::on_rank(rank, local.index()));
+        }
         let (kind, index) = match name.split_once(':') {
             Some((kind, index)) => (kind, Some(index)),
             None => (name, None),
@@ -162,8 +206,7 @@ impl Device {
         let target = *target;
         intern(
             format!("lazy:{}", target.name()),
-            DeviceKind::Lazy,
-            target.index(),
+            (DeviceKind::Lazy, target.index(), None),
             || Arc::new(crate::lazy::LazyOpHandler::new(target)),
             false,
         )
@@ -180,13 +223,18 @@ impl Device {
 
     /// Registers a device with its own op handler under a new name.
     pub fn register(name: &str, handler: Arc<dyn OpHandler>) -> Result<Device> {
-        if name.starts_with("cpu") || name == "host" {
+        if name.starts_with("cpu") || name.starts_with("/rank:") || name == "host" {
             return Err(Error::new(
                 ErrorKind::Device,
-                "`host` and device names starting with `cpu` are reserved",
+                "`host` and device names starting with `cpu` or `/rank:` are reserved",
             ));
         }
-        intern(name.to_string(), DeviceKind::Custom, 0, || handler, true)
+        intern(
+            name.to_string(),
+            (DeviceKind::Custom, 0, None),
+            || handler,
+            true,
+        )
     }
 
     /// The device's name, e.g. `cpu:0`.
@@ -204,10 +252,94 @@ impl Device {
         self.0.index
     }
 
+    /// The rank of the process a `/rank:R/...` device belongs to; `None`
+    /// for a device named without a rank (this process's own).
+    pub fn rank(&self) -> Option<usize> {
+        self.0.rank
+    }
+
+    /// True for a `/rank:R/...` device of another process than this one.
+    pub fn is_remote(&self) -> bool {
+        self.0
+            .rank
+            .is_some_and(|r| r != stagecraft_cpu::collective::communicator().rank())
+    }
+
+    /// An error unless this process can hold tensors and run ops on the
+    /// device: another process's `/rank:R/...` device is reached only by
+    /// placing nodes of a function there.
+    pub fn ensure_in_this_process(&self) -> Result<()> {
+        if self.is_remote() {
+            return Err(remote_device_error(*self));
+        }
+        Ok(())
+    }
+
+    /// The same device named without a rank (`/rank:R/cpu:N` is `cpu:N`).
+    pub fn without_rank(&self) -> Device {
+        match self.0.rank {
+            Some(_) => Device::cpu_n(self.0.index),
+            None => *self,
+        }
+    }
+
     /// The op handler that executes ops on this device.
     pub fn handler(&self) -> &'static dyn OpHandler {
         &*self.0.handler
     }
+}
+
+/// The handler of `/rank:R/cpu:N`: this process runs its ops only when R
+/// is its own rank; another process's device is reached by placing nodes
+/// of a function there, never by eager ops.
+struct RankedOpHandler {
+    rank: usize,
+    name: String,
+    local: CpuOpHandler,
+}
+
+impl OpHandler for RankedOpHandler {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn execute(&self, mut invocation: OpInvocation<'_>) -> Results {
+        if stagecraft_cpu::collective::communicator().rank() == self.rank {
+            return self.local.execute(invocation);
+        }
+        invocation.release_chain();
+        let error = remote_device_error(invocation.device)
+            .with_op(invocation.op.name)
+            .at(invocation.location);
+        invocation
+            .outputs
+            .iter()
+            .map(|meta| TensorHandle::error(invocation.device, meta.clone(), error.clone()))
+            .collect()
+    }
+
+    fn host_kernels(&self) -> Option<&crate::cpu_handler::KernelCache> {
+        self.local.host_kernels()
+    }
+
+    fn kernel_cache_stats(&self) -> Option<crate::cpu_handler::KernelCacheStats> {
+        self.local.kernel_cache_stats()
+    }
+}
+
+/// The error of eager work on another process's device.
+fn remote_device_error(device: Device) -> Error {
+    let communicator = stagecraft_cpu::collective::communicator();
+    Error::new(
+        ErrorKind::Device,
+        format!(
+            "{device} is a device of another process (this is rank {} of {}): place nodes of a \
+             `function` there (every process runs the function; Send/Recv pairs carry values \
+             between them), do not run ops on it eagerly",
+            communicator.rank(),
+            communicator.size()
+        ),
+    )
 }
 
 impl PartialEq for Device {
@@ -251,7 +383,31 @@ mod tests {
         assert_eq!(d1.to_string(), "cpu:1");
         assert_eq!(Device::parse("host").unwrap(), Device::host());
         assert_eq!(Device::host().kind(), DeviceKind::Host);
-        for bad in ["gpu:0", "cpu:x", "cpu:-1", "", "cpu:99999999999999999999"] {
+        let r1 = Device::parse("/rank:1/cpu:2").unwrap();
+        assert_eq!(
+            (r1.rank(), r1.index(), r1.kind()),
+            (Some(1), 2, DeviceKind::Cpu)
+        );
+        assert_eq!(r1.to_string(), "/rank:1/cpu:2");
+        assert_eq!(r1, Device::on_rank(1, 2));
+        assert_ne!(r1, Device::parse("cpu:2").unwrap());
+        assert_eq!(r1.without_rank(), Device::parse("cpu:2").unwrap());
+        assert_eq!(Device::parse("/rank:3").unwrap(), Device::on_rank(3, 0));
+        // A single process is rank 0 of 1.
+        assert!(r1.is_remote());
+        assert!(!Device::on_rank(0, 0).is_remote());
+        assert!(!Device::cpu().is_remote());
+        for bad in [
+            "gpu:0",
+            "cpu:x",
+            "cpu:-1",
+            "",
+            "cpu:99999999999999999999",
+            "/rank:x/cpu:0",
+            "/rank:1/host",
+            "/rank:1/rank:2/cpu:0",
+            "/rank:1/lazy:cpu:0",
+        ] {
             let err = Device::parse(bad).unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Device, "{bad}: {err}");
         }

@@ -248,6 +248,9 @@ pub fn copy_to_device(handle: &TensorHandle, target: Device, location: Location)
         return handle.clone();
     }
     let meta = handle.metadata().clone();
+    if let Err(e) = target.ensure_in_this_process() {
+        return TensorHandle::error(target, meta, e.with_op("CopyToDevice").at(location));
+    }
     match handle.wait().and_then(|v| v.to_dense()) {
         Ok(dense) => {
             count_device_copy(dense.buffer().len());

@@ -99,7 +99,9 @@ impl<T: Element> Tensor<T> {
     #[track_caller]
     pub fn from_slice(values: &[T], dims: &[usize], device: &Device) -> Result<Tensor<T>> {
         let location = Location::caller();
-        let dense = DenseHostTensor::from_slice(values, dims)
+        let dense = device
+            .ensure_in_this_process()
+            .and_then(|()| DenseHostTensor::from_slice(values, dims))
             .map_err(|e| e.with_op("from_slice").at(location))?;
         Ok(Tensor::from_handle(TensorHandle::available(
             *device,
@@ -123,7 +125,10 @@ impl<T: Element> Tensor<T> {
     pub fn full(dims: &[usize], value: T, device: &Device) -> Tensor<T> {
         let location = Location::caller();
         let shape = Shape::new(dims);
-        match shape.checked_numel() {
+        match device
+            .ensure_in_this_process()
+            .and_then(|()| shape.checked_numel())
+        {
             Ok(_) => Tensor::from_handle(TensorHandle::available(
                 *device,
                 ScalarHostTensor::new(value.to_scalar(), shape).into(),

@@ -71,3 +71,71 @@ fn an_error_on_one_device_stops_the_other() {
     assert_eq!(err.op(), Some("Div"), "{err}");
     assert_eq!(err.location().unwrap().line(), line, "{err}");
 }
+
+#[test]
+fn a_function_on_devices_of_rank_0_runs_in_a_single_process() {
+    // A process without a distributed group is rank 0 of 1, so a function
+    // written for ranks runs unchanged when all its ranks are 0.
+    let cpu = Device::cpu();
+    let far = Device::parse("/rank:0/cpu:1").unwrap();
+    let mut rng = Rng::new(5);
+    let x = Tensor::<f32>::rand_normal(&[4, 16], 0.0, 1.0, &mut rng, &cpu);
+    let w1 = Tensor::<f32>::rand_normal(&[16, 8], 0.0, 0.3, &mut rng, &cpu);
+    let w2 = Tensor::<f32>::rand_normal(&[8, 4], 0.0, 0.3, &mut rng, &cpu);
+    let single = model(&x, &w1, &w2, None).to_vec().unwrap();
+    let split = function(
+        move |(x, w1, w2): (Tensor<f32>, Tensor<f32>, Tensor<f32>)| model(&x, &w1, &w2, Some(far)),
+    );
+    for _ in 0..2 {
+        let got = split
+            .call((x.clone(), w1.clone(), w2.clone()))
+            .to_vec()
+            .unwrap();
+        assert_eq!(got, single);
+    }
+}
+
+#[test]
+fn a_rank_beyond_the_group_is_an_error_naming_the_line() {
+    let cpu = Device::cpu();
+    let far = Device::parse("/rank:1/cpu:0").unwrap();
+    let line = line!() + 2;
+    let f = function(move |x: Tensor<f32>| {
+        let y = with_device(&far, || x.exp());
+        y + 1.0
+    });
+    let err = f
+        .call(Tensor::<f32>::ones(&[3], &cpu))
+        .to_vec()
+        .unwrap_err();
+    assert_eq!(err.kind(), stagecraft::ErrorKind::Device, "{err}");
+    assert!(
+        err.to_string()
+            .contains("/rank:1/cpu:0, but the group has 1 process"),
+        "{err}"
+    );
+    assert_eq!(err.location().unwrap().line(), line, "{err}");
+}
+
+#[test]
+fn eager_ops_on_another_process_device_are_errors() {
+    let far = Device::parse("/rank:1/cpu:0").unwrap();
+    let line = line!() + 1;
+    let err = Tensor::<f32>::ones(&[3], &far).to_vec().unwrap_err();
+    assert_eq!(err.kind(), stagecraft::ErrorKind::Device, "{err}");
+    assert!(
+        err.to_string().contains("device of another process"),
+        "{err}"
+    );
+    assert_eq!(err.location().unwrap().line(), line, "{err}");
+    let here = Tensor::<f32>::ones(&[3], &Device::cpu());
+    let err = here.to_device(&far).to_vec().unwrap_err();
+    assert!(
+        err.to_string().contains("device of another process"),
+        "{err}"
+    );
+    // This process's own rank is an ordinary CPU device.
+    let own = Device::parse("/rank:0/cpu:0").unwrap();
+    let y = Tensor::<f32>::ones(&[3], &own) * 2.0f32;
+    assert_eq!(y.to_vec().unwrap(), vec![2.0; 3]);
+}

@@ -11,7 +11,7 @@
 
 use stagecraft::distributed::{self, DataParallel, Reduction};
 use stagecraft::nn::{Forward, Linear, ModuleExt};
-use stagecraft::{function, lazy, Device, Rng, Tensor};
+use stagecraft::{function, grad, lazy, with_device, Device, Rng, Tensor};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -75,6 +75,17 @@ fn launcher() {
             || expect_success("data_parallel", 2),
         ),
         ("three ranks", || expect_success("collectives", 3)),
+        (
+            "a model split across two ranks gives the single-process result",
+            || expect_success("pipeline", 2),
+        ),
+        ("a pipeline on two of three ranks", || {
+            expect_success("pipeline", 3)
+        }),
+        (
+            "an error on one rank reaches the rank waiting for it",
+            pipeline_failure,
+        ),
         ("a shape mismatch is reported on every rank", mismatch),
         ("a hung rank is named within 10 s", hang),
         ("a dead rank stops the job within 10 s", death),
@@ -123,6 +134,26 @@ fn mismatch() -> Result<(), String> {
     } else {
         Err(format!(
             "expected both ranks to report the mismatch ({:?}):\n{}",
+            run.took, run.output
+        ))
+    }
+}
+
+fn pipeline_failure() -> Result<(), String> {
+    // A long timeout: the cause must arrive with the failure, not after it.
+    let run = mpirun(
+        "pipeline_failure",
+        2,
+        &[("STAGECRAFT_COLLECTIVE_TIMEOUT", "30")],
+    );
+    let told = run.output.contains("rank 0 failed, so it never sent");
+    let cause = run.output.matches("Div at").count() == 2;
+    let oks = run.output.matches("worker ok").count();
+    if told && cause && oks == 2 && run.success && run.took < Duration::from_secs(10) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected rank 1 to stop with rank 0's Div error and both to go on ({:?}):\n{}",
             run.took, run.output
         ))
     }
@@ -243,6 +274,8 @@ fn worker(scenario: &str) {
         "gradients" => gradients(rank, group.size()),
         "staged" => staged(rank, group.size()),
         "data_parallel" => data_parallel(rank, group.size()),
+        "pipeline" => pipeline(),
+        "pipeline_failure" => pipeline_failure_worker(rank),
         "mismatch" => {
             let x = Tensor::<f32>::ones(&[3 + rank], &Device::cpu());
             let y = distributed::all_reduce(&x, Reduction::Sum);
@@ -529,4 +562,113 @@ fn data_parallel(rank: usize, n: usize) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Two stages of an MLP: the first on `first`, the second on `second`
+/// (both on this process's device when `None`).
+fn two_stages(
+    x: &Tensor<f32>,
+    w1: &Tensor<f32>,
+    w2: &Tensor<f32>,
+    devices: Option<(Device, Device)>,
+) -> Tensor<f32> {
+    let first = || x.matmul(w1).relu();
+    let h = match devices {
+        Some((d, _)) => with_device(&d, first),
+        None => first(),
+    };
+    let second = || (h.matmul(w2) + 0.5f32).tanh().sum(&[-1], false);
+    match devices {
+        Some((_, d)) => with_device(&d, second),
+        None => second(),
+    }
+}
+
+/// A model split across ranks 0 and 1 (pipeline style), forward and
+/// backward, on every process of the group: each gets the results, equal
+/// bit for bit to one process's.
+fn pipeline() -> Result<(), String> {
+    let cpu = Device::cpu();
+    let mut rng = Rng::new(21);
+    let x = Tensor::<f32>::rand_normal(&[8, 32], 0.0, 1.0, &mut rng, &cpu);
+    let w1 = Tensor::<f32>::rand_normal(&[32, 64], 0.0, 0.2, &mut rng, &cpu);
+    let w2 = Tensor::<f32>::rand_normal(&[64, 16], 0.0, 0.2, &mut rng, &cpu);
+    let stages = Some((
+        Device::parse("/rank:0/cpu:0").map_err(|e| e.to_string())?,
+        Device::parse("/rank:1/cpu:0").map_err(|e| e.to_string())?,
+    ));
+    let loss = |x: &Tensor<f32>, w1: &Tensor<f32>, w2: &Tensor<f32>, d| {
+        two_stages(x, w1, w2, d).square().sum(&[], false)
+    };
+    let want_out = two_stages(&x, &w1, &w2, None).to_vec().unwrap();
+    let want_grad = grad(|w1: &Tensor<f32>| loss(&x, w1, &w2, None))(&w1)
+        .to_vec()
+        .unwrap();
+    let forward = function(
+        move |(x, w1, w2): (Tensor<f32>, Tensor<f32>, Tensor<f32>)| {
+            two_stages(&x, &w1, &w2, stages)
+        },
+    );
+    // Backward crosses the ranks the other way: rank 1's gradient of h
+    // goes back to rank 0, which finishes w1's.
+    let backward = function(
+        move |(x, w1, w2): (Tensor<f32>, Tensor<f32>, Tensor<f32>)| {
+            grad(|w1: &Tensor<f32>| loss(&x, w1, &w2, stages))(&w1)
+        },
+    );
+    for run in 0..3 {
+        let args = (x.clone(), w1.clone(), w2.clone());
+        same(
+            &format!("forward, run {run}"),
+            forward
+                .call(args.clone())
+                .to_vec()
+                .map_err(|e| e.to_string())?,
+            want_out.clone(),
+        )?;
+        same(
+            &format!("w1's gradient, run {run}"),
+            backward.call(args).to_vec().map_err(|e| e.to_string())?,
+            want_grad.clone(),
+        )?;
+    }
+    Ok(())
+}
+
+/// Rank 0's stage fails: rank 1, waiting for its output, stops at once
+/// with rank 0's error, and both go on to run the next call.
+fn pipeline_failure_worker(rank: usize) -> Result<(), String> {
+    let cpu = Device::cpu();
+    let (r0, r1) = (
+        Device::parse("/rank:0/cpu:0").map_err(|e| e.to_string())?,
+        Device::parse("/rank:1/cpu:0").map_err(|e| e.to_string())?,
+    );
+    let f = function(move |(x, d): (Tensor<i32>, Tensor<i32>)| {
+        let q = with_device(&r0, || &x / &d);
+        with_device(&r1, || q * 2)
+    });
+    let x = Tensor::<i32>::ones(&[4], &cpu);
+    let started = Instant::now();
+    let err = match f
+        .call((x.clone(), Tensor::<i32>::zeros(&[4], &cpu)))
+        .to_vec()
+    {
+        Ok(v) => return Err(format!("a division by zero gave {v:?}")),
+        Err(e) => e,
+    };
+    println!("rank {rank}: {err}");
+    if started.elapsed() > Duration::from_secs(5) {
+        return Err(format!("the error took {:?}", started.elapsed()));
+    }
+    // The next call's messages are not mistaken for the failed one's.
+    same(
+        "the call after the failure",
+        f.call((x.clone(), x))
+            .to_vec()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|v| v as f32)
+            .collect(),
+        vec![2.0; 4],
+    )
 }

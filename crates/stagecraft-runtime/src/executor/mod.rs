@@ -589,7 +589,11 @@ impl Executable {
                     let value = slots[step.inputs[0] as usize]
                         .clone()
                         .ok_or_else(|| Error::internal("a sent value was never computed"))?;
-                    partition::rendezvous(rendezvous)?.send(key, value);
+                    partition::rendezvous(rendezvous)?.send(
+                        key,
+                        value,
+                        step.location(locations),
+                    )?;
                     continue;
                 }
                 StepKind::Recv(key) => {

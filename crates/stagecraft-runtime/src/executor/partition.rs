@@ -10,6 +10,14 @@
 //! meet at run time in a [`Rendezvous`]. Parameters and results live in the
 //! partition of the function's device.
 //!
+//! A function that places nodes on devices of other processes
+//! (`/rank:R/cpu:N`) is partitioned the same way by every process of the
+//! group, which all call it (single program, multiple data): each process
+//! runs its own rank's partitions, and an edge between ranks is a
+//! `Send`/`Recv` pair over the group's point-to-point transport (MPI).
+//! Nodes placed without a rank run on rank 0; every process holds the
+//! arguments it passed and gets every result.
+//!
 //! Each partition runs on its device's own worker thread. An error in any
 //! partition aborts the rendezvous, which releases every blocked `Recv`, so
 //! no partition waits forever; the run returns the original error. The
@@ -22,12 +30,13 @@ use super::{instantiate_on, Executable};
 use crate::device::{Device, DeviceKind};
 use crate::runtime::{count_device_copy, is_cancelled};
 use smallvec::SmallVec;
+use stagecraft_cpu::collective::{communicator, Edge, PendingCollective};
 use stagecraft_graph::{Function, Node, Value};
 use stagecraft_ops::{OpAttrs, RECV, SEND};
-use stagecraft_tensor::{Error, ErrorKind, HostTensor, Location, Result};
+use stagecraft_tensor::{Error, ErrorKind, HostTensor, Location, Result, TensorMetadata};
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -140,6 +149,9 @@ pub struct Rendezvous {
     /// Raised by [`Rendezvous::abort`]: the partitions' threads stop at
     /// their next step or loop iteration.
     stop: Arc<AtomicBool>,
+    /// For a function partitioned across ranks: its edges to other
+    /// processes and this run's number.
+    remote: Option<(Arc<RemoteEdges>, u64)>,
 }
 
 #[derive(Default)]
@@ -147,29 +159,86 @@ struct RendezvousState {
     values: HashMap<String, HostTensor>,
     /// The first error of any partition; every waiting `Recv` returns it.
     aborted: Option<Error>,
+    /// Keys of the edges to other processes sent so far in this run.
+    sent_remote: HashSet<String>,
+    /// Sends to other processes still leaving this one.
+    pending_sends: Vec<(String, Box<dyn PendingCollective>)>,
+}
+
+/// The edges between this process and others of a function partitioned
+/// across ranks.
+#[derive(Default)]
+pub(crate) struct RemoteEdges {
+    /// By key: the rank that receives, and the edge's tag.
+    sends: HashMap<String, (usize, u32)>,
+    /// By key: the rank that sends, the edge's tag, and the value's
+    /// metadata.
+    recvs: HashMap<String, (usize, u32, TensorMetadata)>,
 }
 
 impl Rendezvous {
-    fn new() -> Rendezvous {
+    fn new(remote: Option<(Arc<RemoteEdges>, u64)>) -> Rendezvous {
         Rendezvous {
             state: Mutex::new(RendezvousState::default()),
             arrived: Condvar::new(),
             stop: Arc::new(AtomicBool::new(false)),
+            remote,
         }
     }
 
-    /// Publishes a value under `key`.
-    pub fn send(&self, key: &str, value: HostTensor) {
+    /// Publishes a value under `key`: to the partitions of this process,
+    /// or to the process that receives it.
+    pub fn send(&self, key: &str, value: HostTensor, location: Location) -> Result<()> {
         let bytes = value.metadata().shape.numel() * value.metadata().dtype.size_in_bytes();
         count_device_copy(bytes);
+        if let Some((edges, run)) = &self.remote {
+            if let Some(&(to, tag)) = edges.sends.get(key) {
+                let group = communicator();
+                let transport = point_to_point(&*group, location)?;
+                let edge = Edge {
+                    key,
+                    tag,
+                    run: *run,
+                };
+                let pending = transport
+                    .send(to, edge, value.into_dense()?)
+                    .map_err(|e| e.with_op("Send").at(location))?;
+                let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                state.sent_remote.insert(key.to_string());
+                state.pending_sends.push((key.to_string(), pending));
+                return Ok(());
+            }
+        }
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.values.insert(key.to_string(), value);
         self.arrived.notify_all();
+        Ok(())
     }
 
     /// Waits for the value under `key`; returns early with the abort error,
     /// or a cancellation error.
     pub fn recv(&self, key: &str, location: Location) -> Result<HostTensor> {
+        if let Some((edges, run)) = &self.remote {
+            if let Some((from, tag, meta)) = edges.recvs.get(key) {
+                let group = communicator();
+                let transport = point_to_point(&*group, location)?;
+                let edge = Edge {
+                    key,
+                    tag: *tag,
+                    run: *run,
+                };
+                let stop = || should_stop() || self.first_error().is_some();
+                return match transport.recv(*from, edge, meta, &stop) {
+                    Ok(value) => Ok(value.into()),
+                    // Released by a failure of this process: that is the
+                    // cause to report.
+                    Err(_) if self.first_error().is_some() => {
+                        Err(self.first_error().expect("checked"))
+                    }
+                    Err(e) => Err(e.with_op("Recv").at(location)),
+                };
+            }
+        }
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(e) = &state.aborted {
@@ -201,6 +270,50 @@ impl Rendezvous {
         self.arrived.notify_all();
     }
 
+    /// Ends the run's traffic with other processes: on success, waits
+    /// until every send has left; after a failure, tells each process
+    /// still waiting for a value of this one why it will not come.
+    fn finish_remote(&self, failure: Option<&Error>) -> Result<()> {
+        let Some((edges, run)) = &self.remote else {
+            return Ok(());
+        };
+        let (sent, pending) = {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            (
+                std::mem::take(&mut state.sent_remote),
+                std::mem::take(&mut state.pending_sends),
+            )
+        };
+        if edges.sends.is_empty() {
+            return Ok(());
+        }
+        let group = communicator();
+        let transport = point_to_point(&*group, Location::caller())?;
+        if let Some(error) = failure {
+            let mut unsent: Vec<(&String, &(usize, u32))> = edges
+                .sends
+                .iter()
+                .filter(|(key, _)| !sent.contains(*key))
+                .collect();
+            unsent.sort_by_key(|(_, (_, tag))| *tag);
+            for (key, &(to, tag)) in unsent {
+                let edge = Edge {
+                    key,
+                    tag,
+                    run: *run,
+                };
+                transport.send_failure(to, edge, error);
+            }
+            // Sends already under way finish (or fail) in the transport,
+            // which keeps their buffers until then.
+            return Ok(());
+        }
+        for (_, send) in pending {
+            send.wait()?;
+        }
+        Ok(())
+    }
+
     fn first_error(&self) -> Option<Error> {
         self.state
             .lock()
@@ -208,6 +321,23 @@ impl Rendezvous {
             .aborted
             .clone()
     }
+}
+
+fn point_to_point(
+    group: &dyn stagecraft_cpu::collective::Communicator,
+    location: Location,
+) -> Result<&dyn stagecraft_cpu::collective::PointToPoint> {
+    group.point_to_point().ok_or_else(|| {
+        Error::new(
+            ErrorKind::Distributed,
+            format!(
+                "a function spread over ranks needs a transport between processes, and {} has \
+                 none: launch with mpirun and call stagecraft::distributed::init first",
+                group.describe()
+            ),
+        )
+        .at(location)
+    })
 }
 
 pub(super) fn rendezvous(r: Option<&Rendezvous>) -> Result<&Rendezvous> {
@@ -224,6 +354,9 @@ pub(crate) struct Partitioned {
     /// The partition of the function's own device (parameters and results).
     main: Executable,
     others: Vec<Executable>,
+    /// For a function partitioned across ranks: its edges to other
+    /// processes, and how many times this process has run it.
+    remote: Option<(Arc<RemoteEdges>, AtomicU64)>,
 }
 
 impl Partitioned {
@@ -232,7 +365,11 @@ impl Partitioned {
         args: Vec<HostTensor>,
         locations: &[Location],
     ) -> Result<Vec<HostTensor>> {
-        let rdv = Rendezvous::new();
+        let rdv = Rendezvous::new(
+            self.remote
+                .as_ref()
+                .map(|(edges, runs)| (Arc::clone(edges), runs.fetch_add(1, Ordering::Relaxed))),
+        );
         // Every partition stops when this run aborts, and also when a run
         // that this one is nested in aborts.
         let mut flags = current_stop_flags();
@@ -272,31 +409,154 @@ impl Partitioned {
             main
         });
         // The first failure is the cause; later ones were released by it.
-        match rdv.first_error() {
+        let outcome = match rdv.first_error() {
             Some(e) => Err(e),
             None => outcome,
-        }
+        };
+        rdv.finish_remote(outcome.as_ref().err())?;
+        outcome
     }
 }
 
-/// Splits `function` by `placement` and instantiates each partition.
+/// The partitions of a function: their devices, and where its
+/// parameters and results live.
+struct Layout {
+    /// One device per partition; partition 0 is this process's main one.
+    devices: Vec<Device>,
+    /// Each node's device, as an entry of `devices`.
+    placement: Vec<usize>,
+    /// Per rank, its partition holding the parameters and results (one
+    /// entry, partition 0, when the function stays in this process).
+    mains: Vec<usize>,
+    /// This process's rank, when the function is spread over ranks.
+    own_rank: Option<usize>,
+}
+
+impl Layout {
+    fn rank_of(&self, partition: usize) -> usize {
+        self.devices[partition].rank().unwrap_or(0)
+    }
+
+    /// The main partition that a parameter comes from for `partition`:
+    /// the one of its own process.
+    fn param_home(&self, partition: usize) -> usize {
+        match self.own_rank {
+            None => 0,
+            Some(_) => self.mains[self.rank_of(partition)],
+        }
+    }
+
+    fn in_this_process(&self, partition: usize) -> bool {
+        self.own_rank
+            .is_none_or(|own| self.rank_of(partition) == own)
+    }
+
+    fn local(main: Device, placement: &[Device]) -> Layout {
+        let mut devices: Vec<Device> = vec![main];
+        for d in placement {
+            if !devices.contains(d) {
+                devices.push(*d);
+            }
+        }
+        let placement = placement
+            .iter()
+            .map(|d| devices.iter().position(|x| x == d).unwrap_or(0))
+            .collect();
+        Layout {
+            devices,
+            placement,
+            mains: vec![0],
+            own_rank: None,
+        }
+    }
+
+    /// Every process of the group builds the same layout: one main
+    /// partition per rank (`/rank:R/` + the function's device), then the
+    /// other devices in order of first use, nodes placed without a rank
+    /// going to rank 0.
+    fn across_ranks(function: &Function, main: Device, placement: &[Device]) -> Result<Layout> {
+        let group = communicator();
+        let (own, size) = (group.rank(), group.size());
+        let cpu_only = |d: Device, location: Location| -> Result<Device> {
+            if d.kind() != DeviceKind::Cpu {
+                return Err(Error::new(
+                    ErrorKind::Device,
+                    format!(
+                        "a function spread over ranks runs on CPU devices (`/rank:R/cpu:N`), \
+                         not on `{d}`"
+                    ),
+                )
+                .at(location));
+            }
+            Ok(d)
+        };
+        let location = function
+            .nodes
+            .first()
+            .map_or_else(Location::caller, |n| n.location);
+        let main = cpu_only(main, location)?;
+        let mut devices: Vec<Device> = (0..size)
+            .map(|r| Device::on_rank(r, main.index()))
+            .collect();
+        // This process's main partition comes first.
+        devices.swap(0, own);
+        let mut mains: Vec<usize> = (0..size).collect();
+        mains.swap(0, own);
+        let mut indices = Vec::with_capacity(placement.len());
+        for (node, d) in function.nodes.iter().zip(placement) {
+            let d = cpu_only(*d, node.location)?;
+            let global = match d.rank() {
+                Some(rank) if rank >= size => {
+                    return Err(Error::new(
+                        ErrorKind::Device,
+                        format!(
+                            "a node is placed on {d}, but the group has {size} process{} ({}): \
+                             launch as many processes as the ranks the function names",
+                            if size == 1 { "" } else { "es" },
+                            group.describe()
+                        ),
+                    )
+                    .at(node.location));
+                }
+                Some(_) => d,
+                None => Device::on_rank(0, d.index()),
+            };
+            let index = match devices.iter().position(|x| *x == global) {
+                Some(i) => i,
+                None => {
+                    devices.push(global);
+                    devices.len() - 1
+                }
+            };
+            indices.push(index);
+        }
+        Ok(Layout {
+            devices,
+            placement: indices,
+            mains,
+            own_rank: Some(own),
+        })
+    }
+}
+
+/// Splits `function` by `placement` and instantiates the partitions of
+/// this process.
 pub(super) fn instantiate_partitioned(
     function: Arc<Function>,
     main: Device,
     placement: &[Device],
 ) -> Result<Executable> {
-    let mut devices: Vec<Device> = vec![main];
-    for d in placement {
-        if !devices.contains(d) {
-            devices.push(*d);
-        }
-    }
-    let part_of = |d: Device| devices.iter().position(|x| *x == d).unwrap_or(0);
+    let layout = if placement.iter().any(|d| d.rank().is_some()) {
+        Layout::across_ranks(&function, main, placement)?
+    } else {
+        Layout::local(main, placement)
+    };
+    let devices = &layout.devices;
     let mut parts: Vec<Function> = devices
         .iter()
         .enumerate()
         .map(|(i, d)| {
-            let params = if i == 0 {
+            let params = if layout.mains.contains(&i) {
                 function.params.clone()
             } else {
                 Vec::new()
@@ -306,13 +566,14 @@ pub(super) fn instantiate_partitioned(
         .collect();
     // The value of an original value in each partition, created on demand.
     let mut local: HashMap<(Value, usize), Value> = HashMap::new();
-    for (i, _) in function.params.iter().enumerate() {
-        local.insert((Value::Param(i as u32), 0), Value::Param(i as u32));
+    for &m in &layout.mains {
+        for (i, _) in function.params.iter().enumerate() {
+            local.insert((Value::Param(i as u32), m), Value::Param(i as u32));
+        }
     }
+    // Where each node output was computed.
     let mut home: HashMap<Value, usize> = HashMap::new();
-    for i in 0..function.params.len() {
-        home.insert(Value::Param(i as u32), 0);
-    }
+    let mut remote = RemoteEdges::default();
     let mut next_key = 0usize;
     let mut fetch = |parts: &mut Vec<Function>,
                      local: &mut HashMap<(Value, usize), Value>,
@@ -324,11 +585,33 @@ pub(super) fn instantiate_partitioned(
         if let Some(found) = local.get(&(v, to)) {
             return Ok(*found);
         }
-        let from = home[&v];
+        let from = match v {
+            Value::Param(_) => layout.param_home(to),
+            Value::Output { .. } => home[&v],
+        };
+        if let Some(found) = local.get(&(v, to)) {
+            return Ok(*found);
+        }
         let source = local[&(v, from)];
         let meta = function.meta(v).clone();
-        let key = format!("edge{next_key}:{}->{}", devices[from], devices[to]);
+        let key = format!(
+            "{}#edge{next_key}:{}->{}",
+            function.name, devices[from], devices[to]
+        );
+        // MPI guarantees tags up to 32767.
+        let tag = (next_key % 32768) as u32;
         next_key += 1;
+        let (sender, receiver) = (layout.rank_of(from), layout.rank_of(to));
+        if layout.own_rank.is_some() && sender != receiver {
+            if layout.in_this_process(from) {
+                remote.sends.insert(key.clone(), (receiver, tag));
+            }
+            if layout.in_this_process(to) {
+                remote
+                    .recvs
+                    .insert(key.clone(), (sender, tag, meta.clone()));
+            }
+        }
         let mut send = OpAttrs::new();
         send.set_str("key", &key);
         // The transfer fails (is cancelled) on behalf of the node it
@@ -347,7 +630,7 @@ pub(super) fn instantiate_partitioned(
         Ok(got)
     };
     for (index, node) in function.nodes.iter().enumerate() {
-        let p = part_of(placement[index]);
+        let p = layout.placement[index];
         let inputs = node
             .inputs
             .iter()
@@ -383,21 +666,28 @@ pub(super) fn instantiate_partitioned(
         .nodes
         .first()
         .map_or_else(|| (Location::caller(), None), |n| (n.location, n.origin));
-    let results = function
-        .results
-        .iter()
-        .map(|v| fetch(&mut parts, &mut local, &home, *v, 0, location))
-        .collect::<Result<Vec<_>>>()?;
-    parts[0].results = results;
-    let mut executables = parts
-        .into_iter()
-        .zip(&devices)
-        .map(|(f, d)| instantiate_on(Arc::new(f), *d))
-        .collect::<Result<Vec<_>>>()?;
+    // Every process gets every result.
+    for &m in &layout.mains {
+        let results = function
+            .results
+            .iter()
+            .map(|v| fetch(&mut parts, &mut local, &home, *v, m, location))
+            .collect::<Result<Vec<_>>>()?;
+        parts[m].results = results;
+    }
+    let mut executables = Vec::new();
+    for (i, (f, d)) in parts.into_iter().zip(devices).enumerate() {
+        if layout.in_this_process(i) {
+            executables.push(instantiate_on(Arc::new(f), d.without_rank())?);
+        }
+    }
     let main_exe = executables.remove(0);
     let partitions = Partitioned {
         main: main_exe,
         others: executables,
+        remote: layout
+            .own_rank
+            .map(|_| (Arc::new(remote), AtomicU64::new(0))),
     };
     let mut shell = instantiate_on(
         Arc::new(Function::new(

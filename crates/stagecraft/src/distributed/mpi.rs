@@ -17,10 +17,20 @@
 //! the same collective. A mismatch or a watchdog timeout fails the group:
 //! the failing collective returns an error naming the ranks at fault, and
 //! every later one fails at once with the same error.
+//!
+//! Point-to-point transfers (the `Send`/`Recv` pairs of a function spread
+//! over ranks) travel on a fourth communicator, one message per edge and
+//! run, tagged with the edge's number: a header (kind, a fingerprint of
+//! the edge's key and run, the payload's length) and the tensor's bytes,
+//! or the sender's error in place of the tensor. The receiver probes for
+//! the message, so it learns its size before taking it and can tell a
+//! failure, a stale run or a mismatched edge from the value it waits for.
 
 use crate::{Error, Result};
 use mpi::ffi;
-use stagecraft_cpu::collective::{distributed_error, Collective, Communicator, PendingCollective};
+use stagecraft_cpu::collective::{
+    distributed_error, Collective, Communicator, Edge, PendingCollective, PointToPoint,
+};
 use stagecraft_ops::Reduction;
 use stagecraft_tensor::{Buffer, DType, DenseHostTensor, TensorMetadata};
 use std::collections::{BTreeMap, HashMap};
@@ -73,6 +83,29 @@ struct Comms {
     check: Raw<ffi::MPI_Comm>,
     /// Point-to-point notes and reports after a failure.
     control: Raw<ffi::MPI_Comm>,
+    /// The Send/Recv pairs of functions spread over ranks.
+    transfers: Raw<ffi::MPI_Comm>,
+}
+
+/// The kinds of point-to-point message: a tensor, or the sender's error.
+const VALUE_MESSAGE: u64 = 0x5354_4743_5641_4c55;
+const FAILURE_MESSAGE: u64 = 0x5354_4743_4641_494c;
+
+/// Bytes of a point-to-point message's header: kind, fingerprint, run,
+/// payload length.
+const TRANSFER_HEADER_BYTES: usize = 32;
+
+/// A point-to-point send in flight; owns the message until MPI is done
+/// with it.
+struct SendFlight {
+    what: String,
+    to: usize,
+    started: Instant,
+    request: Option<Raw<ffi::MPI_Request>>,
+    _message: Vec<u8>,
+    value: Option<DenseHostTensor>,
+    /// Nobody waits for it any more: dropped once MPI completes it.
+    abandoned: bool,
 }
 
 /// One collective in flight. It owns every buffer MPI reads or writes
@@ -103,6 +136,9 @@ struct State {
     flights: HashMap<u64, Flight>,
     /// Set by the first failure: the group cannot go on.
     failed: Option<Error>,
+    /// Point-to-point sends in flight, by number.
+    sends: HashMap<u64, SendFlight>,
+    next_send: u64,
     /// Flights abandoned with requests MPI may still complete: their
     /// buffers must outlive the process's use of MPI.
     wreckage: Vec<Flight>,
@@ -249,6 +285,7 @@ impl MpiGroup {
             data: dup("duplicating the data communicator")?,
             check: dup("duplicating the header communicator")?,
             control: dup("duplicating the control communicator")?,
+            transfers: dup("duplicating the point-to-point communicator")?,
         };
         let timeout = std::env::var("STAGECRAFT_COLLECTIVE_TIMEOUT")
             .ok()
@@ -265,6 +302,8 @@ impl MpiGroup {
                 next_seq: 0,
                 flights: HashMap::new(),
                 failed: None,
+                sends: HashMap::new(),
+                next_send: 0,
                 wreckage: Vec::new(),
                 stop: false,
             }),
@@ -330,14 +369,34 @@ impl Drop for MpiGroup {
         if let Some(t) = self.progress.take() {
             let _ = t.join();
         }
-        if failed {
+        // Sends to a process that never takes them would hang finalize
+        // too; those under way get the grace period to finish.
+        let deadline = Instant::now() + GRACE;
+        let stuck_sends = loop {
+            let mut state = self.shared.lock();
+            progress_sends(&mut state);
+            if state.sends.is_empty() {
+                break false;
+            }
+            if Instant::now() > deadline {
+                break true;
+            }
+            drop(state);
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        if failed || stuck_sends {
             // Collectives that will never complete would hang finalize:
             // end the whole job instead, as MPI programs do on error.
             self.abort(1);
         }
         let mut state = self.shared.lock();
         let comms = &mut state.comms;
-        for comm in [&mut comms.data, &mut comms.check, &mut comms.control] {
+        for comm in [
+            &mut comms.data,
+            &mut comms.check,
+            &mut comms.control,
+            &mut comms.transfers,
+        ] {
             // SAFETY: each was duplicated in `init`, no request on it is in
             // flight (the group did not fail), and it is freed once.
             unsafe { ffi::MPI_Comm_free(&mut comm.0) };
@@ -379,6 +438,340 @@ impl Communicator for MpiCommunicator {
     ) -> Result<Box<dyn PendingCollective>> {
         start(&self.0, op, input, output, None, op.name())
     }
+    fn point_to_point(&self) -> Option<&dyn PointToPoint> {
+        Some(self)
+    }
+}
+
+/// The fingerprint both ends of an edge agree on.
+fn edge_fingerprint(edge: Edge<'_>) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (edge.key, edge.run).hash(&mut h);
+    h.finish()
+}
+
+fn message(kind: u64, edge: Edge<'_>, payload: &[u8]) -> Vec<u8> {
+    let mut message = Vec::with_capacity(TRANSFER_HEADER_BYTES + payload.len());
+    for word in [kind, edge_fingerprint(edge), edge.run, payload.len() as u64] {
+        message.extend_from_slice(&word.to_le_bytes());
+    }
+    message.extend_from_slice(payload);
+    message
+}
+
+impl MpiCommunicator {
+    /// Issues the send of `message` and records its flight.
+    fn post(
+        &self,
+        to: usize,
+        edge: Edge<'_>,
+        message: Vec<u8>,
+        value: Option<DenseHostTensor>,
+    ) -> Result<u64> {
+        let shared = &self.0;
+        let what = format!("{} (run {})", edge.key, edge.run);
+        if to >= shared.size {
+            return Err(distributed_error(format!(
+                "{what} goes to rank {to}, but the group has {} processes",
+                shared.size
+            )));
+        }
+        let len = count(message.len(), &what)?;
+        let mut state = shared.lock();
+        // SAFETY: reading a constant MPI initialized.
+        let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: `message` moves into the flight below (its heap block
+        // stays put), which keeps it until MPI completes the request; `len`
+        // is its length in bytes. Called under the state lock.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                message.as_ptr().cast(),
+                len,
+                ffi::RSMPI_UINT8_T,
+                to as c_int,
+                edge.tag as c_int,
+                state.comms.transfers.0,
+                &mut request,
+            )
+        };
+        check(rc, &what)?;
+        let id = state.next_send;
+        state.next_send += 1;
+        state.sends.insert(
+            id,
+            SendFlight {
+                what,
+                to,
+                started: Instant::now(),
+                request: Some(Raw(request)),
+                _message: message,
+                value,
+                abandoned: false,
+            },
+        );
+        drop(state);
+        shared.work.notify_one();
+        Ok(id)
+    }
+}
+
+impl PointToPoint for MpiCommunicator {
+    fn send(
+        &self,
+        to: usize,
+        edge: Edge<'_>,
+        value: DenseHostTensor,
+    ) -> Result<Box<dyn PendingCollective>> {
+        let message = message(VALUE_MESSAGE, edge, value.buffer().bytes());
+        let id = self.post(to, edge, message, Some(value))?;
+        Ok(Box::new(MpiSend {
+            shared: Arc::clone(&self.0),
+            id,
+        }))
+    }
+
+    fn send_failure(&self, to: usize, edge: Edge<'_>, error: &Error) {
+        let text = format!("{error}");
+        let message = message(FAILURE_MESSAGE, edge, text.as_bytes());
+        if let Ok(id) = self.post(to, edge, message, None) {
+            if let Some(flight) = self.0.lock().sends.get_mut(&id) {
+                flight.abandoned = true;
+            }
+        }
+    }
+
+    fn recv(
+        &self,
+        from: usize,
+        edge: Edge<'_>,
+        meta: &TensorMetadata,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<DenseHostTensor> {
+        let shared = &self.0;
+        let what = format!("{} (run {})", edge.key, edge.run);
+        if from >= shared.size {
+            return Err(distributed_error(format!(
+                "{what} comes from rank {from}, but the group has {} processes",
+                shared.size
+            )));
+        }
+        let timeout = shared.timeout();
+        let started = Instant::now();
+        let late = || {
+            distributed_error(format!(
+                "rank {from} did not send {what} to rank {} within {:.1} s: it hung, died, or \
+                 runs a different program (every process must call a function spread over ranks \
+                 alike)",
+                shared.rank,
+                timeout.as_secs_f64()
+            ))
+        };
+        let mut spins = 0u32;
+        // Probe until the message is there, then take it; messages of an
+        // earlier, failed run of the function are dropped on the way.
+        'message: loop {
+            let (mut buffer, mut request) = loop {
+                {
+                    let state = shared.lock();
+                    let mut flag: c_int = 0;
+                    // SAFETY: reading a constant MPI initialized.
+                    let mut handle: ffi::MPI_Message = unsafe { ffi::RSMPI_MESSAGE_NULL };
+                    // SAFETY: an all-zero MPI_Status is a valid value to be
+                    // overwritten.
+                    let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+                    // SAFETY: a live communicator; the out-parameters are
+                    // writable. Called under the state lock.
+                    let rc = unsafe {
+                        ffi::MPI_Improbe(
+                            from as c_int,
+                            edge.tag as c_int,
+                            state.comms.transfers.0,
+                            &mut flag,
+                            &mut handle,
+                            &mut status,
+                        )
+                    };
+                    check(rc, &what)?;
+                    if flag != 0 {
+                        let mut bytes: c_int = 0;
+                        // SAFETY: `status` describes the probed message.
+                        let rc =
+                            unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut bytes) };
+                        check(rc, &what)?;
+                        let mut buffer = vec![0u8; bytes.max(0) as usize];
+                        // SAFETY: reading a constant MPI initialized.
+                        let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
+                        // SAFETY: `buffer` has room for the probed message's
+                        // `bytes` bytes and is kept (or leaked) until the
+                        // request completes. Called under the state lock.
+                        let rc = unsafe {
+                            ffi::MPI_Imrecv(
+                                buffer.as_mut_ptr().cast(),
+                                bytes,
+                                ffi::RSMPI_UINT8_T,
+                                &mut handle,
+                                &mut request,
+                            )
+                        };
+                        check(rc, &what)?;
+                        break (buffer, Some(Raw(request)));
+                    }
+                }
+                if stop() {
+                    return Err(Error::cancelled());
+                }
+                if started.elapsed() > timeout {
+                    return Err(late());
+                }
+                spins += 1;
+                back_off(spins);
+            };
+            loop {
+                let done = {
+                    let _state = shared.lock();
+                    test(&mut request, &what)?
+                };
+                if done {
+                    break;
+                }
+                if stop() || started.elapsed() > timeout {
+                    // MPI may still write into the buffer.
+                    std::mem::forget(std::mem::take(&mut buffer));
+                    return Err(if stop() { Error::cancelled() } else { late() });
+                }
+                spins += 1;
+                back_off(spins);
+            }
+            let run = buffer
+                .get(16..24)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_le_bytes);
+            if run.is_some_and(|run| run < edge.run) {
+                continue 'message;
+            }
+            return read_message(&buffer, from, edge, &what, meta);
+        }
+    }
+}
+
+/// Waits between tests: a few immediate retries (small messages arrive
+/// within microseconds), then short sleeps.
+fn back_off(spins: u32) {
+    if spins < 64 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(if spins < 1024 { 20 } else { 200 }));
+    }
+}
+
+/// The tensor in a received point-to-point message, or why there is none.
+fn read_message(
+    message: &[u8],
+    from: usize,
+    edge: Edge<'_>,
+    what: &str,
+    meta: &TensorMetadata,
+) -> Result<DenseHostTensor> {
+    let word = |i: usize| -> Option<u64> {
+        let bytes = message.get(8 * i..8 * i + 8)?;
+        Some(u64::from_le_bytes(bytes.try_into().ok()?))
+    };
+    let (Some(kind), Some(fingerprint), Some(run), Some(len)) =
+        (word(0), word(1), word(2), word(3))
+    else {
+        return Err(distributed_error(format!(
+            "rank {from} sent {} bytes for {what}, less than a message header",
+            message.len()
+        )));
+    };
+    let payload = &message[TRANSFER_HEADER_BYTES..];
+    if kind == FAILURE_MESSAGE {
+        return Err(distributed_error(format!(
+            "rank {from} failed, so it never sent {what}: {}",
+            String::from_utf8_lossy(payload)
+        )));
+    }
+    if kind != VALUE_MESSAGE || fingerprint != edge_fingerprint(edge) {
+        return Err(distributed_error(format!(
+            "rank {from} sent another value (of its run {run}) than the {what} this process waits \
+             for: every process must call a function spread over ranks alike, the same number of \
+             times"
+        )));
+    }
+    let expected = meta.shape.numel() * meta.dtype.size_in_bytes();
+    if len as usize != payload.len() || payload.len() != expected {
+        return Err(distributed_error(format!(
+            "rank {from} sent {} bytes for {what}, which carries {meta} ({expected} bytes)",
+            payload.len()
+        )));
+    }
+    DenseHostTensor::from_buffer(meta.clone(), Buffer::copy_of(payload))
+}
+
+/// A point-to-point send, waited for by the run that issued it.
+struct MpiSend {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl PendingCollective for MpiSend {
+    fn wait(self: Box<Self>) -> Result<DenseHostTensor> {
+        let mut spins = 0u32;
+        loop {
+            {
+                let mut state = self.shared.lock();
+                let timeout = self.shared.timeout();
+                let flight = state
+                    .sends
+                    .get_mut(&self.id)
+                    .ok_or_else(|| Error::internal("a send was waited for twice"))?;
+                let (what, to) = (flight.what.clone(), flight.to);
+                let done = test(&mut flight.request, &what);
+                let late = flight.started.elapsed() > timeout;
+                match done {
+                    Ok(true) => {
+                        let flight = state.sends.remove(&self.id).expect("found above");
+                        return flight
+                            .value
+                            .ok_or_else(|| Error::internal("a send without a value"));
+                    }
+                    Err(e) => {
+                        flight.abandoned = true;
+                        return Err(e);
+                    }
+                    Ok(false) if late => {
+                        flight.abandoned = true;
+                        return Err(distributed_error(format!(
+                            "rank {to} did not take {what} from rank {} within {:.1} s: it hung, \
+                             died, or runs a different program",
+                            self.shared.rank,
+                            timeout.as_secs_f64()
+                        )));
+                    }
+                    Ok(false) => {}
+                }
+            }
+            spins += 1;
+            back_off(spins);
+        }
+    }
+}
+
+impl Drop for MpiSend {
+    fn drop(&mut self) {
+        if let Some(flight) = self.shared.lock().sends.get_mut(&self.id) {
+            flight.abandoned = true;
+        }
+    }
+}
+
+/// Tests every send in flight; forgets the completed ones nobody waits
+/// for.
+fn progress_sends(state: &mut State) {
+    state.sends.retain(|_, flight| {
+        let done = matches!(test(&mut flight.request, &flight.what), Ok(true) | Err(_));
+        !(done && flight.abandoned)
+    });
 }
 
 /// Issues `op`'s header and data requests and records the flight.
@@ -572,7 +965,10 @@ impl PendingCollective for MpiPending {
 fn progress_loop(shared: &Shared) {
     loop {
         let mut state = shared.lock();
-        while !state.stop && !state.flights.values().any(|f| f.outcome.is_none()) {
+        while !state.stop
+            && !state.flights.values().any(|f| f.outcome.is_none())
+            && !state.sends.values().any(|f| f.request.is_some())
+        {
             state = shared
                 .work
                 .wait(state)
@@ -609,6 +1005,7 @@ fn test(request: &mut Option<Raw<ffi::MPI_Request>>, what: &str) -> Result<bool>
 /// Moves every flight forward: completes, checks headers, enforces the
 /// watchdog. A failure fails the group and every flight.
 fn progress(shared: &Shared, state: &mut State) {
+    progress_sends(state);
     if state.failed.is_some() {
         fail_all(state);
         return;
