@@ -1,7 +1,10 @@
 //! All-reduce bandwidth: stagecraft's `AllReduce` op (eager, through
 //! `execute`) and its communicator (start + wait) against a plain rsmpi
 //! `all_reduce_into` loop on buffers of the same size, side by side in one
-//! run on 2 processes.
+//! run on 2 processes. A fourth column, rsmpi's non-blocking
+//! `immediate_all_reduce_into` + `wait`, is the floor for collectives
+//! that must not block the caller (stagecraft's are non-blocking, so a
+//! watchdog can stop a hung one).
 //!
 //! `cargo bench -p stagecraft --features mpi --bench allreduce` launches
 //! itself under `mpirun -np 2`. Every process must run the same number of
@@ -39,8 +42,15 @@ fn main() {
     if root {
         println!("all-reduce (sum, f32) on {}; {}", group.describe(), host());
         println!(
-            "{:>8} {:>14} {:>14} {:>14} {:>10} {:>10}",
-            "size", "rsmpi GB/s", "op GB/s", "comm GB/s", "op/rsmpi", "comm/rsmpi"
+            "{:>8} {:>11} {:>11} {:>11} {:>11} {:>9} {:>11} {:>12}",
+            "size",
+            "rsmpi GB/s",
+            "op GB/s",
+            "comm GB/s",
+            "Irsmpi GB/s",
+            "op/rsmpi",
+            "comm/rsmpi",
+            "comm/Irsmpi"
         );
     }
     for (bytes, label, iterations) in SIZES {
@@ -54,7 +64,7 @@ fn main() {
         )
         .unwrap();
         let comm = distributed::communicator();
-        let mut times = [Vec::new(), Vec::new(), Vec::new()];
+        let mut times = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
         for _ in 0..ROUNDS {
             use distributed::rsmpi::traits::*;
             world.barrier();
@@ -84,6 +94,21 @@ fn main() {
                     .unwrap();
             }
             times[2].push(start.elapsed().as_secs_f64() / iterations as f64);
+            world.barrier();
+            let start = Instant::now();
+            for _ in 0..iterations {
+                distributed::rsmpi::request::scope(|scope| {
+                    world
+                        .immediate_all_reduce_into(
+                            scope,
+                            &host_values[..],
+                            &mut received[..],
+                            distributed::rsmpi::collective::SystemOperation::sum(),
+                        )
+                        .wait();
+                });
+            }
+            times[3].push(start.elapsed().as_secs_f64() / iterations as f64);
         }
         assert!(received.iter().all(|&v| v == 2.0), "rsmpi's sum is wrong");
         let gbps: Vec<f64> = times
@@ -95,12 +120,14 @@ fn main() {
             .collect();
         if root {
             println!(
-                "{label:>8} {:>14.3} {:>14.3} {:>14.3} {:>10.2} {:>10.2}",
+                "{label:>8} {:>11.3} {:>11.3} {:>11.3} {:>11.3} {:>9.2} {:>11.2} {:>12.2}",
                 gbps[0],
                 gbps[1],
                 gbps[2],
+                gbps[3],
                 gbps[1] / gbps[0],
-                gbps[2] / gbps[0]
+                gbps[2] / gbps[0],
+                gbps[2] / gbps[3]
             );
         }
     }

@@ -566,7 +566,6 @@ impl PointToPoint for MpiCommunicator {
                 timeout.as_secs_f64()
             ))
         };
-        let mut spins = 0u32;
         // Probe until the message is there, then take it; messages of an
         // earlier, failed run of the function are dropped on the way.
         'message: loop {
@@ -623,8 +622,7 @@ impl PointToPoint for MpiCommunicator {
                 if started.elapsed() > timeout {
                     return Err(late());
                 }
-                spins += 1;
-                back_off(spins);
+                back_off(started);
             };
             loop {
                 let done = {
@@ -639,8 +637,7 @@ impl PointToPoint for MpiCommunicator {
                     std::mem::forget(std::mem::take(&mut buffer));
                     return Err(if stop() { Error::cancelled() } else { late() });
                 }
-                spins += 1;
-                back_off(spins);
+                back_off(started);
             }
             let run = buffer
                 .get(16..24)
@@ -654,13 +651,16 @@ impl PointToPoint for MpiCommunicator {
     }
 }
 
-/// Waits between tests: a few immediate retries (small messages arrive
-/// within microseconds), then short sleeps.
-fn back_off(spins: u32) {
-    if spins < 64 {
+/// Waits between tests of a transfer that started at `since`. Open MPI
+/// moves a transfer on only inside MPI calls, so a waiting thread tests
+/// back to back (yielding its core to any thread with work, as MPI_Wait's
+/// busy polling would not) for the first 100 ms, which covers every
+/// message up to tens of MiB; longer waits sleep between tests.
+fn back_off(since: Instant) {
+    if since.elapsed() < Duration::from_millis(100) {
         std::thread::yield_now();
     } else {
-        std::thread::sleep(Duration::from_micros(if spins < 1024 { 20 } else { 200 }));
+        std::thread::sleep(Duration::from_micros(100));
     }
 }
 
@@ -716,7 +716,7 @@ struct MpiSend {
 
 impl PendingCollective for MpiSend {
     fn wait(self: Box<Self>) -> Result<DenseHostTensor> {
-        let mut spins = 0u32;
+        let waiting = Instant::now();
         loop {
             {
                 let mut state = self.shared.lock();
@@ -751,8 +751,7 @@ impl PendingCollective for MpiSend {
                     Ok(false) => {}
                 }
             }
-            spins += 1;
-            back_off(spins);
+            back_off(waiting);
         }
     }
 }
@@ -924,7 +923,7 @@ struct MpiPending {
 
 impl PendingCollective for MpiPending {
     fn wait(self: Box<Self>) -> Result<DenseHostTensor> {
-        let mut spins = 0u32;
+        let waiting = Instant::now();
         loop {
             let mut state = self.shared.lock();
             progress(&self.shared, &mut state);
@@ -952,12 +951,7 @@ impl PendingCollective for MpiPending {
             drop(state);
             // Small collectives complete within microseconds: test again
             // at once a few times before sleeping between tests.
-            spins += 1;
-            if spins < 64 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(if spins < 1024 { 20 } else { 200 }));
-            }
+            back_off(waiting);
         }
     }
 }
@@ -977,9 +971,13 @@ fn progress_loop(shared: &Shared) {
         if state.stop {
             return;
         }
-        progress(shared, &mut state);
+        // Not at once: a caller that waits right after starting (a
+        // synchronous collective) tests the transfer itself, and taking
+        // its core and lock meanwhile only slows it down; what travels
+        // while the caller computes is tested every 100 µs.
         drop(state);
-        std::thread::sleep(Duration::from_micros(50));
+        std::thread::sleep(Duration::from_micros(100));
+        progress(shared, &mut shared.lock());
     }
 }
 
