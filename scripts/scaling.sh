@@ -29,6 +29,7 @@ for model in mlp cnn gpt; do
             train --distributed --model $model --device $device --batch-size $((2 * per)) \
             --steps "$steps" --compare-steps 0 "${extra[@]}" --json | summary)
         rows+=("$model $device $per $one $two $params")
+        echo "row: ${rows[-1]}  (model device batch/process ms/step(1x1) ms/step(2x1) parameters)"
     done
 done
 bench=$(cargo bench -p stagecraft --features mpi --bench allreduce | tee /dev/stderr)
