@@ -32,5 +32,7 @@ for model in mlp cnn gpt; do
         echo "row: ${rows[-1]}  (model device batch/process ms/step(1x1) ms/step(2x1) parameters)"
     done
 done
-bench=$(cargo bench -p stagecraft --features mpi --bench allreduce | tee /dev/stderr)
+# (Not `tee /dev/stderr`: when stderr is a file, tee's open truncates it.)
+bench=$(cargo bench -p stagecraft --features mpi --bench allreduce)
+printf '%s\n' "$bench"
 printf '%s\n' "${rows[@]}" | python3 scripts/scaling_model.py "$bench"
