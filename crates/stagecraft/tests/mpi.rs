@@ -86,6 +86,11 @@ fn launcher() {
             "an error on one rank reaches the rank waiting for it",
             pipeline_failure,
         ),
+        ("a rank that never sends is named", pipeline_silence),
+        (
+            "ranks sending different shapes are told so",
+            pipeline_mismatch,
+        ),
         ("a shape mismatch is reported on every rank", mismatch),
         ("a hung rank is named within 10 s", hang),
         ("a dead rank stops the job within 10 s", death),
@@ -154,6 +159,48 @@ fn pipeline_failure() -> Result<(), String> {
     } else {
         Err(format!(
             "expected rank 1 to stop with rank 0's Div error and both to go on ({:?}):\n{}",
+            run.took, run.output
+        ))
+    }
+}
+
+fn pipeline_silence() -> Result<(), String> {
+    let run = mpirun(
+        "pipeline_silence",
+        2,
+        &[("STAGECRAFT_COLLECTIVE_TIMEOUT", "2")],
+    );
+    let named = run.output.contains(
+        "rank 0 did not send function#edge0:/rank:0/cpu:0->/rank:1/cpu:0 (run 0) to rank 1 \
+         within 2.0 s",
+    );
+    let oks = run.output.matches("worker ok").count();
+    if named && oks == 2 && run.success && run.took < Duration::from_secs(15) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected rank 1 to name rank 0 after 2 s ({:?}):\n{}",
+            run.took, run.output
+        ))
+    }
+}
+
+fn pipeline_mismatch() -> Result<(), String> {
+    let run = mpirun(
+        "pipeline_mismatch",
+        2,
+        &[("STAGECRAFT_COLLECTIVE_TIMEOUT", "30")],
+    );
+    let told = run.output.contains(
+        "rank 0 sent 16 bytes for function#edge0:/rank:0/cpu:0->/rank:1/cpu:0 (run 0), which \
+         carries f32[5] (20 bytes)",
+    );
+    let oks = run.output.matches("worker ok").count();
+    if told && oks == 2 && run.success && run.took < Duration::from_secs(10) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected rank 1 to report the size rank 0 sent ({:?}):\n{}",
             run.took, run.output
         ))
     }
@@ -276,6 +323,7 @@ fn worker(scenario: &str) {
         "data_parallel" => data_parallel(rank, group.size()),
         "pipeline" => pipeline(),
         "pipeline_failure" => pipeline_failure_worker(rank),
+        "pipeline_silence" | "pipeline_mismatch" => pipeline_fault(scenario, rank),
         "mismatch" => {
             let x = Tensor::<f32>::ones(&[3 + rank], &Device::cpu());
             let y = distributed::all_reduce(&x, Reduction::Sum);
@@ -671,4 +719,35 @@ fn pipeline_failure_worker(rank: usize) -> Result<(), String> {
             .collect(),
         vec![2.0; 4],
     )
+}
+
+/// `pipeline_silence`: rank 0 calls the function late, after rank 1 has
+/// given up waiting for its value. `pipeline_mismatch`: rank 1 expects a
+/// longer vector than rank 0 sends. Either way both ranks end with an
+/// error, not a hang.
+fn pipeline_fault(scenario: &str, rank: usize) -> Result<(), String> {
+    let cpu = Device::cpu();
+    let (r0, r1) = (
+        Device::parse("/rank:0/cpu:0").map_err(|e| e.to_string())?,
+        Device::parse("/rank:1/cpu:0").map_err(|e| e.to_string())?,
+    );
+    let f = function(move |x: Tensor<f32>| {
+        let y = with_device(&r0, || x.exp());
+        with_device(&r1, || y * 2.0f32)
+    });
+    let n = if scenario == "pipeline_mismatch" && rank == 1 {
+        5
+    } else {
+        4
+    };
+    if scenario == "pipeline_silence" && rank == 0 {
+        std::thread::sleep(Duration::from_secs(4));
+    }
+    match f.call(Tensor::<f32>::ones(&[n], &cpu)).to_vec() {
+        Ok(v) => Err(format!("the call returned {v:?}")),
+        Err(e) => {
+            println!("rank {rank}: {e}");
+            Ok(())
+        }
+    }
 }
