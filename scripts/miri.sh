@@ -9,32 +9,40 @@
 # thresholds run only their small cases (`kernels::runs_in_this_build`).
 # A subset of the unit tests, chosen to stay within a few minutes.
 #
-# Usage: scripts/miri.sh   (installs the nightly toolchain's miri component
-# when it is missing; CI may cache ~/.rustup and target/miri).
+# Usage: scripts/miri.sh   (installs its pinned nightly toolchain, with
+# the miri and rust-src components, side by side with any other toolchain
+# when it is missing; `stable` and an existing `nightly` are never
+# touched. STAGECRAFT_MIRI_TOOLCHAIN names another toolchain to use. CI
+# may cache ~/.rustup and target/miri).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! cargo +nightly miri --version >/dev/null 2>&1; then
-    # One component per `--component` flag would also do; `component add`
-    # covers a nightly that is installed without them, too.
-    rustup toolchain install nightly --profile minimal
-    rustup component add --toolchain nightly miri rust-src
+# The nightly this suite was last checked with, pinned by date so that a
+# new nightly's Miri cannot change what passes.
+toolchain="${STAGECRAFT_MIRI_TOOLCHAIN:-nightly-2026-10-30}"
+if ! cargo "+$toolchain" miri --version >/dev/null 2>&1; then
+    echo "scripts/miri.sh: installing the $toolchain toolchain with miri (side by side; stable and nightly are left alone)" >&2
+    if ! rustup toolchain install "$toolchain" --profile minimal \
+        --component miri --component rust-src >/tmp/stagecraft-miri-install.log 2>&1; then
+        echo "scripts/miri.sh: cannot install the $toolchain toolchain (offline? see /tmp/stagecraft-miri-install.log); install it with \`rustup toolchain install $toolchain --component miri --component rust-src\` or name an installed nightly with miri in STAGECRAFT_MIRI_TOOLCHAIN" >&2
+        exit 1
+    fi
 fi
 # Prepares Miri's sysroot once (quietly); later runs reuse it.
-cargo +nightly miri setup >/dev/null
+cargo "+$toolchain" miri setup >/dev/null
 
 # Miri reports leaks and undefined behaviour as failures. Thread-local
 # caches and the process-lifetime device records are reachable from
 # statics, so no leak suppression is needed.
 export MIRIFLAGS="${MIRIFLAGS:-}"
 
-cargo +nightly miri test -p stagecraft-tensor --lib --test buffers_across_threads -- buffer:: host:: dtype:: cross_threads
-cargo +nightly miri test -p stagecraft-runtime --lib -- async_value:: handle::
+cargo "+$toolchain" miri test -p stagecraft-tensor --lib --test buffers_across_threads -- buffer:: host:: dtype:: cross_threads
+cargo "+$toolchain" miri test -p stagecraft-runtime --lib -- async_value:: handle::
 # The kernel tests compare results bit for bit, NaN payloads included;
 # Miri otherwise picks NaN signs and payloads and the last bits of
 # transcendental functions at random, per operation.
 MIRIFLAGS="$MIRIFLAGS -Zmiri-deterministic-floats" \
-cargo +nightly miri test -p stagecraft-cpu --lib -- \
+cargo "+$toolchain" miri test -p stagecraft-cpu --lib -- \
     kernels::fused::tests:: kernels::fused::chain::tests:: \
     kernels::reduce::tests::empty_and_nan_reductions \
     kernels::reduce::tests::kernels_resolve_axes_per_call \

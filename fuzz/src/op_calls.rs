@@ -447,10 +447,10 @@ fn create<T: Kind>(c: &mut Case, inp: &mut Input) -> Val {
         0 | 1 => T::wrap(dense::<T>(c, inp, &dims)),
         2 => {
             let v = T::from_scalar(inp.scalar());
-            T::wrap(call!(c, ["Fill"], Tensor::full(&dims, v, &device)))
+            T::wrap(call!(c, ["full"], Tensor::full(&dims, v, &device)))
         }
         3 => T::wrap(Tensor::scalar(T::from_scalar(inp.scalar()), &device)),
-        4 => T::wrap(call!(c, ["Fill"], Tensor::<T>::zeros(&dims, &device))),
+        4 => T::wrap(call!(c, ["zeros"], Tensor::<T>::zeros(&dims, &device))),
         _ => T::create(c, inp, &dims).unwrap_or_else(|| T::wrap(dense::<T>(c, inp, &dims))),
     }
 }

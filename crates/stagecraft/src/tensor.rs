@@ -92,17 +92,28 @@ impl<T: Element> Tensor<T> {
     /// A tensor holding `values` with the given shape, on `device`.
     #[track_caller]
     pub fn from_vec(values: Vec<T>, dims: &[usize], device: &Device) -> Result<Tensor<T>> {
-        Tensor::from_slice(&values, dims, device)
+        Tensor::from_values("from_vec", &values, dims, device, Location::caller())
     }
 
     /// A tensor holding a copy of `values` with the given shape, on `device`.
     #[track_caller]
     pub fn from_slice(values: &[T], dims: &[usize], device: &Device) -> Result<Tensor<T>> {
-        let location = Location::caller();
+        Tensor::from_values("from_slice", values, dims, device, Location::caller())
+    }
+
+    /// `from_vec` and `from_slice`, whose errors name the constructor the
+    /// user called.
+    fn from_values(
+        constructor: &'static str,
+        values: &[T],
+        dims: &[usize],
+        device: &Device,
+        location: Location,
+    ) -> Result<Tensor<T>> {
         let dense = device
             .ensure_in_this_process()
             .and_then(|()| DenseHostTensor::from_slice(values, dims))
-            .map_err(|e| e.with_op("from_slice").at(location))?;
+            .map_err(|e| e.with_op(constructor).at(location))?;
         Ok(Tensor::from_handle(TensorHandle::available(
             *device,
             dense.into(),
@@ -123,7 +134,32 @@ impl<T: Element> Tensor<T> {
     /// until a kernel needs dense values.
     #[track_caller]
     pub fn full(dims: &[usize], value: T, device: &Device) -> Tensor<T> {
-        let location = Location::caller();
+        Tensor::filled("full", dims, value, device, Location::caller())
+    }
+
+    /// A tensor of zeros.
+    #[track_caller]
+    pub fn zeros(dims: &[usize], device: &Device) -> Tensor<T> {
+        let zero = T::from_scalar(Scalar::I32(0));
+        Tensor::filled("zeros", dims, zero, device, Location::caller())
+    }
+
+    /// A tensor of ones.
+    #[track_caller]
+    pub fn ones(dims: &[usize], device: &Device) -> Tensor<T> {
+        let one = T::from_scalar(Scalar::I32(1));
+        Tensor::filled("ones", dims, one, device, Location::caller())
+    }
+
+    /// `full`, `zeros` and `ones`, whose errors name the constructor the
+    /// user called.
+    fn filled(
+        constructor: &'static str,
+        dims: &[usize],
+        value: T,
+        device: &Device,
+        location: Location,
+    ) -> Tensor<T> {
         let shape = Shape::new(dims);
         match device
             .ensure_in_this_process()
@@ -136,20 +172,8 @@ impl<T: Element> Tensor<T> {
             // The error tensor cannot carry `dims`: later ops infer their
             // output metadata from it, and a shape whose element count
             // overflows would make that arithmetic overflow too.
-            Err(e) => Tensor::error_at("Fill", location, *device, &[], e),
+            Err(e) => Tensor::error_at(constructor, location, *device, &[], e),
         }
-    }
-
-    /// A tensor of zeros.
-    #[track_caller]
-    pub fn zeros(dims: &[usize], device: &Device) -> Tensor<T> {
-        Tensor::full(dims, T::from_scalar(Scalar::I32(0)), device)
-    }
-
-    /// A tensor of ones.
-    #[track_caller]
-    pub fn ones(dims: &[usize], device: &Device) -> Tensor<T> {
-        Tensor::full(dims, T::from_scalar(Scalar::I32(1)), device)
     }
 
     /// The dimensions. Known at once, without running anything (for a

@@ -132,7 +132,7 @@ fn shape_axis_and_attribute_errors() {
         ),
         (
             Tensor::<f32>::zeros(&[usize::MAX, 2], &Device::cpu()),
-            "Fill",
+            "zeros",
             line!(),
         ),
         (x.argmax(5, false).cast::<f32>(), "ArgMax", line!()),

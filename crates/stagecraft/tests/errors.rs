@@ -116,6 +116,19 @@ fn from_vec_and_item_errors() {
     let err = Tensor::<f32>::from_vec(vec![1.0; 5], &[2, 3], &cpu).unwrap_err();
     assert_eq!(err.location().unwrap().line(), line);
     assert!(err.to_string().contains("5 values"), "{err}");
+    // Each constructor's error names the constructor the user called.
+    assert_eq!(err.op(), Some("from_vec"), "{err}");
+    let err = Tensor::<f32>::from_slice(&[1.0; 5], &[2, 3], &cpu).unwrap_err();
+    assert_eq!(err.op(), Some("from_slice"), "{err}");
+    let huge = [usize::MAX, 2];
+    for (t, constructor) in [
+        (Tensor::<f32>::zeros(&huge, &cpu), "zeros"),
+        (Tensor::<f32>::ones(&huge, &cpu), "ones"),
+        (Tensor::<f32>::full(&huge, 2.0, &cpu), "full"),
+    ] {
+        let err = t.check().unwrap_err();
+        assert_eq!(err.op(), Some(constructor), "{err}");
+    }
     let t = Tensor::<i64>::zeros(&[2], &cpu);
     assert!(t
         .item()

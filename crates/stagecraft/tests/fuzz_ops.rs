@@ -96,7 +96,7 @@ fn ops_on_an_overflowing_fill_pass_its_error_on() {
     let t = Tensor::<f32>::full(&[usize::MAX, 2], 1.0, &cpu);
     for out in [t.unsqueeze(0), t.reshape(&[1]), t.squeeze(&[]), t.exp()] {
         let err = out.check().unwrap_err();
-        assert_eq!(err.op(), Some("Fill"), "{err}");
+        assert_eq!(err.op(), Some("full"), "{err}");
         assert_eq!(err.location().unwrap().line(), line, "{err}");
     }
 }
