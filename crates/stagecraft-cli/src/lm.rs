@@ -473,8 +473,8 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
 
     let comparison = if options.compare_steps > 0 && !options.distributed {
         say(format!(
-            "timing {} steps of the same model on each device...",
-            options.compare_steps
+            "timing {} of the same model on each device...",
+            crate::train::counted(options.compare_steps, "step")
         ));
         let this = time_steps(
             &model,
@@ -551,12 +551,12 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
 /// The summary for people.
 pub fn print_summary(s: &LmSummary) {
     println!(
-        "gpt on the {} device: {} steps ({:.1} s, {:.2} ms/step, {:.0} tokens/s), final loss {}",
+        "gpt on the {} device: {} ({:.1} s, {:.2} ms/step, {:.0} tokens/s), final loss {}",
         match s.device {
             DeviceKind::Eager => "eager",
             DeviceKind::Lazy => "lazy",
         },
-        s.steps,
+        crate::train::counted(s.steps, "step"),
         s.train_seconds,
         s.ms_per_step,
         s.tokens_per_second,

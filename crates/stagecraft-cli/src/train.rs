@@ -491,8 +491,8 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     let comparison = if options.compare_steps > 0 && !options.distributed {
         if !options.json {
             eprintln!(
-                "timing {} steps of the same model on each device...",
-                options.compare_steps
+                "timing {} of the same model on each device...",
+                counted(options.compare_steps, "step")
             );
         }
         let this = time_steps(&model, data, options, options.device, options.compare_steps)?;
@@ -559,24 +559,35 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
 }
 
 /// One line per epoch on stderr, which stays when the epoch's progress bar
-/// is cleared (and is all that logs and pipes see).
+/// is cleared (and is all that logs and pipes see), with `--json` too:
+/// stdout then holds the JSON alone.
 fn report_epoch(options: &TrainOptions, epoch: usize, steps: usize, loss_sum: f64, time: Duration) {
-    if options.json || steps == 0 || !is_root(options) {
+    if steps == 0 || !is_root(options) {
         return;
     }
     eprintln!(
-        "epoch {}/{}: {steps} steps, mean loss {:.4}, {:.2} ms/step",
+        "epoch {}/{}: {}, mean loss {:.4}, {:.2} ms/step",
         epoch + 1,
         options.epochs,
+        counted(steps, "step"),
         loss_sum / steps as f64,
         time.as_secs_f64() * 1e3 / steps as f64
     );
 }
 
+/// `1 step`, `2 steps`.
+pub fn counted(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
 /// The summary for people.
 pub fn print_summary(s: &Summary) {
     println!(
-        "{} on the {} device{}: {} steps in {} epochs ({:.1} s, {:.2} ms/step), final loss {}",
+        "{} on the {} device{}: {} in {} ({:.1} s, {:.2} ms/step), final loss {}",
         s.model.name(),
         match s.device {
             DeviceKind::Eager => "eager",
@@ -587,8 +598,8 @@ pub fn print_summary(s: &Summary) {
         } else {
             String::new()
         },
-        s.steps,
-        s.epochs,
+        counted(s.steps, "step"),
+        counted(s.epochs, "epoch"),
         s.train_seconds,
         s.ms_per_step,
         s.final_loss.map_or("-".to_string(), |l| format!("{l:.4}"))

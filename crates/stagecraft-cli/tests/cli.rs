@@ -125,6 +125,24 @@ fn train_json_reports_steps_accuracy_and_lazy_metrics() {
     assert!(cmp["lazy_ms_per_step"].as_f64().unwrap() > 0.0, "{s}");
     // Nothing but the JSON on stdout; no download was attempted.
     assert!(!dir.join("data").exists());
+    // The epoch's line goes to stderr with --json too, counted right.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("epoch 1/4: 3 steps, mean loss"), "{err}");
+    let out = run(
+        &[
+            "--data",
+            ".",
+            "--steps",
+            "1",
+            "--batch-size",
+            "16",
+            "--compare-steps",
+            "0",
+        ],
+        &dir,
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(": 1 step in 1 epoch ("), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
