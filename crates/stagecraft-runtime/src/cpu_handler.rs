@@ -136,6 +136,7 @@ pub struct CpuOpHandler {
 impl CpuOpHandler {
     /// The handler of CPU device `cpu:index`.
     pub fn new(index: usize) -> CpuOpHandler {
+        stagecraft_cpu::warn_if_unoptimized();
         CpuOpHandler {
             name: format!("cpu:{index}"),
             cache: Arc::new(KernelCache {
