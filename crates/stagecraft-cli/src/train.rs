@@ -415,6 +415,9 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     // The step size decays linearly to zero over the run: the last steps
     // average out minibatch noise, which constant steps never do.
     let total_steps = (per_epoch * options.epochs).min(budget).max(1);
+    // The epochs this run will have: fewer than asked when --steps ends it
+    // early, so that the counters read "epoch 1/1" then.
+    let planned_epochs = options.epochs.min(total_steps.div_ceil(per_epoch.max(1)));
     let mut shuffler = SplitMix64::new(options.seed ^ 0x5eed);
     let mut steps = 0usize;
     let mut epochs = 0usize;
@@ -427,7 +430,7 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         epochs += 1;
         let this_epoch = per_epoch.min(budget - steps);
         let bar = progress_bar(options, this_epoch as u64);
-        bar.set_prefix(format!("{}/{}", epoch + 1, options.epochs));
+        bar.set_prefix(format!("{}/{planned_epochs}", epoch + 1));
         let order = shuffler.permutation(train_count);
         let mut epoch_time = Duration::ZERO;
         let mut loss_sum = 0.0f64;
@@ -468,13 +471,25 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
             ));
             if steps >= budget {
                 bar.finish_and_clear();
-                report_epoch(options, epoch, i + 1, loss_sum, epoch_time);
+                report_epoch(
+                    options,
+                    (epoch, planned_epochs),
+                    i + 1,
+                    loss_sum,
+                    epoch_time,
+                );
                 epoch_losses.push(loss_sum / (i + 1) as f64);
                 break 'epochs;
             }
         }
         bar.finish_and_clear();
-        report_epoch(options, epoch, this_epoch, loss_sum, epoch_time);
+        report_epoch(
+            options,
+            (epoch, planned_epochs),
+            this_epoch,
+            loss_sum,
+            epoch_time,
+        );
         epoch_losses.push(loss_sum / this_epoch.max(1) as f64);
     }
 
@@ -561,14 +576,20 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
 /// One line per epoch on stderr, which stays when the epoch's progress bar
 /// is cleared (and is all that logs and pipes see), with `--json` too:
 /// stdout then holds the JSON alone.
-fn report_epoch(options: &TrainOptions, epoch: usize, steps: usize, loss_sum: f64, time: Duration) {
+fn report_epoch(
+    options: &TrainOptions,
+    (epoch, planned_epochs): (usize, usize),
+    steps: usize,
+    loss_sum: f64,
+    time: Duration,
+) {
     if steps == 0 || !is_root(options) {
         return;
     }
     eprintln!(
         "epoch {}/{}: {}, mean loss {:.4}, {:.2} ms/step",
         epoch + 1,
-        options.epochs,
+        planned_epochs,
         counted(steps, "step"),
         loss_sum / steps as f64,
         time.as_secs_f64() * 1e3 / steps as f64
