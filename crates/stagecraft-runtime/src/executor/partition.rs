@@ -162,7 +162,7 @@ struct RendezvousState {
     /// Keys of the edges to other processes sent so far in this run.
     sent_remote: HashSet<String>,
     /// Sends to other processes still leaving this one.
-    pending_sends: Vec<(String, Box<dyn PendingCollective>)>,
+    pending_sends: Vec<Box<dyn PendingCollective>>,
 }
 
 /// The edges between this process and others of a function partitioned
@@ -205,7 +205,7 @@ impl Rendezvous {
                     .map_err(|e| e.with_op("Send").at(location))?;
                 let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
                 state.sent_remote.insert(key.to_string());
-                state.pending_sends.push((key.to_string(), pending));
+                state.pending_sends.push(pending);
                 return Ok(());
             }
         }
@@ -308,7 +308,7 @@ impl Rendezvous {
             // which keeps their buffers until then.
             return Ok(());
         }
-        for (_, send) in pending {
+        for send in pending {
             send.wait()?;
         }
         Ok(())
@@ -589,9 +589,6 @@ pub(super) fn instantiate_partitioned(
             Value::Param(_) => layout.param_home(to),
             Value::Output { .. } => home[&v],
         };
-        if let Some(found) = local.get(&(v, to)) {
-            return Ok(*found);
-        }
         let source = local[&(v, from)];
         let meta = function.meta(v).clone();
         let key = format!(
