@@ -468,6 +468,8 @@ impl MpiCommunicator {
         message: Vec<u8>,
         value: Option<DenseHostTensor>,
     ) -> Result<u64> {
+        // A failure note has no waiter: MPI's completion alone retires it.
+        let abandoned = value.is_none();
         let shared = &self.0;
         let what = format!("{} (run {})", edge.key, edge.run);
         if to >= shared.size {
@@ -506,7 +508,7 @@ impl MpiCommunicator {
                 request: Some(Raw(request)),
                 _message: message,
                 value,
-                abandoned: false,
+                abandoned,
             },
         );
         drop(state);
@@ -533,11 +535,8 @@ impl PointToPoint for MpiCommunicator {
     fn send_failure(&self, to: usize, edge: Edge<'_>, error: &Error) {
         let text = format!("{error}");
         let message = message(FAILURE_MESSAGE, edge, text.as_bytes());
-        if let Ok(id) = self.post(to, edge, message, None) {
-            if let Some(flight) = self.0.lock().sends.get_mut(&id) {
-                flight.abandoned = true;
-            }
-        }
+        // Best effort: this process is failing already.
+        let _ = self.post(to, edge, message, None);
     }
 
     fn recv(
