@@ -26,6 +26,7 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use stagecraft::layers::ops::{self as ops, OpAttrs};
 use stagecraft::layers::runtime::{self as runtime, Args, TensorHandle};
+use stagecraft::nn::ModuleExt;
 use stagecraft::{lazy, Device, Location, Tensor};
 use stagecraft_cli::gpt::Gpt;
 use stagecraft_cli::lm::{optimizer, train_step, Batches, LmOptions};
@@ -49,6 +50,7 @@ fn tokens() -> Vec<u32> {
 fn step_bench(c: &mut Criterion, name: &str, device: &Device, stream: &[u32]) {
     let options = LmOptions::defaults(VOCAB);
     let mut model = Gpt::new(options.config, 1337, device);
+    model.requires_grad();
     let (mut opt, schedule) = optimizer(&options);
     let mut draw = Batches::new(stream, options.batch_size, options.config.block_size, 1).unwrap();
     // Eight batches reused in turn, as the peer does.

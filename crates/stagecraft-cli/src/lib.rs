@@ -17,5 +17,4 @@ pub mod profile;
 pub mod shakespeare;
 pub mod splitmix;
 pub mod trace;
-pub mod trace_svg;
 pub mod train;

@@ -197,7 +197,9 @@ impl<'a> Batches<'a> {
 
 /// One training step: forward, backward, clipping to `clip`, the AdamW
 /// update at the schedule's learning rate. Returns the loss (on a lazy
-/// device still pending until the step is marked).
+/// device still pending until the step is marked). The parameters are
+/// marked `requires_grad()` once, before the first step; updates keep them
+/// marked.
 pub fn train_step(
     model: &mut Gpt,
     optimizer: &mut AdamW,
@@ -221,7 +223,6 @@ pub fn train_step_with(
     y: &Tensor<i32>,
     ddp: Option<&DataParallel>,
 ) -> Result<Tensor<f32>> {
-    model.requires_grad();
     let loss = model.loss(x, y);
     let grads = match ddp {
         Some(ddp) => ddp.backward(model, &loss)?,
@@ -262,7 +263,9 @@ pub fn estimate_loss(
     let mut sum = 0.0;
     for _ in 0..batches {
         let (x, y) = draws.next(&device)?;
-        let loss = model.loss(&x, &y);
+        // Not recorded: the parameters are marked, but this loss is never
+        // differentiated.
+        let loss = stagecraft::no_grad(|| model.loss(&x, &y));
         lazy::mark_step();
         sum += loss.item()? as f64;
     }
@@ -313,6 +316,7 @@ fn time_steps(
     const WARM_UP: usize = 3;
     let dev = device.device();
     let mut copy = copy_to(model, &dev);
+    copy.requires_grad();
     let (mut opt, schedule) = optimizer(options);
     lazy::mark_step();
     let mut batches = Batches::new(
@@ -360,6 +364,7 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
     if let Some(ddp) = &ddp {
         ddp.broadcast_parameters(&mut model)?;
     }
+    model.requires_grad();
     let (mut opt, schedule) = optimizer(options);
     let mut batches = Batches::new(
         &corpus.train,

@@ -1,19 +1,21 @@
 //! `stagecraft trace`: the training step's lazy trace, before and after
-//! the optimization passes, as text and as SVG pictures.
+//! the optimization passes, as text and as SVG pictures (see
+//! `docs/traces.md` for reading and rendering them).
 
 use crate::error::{CliError, Result};
 use crate::idx::Images;
 use crate::model::{Model, ModelKind};
-use crate::trace_svg;
 use crate::train::{sgd, train_step};
-use stagecraft::layers::graph::{dot, text, Function};
+use stagecraft::layers::graph::{svg, text, Function};
+use stagecraft::nn::ModuleExt;
 use stagecraft::{lazy, Device, Tensor};
 use std::path::{Path, PathBuf};
 
 /// The files `trace` writes, and the sizes of the two functions.
 #[derive(Clone, Debug)]
 pub struct TraceFiles {
-    /// `trace.txt`, `trace_optimized.txt`, `trace.svg`, `trace_optimized.svg`.
+    /// `trace.txt` and `trace.svg` (then `trace-2.svg`, … when the picture
+    /// needs more than one page), the same for `trace_optimized`.
     pub files: Vec<PathBuf>,
     /// Nodes in the recorded trace.
     pub recorded_nodes: usize,
@@ -47,10 +49,23 @@ fn write(path: &Path, contents: &str) -> Result<()> {
 fn write_pair(out: &Path, stem: &str, f: &Function, files: &mut Vec<PathBuf>) -> Result<()> {
     let txt = out.join(format!("{stem}.txt"));
     write(&txt, &text::print(f))?;
-    let svg = out.join(format!("{stem}.svg"));
-    write(&svg, &trace_svg::render(&dot::to_dot(f))?)?;
     files.push(txt);
-    files.push(svg);
+    // Pages of an earlier, longer trace would be read as part of this one.
+    for stale in 2.. {
+        let old = out.join(format!("{stem}-{stale}.svg"));
+        if std::fs::remove_file(&old).is_err() {
+            break;
+        }
+    }
+    for (i, page) in svg::pages(f, svg::Limits::default()).iter().enumerate() {
+        let name = match i {
+            0 => format!("{stem}.svg"),
+            _ => format!("{stem}-{}.svg", i + 1),
+        };
+        let path = out.join(name);
+        write(&path, page)?;
+        files.push(path);
+    }
     Ok(())
 }
 
@@ -65,6 +80,7 @@ pub fn run(kind: ModelKind, batch: usize, out: &Path) -> Result<TraceFiles> {
         .map_err(|e| CliError::new(format!("cannot create {}: {e}", out.display())))?;
     let device = Device::lazy(&Device::cpu());
     let mut model = Model::init(kind, 0, &device);
+    model.requires_grad();
     let mut sgd = sgd(0.01, 0.9);
     lazy::mark_step();
     let (x, y) = synthetic_batch(batch, &device)?;

@@ -236,14 +236,15 @@ pub fn sgd(lr: f32, momentum: f32) -> Sgd {
 }
 
 /// One training step on a batch: forward, backward, update. Returns the
-/// loss (on a lazy device still pending until `mark_step`).
+/// loss (on a lazy device still pending until `mark_step`). The model's
+/// parameters are marked `requires_grad()` once, before the first step;
+/// the update keeps them marked.
 pub fn train_step(
     model: &mut Model,
     sgd: &mut Sgd,
     x: &Tensor<f32>,
     y: &Tensor<i32>,
 ) -> Result<Tensor<f32>> {
-    model.requires_grad();
     let loss = loss(&model.forward(x), y);
     let grads = loss.backward()?;
     sgd.step(model, &grads)?;
@@ -260,7 +261,6 @@ pub fn train_step_distributed(
     x: &Tensor<f32>,
     y: &Tensor<i32>,
 ) -> Result<Tensor<f32>> {
-    model.requires_grad();
     let loss = loss(&model.forward(x), y);
     let grads = ddp.backward(model, &loss)?;
     sgd.step(model, &grads)?;
@@ -284,7 +284,7 @@ pub fn evaluate(model: &Model, images: &Images, labels: &[u8]) -> Result<f64> {
         let end = (start + chunk).min(images.count);
         let indices: Vec<usize> = (start..end).collect();
         let (x, _) = batch(images, labels, &indices, &device)?;
-        let predicted = predictions(&model.forward(&x))?;
+        let predicted = stagecraft::no_grad(|| predictions(&model.forward(&x)))?;
         correct += predicted
             .iter()
             .zip(&labels[start..end])
@@ -314,6 +314,7 @@ fn time_steps(
     const WARM_UP: usize = 3;
     let dev = device.device();
     let mut copy = model.copy_to(&dev);
+    copy.requires_grad();
     let mut sgd = sgd(options.lr, options.momentum);
     lazy::mark_step();
     let n = options.batch_size.min(data.train_images.count);
@@ -402,6 +403,7 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     if let Some(ddp) = &ddp {
         ddp.broadcast_parameters(&mut model)?;
     }
+    model.requires_grad();
     lazy::mark_step();
     lazy::reset_metrics();
     let mut epoch_losses = Vec::new();

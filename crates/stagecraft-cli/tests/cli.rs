@@ -287,6 +287,76 @@ fn trace_writes_text_and_svg_before_and_after_the_passes() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The `width` and `height` attributes of an SVG document's root.
+fn svg_size(svg: &str) -> (f64, f64) {
+    let root = &svg[svg.find("<svg").expect("an svg element")..];
+    let root = &root[..root.find('>').unwrap()];
+    let attr = |name: &str| -> f64 {
+        let start = root.find(&format!(" {name}=\"")).unwrap() + name.len() + 3;
+        root[start..][..root[start..].find('"').unwrap()]
+            .parse()
+            .unwrap()
+    };
+    (attr("width"), attr("height"))
+}
+
+#[test]
+fn trace_pictures_fit_a_browser_window_and_read_as_programs() {
+    // The CNN's step drawn by Graphviz-style layout was 16,581 × 6,175 px;
+    // every page must now fit 2000 × 4000, cards must carry the user's
+    // lines, and fused ops their programs as expressions.
+    let dir = scratch("trace_size");
+    let out = run(
+        &[
+            "trace",
+            "--model",
+            "cnn",
+            "--batch-size",
+            "8",
+            "--out",
+            "pics",
+        ],
+        &dir,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut pages = 0;
+    let mut optimized = String::new();
+    for entry in std::fs::read_dir(dir.join("pics")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "svg") {
+            let svg = std::fs::read_to_string(&path).unwrap();
+            let (w, h) = svg_size(&svg);
+            assert!(w <= 2000.0 && h <= 4000.0, "{}: {w} × {h}", path.display());
+            pages += 1;
+            if path.ends_with("trace_optimized.svg") {
+                optimized = svg;
+            }
+        }
+    }
+    assert!(pages >= 2, "{pages}");
+    assert!(optimized.contains("= FusedMatMul</text>"), "{optimized}");
+    assert!(optimized.contains("fuses MatMul, Add, Relu"), "{optimized}");
+    assert!(optimized.contains("= relu(%"), "{optimized}");
+    assert!(!optimized.contains("program:"), "{optimized}");
+    // The optimizer's update names the optimizer's line, the loss its own.
+    assert!(optimized.contains("optim/mod.rs:"), "{optimized}");
+    assert!(optimized.contains("src/model.rs:"), "{optimized}");
+    // Constants hoisted out of the step keep the line of the op that
+    // read them: the momentum 0.9 is the optimizer's, not the model's
+    // first line.
+    let text = std::fs::read_to_string(dir.join("pics").join("trace.txt")).unwrap();
+    let momentum = text
+        .lines()
+        .find(|l| l.contains("Const[dtype: f32, value: 0.9]"))
+        .expect("the momentum constant");
+    assert!(momentum.contains("optim/mod.rs"), "{momentum}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn corrupt_and_missing_data_give_clear_errors() {
     let dir = scratch("bad");

@@ -4,6 +4,7 @@
 //! generation is deterministic and the key/value cache changes nothing,
 //! and bad input is an error naming the op and the caller's line.
 
+use stagecraft::nn::ModuleExt;
 use stagecraft::{lazy, Device, Tensor};
 use stagecraft_cli::gpt::{generate, Gpt, GptConfig, Sampling};
 use stagecraft_cli::lm::{
@@ -45,6 +46,7 @@ fn options(corpus: &Corpus, steps: usize) -> LmOptions {
 /// The losses of `steps` training steps on `device`.
 fn train(corpus: &Corpus, options: &LmOptions, device: &Device) -> (Gpt, Vec<f32>) {
     let mut model = Gpt::new(options.config, 7, device);
+    model.requires_grad();
     // Initialization runs on its own, not as part of the first step.
     lazy::mark_step();
     let (mut opt, schedule) = optimizer(options);

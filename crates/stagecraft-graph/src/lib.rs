@@ -11,6 +11,7 @@ pub mod autodiff;
 pub mod dot;
 mod ir;
 pub mod passes;
+pub mod svg;
 pub mod text;
 pub mod verify;
 

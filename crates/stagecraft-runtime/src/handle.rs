@@ -6,6 +6,7 @@ use crate::async_value::AsyncValue;
 use crate::device::Device;
 use stagecraft_tensor::{DType, Error, HostTensor, Result, TensorMetadata};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Whether a handle's metadata was known when it was created.
@@ -35,6 +36,10 @@ struct HandleInner {
     traced: Option<TracedValue>,
     /// For a tensor on a lazy device: the recorded op output it stands for.
     lazy: Option<crate::lazy::LazyRef>,
+    /// Set on a tensor whose gradient users want (a parameter): kept on the
+    /// handle, so it survives the tapes that autodiff consumes, and shared
+    /// by every clone.
+    requires_grad: AtomicBool,
 }
 
 impl Drop for HandleInner {
@@ -60,6 +65,7 @@ impl TensorHandle {
             value: AsyncValue::available(value),
             traced: None,
             lazy: None,
+            requires_grad: AtomicBool::new(false),
         }))
     }
 
@@ -73,6 +79,7 @@ impl TensorHandle {
             value: AsyncValue::error(error),
             traced: None,
             lazy: None,
+            requires_grad: AtomicBool::new(false),
         }))
     }
 
@@ -89,6 +96,7 @@ impl TensorHandle {
             value: AsyncValue::unavailable(),
             traced: None,
             lazy: None,
+            requires_grad: AtomicBool::new(false),
         }))
     }
 
@@ -101,6 +109,7 @@ impl TensorHandle {
             value: AsyncValue::unavailable(),
             traced: Some(traced),
             lazy: None,
+            requires_grad: AtomicBool::new(false),
         }))
     }
 
@@ -119,6 +128,7 @@ impl TensorHandle {
             value: AsyncValue::unavailable(),
             traced: None,
             lazy: Some(lazy),
+            requires_grad: AtomicBool::new(false),
         }))
     }
 
@@ -259,6 +269,19 @@ impl TensorHandle {
     /// The number of handles sharing this tensor.
     pub fn ref_count(&self) -> usize {
         Arc::strong_count(&self.0)
+    }
+
+    /// True when the tensor is marked as one whose gradient is wanted.
+    pub fn requires_grad(&self) -> bool {
+        // Relaxed: the flag orders nothing else; a thread that marks a
+        // tensor and then uses it sees its own write.
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+
+    /// Marks the tensor (every clone of this handle) as one whose gradient
+    /// is wanted, or clears the mark.
+    pub fn set_requires_grad(&self, on: bool) {
+        self.0.requires_grad.store(on, Ordering::Relaxed);
     }
 }
 

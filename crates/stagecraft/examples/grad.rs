@@ -2,7 +2,7 @@
 //! on one training step, and the functional `grad` composed with itself
 //! for a second derivative.
 
-use stagecraft::{grad, value_and_grad, Device, Tensor};
+use stagecraft::{grad, no_grad, value_and_grad, Device, Tensor};
 use std::error::Error;
 use std::io::Write;
 
@@ -30,7 +30,7 @@ pub fn run(out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
         loss.item()?,
         g.reshape(&[2])
     )?;
-    let w = &w - &(g * 0.5);
+    let w = no_grad(|| &w - &(g * 0.5));
     writeln!(out, "after one step w = {}", w.reshape(&[2]))?;
 
     // f(x) = sum(x³): f' = 3x², f'' = 6x.

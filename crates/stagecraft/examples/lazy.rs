@@ -1,7 +1,7 @@
 //! The lazy device: the seed's w/x/y/z program, its trace with live outputs,
 //! and a training loop whose every step is one cached trace.
 
-use stagecraft::{lazy, Device, Rng, Tensor};
+use stagecraft::{lazy, no_grad, Device, Rng, Tensor};
 use std::error::Error;
 use std::io::Write;
 
@@ -35,12 +35,13 @@ pub fn run(out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let truth = Tensor::<f32>::from_vec(vec![1.0, -2.0, 0.5, 3.0], &[4, 1], &dev)?;
     let targets = inputs.matmul(&truth);
     lazy::mark_step();
+    weights.requires_grad(); // once: the in-place update keeps the mark
     for step in 0..50 {
-        let w = weights.requires_grad();
-        let err = inputs.matmul(&w) - &targets;
+        let err = inputs.matmul(&weights) - &targets;
         let loss = (&err * &err).mean(&[], false);
         let grads = loss.backward()?;
-        weights = &w - &(grads.get(&w).expect("w is tracked") * 0.3);
+        let g = grads.get(&weights).expect("weights is marked");
+        no_grad(|| weights.sub_assign(&(g * 0.3)))?;
         lazy::mark_step();
         if step % 10 == 9 {
             writeln!(out, "step {:2}: loss {:.6}", step + 1, loss.item()?)?;

@@ -1,26 +1,34 @@
 //! Reverse-mode automatic differentiation.
 //!
-//! Ops on tensors that depend on a tensor marked with
-//! [`Tensor::requires_grad`] are recorded on a per-thread tape. `backward`
-//! walks the tape in reverse, calls each op's gradient rule (defined next to
-//! the op in `stagecraft-ops`) and accumulates the gradients. Gradient ops
-//! are ordinary ops run through the core runtime, so they run eagerly on
-//! the CPU, are recorded into the same trace as the forward pass on a lazy
+//! A tensor marked with [`Tensor::requires_grad`] (a parameter) keeps the
+//! mark for good: ops that read it, and ops that depend on those, are
+//! recorded on a per-thread tape. `backward` walks the tape in reverse,
+//! calls each op's gradient rule (defined next to the op in
+//! `stagecraft-ops`) and accumulates the gradients. Gradient ops are
+//! ordinary ops run through the core runtime, so they run eagerly on the
+//! CPU, are recorded into the same trace as the forward pass on a lazy
 //! device, and are themselves recorded on enclosing tapes, which is what
 //! makes [`grad`] compose into higher derivatives.
 //!
-//! A tape is consumed by `backward`: afterwards nothing is tracked, so a
-//! parameter update `w - lr * g` is not recorded; mark the new parameters
-//! with `requires_grad()` for the next step.
+//! A tape is consumed by `backward`; the next op that reads a parameter
+//! starts a new one. Updates run under [`no_grad`] (optimizers do so
+//! themselves), and [`Tensor::assign`] / [`Tensor::sub_assign`] put the new
+//! value in place with the mark kept, as PyTorch's in-place updates do, so
+//! a training loop marks its parameters once.
+//!
+//! Entries whose outputs nobody holds any more (a forward pass whose loss
+//! was dropped without `backward`, an evaluation loop outside `no_grad`)
+//! are swept from the tape as it grows, so it never keeps dead
+//! activations alive.
 
 use crate::{Error, Tensor};
 use smallvec::SmallVec;
 use stagecraft_ops::{FrozenOpAttrs, GradBuilder, GradContext, OpAttrs, OpDef, G};
 use stagecraft_runtime::{Args, Results, TensorHandle};
 use stagecraft_tensor::{
-    FloatElement, HostTensor, Location, Result, Scalar, ScalarHostTensor, TensorMetadata,
+    Element, FloatElement, HostTensor, Location, Result, Scalar, ScalarHostTensor, TensorMetadata,
 };
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 
 struct Entry {
@@ -31,6 +39,11 @@ struct Entry {
     outputs: SmallVec<[TensorHandle; 1]>,
 }
 
+/// A tape is swept for dead entries when it reaches this many entries, and
+/// then whenever it has doubled since the last sweep, so sweeping costs
+/// O(1) per recorded op.
+const FIRST_SWEEP: usize = 4096;
+
 #[derive(Default)]
 struct Tape {
     /// Addresses of tracked handles (variables and what depends on them);
@@ -38,16 +51,116 @@ struct Tape {
     tracked: HashSet<usize>,
     keep: Vec<TensorHandle>,
     entries: Vec<Entry>,
+    /// The length at which the next sweep runs (0: [`FIRST_SWEEP`]).
+    sweep_at: usize,
+}
+
+impl Tape {
+    /// Tracks `handle` as a variable of this tape (no-op when tracked).
+    fn track(&mut self, handle: &TensorHandle) {
+        if self.tracked.insert(handle.addr()) {
+            self.keep.push(handle.clone());
+        }
+    }
+
+    /// Drops the entries no gradient can flow through any more: those
+    /// whose outputs only the entry itself holds (no user value, no later
+    /// entry reads them). Walking backwards and dropping as it goes frees
+    /// a dead entry's inputs before their producers are looked at, so a
+    /// whole dead chain goes in one pass. Variables only the tape holds go
+    /// too. Addresses leave `tracked` exactly when their handle is freed,
+    /// so a new tensor at a reused address is never taken for a tracked
+    /// one.
+    fn sweep(&mut self) {
+        let mut kept = Vec::with_capacity(self.entries.len());
+        while let Some(entry) = self.entries.pop() {
+            if entry.outputs.iter().all(|o| o.ref_count() == 1) {
+                for o in &entry.outputs {
+                    self.tracked.remove(&o.addr());
+                }
+            } else {
+                kept.push(entry);
+            }
+        }
+        kept.reverse();
+        self.entries = kept;
+        let tracked = &mut self.tracked;
+        self.keep.retain(|h| {
+            let held_elsewhere = h.ref_count() > 1;
+            if !held_elsewhere {
+                tracked.remove(&h.addr());
+            }
+            held_elsewhere
+        });
+        self.sweep_at = (2 * self.entries.len()).max(FIRST_SWEEP);
+    }
 }
 
 thread_local! {
     static TAPES: RefCell<Vec<Tape>> = RefCell::new(vec![Tape::default()]);
+    /// How many [`no_grad`] scopes this thread is inside.
+    static NO_GRAD_DEPTH: Cell<u32> = const { Cell::new(0) };
+    /// How many `backward`s this thread is inside: their gradient ops are
+    /// recorded on the tapes that already track an argument (what higher
+    /// derivatives need), but a parameter they read joins no tape, or
+    /// every step would leave its backward pass on the next step's tape.
+    static BACKWARD_DEPTH: Cell<u32> = const { Cell::new(0) };
 }
 
-/// True when some tape on this thread tracks a tensor (the fast check on
-/// every op).
-pub(crate) fn is_recording() -> bool {
-    TAPES.with(|t| t.borrow().iter().any(|tape| !tape.tracked.is_empty()))
+/// Counts one more scope in `depth` until dropped (also on panic).
+struct Scope(&'static std::thread::LocalKey<Cell<u32>>);
+
+impl Scope {
+    fn enter(depth: &'static std::thread::LocalKey<Cell<u32>>) -> Scope {
+        depth.with(|d| d.set(d.get() + 1));
+        Scope(depth)
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        self.0.with(|d| d.set(d.get() - 1));
+    }
+}
+
+/// Runs `f` with gradient recording off on this thread: ops inside are
+/// not recorded, even on parameters, so their results have no history.
+/// This is where parameter updates belong (optimizers use it), and where
+/// evaluation runs without paying for a tape. Scopes nest; recording
+/// resumes when the outermost one ends, also when `f` panics.
+///
+/// ```
+/// use stagecraft::{no_grad, Device, Tensor};
+/// let cpu = Device::cpu();
+/// let mut w = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2], &cpu)?.requires_grad();
+/// for _ in 0..3 {
+///     let loss = (&w * &w).sum(&[0], false);
+///     let g = loss.backward()?.get(&w).expect("w is a parameter");
+///     no_grad(|| w.sub_assign(&(&g * 0.25)))?;
+/// }
+/// // Each step halves w (w - 0.25 * 2w), and w stays a parameter.
+/// assert_eq!(w.to_vec()?, vec![0.125, 0.25]);
+/// assert!(w.is_requires_grad());
+/// # Ok::<(), stagecraft::Error>(())
+/// ```
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    let _scope = Scope::enter(&NO_GRAD_DEPTH);
+    f()
+}
+
+/// False inside [`no_grad`]: whether ops on this thread are recorded for
+/// autodiff.
+pub fn is_grad_enabled() -> bool {
+    NO_GRAD_DEPTH.with(|d| d.get() == 0)
+}
+
+/// True when an op on `args` must go through [`execute_recorded`]: grad
+/// mode is on and an argument is a parameter or some tape tracks a tensor
+/// (the fast check on every op).
+pub(crate) fn is_recording(args: &[TensorHandle]) -> bool {
+    is_grad_enabled()
+        && (args.iter().any(TensorHandle::requires_grad)
+            || TAPES.with(|t| t.borrow().iter().any(|tape| !tape.tracked.is_empty())))
 }
 
 /// True when a tape on this thread tracks `handle`.
@@ -71,8 +184,16 @@ pub(crate) fn execute_recorded(
     attrs: &OpAttrs,
 ) -> Results {
     let tracked = TAPES.with(|tapes| {
+        let mut tapes = tapes.borrow_mut();
+        // A parameter joins every tape, so a gradient taken inside `grad`
+        // can itself be differentiated with respect to it.
+        let joining = BACKWARD_DEPTH.with(|d| d.get() == 0);
+        for param in args.iter().filter(|a| joining && a.requires_grad()) {
+            for tape in tapes.iter_mut() {
+                tape.track(param);
+            }
+        }
         tapes
-            .borrow()
             .iter()
             .any(|tape| args.iter().any(|a| tape.tracked.contains(&a.addr())))
     });
@@ -126,6 +247,9 @@ fn record(
                     inputs: args.iter().cloned().collect(),
                     outputs: results.iter().cloned().collect(),
                 });
+                if tape.entries.len() >= tape.sweep_at.max(FIRST_SWEEP) {
+                    tape.sweep();
+                }
             }
         }
     });
@@ -135,9 +259,7 @@ fn track_on_top(handle: &TensorHandle) {
     TAPES.with(|tapes| {
         let mut tapes = tapes.borrow_mut();
         let tape = tapes.last_mut().expect("the base tape always exists");
-        if tape.tracked.insert(handle.addr()) {
-            tape.keep.push(handle.clone());
-        }
+        tape.track(handle);
     });
 }
 
@@ -267,6 +389,7 @@ fn backward_handle(
         .with_op("backward")
         .at(location)
     })?;
+    let _in_backward = Scope::enter(&BACKWARD_DEPTH);
     let mut grads: HashMap<usize, TensorHandle> = HashMap::new();
     let seed = ScalarHostTensor::new(
         Scalar::F64(1.0).cast(loss.dtype()),
@@ -367,12 +490,51 @@ fn announce(
 }
 
 impl<T: FloatElement> Tensor<T> {
-    /// Marks this tensor as a variable: ops that depend on it are recorded,
-    /// and `backward` computes the gradient with respect to it. Returns the
+    /// Marks this tensor (and every clone of it) as a parameter: ops that
+    /// depend on it are recorded, and `backward` computes the gradient with
+    /// respect to it. The mark stays through `backward` and through
+    /// [`Tensor::assign`], so it is set once, before training. Returns the
     /// same tensor.
     pub fn requires_grad(&self) -> Tensor<T> {
+        self.handle.set_requires_grad(true);
         track_on_top(&self.handle);
         self.clone()
+    }
+
+    /// True when this tensor is marked with [`Tensor::requires_grad`].
+    pub fn is_requires_grad(&self) -> bool {
+        self.handle.requires_grad()
+    }
+
+    /// Clears the [`Tensor::requires_grad`] mark: ops on the tensor from
+    /// now on are not recorded for it (freezing a parameter).
+    pub fn clear_requires_grad(&self) {
+        self.handle.set_requires_grad(false);
+        TAPES.with(|tapes| {
+            for tape in tapes.borrow_mut().iter_mut() {
+                let before = tape.keep.len();
+                tape.keep.retain(|h| !h.ptr_eq(&self.handle));
+                if tape.keep.len() < before {
+                    tape.tracked.remove(&self.handle.addr());
+                }
+            }
+        });
+    }
+
+    /// `self -= rhs` in place: [`Tensor::assign`] of `self - rhs`, with the
+    /// same rules (run it under [`no_grad`] on a parameter).
+    #[track_caller]
+    pub fn sub_assign(&mut self, rhs: &Tensor<T>) -> Result<()> {
+        let location = Location::caller();
+        let updated = crate::tensor::run::<T>(
+            &stagecraft_ops::SUB,
+            [self.handle.clone(), rhs.handle.clone()]
+                .into_iter()
+                .collect(),
+            &OpAttrs::new(),
+            location,
+        );
+        self.assign_at(updated, "sub_assign", location)
     }
 
     /// The gradients of this tensor (usually a scalar loss; otherwise the
@@ -458,7 +620,9 @@ where
                 OpAttrs::new().set_dims("shape", x.dims()),
                 location,
             );
-            let x_var = x_var.requires_grad();
+            // Tracked here only, not marked: x_var is this call's own
+            // variable, not a parameter of the model.
+            track_on_top(&x_var.handle);
             let y = f(&x_var);
             let g = match backward_handle(&y.handle, location, &[], &mut |_, _| Ok(())) {
                 Ok(grads) => grads
@@ -492,4 +656,124 @@ where
 {
     let vg = value_and_grad(f);
     move |x: &Tensor<T>| vg(x).1
+}
+
+impl<T: Element> Tensor<T> {
+    /// Puts `value` in place of this tensor, keeping what this tensor is:
+    /// a parameter stays a parameter (as after an in-place update in
+    /// PyTorch), so an update `w.assign(&w - &step)` under [`no_grad`]
+    /// needs no new `requires_grad()`. Afterwards `self` and `value` are
+    /// the same tensor.
+    ///
+    /// Errors, leaving `self` unchanged: `value` has another shape or is on
+    /// another device, or `self` is a parameter and `value` carries
+    /// recorded history (the update was computed outside `no_grad`, so the
+    /// parameter would depend on itself).
+    #[track_caller]
+    pub fn assign(&mut self, value: Tensor<T>) -> Result<()> {
+        self.assign_at(value, "assign", Location::caller())
+    }
+
+    fn assign_at(&mut self, value: Tensor<T>, op: &'static str, location: Location) -> Result<()> {
+        let fail = |e: Error| Err(e.with_op(op).at(location));
+        if value.dims() != self.dims() {
+            return fail(Error::shape(format!(
+                "cannot assign a tensor of shape {:?} to one of shape {:?}",
+                value.dims(),
+                self.dims()
+            )));
+        }
+        if value.device() != self.device() {
+            return fail(Error::invalid(format!(
+                "cannot assign a tensor on {} to one on {}",
+                value.device(),
+                self.device()
+            )));
+        }
+        let parameter = self.handle.requires_grad();
+        if parameter && is_grad_enabled() && is_tracked(&value.handle) {
+            return fail(Error::invalid(
+                "the new value of a parameter was computed with gradients recorded, \
+                 so the parameter would depend on its own old value; \
+                 compute the update inside no_grad(|| ...)",
+            ));
+        }
+        replace_keeping_mark(self, value);
+        Ok(())
+    }
+}
+
+/// `*slot = new`, with `new` marked [`Tensor::requires_grad`] when `slot`
+/// was: how updates inside the crate (optimizer steps, loading weights,
+/// broadcasting them) keep parameters parameters, once they have checked
+/// shapes themselves.
+pub(crate) fn replace_keeping_mark<T: Element>(slot: &mut Tensor<T>, new: Tensor<T>) {
+    if slot.handle.requires_grad() {
+        new.handle.set_requires_grad(true);
+    }
+    *slot = new;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Device;
+
+    fn base_tape_len() -> (usize, usize) {
+        TAPES.with(|t| {
+            let tapes = t.borrow();
+            (tapes[0].entries.len(), tapes[0].tracked.len())
+        })
+    }
+
+    #[test]
+    fn dropped_forward_passes_are_swept_from_the_tape() {
+        // An evaluation loop on marked parameters outside no_grad records
+        // every pass; with the outputs dropped, the sweeps must keep the
+        // tape (and the activations it holds) from growing with the loop.
+        let cpu = Device::cpu();
+        let w = Tensor::<f32>::from_vec(vec![0.5; 64], &[8, 8], &cpu)
+            .unwrap()
+            .requires_grad();
+        let x = Tensor::<f32>::ones(&[4, 8], &cpu);
+        let mut longest = 0;
+        for _ in 0..20_000 {
+            let y = x.matmul(&w).relu().sum(&[], false);
+            y.item().unwrap();
+            longest = longest.max(base_tape_len().0);
+        }
+        // Three entries a pass: without sweeping, 60,000.
+        assert!(longest <= FIRST_SWEEP, "the tape grew to {longest} entries");
+        // What a live loss depends on survives a sweep: backward still
+        // reaches the parameter.
+        let keep = x.matmul(&w).sum(&[], false);
+        for _ in 0..3 * FIRST_SWEEP {
+            drop(x.matmul(&w));
+        }
+        let g = keep.backward().unwrap().get(&w).unwrap();
+        assert_eq!(g.to_vec().unwrap(), vec![4.0; 64]);
+        assert_eq!(base_tape_len(), (0, 0), "backward consumed the tape");
+    }
+
+    #[test]
+    fn a_sweep_frees_chains_and_untracks_their_addresses() {
+        let cpu = Device::cpu();
+        let w = Tensor::<f32>::from_vec(vec![2.0], &[1], &cpu)
+            .unwrap()
+            .requires_grad();
+        let kept = (&w * 3.0).exp();
+        drop((&w * 4.0).exp().exp());
+        TAPES.with(|t| {
+            let mut tapes = t.borrow_mut();
+            let tape = &mut tapes[0];
+            assert_eq!(tape.entries.len(), 5);
+            tape.sweep();
+            // The dropped chain (three entries) went; the kept one stays,
+            // and only live handles are tracked: w and kept's two values.
+            assert_eq!(tape.entries.len(), 2);
+            assert_eq!(tape.tracked.len(), 3);
+        });
+        let g = kept.backward().unwrap().get(&w).unwrap().to_vec().unwrap();
+        assert!((g[0] - 3.0 * 6f32.exp()).abs() < 1e-2 * g[0], "{g:?}");
+    }
 }

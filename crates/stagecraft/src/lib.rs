@@ -38,7 +38,7 @@ mod stage;
 mod staging;
 mod tensor;
 
-pub use autodiff::{grad, value_and_grad, Gradients};
+pub use autodiff::{grad, is_grad_enabled, no_grad, value_and_grad, Gradients};
 pub use ops::{
     clip_grad_norm, scaled_dot_product_attention, where_, Conv1dOptions, Conv2dOptions,
     ConvTranspose2dOptions, CrossEntropyOptions, CumsumOptions, Pool2dOptions, Reduction,

@@ -163,7 +163,7 @@ impl OnnxModule {
         let mut args: stagecraft_runtime::Args = ordered.into_iter().collect();
         args.extend(self.params.iter().map(|(_, t)| t.handle.clone()));
         let device = stagecraft_runtime::place(&args);
-        let results = if crate::autodiff::is_recording() {
+        let results = if crate::autodiff::is_recording(&args) {
             crate::autodiff::execute_recorded(&stagecraft_ops::CALL, device, location, args, &attrs)
         } else {
             stagecraft_runtime::execute(

@@ -135,7 +135,7 @@ pub(crate) fn run_control<S: TensorGroup>(
 ) -> S {
     let expected = handles_of(template);
     let device = runtime::place(&args);
-    let results = if crate::autodiff::is_recording() {
+    let results = if crate::autodiff::is_recording(&args) {
         crate::autodiff::execute_recorded(op, device, location, args, attrs)
     } else {
         runtime::execute(op, device, location, args, attrs.into())

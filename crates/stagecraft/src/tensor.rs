@@ -360,7 +360,7 @@ pub(crate) fn run_handles(
     location: Location,
 ) -> runtime::Results {
     let device = runtime::place(&args);
-    if crate::autodiff::is_recording() {
+    if crate::autodiff::is_recording(&args) {
         return crate::autodiff::execute_recorded(op, device, location, args, attrs);
     }
     runtime::execute(op, device, location, args, attrs.into())

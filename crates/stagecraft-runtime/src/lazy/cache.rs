@@ -108,8 +108,9 @@ fn miss_reason(skeleton: &Skeleton, cache: &Cache) -> String {
 
 /// Builds the graph function for `skeleton` with baked leaves as constants.
 ///
-/// Every node's origin is the trace entry it stands for (baked constants
-/// go with the first entry, whose location they take): a cached compile
+/// Every node's origin is the trace entry it stands for (a baked constant
+/// goes with the first entry that reads it, whose location it takes: the
+/// line where the user's value met the op that promoted it): a cached compile
 /// of this function runs for later recordings too, which pass their own
 /// `locations` to [`Executable::run_recorded`] so that errors name their
 /// lines rather than these.
@@ -131,17 +132,29 @@ pub(super) fn build_function(
     // Leaf i becomes parameter k (arguments) or a constant node.
     let mut leaf_value = Vec::with_capacity(modes.len());
     let mut next_arg = 0u32;
-    let first_location = locations.first().copied().unwrap_or_else(Location::caller);
-    let first_origin = (!locations.is_empty()).then_some(0);
-    for mode in modes {
+    let mut first_reader: Vec<Option<usize>> = vec![None; modes.len()];
+    for (i, node) in skeleton.nodes.iter().enumerate() {
+        for input in &node.inputs {
+            if let Value::Param(leaf) = input {
+                first_reader[*leaf as usize].get_or_insert(i);
+            }
+        }
+    }
+    for (leaf, mode) in modes.iter().enumerate() {
         match mode {
             Mode::Argument => {
                 leaf_value.push(Value::Param(next_arg));
                 next_arg += 1;
             }
             Mode::Baked(v) => {
-                let node = f.add_const(v.clone(), first_location);
-                f.nodes[node].origin = first_origin;
+                // A leaf no op reads (a result only) takes the first entry.
+                let reader = first_reader[leaf].unwrap_or(0);
+                let location = locations
+                    .get(reader)
+                    .copied()
+                    .unwrap_or_else(Location::caller);
+                let node = f.add_const(v.clone(), location);
+                f.nodes[node].origin = (reader < locations.len()).then_some(reader as u32);
                 leaf_value.push(Value::node(node));
             }
         }

@@ -98,28 +98,30 @@ impl DataParallel {
     }
 
     /// Replaces every parameter by rank 0's, so that all processes start
-    /// from the same model.
+    /// from the same model. Marked parameters stay marked.
     #[track_caller]
     pub fn broadcast_parameters(&self, model: &mut dyn Module) -> Result<()> {
         let mut failure = None;
-        model.visit_params_mut("", &mut |name, t| {
-            let shared = broadcast(t, 0);
-            match shared.wait() {
-                Err(e) if failure.is_none() => {
-                    failure = Some(Error::new(
-                        e.kind(),
-                        format!("broadcasting parameter `{name}` from rank 0: {e}"),
-                    ))
+        crate::no_grad(|| {
+            model.visit_params_mut("", &mut |name, t| {
+                let shared = broadcast(t, 0);
+                match shared.wait() {
+                    Err(e) if failure.is_none() => {
+                        failure = Some(Error::new(
+                            e.kind(),
+                            format!("broadcasting parameter `{name}` from rank 0: {e}"),
+                        ))
+                    }
+                    _ => crate::autodiff::replace_keeping_mark(t, shared),
                 }
-                _ => *t = shared,
-            }
+            })
         });
         failure.map_or(Ok(()), Err)
     }
 
     /// `loss.backward()` with every parameter's gradient replaced by its
-    /// mean over the group. The parameters must have been marked with
-    /// `requires_grad()` before the forward pass, as for `backward`.
+    /// mean over the group. The parameters must be marked with
+    /// `requires_grad()` (once, before training), as for `backward`.
     #[track_caller]
     pub fn backward(&self, model: &dyn Module, loss: &Tensor<f32>) -> Result<Gradients> {
         let params = unique_params(model);

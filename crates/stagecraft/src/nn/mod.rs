@@ -169,9 +169,10 @@ pub trait ModuleExt: Module {
         n
     }
 
-    /// Marks every parameter as a variable of the current tape, so that
-    /// `loss.backward()` returns gradients for all of them. Call it before
-    /// the forward pass of each step.
+    /// Marks every parameter with [`Tensor::requires_grad`], so that
+    /// `loss.backward()` returns gradients for all of them. Call it once,
+    /// before training: optimizer steps keep the mark on the updated
+    /// parameters.
     fn requires_grad(&self) {
         self.visit_params("", &mut |_, t| {
             t.requires_grad();

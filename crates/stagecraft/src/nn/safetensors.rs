@@ -160,7 +160,7 @@ pub fn load_from_bytes(module: &mut dyn Module, bytes: &[u8], source: &str) -> R
     }
     module.visit_params_mut("", &mut |name, t| {
         if let Some(new) = fresh.remove(name) {
-            *t = new;
+            crate::autodiff::replace_keeping_mark(t, new);
         }
     });
     Ok(())

@@ -34,8 +34,8 @@
 //! let mut model = Line { w: Tensor::from_vec(vec![3.0, -2.0], &[2, 1], &cpu)? };
 //! let mut opt = AdamW::new(AdamConfig { lr: 0.1, ..AdamConfig::default() });
 //! let sched = Cosine { max_lr: 0.1, min_lr: 0.01, warmup: 2, total: 20 };
+//! model.requires_grad(); // once: updates keep parameters marked
 //! for _ in 0..20 {
-//!     model.requires_grad();
 //!     let loss = (&model.w * &model.w).sum(&[0, 1], false);
 //!     let grads = loss.backward()?;
 //!     opt.set_lr(sched.lr(opt.step_count()));
@@ -231,29 +231,34 @@ impl State {
         }
         let lr = self.lr;
         let mut scalars: Vec<StepScalars> = Vec::new();
-        model.visit_params_mut("", &mut |name, p| {
-            let (Some(g), Some(slot)) = (grads.get(p), slots.get_mut(name)) else {
-                return;
-            };
-            slot.steps += 1;
-            let device = p.device();
-            let found = scalars
-                .iter()
-                .position(|s| s.group == slot.group && s.device == device && s.steps == slot.steps);
-            let index = found.unwrap_or_else(|| {
-                let values = host(&slot.group, lr, slot.steps)
-                    .into_iter()
-                    .map(|v| Tensor::scalar(v as f32, &device))
-                    .collect();
-                scalars.push(StepScalars {
-                    group: slot.group,
-                    device,
-                    steps: slot.steps,
-                    values,
+        // Updates are not part of any gradient; without no_grad the new
+        // values would be recorded as depending on the (marked) old ones.
+        crate::no_grad(|| {
+            model.visit_params_mut("", &mut |name, p| {
+                let (Some(g), Some(slot)) = (grads.get(p), slots.get_mut(name)) else {
+                    return;
+                };
+                slot.steps += 1;
+                let device = p.device();
+                let found = scalars.iter().position(|s| {
+                    s.group == slot.group && s.device == device && s.steps == slot.steps
                 });
-                scalars.len() - 1
-            });
-            *p = update(p, g, &mut slot.bufs, &scalars[index].values, &slot.group);
+                let index = found.unwrap_or_else(|| {
+                    let values = host(&slot.group, lr, slot.steps)
+                        .into_iter()
+                        .map(|v| Tensor::scalar(v as f32, &device))
+                        .collect();
+                    scalars.push(StepScalars {
+                        group: slot.group,
+                        device,
+                        steps: slot.steps,
+                        values,
+                    });
+                    scalars.len() - 1
+                });
+                let updated = update(p, g, &mut slot.bufs, &scalars[index].values, &slot.group);
+                crate::autodiff::replace_keeping_mark(p, updated);
+            })
         });
         self.steps += 1;
         Ok(())
