@@ -175,12 +175,9 @@ impl Layout {
                     slots.iter().sum::<f64>() / slots.len() as f64
                 }
             };
-            let keys: Vec<(usize, f64)> = level.iter().map(|&c| (c, key(c))).collect();
-            level.sort_by(|a, b| {
-                let ka = keys.iter().find(|k| k.0 == *a).map_or(0.5, |k| k.1);
-                let kb = keys.iter().find(|k| k.0 == *b).map_or(0.5, |k| k.1);
-                ka.total_cmp(&kb).then(a.cmp(b))
-            });
+            let mut keyed: Vec<(f64, usize)> = level.iter().map(|&c| (key(c), c)).collect();
+            keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            level = keyed.into_iter().map(|(_, c)| c).collect();
             for row in level.chunks(per_row) {
                 for (i, &c) in row.iter().enumerate() {
                     slot[c] = (i as f64 + 0.5) / row.len() as f64;
