@@ -410,6 +410,8 @@ impl Buffer {
         // SAFETY: the layout has a non-zero size.
         let block = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })?;
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        #[cfg(test)]
+        tests::ALLOCATIONS_HERE.with(|n| n.set(n.get() + 1));
         ALLOCATED_BYTES.fetch_add(len as u64, Ordering::Relaxed);
         Some(block)
     }
@@ -766,6 +768,17 @@ pub(crate) fn bytes_for(dtype: DType, numel: usize) -> usize {
 mod tests {
     use super::*;
 
+    thread_local! {
+        /// System allocations made by this thread: tests run in parallel,
+        /// so the process-wide count moves under a test's feet.
+        pub(super) static ALLOCATIONS_HERE: std::cell::Cell<u64> =
+            const { std::cell::Cell::new(0) };
+    }
+
+    fn allocations_here() -> u64 {
+        ALLOCATIONS_HERE.with(|n| n.get())
+    }
+
     #[test]
     fn buffers_are_aligned_zeroed_and_shared() {
         let big = Buffer::zeroed(LARGE_BUFFER);
@@ -784,11 +797,11 @@ mod tests {
 
     #[test]
     fn empty_buffers_need_no_memory() {
-        let before = Buffer::allocation_count();
+        let before = allocations_here();
         let b = Buffer::zeroed(0);
         assert!(b.is_empty());
         assert_eq!(b.typed::<f64>().unwrap().len(), 0);
-        assert_eq!(Buffer::allocation_count(), before);
+        assert_eq!(allocations_here(), before);
     }
 
     #[test]
@@ -909,13 +922,9 @@ mod tests {
         let arena = Arena::new(&[(planned, 1)]);
         let (a, b) = arena.enter(|| (Buffer::zeroed(planned), Buffer::zeroed(planned)));
         drop((a, b));
-        let before = Buffer::allocation_count();
+        let before = allocations_here();
         let (c, d) = arena.enter(|| (Buffer::zeroed(planned), Buffer::zeroed(planned)));
-        assert_eq!(
-            Buffer::allocation_count(),
-            before,
-            "the surplus came from the pool"
-        );
+        assert_eq!(allocations_here(), before, "the surplus came from the pool");
         assert!(c.bytes().iter().chain(d.bytes()).all(|&x| x == 0));
     }
 
