@@ -526,14 +526,7 @@ impl<T: FloatElement> Tensor<T> {
     #[track_caller]
     pub fn sub_assign(&mut self, rhs: &Tensor<T>) -> Result<()> {
         let location = Location::caller();
-        let updated = crate::tensor::run::<T>(
-            &stagecraft_ops::SUB,
-            [self.handle.clone(), rhs.handle.clone()]
-                .into_iter()
-                .collect(),
-            &OpAttrs::new(),
-            location,
-        );
+        let updated = self.binary::<T>(&stagecraft_ops::SUB, rhs, location);
         self.assign_at(updated, "sub_assign", location)
     }
 
