@@ -13,6 +13,7 @@ usage: scripts/peers.py [--rerun-peers] [--rounds N] [--skip-bench]
   README) into a fresh file and summarizes that.
 """
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -126,6 +127,23 @@ def fmt(v):
     return f"{v:.3g}" if v < 100 else f"{v:.0f}"
 
 
+def host_line():
+    """The host the figures come from: CPU model, cores, vector set, date."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"host: {model}, {os.cpu_count()} cores, kernels' vector set: {isa}, {date}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rerun-peers", action="store_true")
@@ -138,6 +156,7 @@ def main():
         ours = {2: read_ours(), 1: {}}
     else:
         ours = {2: run_benches(2), 1: run_benches(1)}
+    print(host_line() + "\n")
     print("| benchmark | stagecraft 2t (1t) | best peer 2t (1t) | which | stagecraft ÷ best, 2t |")
     print("|---|---|---|---|---|")
     for label, bench_id, _ in OURS:

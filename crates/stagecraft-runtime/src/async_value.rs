@@ -14,6 +14,11 @@ type Waiter = Box<dyn FnOnce() + Send>;
 
 /// A write-once slot with callbacks.
 pub struct AsyncValue<T> {
+    /// A value resolved when it was created: most eager outputs. Filling
+    /// `slot` instead would run `OnceLock`'s one-time initialization (two
+    /// atomic operations and a call) on every op.
+    ready: Option<Result<T>>,
+    /// A value resolved later, by [`AsyncValue::set`].
     slot: OnceLock<Result<T>>,
     waiters: Mutex<Vec<Waiter>>,
 }
@@ -22,6 +27,7 @@ impl<T> AsyncValue<T> {
     /// An unavailable value.
     pub fn unavailable() -> AsyncValue<T> {
         AsyncValue {
+            ready: None,
             slot: OnceLock::new(),
             waiters: Mutex::new(Vec::new()),
         }
@@ -39,7 +45,8 @@ impl<T> AsyncValue<T> {
 
     fn resolved(result: Result<T>) -> AsyncValue<T> {
         AsyncValue {
-            slot: OnceLock::from(result),
+            ready: Some(result),
+            slot: OnceLock::new(),
             waiters: Mutex::new(Vec::new()),
         }
     }
@@ -47,13 +54,16 @@ impl<T> AsyncValue<T> {
     /// True once the value or an error is set.
     #[inline]
     pub fn is_resolved(&self) -> bool {
-        self.slot.get().is_some()
+        self.try_get().is_some()
     }
 
     /// The value or error, if resolved.
     #[inline]
     pub fn try_get(&self) -> Option<&Result<T>> {
-        self.slot.get()
+        match &self.ready {
+            Some(result) => Some(result),
+            None => self.slot.get(),
+        }
     }
 
     /// Resolves the value and runs the waiters.
@@ -62,7 +72,7 @@ impl<T> AsyncValue<T> {
     /// If the value was already resolved: a runtime bug (each output has
     /// exactly one producer).
     pub fn set(&self, result: Result<T>) {
-        if self.slot.set(result).is_err() {
+        if self.ready.is_some() || self.slot.set(result).is_err() {
             panic!("an async value was resolved twice");
         }
         // Take the waiters under the lock, run them outside it: a waiter may
@@ -90,7 +100,7 @@ impl<T> AsyncValue<T> {
 
     /// Blocks the calling thread until the value is resolved.
     pub fn wait(&self) -> &Result<T> {
-        if let Some(result) = self.slot.get() {
+        if let Some(result) = self.try_get() {
             return result;
         }
         let thread = std::thread::current();
@@ -106,7 +116,7 @@ impl<T> AsyncValue<T> {
     /// The resolved result, consuming the slot (for stealing a buffer from
     /// the last reference).
     pub fn into_inner(self) -> Option<Result<T>> {
-        self.slot.into_inner()
+        self.ready.or_else(|| self.slot.into_inner())
     }
 }
 
@@ -144,6 +154,28 @@ mod tests {
         });
         assert_eq!(hits.load(Ordering::SeqCst), 4);
         assert_eq!(*v.wait().as_ref().unwrap(), 5);
+    }
+
+    #[test]
+    fn a_value_resolved_at_creation_reads_runs_waiters_and_moves_out() {
+        let v = AsyncValue::available(7u32);
+        assert!(v.is_resolved());
+        assert_eq!(*v.wait().as_ref().unwrap(), 7);
+        let ran = Arc::new(AtomicUsize::new(0));
+        let r = ran.clone();
+        v.and_then(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        });
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
+        assert_eq!(v.into_inner().unwrap().unwrap(), 7);
+        let failed = AsyncValue::<u32>::error(Error::invalid("no"));
+        assert!(failed.try_get().unwrap().is_err());
+    }
+
+    #[test]
+    #[should_panic(expected = "resolved twice")]
+    fn a_value_resolved_at_creation_cannot_be_set_again() {
+        AsyncValue::available(1u8).set(Ok(2));
     }
 
     #[test]

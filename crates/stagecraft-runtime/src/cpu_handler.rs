@@ -6,13 +6,16 @@ use crate::context::{execution_mode, ExecutionMode};
 use crate::fxhash::{FxBuild, FxHasher};
 use crate::handle::{MetadataState, TensorHandle};
 use crate::op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
-use crate::runtime::{count_kernel_launch, is_cancelled, report_error};
+use crate::runtime::{
+    count_kernel_launch, is_cancelled, report_error, CounterSlot, PerThreadCounter,
+};
 use smallvec::SmallVec;
 use stagecraft_cpu::{settle_by_shape, AnyKernel, Inputs, KernelContext, ValueInputs};
 use stagecraft_ops::{Attrs, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
 use stagecraft_tensor::{
     DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,
 };
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -22,19 +25,70 @@ struct CacheEntry {
     op: usize,
     attrs: FrozenOpAttrs,
     dtypes: SmallVec<[DType; 4]>,
-    kernel: AnyKernel,
+    kernel: &'static AnyKernel,
 }
 
 /// Instantiated kernels, keyed by (op, attributes, input dtypes) for one
 /// device.
-#[derive(Default)]
+///
+/// Entries are never evicted, so each kernel is allocated once for the
+/// life of the process and lent out as `&'static`: running it takes no
+/// reference count. Each thread also keeps its last lookups in a small
+/// front table of its own ([`FRONT`]), so the common case (the same few
+/// ops again and again) takes no lock and writes no memory that another
+/// thread uses.
 pub struct KernelCache {
+    /// Tells this cache's entries apart in the threads' front tables (an
+    /// address could be reused by a later cache).
+    id: u64,
     /// The index of the CPU device this cache belongs to (`cpu:N`): the
     /// kernels of control-flow ops run their functions there.
     device_index: usize,
     buckets: RwLock<HashMap<u64, SmallVec<[CacheEntry; 1]>, FxBuild>>,
-    hits: AtomicU64,
+    hits: PerThreadCounter,
     misses: AtomicU64,
+}
+
+impl Default for KernelCache {
+    fn default() -> KernelCache {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        KernelCache {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            device_index: 0,
+            buckets: RwLock::default(),
+            hits: PerThreadCounter::new(),
+            misses: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Slots of a thread's front table (a power of two).
+const FRONT_SLOTS: usize = 64;
+
+/// A kernel a thread looked up recently.
+struct FrontEntry {
+    cache: u64,
+    key: u64,
+    op: usize,
+    dtypes: SmallVec<[DType; 4]>,
+    attrs: FrozenOpAttrs,
+    kernel: &'static AnyKernel,
+    /// This thread's count of the cache's hits.
+    hits: CounterSlot,
+}
+
+/// A thread's front table and its slots of the caches' hit counters.
+struct Front {
+    entries: Vec<Option<FrontEntry>>,
+    hit_slots: Vec<(u64, CounterSlot)>,
+}
+
+thread_local! {
+    /// This thread's recent lookups, direct-mapped by key.
+    static FRONT: RefCell<Front> = RefCell::new(Front {
+        entries: (0..FRONT_SLOTS).map(|_| None).collect(),
+        hit_slots: Vec::new(),
+    });
 }
 
 /// Hit and miss counts of a kernel cache.
@@ -69,19 +123,50 @@ impl KernelCache {
         attrs: &OpAttrs,
         inputs: &[TensorMetadata],
     ) -> Result<AnyKernel> {
+        self.lookup(op, attrs, inputs).cloned()
+    }
+
+    /// [`KernelCache::get`] without a reference count: cached kernels live
+    /// as long as the process.
+    pub fn lookup(
+        &self,
+        op: &'static OpDef,
+        attrs: &OpAttrs,
+        inputs: &[TensorMetadata],
+    ) -> Result<&'static AnyKernel> {
         let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|m| m.dtype).collect();
         let key = Self::fingerprint(op, attrs, &dtypes);
         let op_id = op as *const OpDef as usize;
+        let slot = key as usize % FRONT_SLOTS;
+        let in_front = FRONT.with(|front| {
+            // Borrowed only for the lookup: a kernel built below may run
+            // ops (and look kernels up) itself.
+            let front = front.try_borrow().ok()?;
+            let entry = front.entries[slot].as_ref()?;
+            let same = entry.cache == self.id
+                && entry.key == key
+                && entry.op == op_id
+                && entry.dtypes == dtypes
+                && *entry.attrs == *attrs;
+            same.then(|| {
+                entry.hits.add(1);
+                entry.kernel
+            })
+        });
+        if let Some(kernel) = in_front {
+            return Ok(kernel);
+        }
         let matches = |e: &CacheEntry| e.op == op_id && e.dtypes == dtypes && *e.attrs == *attrs;
-        {
+        let found = {
             let buckets = self.buckets.read().unwrap_or_else(|p| p.into_inner());
-            if let Some(entry) = buckets
+            buckets
                 .get(&key)
                 .and_then(|b| b.iter().find(|e| matches(e)))
-            {
-                self.hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(entry.kernel.clone());
-            }
+                .map(|e| (e.kernel, e.attrs.clone()))
+        };
+        if let Some((kernel, frozen)) = found {
+            self.remember(slot, key, op_id, dtypes, frozen, kernel, true);
+            return Ok(kernel);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         let registry = stagecraft_cpu::registry();
@@ -98,23 +183,78 @@ impl KernelCache {
                 format!("the CPU has no kernel for {}", op.name),
             ));
         };
-        let mut buckets = self.buckets.write().unwrap_or_else(|p| p.into_inner());
-        let bucket = buckets.entry(key).or_default();
-        if !bucket.iter().any(matches) {
-            bucket.push(CacheEntry {
-                op: op_id,
-                attrs: attrs.freeze(),
-                dtypes,
-                kernel: kernel.clone(),
-            });
-        }
+        let frozen = attrs.freeze();
+        let kernel = {
+            let mut buckets = self.buckets.write().unwrap_or_else(|p| p.into_inner());
+            let bucket = buckets.entry(key).or_default();
+            match bucket.iter().find(|e| matches(e)) {
+                // Another thread instantiated it meanwhile: keep one.
+                Some(entry) => entry.kernel,
+                None => {
+                    let kernel: &'static AnyKernel = Box::leak(Box::new(kernel));
+                    bucket.push(CacheEntry {
+                        op: op_id,
+                        attrs: frozen.clone(),
+                        dtypes: dtypes.clone(),
+                        kernel,
+                    });
+                    kernel
+                }
+            }
+        };
+        self.remember(slot, key, op_id, dtypes, frozen, kernel, false);
         Ok(kernel)
+    }
+
+    /// Puts a lookup in this thread's front table, counting it as a hit
+    /// when it found an instantiated kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn remember(
+        &self,
+        slot: usize,
+        key: u64,
+        op: usize,
+        dtypes: SmallVec<[DType; 4]>,
+        attrs: FrozenOpAttrs,
+        kernel: &'static AnyKernel,
+        hit: bool,
+    ) {
+        let remembered = FRONT.with(|front| {
+            let mut front = front.try_borrow_mut().ok()?;
+            let hits = match front.hit_slots.iter().find(|(id, _)| *id == self.id) {
+                Some((_, hits)) => hits.clone(),
+                None => {
+                    let hits = self.hits.slot();
+                    front.hit_slots.push((self.id, hits.clone()));
+                    hits
+                }
+            };
+            if hit {
+                hits.add(1);
+            }
+            let entry = FrontEntry {
+                cache: self.id,
+                key,
+                op,
+                dtypes,
+                attrs,
+                kernel,
+                hits,
+            };
+            Some(front.entries[slot].replace(entry))
+        });
+        if remembered.is_none() && hit {
+            // This thread's table is busy (a lookup from inside a kernel
+            // being built) or gone (a thread-local destructor): count the
+            // hit in a slot of its own.
+            self.hits.slot().add(1);
+        }
     }
 
     /// Hit and miss counts.
     pub fn stats(&self) -> KernelCacheStats {
         KernelCacheStats {
-            hits: self.hits.load(Ordering::Relaxed),
+            hits: self.hits.sum(),
             misses: self.misses.load(Ordering::Relaxed),
             entries: self
                 .buckets
@@ -176,7 +316,7 @@ fn run_kernel(
             return Err(Failure::Propagated(e));
         }
     }
-    let kernel = cache.get(op, attrs, inputs).map_err(Failure::Raised)?;
+    let kernel = cache.lookup(op, attrs, inputs).map_err(Failure::Raised)?;
     let ctx = KernelContext {
         attrs: Attrs::new(attrs, op),
         outputs,
@@ -429,5 +569,59 @@ impl Task {
         if let Some(done) = done {
             done.set(Ok(()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stagecraft_tensor::Shape;
+
+    fn f32_vector() -> [TensorMetadata; 2] {
+        let meta = TensorMetadata::new(DType::F32, Shape::from(vec![4]));
+        [meta.clone(), meta]
+    }
+
+    #[test]
+    fn lookups_from_every_thread_share_one_kernel_and_count_each_hit() {
+        let cache = KernelCache::default();
+        let attrs = OpAttrs::new();
+        let inputs = f32_vector();
+        let first = cache.lookup(&stagecraft_ops::ADD, &attrs, &inputs).unwrap();
+        std::thread::scope(|scope| {
+            for _ in 0..3 {
+                scope.spawn(|| {
+                    for _ in 0..10 {
+                        let k = cache.lookup(&stagecraft_ops::ADD, &attrs, &inputs).unwrap();
+                        assert!(std::ptr::eq(k, first));
+                    }
+                });
+            }
+        });
+        let stats = cache.stats();
+        assert_eq!((stats.misses, stats.hits, stats.entries), (1, 30, 1));
+    }
+
+    #[test]
+    fn a_front_entry_of_one_cache_is_never_another_caches_hit() {
+        let (one, two) = (KernelCache::default(), KernelCache::default());
+        let attrs = OpAttrs::new();
+        let inputs = f32_vector();
+        let a = one.lookup(&stagecraft_ops::ADD, &attrs, &inputs).unwrap();
+        let b = two.lookup(&stagecraft_ops::ADD, &attrs, &inputs).unwrap();
+        assert!(!std::ptr::eq(a, b));
+        assert_eq!(two.stats().misses, 1);
+        // Other dtypes are another kernel, even in the same front slot.
+        let ints = [
+            TensorMetadata::new(DType::I32, Shape::from(vec![4])),
+            TensorMetadata::new(DType::I32, Shape::from(vec![4])),
+        ];
+        let c = one.lookup(&stagecraft_ops::ADD, &attrs, &ints).unwrap();
+        assert!(!std::ptr::eq(a, c));
+        assert_eq!(one.stats().misses, 2);
+        assert!(std::ptr::eq(
+            one.lookup(&stagecraft_ops::ADD, &attrs, &inputs).unwrap(),
+            a
+        ));
     }
 }

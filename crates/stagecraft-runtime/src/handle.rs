@@ -248,6 +248,11 @@ impl TensorHandle {
     /// its buffer may be reused in place), else shared.
     pub fn into_value(self) -> Result<HostTensor> {
         self.wait()?;
+        if Arc::strong_count(&self.0) > 1 {
+            // Shared (the user still holds the operand): a failed
+            // `try_unwrap` would cost an atomic compare-and-swap per input.
+            return self.0.value.wait().clone();
+        }
         match Arc::try_unwrap(self.0) {
             Ok(mut inner) => std::mem::replace(&mut inner.value, AsyncValue::unavailable())
                 .into_inner()

@@ -9,9 +9,10 @@ use super::op::{Input, Inputs, LazyOp, LazyRef};
 use crate::device::Device;
 use crate::handle::TensorHandle;
 use crate::op_handler::{OpInvocation, Results};
+use stagecraft_ops::{FrozenOpAttrs, OpAttrs, OpAttrsRef};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
 /// How many ops a thread may record between materializations of its work
 /// before it materializes them on its own.
@@ -63,7 +64,7 @@ pub(super) fn record(target: Device, mut inv: OpInvocation<'_>) -> Results {
         .collect();
     let lazy_op = Arc::new(LazyOp::new(
         op,
-        attrs.freeze(),
+        frozen(&attrs),
         location,
         outputs.clone(),
         target,
@@ -95,6 +96,17 @@ pub(super) fn record(target: Device, mut inv: OpInvocation<'_>) -> Results {
         materialize_live(Trigger::TraceLimit);
     }
     results
+}
+
+/// `attrs` as the recorded op keeps them. Most ops have none, and share
+/// one empty map instead of allocating a copy each.
+fn frozen(attrs: &OpAttrsRef<'_>) -> FrozenOpAttrs {
+    static NONE: OnceLock<FrozenOpAttrs> = OnceLock::new();
+    if attrs.is_empty() {
+        NONE.get_or_init(|| OpAttrs::new().freeze()).clone()
+    } else {
+        attrs.freeze()
+    }
 }
 
 /// The live outputs of pending ops this thread recorded: what its

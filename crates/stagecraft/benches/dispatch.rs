@@ -1,0 +1,375 @@
+//! Where the time of one small op goes.
+//!
+//! Criterion rows: B1 (an eager add of two [4] f32 tensors, result
+//! dropped), the same add recorded on the lazy device, and one step of a
+//! cached 1,000-op lazy trace (record, then `mark_step`: lookup and
+//! launch).
+//!
+//! Then a breakdown, printed as a table: each stage of the eager path run
+//! alone, on the same values, counted with the CPU's time-stamp counter
+//! over many calls (median of rounds); what the stages do not cover is
+//! the glue between them (calls, moves, counters). The lazy path is split
+//! the same way into recording and the step's lookup and launch.
+//!
+//! Run with `scripts/bench.sh dispatch` for 2-thread and pinned 1-thread
+//! figures; the header names the host.
+
+use criterion::{black_box, criterion_group, Criterion};
+use stagecraft::layers::{cpu as kernels, ops, runtime, tensor};
+use stagecraft::{Device, Tensor};
+use std::time::{Duration, Instant};
+
+/// Ops in the chain of the lazy-step rows.
+const CHAIN: usize = 1000;
+
+fn pair(device: &Device) -> (Tensor<f32>, Tensor<f32>) {
+    let a = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[4], device).unwrap();
+    let b = Tensor::<f32>::from_vec(vec![5.0, 6.0, 7.0, 8.0], &[4], device).unwrap();
+    (a, b)
+}
+
+/// One lazy step: a chain of adds recorded, then materialized.
+fn lazy_step(a: &Tensor<f32>, b: &Tensor<f32>) -> Tensor<f32> {
+    let mut t = a.clone();
+    for _ in 0..CHAIN {
+        t = &t + b;
+    }
+    stagecraft::lazy::mark_step();
+    t
+}
+
+fn rows(c: &mut Criterion) {
+    let (a, b) = pair(&Device::cpu());
+    let mut group = c.benchmark_group("B1_dispatch");
+    group.bench_function("eager_add", |bench| bench.iter(|| black_box(&a + &b)));
+    let lazy = Device::lazy(&Device::cpu());
+    let (la, lb) = pair(&lazy);
+    la.wait().unwrap();
+    lb.wait().unwrap();
+    group.bench_function("lazy_record_add", |bench| {
+        bench.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            let mut done = 0;
+            while done < iters {
+                let batch = (iters - done).min(CHAIN as u64);
+                let start = Instant::now();
+                let mut t = la.clone();
+                for _ in 0..batch {
+                    t = &t + &lb;
+                }
+                spent += start.elapsed();
+                // Running the batch is not recording: left out of the time.
+                drop(t);
+                stagecraft::lazy::mark_step();
+                done += batch;
+            }
+            spent
+        })
+    });
+    group.bench_function("lazy_step_1000_adds", |bench| {
+        bench.iter(|| lazy_step(&la, &lb).wait().unwrap())
+    });
+    group.finish();
+}
+
+/// Time-stamp counter ticks, for the breakdown.
+#[cfg(target_arch = "x86_64")]
+fn ticks() -> u64 {
+    // SAFETY: RDTSC reads a counter; it has no memory effects and exists on
+    // every x86-64 CPU.
+    #[allow(unused_unsafe)]
+    unsafe {
+        std::arch::x86_64::_rdtsc()
+    }
+}
+
+/// Elsewhere: nanoseconds since the first call, so the table reads in ns.
+#[cfg(not(target_arch = "x86_64"))]
+fn ticks() -> u64 {
+    use std::sync::OnceLock;
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// Ticks per nanosecond, measured against the monotonic clock.
+fn ticks_per_ns() -> f64 {
+    let (t0, i0) = (ticks(), Instant::now());
+    while i0.elapsed() < Duration::from_millis(100) {}
+    (ticks() - t0) as f64 / i0.elapsed().as_nanos() as f64
+}
+
+/// Median ticks per call of `f` over rounds of `calls` calls.
+fn per_call(calls: u64, mut f: impl FnMut()) -> f64 {
+    for _ in 0..calls {
+        f();
+    }
+    let mut rounds: Vec<f64> = (0..9)
+        .map(|_| {
+            let start = ticks();
+            for _ in 0..calls {
+                f();
+            }
+            (ticks() - start) as f64 / calls as f64
+        })
+        .collect();
+    rounds.sort_by(f64::total_cmp);
+    rounds[rounds.len() / 2]
+}
+
+/// One line of the breakdown: a stage and its cost.
+struct Stage {
+    name: &'static str,
+    ticks: f64,
+}
+
+/// The eager add, whole and stage by stage.
+fn eager_stages(calls: u64) -> (f64, Vec<Stage>) {
+    let device = Device::cpu();
+    let (a, b) = pair(&device);
+    let total = per_call(calls, || drop(black_box(&a + &b)));
+
+    let (ha, hb) = (a.handle().clone(), b.handle().clone());
+    let args: runtime::Args = [ha.clone(), hb.clone()].into_iter().collect();
+    let attrs = ops::OpAttrs::new();
+    let metas: runtime::InputMetas = args.iter().map(|h| h.metadata().clone()).collect();
+    let outputs = ops::ADD.infer(&metas, &attrs).unwrap();
+    let cache = device
+        .handler()
+        .host_kernels()
+        .expect("the CPU caches kernels");
+    let kernels::AnyKernel::Dense(kernel) = cache.get(&ops::ADD, &attrs, &metas).unwrap() else {
+        panic!("Add has a dense kernel");
+    };
+    let values: kernels::Inputs = args
+        .iter()
+        .map(|h| match h.wait().unwrap() {
+            tensor::HostTensor::Dense(d) => d.clone(),
+            other => panic!("a dense input was expected, not {other:?}"),
+        })
+        .collect();
+    let ctx = kernels::KernelContext {
+        attrs: ops::Attrs::new(&attrs, &ops::ADD),
+        outputs: &outputs,
+    };
+    let output =
+        tensor::HostTensor::Dense(tensor::DenseHostTensor::zeros(outputs[0].clone()).unwrap());
+
+    let mut stages = Vec::new();
+    let mut stage = |name, ticks| stages.push(Stage { name, ticks });
+    stage(
+        "operand handles: clone in, drop after",
+        per_call(calls, || drop(black_box([ha.clone(), hb.clone()]))),
+    );
+    stage(
+        "placement",
+        per_call(calls, || {
+            black_box(runtime::place(black_box(&args)));
+        }),
+    );
+    stage(
+        "argument checks (device, propagated error)",
+        per_call(calls, || {
+            for arg in black_box(&args) {
+                black_box(arg.device() != device);
+                black_box(arg.resolved_error());
+            }
+        }),
+    );
+    stage(
+        "input metadata",
+        per_call(calls, || {
+            let m: runtime::InputMetas = black_box(&args)
+                .iter()
+                .map(|h| h.metadata().clone())
+                .collect();
+            drop(black_box(m))
+        }),
+    );
+    stage(
+        "shape function",
+        per_call(calls, || {
+            drop(black_box(ops::ADD.infer(black_box(&metas), &attrs)))
+        }),
+    );
+    stage(
+        "kernel lookup",
+        per_call(calls, || {
+            drop(black_box(cache.get(&ops::ADD, &attrs, black_box(&metas))))
+        }),
+    );
+    stage(
+        "input values (shared buffers)",
+        per_call(calls, || {
+            for h in black_box(&args) {
+                drop(black_box(h.clone().into_value()));
+            }
+        }),
+    );
+    let inputs_copy = per_call(calls, || drop(black_box(values.clone())));
+    stage(
+        "kernel, with its output allocation",
+        per_call(calls, || drop(black_box(kernel(values.clone(), &ctx)))) - inputs_copy,
+    );
+    let output_copy = per_call(calls, || drop(black_box(output.clone())));
+    stage(
+        "output handle: create and drop",
+        per_call(calls, || {
+            drop(black_box(runtime::TensorHandle::available(
+                device,
+                output.clone(),
+            )))
+        }) - output_copy,
+    );
+    (total, stages)
+}
+
+/// The lazy add recorded, and one cached step's lookup and launch.
+fn lazy_stages(calls: u64) -> (f64, f64, f64) {
+    let lazy = Device::lazy(&Device::cpu());
+    let (a, b) = pair(&lazy);
+    a.wait().unwrap();
+    b.wait().unwrap();
+    let batches = (calls / CHAIN as u64).max(1);
+    let mut record = Vec::new();
+    for _ in 0..9 {
+        let mut spent = 0;
+        for _ in 0..batches {
+            let start = ticks();
+            let mut t = a.clone();
+            for _ in 0..CHAIN {
+                t = &t + &b;
+            }
+            spent += ticks() - start;
+            drop(t);
+            stagecraft::lazy::mark_step();
+        }
+        record.push(spent as f64 / (batches * CHAIN as u64) as f64);
+    }
+    record.sort_by(f64::total_cmp);
+    let record = record[record.len() / 2];
+
+    // A step's lookup and launch: `mark_step` on a recorded chain whose
+    // trace is cached, its kernels' run time reported apart.
+    let mut launch = Vec::new();
+    let mut run = Vec::new();
+    for _ in 0..(9 * batches) {
+        let mut t = a.clone();
+        for _ in 0..CHAIN {
+            t = &t + &b;
+        }
+        let before = stagecraft::lazy::metrics();
+        let start = ticks();
+        stagecraft::lazy::mark_step();
+        launch.push((ticks() - start) as f64);
+        let after = stagecraft::lazy::metrics();
+        run.push((after.execute_time - before.execute_time).as_nanos() as f64);
+        drop(black_box(t));
+    }
+    launch.sort_by(f64::total_cmp);
+    run.sort_by(f64::total_cmp);
+    (record, launch[launch.len() / 2], run[run.len() / 2])
+}
+
+/// The host line of the header.
+fn host() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = info
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .unwrap_or("unknown CPU")
+        .trim()
+        .to_string();
+    let flags = info
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .unwrap_or_default();
+    let isa = if flags.contains(" avx512f") {
+        "AVX-512"
+    } else if flags.contains(" avx2") {
+        "AVX2"
+    } else {
+        "no AVX2"
+    };
+    format!(
+        "{model}, {} cores, {isa}, {} rayon threads",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        rayon::current_num_threads()
+    )
+}
+
+fn breakdown() {
+    let calls = 200_000;
+    let per_ns = ticks_per_ns();
+    println!();
+    println!("dispatch breakdown on {}", host());
+    println!("time-stamp counter: {per_ns:.3} ticks/ns; medians of 9 rounds of {calls} calls");
+    let (total, stages) = eager_stages(calls);
+    let line = |name: &str, t: f64| {
+        println!(
+            "  {name:<46} {:>8.1} ticks {:>7.1} ns {:>5.1} %",
+            t,
+            t / per_ns,
+            100.0 * t / total
+        )
+    };
+    println!("eager add of two [4] f32 tensors, result dropped:");
+    line("whole op", total);
+    let mut covered = 0.0;
+    for s in &stages {
+        line(s.name, s.ticks);
+        covered += s.ticks;
+    }
+    line("glue (calls, moves, counters; the rest)", total - covered);
+    // Units the stages are made of, on this host.
+    let counter = std::sync::atomic::AtomicU64::new(0);
+    let atomic = per_call(calls, || {
+        black_box(&counter).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    });
+    let malloc = per_call(calls, || drop(black_box(Box::new([0u64; 8]))));
+    println!("for scale, on this host:");
+    println!(
+        "  {:<46} {:>8.1} ticks {:>7.1} ns",
+        "one atomic add (a locked read-modify-write)",
+        atomic,
+        atomic / per_ns
+    );
+    println!(
+        "  {:<46} {:>8.1} ticks {:>7.1} ns",
+        "malloc and free of 64 bytes",
+        malloc,
+        malloc / per_ns
+    );
+    let (record, launch, run_ns) = lazy_stages(calls);
+    println!("lazy add on the CPU's lazy device:");
+    println!(
+        "  {:<46} {:>8.1} ticks {:>7.1} ns",
+        "record one op",
+        record,
+        record / per_ns
+    );
+    println!(
+        "  {:<46} {:>8.1} ticks {:>7.1} ns",
+        format!("mark_step of a cached {CHAIN}-op trace"),
+        launch,
+        launch / per_ns
+    );
+    println!(
+        "  {:<46} {:>8} {:>13.1} ns",
+        "  of which its kernels ran", "", run_ns
+    );
+    println!(
+        "  {:<46} {:>8} {:>13.1} ns",
+        "  of which collect, key, lookup, launch",
+        "",
+        launch / per_ns - run_ns
+    );
+}
+
+criterion_group!(benches, rows);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    breakdown();
+}
