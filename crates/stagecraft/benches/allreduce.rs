@@ -12,6 +12,8 @@
 //! adaptively per process (as criterion and divan would): each row is the
 //! median of 5 rounds, the three contenders interleaved round by round.
 
+mod common;
+use common::host;
 use stagecraft::distributed::{self, Reduction};
 use stagecraft::{Device, Tensor};
 use std::process::Command;
@@ -131,18 +133,4 @@ fn main() {
             );
         }
     }
-}
-
-/// The CPU model and core count, for the figures' header.
-fn host() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = info
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .unwrap_or("unknown CPU")
-        .trim()
-        .to_string();
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{model}, {cores} cores")
 }

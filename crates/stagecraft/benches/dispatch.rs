@@ -14,6 +14,8 @@
 //! Run with `scripts/bench.sh dispatch` for 2-thread and pinned 1-thread
 //! figures; the header names the host.
 
+mod common;
+use common::host;
 use criterion::{black_box, criterion_group, Criterion};
 use stagecraft::layers::{cpu as kernels, ops, runtime, tensor};
 use stagecraft::{Device, Tensor};
@@ -268,34 +270,6 @@ fn lazy_stages(calls: u64) -> (f64, f64, f64) {
     launch.sort_by(f64::total_cmp);
     run.sort_by(f64::total_cmp);
     (record, launch[launch.len() / 2], run[run.len() / 2])
-}
-
-/// The host line of the header.
-fn host() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = info
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .unwrap_or("unknown CPU")
-        .trim()
-        .to_string();
-    let flags = info
-        .lines()
-        .find(|l| l.starts_with("flags"))
-        .unwrap_or_default();
-    let isa = if flags.contains(" avx512f") {
-        "AVX-512"
-    } else if flags.contains(" avx2") {
-        "AVX2"
-    } else {
-        "no AVX2"
-    };
-    format!(
-        "{model}, {} cores, {isa}, {} rayon threads",
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
-        rayon::current_num_threads()
-    )
 }
 
 fn breakdown() {

@@ -1,5 +1,8 @@
 //! Programs shared by the bench files.
 
+// Each bench file includes this module and uses only part of it.
+#![allow(dead_code)]
+
 use stagecraft::Tensor;
 
 /// The B3 chain: t=x*2; t=t+1; t=t*x; t=t-3; relu; t=t*0.5; t=t+x; t=t*t.
@@ -12,4 +15,30 @@ pub fn b3(x: &Tensor<f32>) -> Tensor<f32> {
     let t = t * 0.5;
     let t = t + x;
     &t * &t
+}
+
+/// The host line of a bench's header: CPU model, cores, the widest vector
+/// set the kernels can use, and the rayon threads.
+pub fn host() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split(':').nth(1))
+            .map(str::trim)
+    };
+    let model = field("model name").unwrap_or("unknown CPU");
+    let flags: Vec<&str> = field("flags").unwrap_or("").split_whitespace().collect();
+    let isa = if flags.contains(&"avx512f") {
+        "AVX-512"
+    } else if flags.contains(&"avx2") {
+        "AVX2"
+    } else {
+        "no AVX2"
+    };
+    format!(
+        "{model}, {} cores, {isa}, {} rayon threads",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        rayon::current_num_threads()
+    )
 }
