@@ -138,7 +138,7 @@ impl KernelCache {
         let key = Self::fingerprint(op, attrs, &dtypes);
         let op_id = op as *const OpDef as usize;
         let slot = key as usize % FRONT_SLOTS;
-        let in_front = FRONT.with(|front| {
+        let in_front = FRONT.try_with(|front| {
             // Borrowed only for the lookup: a kernel built below may run
             // ops (and look kernels up) itself.
             let front = front.try_borrow().ok()?;
@@ -153,7 +153,7 @@ impl KernelCache {
                 entry.kernel
             })
         });
-        if let Some(kernel) = in_front {
+        if let Ok(Some(kernel)) = in_front {
             return Ok(kernel);
         }
         let matches = |e: &CacheEntry| e.op == op_id && e.dtypes == dtypes && *e.attrs == *attrs;
@@ -219,7 +219,7 @@ impl KernelCache {
         kernel: &'static AnyKernel,
         hit: bool,
     ) {
-        let remembered = FRONT.with(|front| {
+        let remembered = FRONT.try_with(|front| {
             let mut front = front.try_borrow_mut().ok()?;
             let hits = match front.hit_slots.iter().find(|(id, _)| *id == self.id) {
                 Some((_, hits)) => hits.clone(),
@@ -243,7 +243,7 @@ impl KernelCache {
             };
             Some(front.entries[slot].replace(entry))
         });
-        if remembered.is_none() && hit {
+        if !matches!(remembered, Ok(Some(_))) && hit {
             // This thread's table is busy (a lookup from inside a kernel
             // being built) or gone (a thread-local destructor): count the
             // hit in a slot of its own.
