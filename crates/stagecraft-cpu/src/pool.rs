@@ -36,6 +36,7 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// How long a helper goes on looking for work after it last found some.
@@ -148,28 +149,42 @@ fn spin_until(ready: impl Fn() -> bool) {
 /// thread lingering for the next split. From inside the pool, a plain
 /// parallel iteration.
 pub(crate) fn split_with_caller<P: Send>(parts: Vec<P>, run: impl Fn(P) + Sync) {
-    use rayon::prelude::*;
     if parts.len() <= 1 {
         // Nothing to share: no scope, and no thread left lingering.
         return parts.into_iter().for_each(run);
     }
+    // The forking is compiled once, for an index and a `dyn` callback,
+    // rather than once per caller's closure: compiled per closure (over a
+    // thousand of them, a kernel's per dtype and shape case), the rayon
+    // scope and job code behind it was over half of this crate's LLVM IR
+    // and of its build time. Each part is taken once, by its index.
+    let parts: Vec<Mutex<Option<P>>> = parts.into_iter().map(|p| Mutex::new(Some(p))).collect();
+    split_indices_with_caller(parts.len(), &|index| {
+        let part = parts[index]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(part) = part {
+            run(part);
+        }
+    });
+}
+
+/// [`split_with_caller`] over the indices `0..count` (at least 2).
+fn split_indices_with_caller(count: usize, run: &(dyn Fn(usize) + Sync)) {
+    use rayon::prelude::*;
     if rayon::current_thread_index().is_some() {
-        return parts.into_par_iter().for_each(&run);
+        return (0..count).into_par_iter().for_each(run);
     }
-    let run = &run;
-    let pending = &AtomicUsize::new(parts.len().saturating_sub(1));
-    let mut parts = parts.into_iter();
-    let Some(first) = parts.next() else {
-        return;
-    };
+    let pending = &AtomicUsize::new(count - 1);
     rayon::in_place_scope(|scope| {
-        for part in parts {
+        for index in 1..count {
             scope.spawn(move |_| {
-                run(part);
+                run(index);
                 pending.fetch_sub(1, Ordering::AcqRel);
             });
         }
-        run(first);
+        run(0);
         // The scope waits for the other parts on a condition variable,
         // and waking from it costs as much as starting a sleeping worker;
         // parts of equal size end at about the same time, so spin first.
