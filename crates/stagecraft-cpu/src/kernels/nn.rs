@@ -1,7 +1,7 @@
 //! Convolution (im2col + GEMM) and pooling on NCHW images.
 
 use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
-use crate::kernels::linalg::{gemm_into, GemmElement};
+use crate::kernels::linalg::{gemm_into, no_epilogue, GemmElement, Layout};
 use crate::Inputs;
 use half::{bf16, f16};
 use smallvec::smallvec;
@@ -623,6 +623,14 @@ fn backprop_input_typed<T: GemmElement + Send + Sync + std::ops::AddAssign>(
 }
 
 /// dw = Σ over images of g im2col(x)ᵀ, group by group.
+///
+/// The images are summed in runs of consecutive images, each run into a
+/// partial dw of its own, on as many threads as there are runs; the
+/// partials are then added in run order. The runs depend on the shape
+/// alone, so the bits do not depend on the thread count. A single run
+/// (one image, or too little work to share) splits each product across
+/// threads instead, which only pays for a large filter: the product is
+/// `og × patch`, usually too small to cut into bands.
 fn backprop_filter_typed<T: GemmElement + Send + Sync + std::ops::AddAssign>(
     x: &DenseHostTensor,
     gt: &DenseHostTensor,
@@ -642,34 +650,87 @@ fn backprop_filter_typed<T: GemmElement + Send + Sync + std::ops::AddAssign>(
     let pixels = g.oh * g.ow;
     let (cg, og) = (g.c / groups, g.o / groups);
     let patch = cg * win.kernel[0] * win.kernel[1];
-    if pixels == 0 || patch == 0 || og == 0 {
+    if pixels == 0 || patch == 0 || og == 0 || g.n == 0 {
         return Ok(out);
     }
     let dw = out.as_mut_slice::<T>()?;
-    let mut cols = vec![T::default(); patch * pixels];
-    let mut part = vec![T::default(); og * patch];
-    for image in 0..g.n {
+    // Adds image `image`'s share into `acc` (the whole filter's gradient),
+    // with `cols` and `part` as scratch.
+    let add_image = |image: usize, acc: &mut [T], cols: &mut [T], part: &mut [T], parallel| {
         let x_img = &xv[image * g.c * g.h * g.w..][..g.c * g.h * g.w];
         let g_img = &gv[image * g.o * pixels..][..g.o * pixels];
         for group in 0..groups {
-            im2col(x_img, &g, group, &mut cols);
-            let cols_t = transposed(&cols, patch, pixels);
-            gemm_into(
-                og,
-                patch,
-                pixels,
-                &g_img[group * og * pixels..][..og * pixels],
-                &cols_t,
-                &mut part,
-                true,
+            im2col(x_img, &g, group, cols);
+            // `cols` is im2col(x) (patch × pixels): read as its transpose.
+            T::gemm(
+                (og, patch, pixels),
+                (&g_img[group * og * pixels..][..og * pixels], Layout::AsIs),
+                (cols, Layout::Transposed),
+                part,
+                parallel,
+                &no_epilogue,
             );
-            for (d, p) in dw[group * og * patch..][..og * patch].iter_mut().zip(&part) {
+            for (d, p) in acc[group * og * patch..][..og * patch]
+                .iter_mut()
+                .zip(&*part)
+            {
                 *d += *p;
             }
+        }
+    };
+    let scratch = || {
+        (
+            vec![T::default(); patch * pixels],
+            vec![T::default(); og * patch],
+        )
+    };
+    let runs = filter_gradient_runs(g.n, dw.len(), og * patch * pixels);
+    if runs == 1 {
+        let (mut cols, mut part) = scratch();
+        for image in 0..g.n {
+            add_image(image, dw, &mut cols, &mut part, true);
+        }
+        return Ok(out);
+    }
+    let per_run = g.n.div_ceil(runs);
+    let mut partials = vec![T::default(); g.n.div_ceil(per_run) * dw.len()];
+    crate::pool::for_each_chunk_init(
+        &mut partials,
+        dw.len(),
+        scratch,
+        |(cols, part), run, acc| {
+            for image in run * per_run..((run + 1) * per_run).min(g.n) {
+                add_image(image, acc, cols, part, false);
+            }
+        },
+    );
+    for partial in partials.chunks_exact(dw.len()) {
+        for (d, p) in dw.iter_mut().zip(partial) {
+            *d += *p;
         }
     }
     Ok(out)
 }
+
+/// How many runs of images a filter gradient sums separately: up to
+/// [`MAX_FILTER_GRADIENT_RUNS`], fewer when the partial gradients would
+/// take more than 16 Mi values or there is less than
+/// [`crate::PARALLEL_THRESHOLD`] multiply-adds of work per run. A
+/// function of the shape alone (see [`backprop_filter_typed`]).
+fn filter_gradient_runs(images: usize, filter_len: usize, work_per_image: usize) -> usize {
+    const PARTIAL_VALUES: usize = 16 << 20;
+    let by_memory = PARTIAL_VALUES / filter_len.max(1);
+    let by_work = images * work_per_image / crate::PARALLEL_THRESHOLD;
+    images
+        .min(MAX_FILTER_GRADIENT_RUNS)
+        .min(by_memory)
+        .min(by_work)
+        .max(1)
+}
+
+/// Runs enough for 16 cores to share, and for two to balance when one is
+/// slowed by a neighbour.
+const MAX_FILTER_GRADIENT_RUNS: usize = 16;
 
 fn conv_backprop_window(attrs: &Attrs<'_>, filter: &[usize]) -> Result<(Window2d, usize)> {
     Ok((
@@ -910,6 +971,125 @@ mod tests {
             .map(|&v| v as f64)
             .collect();
         close(&got, &want, 1e-4);
+    }
+
+    /// dw by its definition: every tap of every window, one at a time.
+    #[allow(clippy::too_many_arguments)]
+    fn filter_gradient_by_definition(
+        x: &[f64],
+        [n, c, h, w]: [usize; 4],
+        gy: &[f64],
+        [o, oh, ow]: [usize; 3],
+        k: [usize; 2],
+        stride: [usize; 2],
+        pad: [usize; 2],
+        groups: usize,
+    ) -> Vec<f64> {
+        let (cg, og) = (c / groups, o / groups);
+        let mut dw = vec![0.0; o * cg * k[0] * k[1]];
+        for img in 0..n {
+            for oc in 0..o {
+                let group = oc / og;
+                for ci in 0..cg {
+                    for ki in 0..k[0] {
+                        for kj in 0..k[1] {
+                            let mut sum = 0.0;
+                            for oy in 0..oh {
+                                for ox in 0..ow {
+                                    let iy = (oy * stride[0] + ki) as isize - pad[0] as isize;
+                                    let ix = (ox * stride[1] + kj) as isize - pad[1] as isize;
+                                    if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                        continue;
+                                    }
+                                    let xi = ((img * c + group * cg + ci) * h + iy as usize) * w
+                                        + ix as usize;
+                                    sum += gy[((img * o + oc) * oh + oy) * ow + ox] * x[xi];
+                                }
+                            }
+                            dw[((oc * cg + ci) * k[0] + ki) * k[1] + kj] += sum;
+                        }
+                    }
+                }
+            }
+        }
+        dw
+    }
+
+    /// The filter gradient against its definition, in f64 and f32, and
+    /// the same bits on one thread as on two.
+    #[allow(clippy::too_many_arguments)]
+    fn check_filter_gradient(
+        n: usize,
+        c: usize,
+        h: usize,
+        w: usize,
+        o: usize,
+        k: [usize; 2],
+        stride: [usize; 2],
+        pad: [usize; 2],
+        groups: usize,
+    ) {
+        let oh = (h + 2 * pad[0] - k[0]) / stride[0] + 1;
+        let ow = (w + 2 * pad[1] - k[1]) / stride[1] + 1;
+        let (xd, gd, wd) = ([n, c, h, w], [n, o, oh, ow], [o, c / groups, k[0], k[1]]);
+        let xv = values(xd.iter().product(), 3);
+        let gv = values(gd.iter().product(), 4);
+        let want = filter_gradient_by_definition(&xv, xd, &gv, [o, oh, ow], k, stride, pad, groups);
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_dims("stride", &stride)
+            .set_dims("padding", &pad)
+            .set_dims("dilation", &[1, 1])
+            .set_int("groups", groups as i64)
+            .set_dims("shape", &wd);
+        let grad = |x: DenseHostTensor, g: DenseHostTensor| {
+            run(&stagecraft_ops::CONV2D_BACKPROP_FILTER, &[x, g], &attrs).unwrap()
+        };
+        let got = grad(
+            DenseHostTensor::from_slice(&xv, xd).unwrap(),
+            DenseHostTensor::from_slice(&gv, gd).unwrap(),
+        );
+        close(got.as_slice::<f64>().unwrap(), &want, 1e-12);
+        let x32: Vec<f32> = xv.iter().map(|&v| v as f32).collect();
+        let g32: Vec<f32> = gv.iter().map(|&v| v as f32).collect();
+        let on = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                grad(
+                    DenseHostTensor::from_slice(&x32, xd).unwrap(),
+                    DenseHostTensor::from_slice(&g32, gd).unwrap(),
+                )
+                .as_slice::<f32>()
+                .unwrap()
+                .to_vec()
+            })
+        };
+        let (one, two) = (on(1), on(2));
+        assert_eq!(
+            one, two,
+            "the filter gradient's bits depend on the thread count"
+        );
+        let one: Vec<f64> = one.iter().map(|&v| v as f64).collect();
+        close(&one, &want, 1e-4);
+    }
+
+    #[test]
+    fn filter_gradient_matches_its_definition() {
+        // One run: too little work to share.
+        assert_eq!(filter_gradient_runs(2, 4 * 2 * 9, 4 * 18 * 36), 1);
+        check_filter_gradient(2, 2, 6, 6, 4, [3, 3], [1, 1], [0, 0], 1);
+        // Runs of several images, the last one shorter.
+        assert_eq!(filter_gradient_runs(11, 8 * 4 * 9, 8 * 36 * 100), 9);
+        check_filter_gradient(11, 4, 12, 12, 8, [3, 3], [1, 1], [1, 1], 1);
+        // Strides, padding and groups, in runs.
+        check_filter_gradient(40, 6, 15, 13, 12, [3, 2], [2, 1], [1, 0], 3);
+        // One image of many pixels: one run, the product split instead.
+        check_filter_gradient(1, 16, 40, 40, 16, [5, 5], [1, 1], [2, 2], 1);
+        // No images: a zero gradient.
+        check_filter_gradient(0, 2, 5, 5, 2, [3, 3], [1, 1], [0, 0], 1);
     }
 
     /// Images of more output pixels than one block (see `pixel_block`):
