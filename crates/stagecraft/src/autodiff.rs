@@ -295,28 +295,93 @@ impl Gradients {
     }
 }
 
-/// Runs gradient rules by executing their ops through the core runtime.
+/// Runs gradient rules by executing their ops through the core runtime,
+/// each op when a gradient that is used needs it.
+///
+/// A rule builds the gradient of every input, but reverse mode keeps only
+/// those of tracked inputs: the first layer's input gradient (a data batch,
+/// often the largest product of a step), a frozen weight's, an index's.
+/// Executed as the rule asked for them, those ops would run and be thrown
+/// away; deferred, they never run. Lazy and staged modes drop them as dead
+/// code; this is the same for eager mode.
 struct Builder {
-    values: Vec<TensorHandle>,
+    values: RefCell<Vec<Value>>,
     location: Location,
 }
 
+/// A value of a rule: run, or an op to run when something needs it.
+enum Value {
+    Ready(TensorHandle),
+    Deferred(Box<DeferredOp>),
+}
+
+/// An op of a rule, not run yet.
+#[derive(Clone)]
+struct DeferredOp {
+    def: &'static OpDef,
+    inputs: SmallVec<[G; 4]>,
+    attrs: OpAttrs,
+}
+
 impl Builder {
-    fn push(&mut self, h: TensorHandle) -> G {
-        self.values.push(h);
-        G((self.values.len() - 1) as u32)
+    fn new(location: Location) -> Builder {
+        Builder {
+            values: RefCell::new(Vec::new()),
+            location,
+        }
     }
 
-    fn handle(&self, g: G) -> &TensorHandle {
-        &self.values[g.0 as usize]
+    fn push(&self, value: Value) -> G {
+        let mut values = self.values.borrow_mut();
+        values.push(value);
+        G((values.len() - 1) as u32)
+    }
+
+    fn ready(&self, h: TensorHandle) -> G {
+        self.push(Value::Ready(h))
+    }
+
+    /// The handle of `g`, running the deferred ops it needs (each once,
+    /// inputs before the ops that read them).
+    fn handle(&self, g: G) -> TensorHandle {
+        let index = g.0 as usize;
+        let DeferredOp { def, inputs, attrs } = match &self.values.borrow()[index] {
+            Value::Ready(h) => return h.clone(),
+            Value::Deferred(op) => (**op).clone(),
+        };
+        let args: Args = inputs.iter().map(|g| self.handle(*g)).collect();
+        let out = crate::tensor::run_handle(def, args, &attrs, self.location);
+        self.values.borrow_mut()[index] = Value::Ready(out.clone());
+        out
+    }
+}
+
+impl Builder {
+    /// The metadata of a deferred value from its op's shape function,
+    /// without running it: rules read shapes of values they may not keep
+    /// (to reduce a broadcast gradient to its input's shape). `None` for
+    /// a value that is ready, a data-dependent shape, or a shape error,
+    /// which running the op reports as it would have.
+    fn deferred_meta(&self, value: G) -> Option<TensorMetadata> {
+        let DeferredOp { def, inputs, attrs } = match &self.values.borrow()[value.0 as usize] {
+            Value::Ready(_) => return None,
+            Value::Deferred(op) => (**op).clone(),
+        };
+        if def.shape_kind != stagecraft_ops::ShapeKind::Static {
+            return None;
+        }
+        let metas: Vec<TensorMetadata> = inputs.iter().map(|g| self.meta(*g)).collect();
+        def.infer(&metas, &attrs).ok()?.into_iter().next()
     }
 }
 
 impl GradBuilder for Builder {
     fn op(&mut self, def: &'static OpDef, inputs: &[G], attrs: &OpAttrs) -> Result<G> {
-        let args: Args = inputs.iter().map(|g| self.handle(*g).clone()).collect();
-        let out = crate::tensor::run_handle(def, args, attrs, self.location);
-        Ok(self.push(out))
+        Ok(self.push(Value::Deferred(Box::new(DeferredOp {
+            def,
+            inputs: inputs.iter().copied().collect(),
+            attrs: attrs.clone(),
+        }))))
     }
 
     fn op_multi(
@@ -325,26 +390,27 @@ impl GradBuilder for Builder {
         inputs: &[G],
         attrs: &OpAttrs,
     ) -> Result<SmallVec<[G; 4]>> {
-        let args: Args = inputs.iter().map(|g| self.handle(*g).clone()).collect();
+        // Control flow, run at once: its outputs are usually all needed.
+        let args: Args = inputs.iter().map(|g| self.handle(*g)).collect();
         let outs = crate::tensor::run_handles(def, args, attrs, self.location);
         if let Some(e) = outs.first().and_then(|h| h.resolved_error()) {
             return Err(e.clone());
         }
-        Ok(outs.into_iter().map(|h| self.push(h)).collect())
+        Ok(outs.into_iter().map(|h| self.ready(h)).collect())
     }
 
     fn meta(&self, value: G) -> TensorMetadata {
-        self.handle(value).metadata().clone()
+        self.deferred_meta(value)
+            .unwrap_or_else(|| self.handle(value).metadata().clone())
     }
 
     fn fill(&mut self, value: f64, meta: &TensorMetadata) -> Result<G> {
-        let device = self
-            .values
-            .first()
-            .map(|h| h.device())
-            .unwrap_or_else(|| stagecraft_runtime::place(&[]));
+        let device = match self.values.borrow().first() {
+            Some(Value::Ready(h)) => h.device(),
+            _ => stagecraft_runtime::place(&[]),
+        };
         let handle = TensorHandle::available(device, HostTensor::filled(Scalar::F64(value), meta));
-        Ok(self.push(handle))
+        Ok(self.ready(handle))
     }
 }
 
@@ -435,14 +501,13 @@ fn backward_handle(
                 .with_op(entry.def.name)
                 .at(entry.location)
         })?;
-        let mut b = Builder {
-            values: Vec::new(),
-            location: entry.location,
-        };
-        let inputs: SmallVec<[G; 4]> = entry.inputs.iter().map(|h| b.push(h.clone())).collect();
-        let outputs: SmallVec<[G; 1]> = entry.outputs.iter().map(|h| b.push(h.clone())).collect();
-        let flowing: SmallVec<[Option<G>; 1]> =
-            incoming.into_iter().map(|g| g.map(|h| b.push(h))).collect();
+        let mut b = Builder::new(entry.location);
+        let inputs: SmallVec<[G; 4]> = entry.inputs.iter().map(|h| b.ready(h.clone())).collect();
+        let outputs: SmallVec<[G; 1]> = entry.outputs.iter().map(|h| b.ready(h.clone())).collect();
+        let flowing: SmallVec<[Option<G>; 1]> = incoming
+            .into_iter()
+            .map(|g| g.map(|h| b.ready(h)))
+            .collect();
         let ctx = GradContext {
             inputs: &inputs,
             outputs: &outputs,
@@ -456,7 +521,7 @@ fn backward_handle(
             if !tape.tracked.contains(&input.addr()) {
                 continue;
             }
-            let g = b.handle(g).clone();
+            let g = b.handle(g);
             let total = match grads.remove(&input.addr()) {
                 Some(prev) => add(&prev, &g, entry.location),
                 None => g,
