@@ -4,31 +4,16 @@
 //! O(indices × rows × row); these tests fail if that path comes back.
 //! Their own test binary: profiling is process-wide.
 
-use stagecraft::layers::runtime::profile;
-use stagecraft::{function, grad, Device, Tensor};
-use std::sync::Mutex;
+mod common;
 
-static SERIAL: Mutex<()> = Mutex::new(());
+use common::kernels_run;
+use stagecraft::{function, grad, Device, Tensor};
 
 /// An embedding-style lookup: 3 rows (one twice) of a `[rows, 8]` table.
 fn lookup(table: &Tensor<f32>) -> Tensor<f32> {
     let ids = Tensor::<i64>::from_vec(vec![5, -1, 5], &[3], &table.device()).unwrap();
     let picked = table.index_select(0, &ids);
     (&picked * &picked).sum(&[], false)
-}
-
-/// The names of the ops whose kernels ran (eagerly or inside compiled
-/// traces) while `f` ran.
-fn kernels_run(f: impl FnOnce()) -> Vec<String> {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    profile::set_enabled(true);
-    f();
-    profile::set_enabled(false);
-    profile::take_events()
-        .into_iter()
-        .filter(|e| e.category == profile::OP || e.category == profile::KERNEL)
-        .map(|e| e.name.to_string())
-        .collect()
 }
 
 /// `2 x` on the picked rows (row 5 twice, the last row once), zero

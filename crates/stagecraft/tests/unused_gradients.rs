@@ -3,24 +3,10 @@
 //! is never computed, while one that flows on to an earlier layer is.
 //! Their own test binary: profiling is process-wide.
 
-use stagecraft::layers::runtime::profile;
+mod common;
+
+use common::kernels_run;
 use stagecraft::{no_grad, Conv2dOptions, Device, Tensor};
-use std::sync::Mutex;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// The names of the kernels that ran while `f` ran.
-fn kernels_run(f: impl FnOnce()) -> Vec<String> {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    profile::set_enabled(true);
-    f();
-    profile::set_enabled(false);
-    profile::take_events()
-        .into_iter()
-        .filter(|e| e.category == profile::OP || e.category == profile::KERNEL)
-        .map(|e| e.name.to_string())
-        .collect()
-}
 
 fn count(ran: &[String], name: &str) -> usize {
     ran.iter().filter(|k| *k == name).count()
