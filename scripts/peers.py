@@ -140,6 +140,12 @@ def host_line():
     except OSError:
         pass
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    # STAGECRAFT_CPU_ISA lowers the kernels' level (crates/stagecraft-cpu/src/isa.rs).
+    cap = os.environ.get("STAGECRAFT_CPU_ISA", "").strip().lower()
+    if cap in ("avx2",) and isa == "AVX-512":
+        isa = "AVX2 (forced by STAGECRAFT_CPU_ISA on an AVX-512 CPU)"
+    elif cap in ("baseline", "sse2", "none") and isa != "no AVX2":
+        isa = f"baseline (forced by STAGECRAFT_CPU_ISA on an {isa} CPU)"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return f"host: {model}, {os.cpu_count()} cores, kernels' vector set: {isa}, {date}"
 

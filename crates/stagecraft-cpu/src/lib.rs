@@ -8,6 +8,7 @@
 //! ops that the tests compare against.
 
 pub mod collective;
+pub mod isa;
 mod kernel;
 mod kernels;
 pub mod numeric;

@@ -388,24 +388,16 @@ pub(crate) enum Level {
     Avx512,
 }
 
-/// The best level this CPU runs (detected once). Miri interprets the
-/// baseline only.
+/// The level the loops run with: [`crate::isa::level`], the CPU's unless
+/// `STAGECRAFT_CPU_ISA` lowers it.
 pub(crate) fn level() -> Level {
-    static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
-    *LEVEL.get_or_init(|| {
-        #[cfg(all(target_arch = "x86_64", not(miri)))]
-        {
-            let avx2 = std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma");
-            if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
-                return Level::Avx512;
-            }
-            if avx2 {
-                return Level::Avx2;
-            }
-        }
-        Level::Baseline
-    })
+    match crate::isa::level() {
+        #[cfg(target_arch = "x86_64")]
+        crate::isa::IsaLevel::Avx512 => Level::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        crate::isa::IsaLevel::Avx2 => Level::Avx2,
+        _ => Level::Baseline,
+    }
 }
 
 // ---------------------------------------------------------------------------

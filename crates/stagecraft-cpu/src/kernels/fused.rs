@@ -597,26 +597,20 @@ pub(crate) enum Isa {
     Avx512,
 }
 
-/// The instruction set this CPU runs the multiversioned loops with
-/// (detected once).
+/// The instruction set the multiversioned loops run with:
+/// [`crate::isa::level`], the CPU's unless `STAGECRAFT_CPU_ISA` lowers it.
 pub(crate) fn isa() -> Isa {
     *ISA.get_or_init(detect_isa)
 }
 
 fn detect_isa() -> Isa {
-    // Miri interprets the baseline loops only (scripts/miri.sh): std's
-    // feature detection reports nothing under it, and saying so here keeps
-    // the vector paths out whatever that detection does.
-    #[cfg(all(target_arch = "x86_64", not(miri)))]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return Isa::Avx512;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            return Isa::Avx2;
-        }
+    match crate::isa::level() {
+        #[cfg(target_arch = "x86_64")]
+        crate::isa::IsaLevel::Avx512 => Isa::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        crate::isa::IsaLevel::Avx2 => Isa::Avx2,
+        _ => Isa::Baseline,
     }
-    Isa::Baseline
 }
 
 #[cfg(target_arch = "x86_64")]

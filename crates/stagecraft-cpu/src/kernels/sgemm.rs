@@ -55,19 +55,11 @@ pub(crate) struct Matrix<'a> {
     pub col_stride: usize,
 }
 
-/// Whether this machine runs [`sgemm`] (checked once; false under Miri,
-/// which has no AVX-512).
+/// Whether this machine runs [`sgemm`]: at the AVX-512 level of
+/// [`crate::isa::level`] (never under Miri, which has no AVX-512, nor
+/// when `STAGECRAFT_CPU_ISA` lowers the level).
 pub(crate) fn available() -> bool {
-    #[cfg(not(miri))]
-    {
-        use std::sync::OnceLock;
-        static AVX512: OnceLock<bool> = OnceLock::new();
-        *AVX512.get_or_init(|| is_x86_feature_detected!("avx512f"))
-    }
-    #[cfg(miri)]
-    {
-        false
-    }
+    crate::isa::level() == crate::isa::IsaLevel::Avx512
 }
 
 /// Packing buffers, one pair per thread, grown once and reused: a fresh

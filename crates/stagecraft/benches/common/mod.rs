@@ -17,8 +17,9 @@ pub fn b3(x: &Tensor<f32>) -> Tensor<f32> {
     &t * &t
 }
 
-/// The host line of a bench's header: CPU model, cores, the widest vector
-/// set the kernels can use, and the rayon threads.
+/// The host line of a bench's header: CPU model, cores, the vector set the
+/// kernels use (`STAGECRAFT_CPU_ISA` may force a lower one), and the rayon
+/// threads.
 pub fn host() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let field = |name: &str| {
@@ -28,13 +29,12 @@ pub fn host() -> String {
             .map(str::trim)
     };
     let model = field("model name").unwrap_or("unknown CPU");
-    let flags: Vec<&str> = field("flags").unwrap_or("").split_whitespace().collect();
-    let isa = if flags.contains(&"avx512f") {
-        "AVX-512"
-    } else if flags.contains(&"avx2") {
-        "AVX2"
+    let isa = stagecraft::layers::cpu::isa::level();
+    let detected = stagecraft::layers::cpu::isa::detected();
+    let isa = if isa == detected {
+        isa.name().to_string()
     } else {
-        "no AVX2"
+        format!("{} (forced; the CPU has {})", isa.name(), detected.name())
     };
     format!(
         "{model}, {} cores, {isa}, {} rayon threads",
