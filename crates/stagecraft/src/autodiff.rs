@@ -354,9 +354,7 @@ impl Builder {
         self.values.borrow_mut()[index] = Value::Ready(out.clone());
         out
     }
-}
 
-impl Builder {
     /// The metadata of a deferred value from its op's shape function,
     /// without running it: rules read shapes of values they may not keep
     /// (to reduce a broadcast gradient to its input's shape). `None` for
