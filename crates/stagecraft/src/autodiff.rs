@@ -316,7 +316,6 @@ enum Value {
 }
 
 /// An op of a rule, not run yet.
-#[derive(Clone)]
 struct DeferredOp {
     def: &'static OpDef,
     inputs: SmallVec<[G; 4]>,
@@ -345,12 +344,18 @@ impl Builder {
     /// inputs before the ops that read them).
     fn handle(&self, g: G) -> TensorHandle {
         let index = g.0 as usize;
-        let DeferredOp { def, inputs, attrs } = match &self.values.borrow()[index] {
+        let inputs = match &self.values.borrow()[index] {
             Value::Ready(h) => return h.clone(),
-            Value::Deferred(op) => (**op).clone(),
+            Value::Deferred(op) => op.inputs.clone(),
         };
         let args: Args = inputs.iter().map(|g| self.handle(*g)).collect();
-        let out = crate::tensor::run_handle(def, args, &attrs, self.location);
+        // The inputs are ready now; the op's attributes are read in place.
+        let out = match &self.values.borrow()[index] {
+            Value::Ready(h) => h.clone(),
+            Value::Deferred(op) => {
+                crate::tensor::run_handle(op.def, args, &op.attrs, self.location)
+            }
+        };
         self.values.borrow_mut()[index] = Value::Ready(out.clone());
         out
     }
@@ -361,15 +366,17 @@ impl Builder {
     /// a value that is ready, a data-dependent shape, or a shape error,
     /// which running the op reports as it would have.
     fn deferred_meta(&self, value: G) -> Option<TensorMetadata> {
-        let DeferredOp { def, inputs, attrs } = match &self.values.borrow()[value.0 as usize] {
-            Value::Ready(_) => return None,
-            Value::Deferred(op) => (**op).clone(),
+        let inputs = match &self.values.borrow()[value.0 as usize] {
+            Value::Deferred(op) if op.def.shape_kind == stagecraft_ops::ShapeKind::Static => {
+                op.inputs.clone()
+            }
+            _ => return None,
         };
-        if def.shape_kind != stagecraft_ops::ShapeKind::Static {
-            return None;
-        }
         let metas: Vec<TensorMetadata> = inputs.iter().map(|g| self.meta(*g)).collect();
-        def.infer(&metas, &attrs).ok()?.into_iter().next()
+        match &self.values.borrow()[value.0 as usize] {
+            Value::Deferred(op) => op.def.infer(&metas, &op.attrs).ok()?.into_iter().next(),
+            Value::Ready(h) => Some(h.metadata().clone()),
+        }
     }
 }
 
