@@ -80,7 +80,7 @@ mod pool {
 
     /// Blocks of at least this many bytes go to the shared pool; smaller
     /// ones to a per-thread cache.
-    pub(super) const MIN_POOLED: usize = 4096;
+    pub(super) const MIN_POOLED: usize = super::SMALL_BLOCK;
     /// The pool holds at most this many bytes; beyond it freed blocks go
     /// back to the OS.
     pub(super) const MAX_CACHED: usize = 1 << 30;
@@ -310,6 +310,12 @@ fn out_of_memory(len: usize) -> ! {
 /// needs the only reference.
 #[derive(Clone)]
 pub struct Buffer(Arc<RawBuffer>);
+
+/// Buffers of fewer bytes than this are small: a freed one waits in a
+/// cache of the thread that freed it, taken back without a lock. Buffer
+/// plans leave them out (see [`Arena`]): an arena's lock and lookups cost
+/// more than a small kernel.
+pub const SMALL_BLOCK: usize = 4096;
 
 impl Buffer {
     /// A buffer of `len` zero bytes.

@@ -10,7 +10,7 @@ mod error;
 mod host;
 mod shape;
 
-pub use buffer::{Arena, Buffer, BufferStats};
+pub use buffer::{Arena, Buffer, BufferStats, SMALL_BLOCK};
 pub use dtype::{DType, Element, FloatElement, IndexElement, IntElement, NumElement, Scalar};
 pub use error::{Error, ErrorKind, Location, Result};
 pub use host::{DenseHostTensor, HostTensor, ScalarHostTensor, TensorList};

@@ -268,7 +268,7 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
             continue;
         }
         let kind = match &node.op {
-            NodeOp::Const(value) => StepKind::Const(value.clone()),
+            NodeOp::Const(value) => StepKind::Const(run_form(value)?),
             NodeOp::Op(def, attrs) if def.kind == stagecraft_ops::OpKind::Transfer => {
                 let key = attrs.get("key").and_then(|v| match v {
                     stagecraft_ops::AttrValue::Str(k) => Some(k.to_string()),
@@ -337,7 +337,7 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
         steps[s].last_use[i] = true;
     }
     let schedule = Schedule::new(&steps, next as usize, &results);
-    let plan = BufferPlan::new(&steps, &schedule.consumers, &results);
+    let plan = BufferPlan::new(&steps, &schedule.consumers, &results, schedule.parallel);
     Ok(Executable {
         function,
         device,
@@ -349,6 +349,23 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
         arenas: Mutex::new(Vec::new()),
         partitions: None,
     })
+}
+
+/// A constant as runs hand it out. A small one-value constant (a scalar
+/// operand, say) is made dense once here: dense kernels take dense
+/// inputs, and a run would otherwise fill a fresh buffer with it every
+/// time, each iteration of a loop.
+fn run_form(value: &HostTensor) -> Result<HostTensor> {
+    match value {
+        HostTensor::Scalar(s)
+            if s.metadata()
+                .checked_size_in_bytes()
+                .is_ok_and(|bytes| bytes < stagecraft_tensor::SMALL_BLOCK) =>
+        {
+            Ok(HostTensor::Dense(s.to_dense()?))
+        }
+        other => Ok(other.clone()),
+    }
 }
 
 /// Moves every `Send` right behind the step producing its value. A
@@ -870,6 +887,56 @@ mod tests {
 
     fn at(line: u32) -> Location {
         Location::new("recorded.rs", line, 1)
+    }
+
+    /// A small one-value constant is dense in the step, so a run (each
+    /// iteration of a loop) hands it out without filling a buffer; a large
+    /// one stays a single value until a kernel needs it.
+    #[test]
+    fn small_scalar_constants_are_made_dense_once() {
+        use stagecraft_tensor::{Scalar, ScalarHostTensor};
+        let small = 4;
+        let large = stagecraft_tensor::SMALL_BLOCK; // f32: 4 × the bytes
+        let mut f = Function::new(
+            "scaled",
+            vec![
+                TensorMetadata::new(DType::F32, [small]),
+                TensorMetadata::new(DType::F32, [large]),
+            ],
+        );
+        let constant = |f: &mut Function, n: usize| {
+            let value = ScalarHostTensor::new(Scalar::F32(0.5), [n]);
+            Value::node(f.add_const(HostTensor::Scalar(value), at(1)))
+        };
+        let (c_small, c_large) = (constant(&mut f, small), constant(&mut f, large));
+        let none = OpAttrs::new();
+        let mul = &stagecraft_ops::MUL;
+        let a = f
+            .add_op(mul, &none, &[Value::Param(0), c_small], at(2))
+            .unwrap();
+        let b = f
+            .add_op(mul, &none, &[Value::Param(1), c_large], at(3))
+            .unwrap();
+        f.results = vec![Value::node(a), Value::node(b)];
+        let exe = instantiate_on(Arc::new(f), Device::cpu()).unwrap();
+        let consts: Vec<bool> = exe
+            .steps
+            .iter()
+            .filter_map(|s| match &s.kind {
+                StepKind::Const(v) => Some(matches!(v, HostTensor::Dense(_))),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(consts, [true, false], "dense: the small one only");
+        let arg = |n: usize| {
+            HostTensor::Dense(DenseHostTensor::from_slice(&vec![3.0f32; n], [n]).unwrap())
+        };
+        for _ in 0..2 {
+            let out = exe.run(vec![arg(small), arg(large)]).unwrap();
+            let values = |i: usize| out[i].to_dense().unwrap().to_vec::<f32>().unwrap();
+            assert_eq!(values(0), vec![1.5; small]);
+            assert_eq!(values(1), vec![1.5; large]);
+        }
     }
 
     /// `(a / b, -a)` over `n` i32 values, the division built at line 1 as
