@@ -524,6 +524,19 @@ fn zip_row<T: Copy, U>(
     }
 }
 
+/// How an operand of `shape` is read along the flat elements of an output
+/// of `out` without a broadcast walk: element by element (the same shape)
+/// or its one element throughout; `None` when it needs the walk.
+fn flat_step(shape: &Shape, out: &Shape) -> Option<usize> {
+    if shape == out {
+        Some(1)
+    } else if shape.numel() == 1 {
+        Some(0)
+    } else {
+        None
+    }
+}
+
 /// `out[j] = f(out[j], other[o + j·step])` over one row: the in-place form
 /// of [`zip_row`] when `out` holds the other operand.
 #[inline(always)]
@@ -645,26 +658,40 @@ where
     F: Fn(T, T) -> T + Copy + Send + Sync,
 {
     let n = meta.shape.numel();
-    if n < crate::PARALLEL_THRESHOLD && a.shape() == &meta.shape && b.shape() == &meta.shape {
-        // Small, same-shape operands (the common eager case): one flat
-        // loop; building a broadcast walk would cost more than the math.
+    let flat = (
+        flat_step(a.shape(), &meta.shape),
+        flat_step(b.shape(), &meta.shape),
+    );
+    if let (true, Some(sa), Some(sb)) = (n < crate::PARALLEL_THRESHOLD, flat.0, flat.1) {
+        // Small operands of the output's shape or of one element (the
+        // common eager case, `x * 0.9` among them): one flat loop; building
+        // a broadcast walk would cost more than the math.
         if reusable(&a, meta) {
             let mut out = a;
             let y = Operand {
                 data: b.as_slice::<T>()?,
-                step: 1,
+                step: sb,
             };
             update_row(out.as_mut_slice::<T>()?, y, 0, f);
+            return Ok(out);
+        }
+        if reusable(&b, meta) {
+            let mut out = b;
+            let x = Operand {
+                data: a.as_slice::<T>()?,
+                step: sa,
+            };
+            update_row(out.as_mut_slice::<T>()?, x, 0, |y, x| f(x, y));
             return Ok(out);
         }
         let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
         let x = Operand {
             data: a.as_slice::<T>()?,
-            step: 1,
+            step: sa,
         };
         let y = Operand {
             data: b.as_slice::<T>()?,
-            step: 1,
+            step: sb,
         };
         zip_row(out.as_mut_slice::<T>()?, x, 0, y, 0, f);
         return Ok(out);
@@ -744,6 +771,28 @@ where
     Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
         let [a, b] = take(inputs)?;
         let meta = out_meta(ctx)?;
+        let mut out = DenseHostTensor::zeros(meta.clone())?;
+        let flat = (
+            flat_step(a.shape(), &meta.shape),
+            flat_step(b.shape(), &meta.shape),
+        );
+        if let (true, Some(sa), Some(sb)) = (
+            meta.shape.numel() < crate::PARALLEL_THRESHOLD,
+            flat.0,
+            flat.1,
+        ) {
+            // One flat loop, as in `binary_apply`.
+            let x = Operand {
+                data: a.as_slice::<T>()?,
+                step: sa,
+            };
+            let y = Operand {
+                data: b.as_slice::<T>()?,
+                step: sb,
+            };
+            zip_row(out.as_mut_slice::<bool>()?, x, 0, y, 0, f);
+            return Ok(smallvec![out]);
+        }
         let walk = Walk::new(&meta.shape, [a.shape(), b.shape()]);
         let [sa, sb] = walk.inner_strides;
         let x = Operand {
@@ -754,7 +803,6 @@ where
             data: b.as_slice::<T>()?,
             step: sb,
         };
-        let mut out = DenseHostTensor::zeros(meta.clone())?;
         walk.run(out.as_mut_slice::<bool>()?, |o, [oa, ob]| {
             zip_row(o, x, oa, y, ob, f)
         });
@@ -1487,6 +1535,51 @@ pub(crate) mod tests {
                         &format!("{} {da:?} {db:?}", def.name),
                     );
                 }
+            }
+        }
+    }
+
+    /// Operands of the output's shape or of one element take one flat
+    /// loop, whichever side holds the single element and whether or not
+    /// an operand's buffer can take the result; shared operands are left
+    /// as they were.
+    #[test]
+    fn one_element_operands_take_the_flat_loop_and_match_the_reference() {
+        let none = OpAttrs::new();
+        let mut rng = Rng(5);
+        let cases: &[(&[usize], &[usize])] = &[
+            (&[3, 4], &[]),
+            (&[], &[3, 4]),
+            (&[2, 3], &[1, 1]),
+            (&[1, 1, 1], &[5]),
+            (&[1], &[1, 1]),
+            (&[0, 3], &[1]),
+            (&[1], &[0]),
+        ];
+        for &(da, db) in cases {
+            for shared in [false, true] {
+                let na: usize = da.iter().product();
+                let nb: usize = db.iter().product();
+                // The values as f32 holds them, for the reference.
+                let av = values(&tensor(DType::F32, &rng.values(DType::F32, na, false), da));
+                let bv = values(&tensor(DType::F32, &rng.values(DType::F32, nb, false), db));
+                // Unique operands unless `shared`: a unique one of the
+                // output's metadata takes the result in its own buffer.
+                let fresh = || (tensor(DType::F32, &av, da), tensor(DType::F32, &bv, db));
+                let what = format!("{da:?} {db:?} shared {shared}");
+                let (a, b) = fresh();
+                let kept = shared.then(|| (a.clone(), b.clone()));
+                let got = run(&stagecraft_ops::SUB, vec![a, b], &none).unwrap();
+                let (want, dims) =
+                    reference::binary(BinaryOp::Sub, DType::F32, &av, da, &bv, db).unwrap();
+                assert_eq!(got.shape().dims(), dims.as_slice(), "{what}");
+                assert_close(DType::F32, &values(&got), &want, &what);
+                if let Some((a, b)) = kept {
+                    assert_eq!((values(&a), values(&b)), (av.clone(), bv.clone()), "{what}");
+                }
+                let less = run(&stagecraft_ops::LESS, vec![fresh().0, fresh().1], &none).unwrap();
+                let (want, _) = reference::compare(CompareOp::Lt, &av, da, &bv, db).unwrap();
+                assert_eq!(values(&less), want, "{what}");
             }
         }
     }

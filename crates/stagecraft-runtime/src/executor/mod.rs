@@ -594,7 +594,9 @@ impl Executable {
         rendezvous: Option<&partition::Rendezvous>,
         locations: &[Location],
     ) -> Result<Vec<HostTensor>> {
-        let mut slots: Vec<Option<HostTensor>> = Vec::with_capacity(self.slots);
+        // On the stack for a small function (a loop's body or condition,
+        // run once per iteration).
+        let mut slots: SmallVec<[Option<HostTensor>; 16]> = SmallVec::with_capacity(self.slots);
         slots.extend(args.into_iter().map(Some));
         slots.resize_with(self.slots, || None);
         for step in &self.steps {
@@ -860,11 +862,10 @@ impl Executable {
             .with_op(def.name)
             .at(step.location(locations)));
         }
-        produced
-            .into_iter()
-            .zip(&step.metas)
-            .map(|(value, meta)| {
-                if def.shape_kind == ShapeKind::Static && value.metadata() != meta {
+        if def.shape_kind == ShapeKind::Static {
+            // Checked in place: collecting the values anew moves each one.
+            for (value, meta) in produced.iter().zip(&step.metas) {
+                if value.metadata() != meta {
                     return Err(Error::internal(format!(
                         "{} produced {} where its metadata function promised {meta}",
                         def.name,
@@ -873,9 +874,9 @@ impl Executable {
                     .with_op(def.name)
                     .at(step.location(locations)));
                 }
-                Ok(value)
-            })
-            .collect()
+            }
+        }
+        Ok(produced)
     }
 }
 
