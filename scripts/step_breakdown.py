@@ -1,18 +1,25 @@
 #!/usr/bin/env python3
 """Where a training step's time goes, per model and mode.
 
-usage: scripts/step_breakdown.py [--models mlp,cnn] [--devices eager,lazy]
-                                 [--steps N] [--threads 2|1] [--bin PATH]
+usage: scripts/step_breakdown.py [--models mlp,cnn,mlp:128,gpt]
+                                 [--devices eager,lazy] [--steps N]
+                                 [--threads 2|1] [--bin PATH]
 
 Runs `stagecraft train --model M --device D --steps N --profile FILE` for
-each model and device, then splits the mean step (the CLI's `step` events,
-warm-up steps and the first lazy compile left out) into:
+each model (`name:batch` sets the batch size: `mlp:128` is B5's MLP step;
+`gpt` is a stack of transformer blocks) and device, then splits the mean
+step (the CLI's `step` events, warm-up steps and the first lazy compile
+left out) into wall time on the critical path (on two threads kernels
+overlap; each column counts the time at least one of its kernels ran):
 
 - matmul/conv: kernels of MatMul, Conv2d and their gradient ops (the
   bound no staging can beat), counted wherever they run: op by op, or in a
-  compiled trace, fused with an epilogue or not;
-- other kernels: elementwise, reductions, softmax, optimizer updates;
-- compile: lazy traces built (a miss) during the counted steps;
+  compiled trace, fused with an epilogue or not (a fused epilogue's time
+  counts here, so lazy's column can exceed eager's);
+- other kernels: elementwise, reductions, softmax, optimizer updates, while
+  no matmul/conv kernel runs;
+- compile: lazy traces built (a miss) during the counted steps, while no
+  kernel runs;
 - runtime: the rest of the step, i.e. dispatch (eager) or recording plus
   collecting, looking up and launching the trace (lazy), and allocation
   and host sync outside kernels.
@@ -42,8 +49,27 @@ def is_matmul(name):
     return any(w in name for w in MATMUL_WORDS)
 
 
+def union_length(intervals):
+    """Total time covered by (start, end) intervals, overlaps counted once."""
+    total, reach = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi <= reach:
+            continue
+        total += hi - max(lo, reach)
+        reach = hi
+    return total
+
+
 def breakdown(events):
-    """Mean ms per counted step: (step, matmul/conv, other kernels, compile)."""
+    """Mean ms per counted step: (step, matmul/conv, other kernels, compile).
+
+    Time is wall time on the critical path, not summed kernel time: on two
+    threads kernels overlap, so each column is the time during which at
+    least one such kernel ran. Matmul/conv is the time some matmul or
+    convolution kernel ran; other kernels, the time some other kernel ran
+    and no matmul/conv did; compile, the time a trace was being built and
+    no kernel ran. The columns and the runtime rest add up to the step.
+    """
     steps = sorted((e for e in events if e.get("cat") == "step" and e.get("ph") == "X"),
                    key=lambda e: e["ts"])
     counted = steps[WARM_UP:]
@@ -54,21 +80,33 @@ def breakdown(events):
     compiles = [e for e in events if e.get("cat") == "compile" and e.get("ph") == "X"]
     for step in counted:
         lo, hi = step["ts"], step["ts"] + step["dur"]
-        inside = lambda e: lo <= e["ts"] < hi  # noqa: E731
+
+        def span(e):
+            return (max(e["ts"], lo), min(e["ts"] + e["dur"], hi))
+
+        inside = [e for e in kernels if e["ts"] < hi and e["ts"] + e["dur"] > lo]
+        matmul = [span(e) for e in inside if is_matmul(e["name"])]
+        every_kernel = [span(e) for e in inside]
+        building = [span(e) for e in compiles if e["ts"] < hi and e["ts"] + e["dur"] > lo]
+        mm = union_length(matmul)
+        busy = union_length(every_kernel)
         totals[0] += step["dur"]
-        for e in kernels:
-            if inside(e):
-                totals[1 if is_matmul(e["name"]) else 2] += e["dur"]
-        totals[3] += sum(e["dur"] for e in compiles if inside(e))
+        totals[1] += mm
+        totals[2] += busy - mm
+        totals[3] += union_length(every_kernel + building) - busy
     n = len(counted)
     return [t / n / 1e3 for t in totals], n
 
 
-def run(binary, model, device, steps, threads):
+def run(binary, spec, device, steps, threads):
+    """Trains `spec` (a model name, or `name:batch` for another batch size)."""
+    model, _, batch = spec.partition(":")
     with tempfile.TemporaryDirectory() as tmp:
         profile = os.path.join(tmp, "profile.json")
         cmd = [binary, "train", "--model", model, "--device", device,
                "--steps", str(steps), "--profile", profile]
+        if batch:
+            cmd += ["--batch-size", batch]
         env = dict(os.environ, RAYON_NUM_THREADS=str(threads), STAGECRAFT_QUIET="1")
         if threads == 1:
             cmd = ["taskset", "-c", "0"] + cmd
