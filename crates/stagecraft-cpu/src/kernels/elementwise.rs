@@ -481,6 +481,16 @@ struct Operand<'a, T> {
     step: usize,
 }
 
+impl<'a, T: Element> Operand<'a, T> {
+    /// `t`'s elements, read `step` apart.
+    fn of(t: &'a DenseHostTensor, step: usize) -> Result<Operand<'a, T>> {
+        Ok(Operand {
+            data: t.as_slice::<T>()?,
+            step,
+        })
+    }
+}
+
 /// `out[j] = f(a[oa + j·sa], b[ob + j·sb])` over one row, with a plain
 /// slice loop for each stride combination.
 #[inline(always)]
@@ -522,6 +532,16 @@ fn zip_row<T: Copy, U>(
             }
         }
     }
+}
+
+/// The steps of `a` and `b` in one flat loop over a small output of shape
+/// `out` (see [`flat_step`]); `None` when an operand needs a broadcast walk
+/// or the output is large enough to split its work.
+fn flat_steps(a: &Shape, b: &Shape, out: &Shape) -> Option<(usize, usize)> {
+    if out.numel() >= PARALLEL_THRESHOLD {
+        return None;
+    }
+    Some((flat_step(a, out)?, flat_step(b, out)?))
 }
 
 /// How an operand of `shape` is read along the flat elements of an output
@@ -657,42 +677,24 @@ where
     T: Element,
     F: Fn(T, T) -> T + Copy + Send + Sync,
 {
-    let n = meta.shape.numel();
-    let flat = (
-        flat_step(a.shape(), &meta.shape),
-        flat_step(b.shape(), &meta.shape),
-    );
-    if let (true, Some(sa), Some(sb)) = (n < crate::PARALLEL_THRESHOLD, flat.0, flat.1) {
+    if let Some((sa, sb)) = flat_steps(a.shape(), b.shape(), &meta.shape) {
         // Small operands of the output's shape or of one element (the
         // common eager case, `x * 0.9` among them): one flat loop; building
         // a broadcast walk would cost more than the math.
         if reusable(&a, meta) {
             let mut out = a;
-            let y = Operand {
-                data: b.as_slice::<T>()?,
-                step: sb,
-            };
-            update_row(out.as_mut_slice::<T>()?, y, 0, f);
+            update_row(out.as_mut_slice::<T>()?, Operand::of(&b, sb)?, 0, f);
             return Ok(out);
         }
         if reusable(&b, meta) {
             let mut out = b;
-            let x = Operand {
-                data: a.as_slice::<T>()?,
-                step: sa,
-            };
-            update_row(out.as_mut_slice::<T>()?, x, 0, |y, x| f(x, y));
+            update_row(out.as_mut_slice::<T>()?, Operand::of(&a, sa)?, 0, |y, x| {
+                f(x, y)
+            });
             return Ok(out);
         }
         let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
-        let x = Operand {
-            data: a.as_slice::<T>()?,
-            step: sa,
-        };
-        let y = Operand {
-            data: b.as_slice::<T>()?,
-            step: sb,
-        };
+        let (x, y) = (Operand::of(&a, sa)?, Operand::of(&b, sb)?);
         zip_row(out.as_mut_slice::<T>()?, x, 0, y, 0, f);
         return Ok(out);
     }
@@ -772,37 +774,15 @@ where
         let [a, b] = take(inputs)?;
         let meta = out_meta(ctx)?;
         let mut out = DenseHostTensor::zeros(meta.clone())?;
-        let flat = (
-            flat_step(a.shape(), &meta.shape),
-            flat_step(b.shape(), &meta.shape),
-        );
-        if let (true, Some(sa), Some(sb)) = (
-            meta.shape.numel() < crate::PARALLEL_THRESHOLD,
-            flat.0,
-            flat.1,
-        ) {
+        if let Some((sa, sb)) = flat_steps(a.shape(), b.shape(), &meta.shape) {
             // One flat loop, as in `binary_apply`.
-            let x = Operand {
-                data: a.as_slice::<T>()?,
-                step: sa,
-            };
-            let y = Operand {
-                data: b.as_slice::<T>()?,
-                step: sb,
-            };
+            let (x, y) = (Operand::of(&a, sa)?, Operand::of(&b, sb)?);
             zip_row(out.as_mut_slice::<bool>()?, x, 0, y, 0, f);
             return Ok(smallvec![out]);
         }
         let walk = Walk::new(&meta.shape, [a.shape(), b.shape()]);
         let [sa, sb] = walk.inner_strides;
-        let x = Operand {
-            data: a.as_slice::<T>()?,
-            step: sa,
-        };
-        let y = Operand {
-            data: b.as_slice::<T>()?,
-            step: sb,
-        };
+        let (x, y) = (Operand::of(&a, sa)?, Operand::of(&b, sb)?);
         walk.run(out.as_mut_slice::<bool>()?, |o, [oa, ob]| {
             zip_row(o, x, oa, y, ob, f)
         });
