@@ -312,9 +312,10 @@ fn out_of_memory(len: usize) -> ! {
 pub struct Buffer(Arc<RawBuffer>);
 
 /// Buffers of fewer bytes than this are small: a freed one waits in a
-/// cache of the thread that freed it, taken back without a lock. Buffer
-/// plans leave them out (see [`Arena`]): an arena's lock and lookups cost
-/// more than a small kernel.
+/// cache of the thread that freed it, taken back without a lock. The
+/// buffer plan of a function whose steps run in order leaves them out of
+/// its [`Arena`]: the arena's lock and lookups cost more than a small
+/// kernel.
 pub const SMALL_BLOCK: usize = 4096;
 
 impl Buffer {

@@ -31,8 +31,6 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
 /// Elements per block: registers of a few instructions stay in L1.
 const BLOCK: usize = 1024;
 
-static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-
 /// An operand within one block.
 #[derive(Clone, Copy)]
 enum Src<'a, T> {
@@ -600,10 +598,6 @@ pub(crate) enum Isa {
 /// The instruction set the multiversioned loops run with:
 /// [`crate::isa::level`], the CPU's unless `STAGECRAFT_CPU_ISA` lowers it.
 pub(crate) fn isa() -> Isa {
-    *ISA.get_or_init(detect_isa)
-}
-
-fn detect_isa() -> Isa {
     match crate::isa::level() {
         #[cfg(target_arch = "x86_64")]
         crate::isa::IsaLevel::Avx512 => Isa::Avx512,
@@ -653,7 +647,7 @@ fn run_block_on<T: Real + Arith>(
 ) {
     match isa {
         Isa::Baseline => run_block(isa, steps, inputs, start, out, scratch, between),
-        // SAFETY: `detect_isa` chose this variant only after the CPU
+        // SAFETY: `isa` chose this variant only after the CPU
         // reported AVX2, which is all `run_block_avx2` is compiled to use.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { run_block_avx2(steps, inputs, start, out, scratch, between) },
@@ -796,7 +790,7 @@ fn fused_typed<T: Real + Arith + Send + Sync>(
     let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
     let total = meta.shape.numel();
     let y = out.as_mut_slice::<T>()?;
-    let isa = *ISA.get_or_init(detect_isa);
+    let isa = isa();
     let fresh = || program.scratch::<T>(srcs.len(), total);
     if total >= crate::PARALLEL_THRESHOLD {
         let stream = std::mem::size_of_val(y) >= STREAM_BYTES;
@@ -887,7 +881,7 @@ fn fused_reduce_typed<T: Real + Arith + Send + Sync>(
     let source = FusedSource {
         program,
         inputs: Program::inputs::<T>(inputs, &values.shape)?,
-        isa: *ISA.get_or_init(detect_isa),
+        isa: isa(),
     };
     float_fold(op, &source, values.shape.dims(), &axes, meta)
 }
@@ -925,7 +919,7 @@ fn epilogue_in_place<T: Real + Arith + Send + Sync>(
     total: usize,
     (first, values, may_split): (usize, &mut [T], bool),
 ) {
-    let isa = *ISA.get_or_init(detect_isa);
+    let isa = isa();
     let run = |first: usize, chunk: &mut [T], state: &mut (Scratch<T>, Vec<T>)| {
         let (scratch, aside) = state;
         for (b, block) in chunk.chunks_mut(BLOCK).enumerate() {
@@ -1063,7 +1057,7 @@ mod tests {
                 assert_eq!(run(Isa::Avx512), baseline);
             }
         }
-        assert_eq!(run(detect_isa()), baseline);
+        assert_eq!(run(isa()), baseline);
     }
 
     /// A bias over rows (tile) and a value per row (repeat) are spread
@@ -1129,7 +1123,7 @@ mod tests {
         };
         let x: Vec<f32> = (0..n).map(|i| ((i % 1013) as f32 - 400.0) / 7.0).collect();
         let inputs = [Input::Full(&x[..]), Input::Scalar(-0.75f32)];
-        let isa = detect_isa();
+        let isa = isa();
         let plain = |start: usize, len: usize| {
             let mut out = vec![0.0f32; len];
             let mut scratch = program.scratch::<f32>(2, len);

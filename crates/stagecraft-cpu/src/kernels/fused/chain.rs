@@ -656,7 +656,7 @@ mod vectors {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{allocate_registers, detect_isa, run_block_on, Input, Scratch, Step};
+    use super::super::{allocate_registers, isa, run_block_on, Input, Scratch, Step};
     use super::*;
     use stagecraft_ops::CompareOp;
 
@@ -776,7 +776,7 @@ mod tests {
             run_block_on(isa, steps, &inputs, 0, &mut out, &mut scratch, |_, _| {});
             out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
         };
-        let mut isas = vec![Isa::Baseline, detect_isa()];
+        let mut isas = vec![Isa::Baseline, isa()];
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             isas.push(Isa::Avx2);
@@ -804,7 +804,7 @@ mod tests {
             let mut calls = 0;
             let others = [LinkSrc::None];
             run_chain(
-                detect_isa(),
+                isa(),
                 &links,
                 (Src::Slice(&x), &others),
                 &mut out,
