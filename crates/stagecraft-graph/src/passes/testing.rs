@@ -75,15 +75,44 @@ fn run_op(
     kernel(inputs, &KernelContext { attrs, outputs })
 }
 
-/// Each result's metadata and bytes, for bit-exact comparisons.
+/// Each result's metadata and bytes, for bit-exact comparisons, with
+/// every float NaN rewritten to one pattern.
+///
+/// Which NaN an operation returns when both operands are NaN (x86 keeps
+/// the first, and invalid operations make a negative one) is not part of
+/// Rust's float semantics: the compiler may swap the operands of `a + b`
+/// or `min`, and a fused loop and a single kernel may be compiled
+/// differently. Every other bit, signed zeros included, must match.
 pub(crate) fn bits(values: &[HostTensor]) -> Vec<(TensorMetadata, Vec<u8>)> {
     values
         .iter()
         .map(|t| {
             let dense = t.to_dense().unwrap();
-            (dense.metadata().clone(), dense.buffer().bytes().to_vec())
+            let mut bytes = dense.buffer().bytes().to_vec();
+            canonicalize_nans(dense.metadata().dtype, &mut bytes);
+            (dense.metadata().clone(), bytes)
         })
         .collect()
+}
+
+/// Rewrites each NaN element of a `dtype` buffer to the positive quiet NaN.
+fn canonicalize_nans(dtype: DType, bytes: &mut [u8]) {
+    // (element width, exponent mask, mantissa mask, canonical quiet NaN)
+    let (width, exponent, mantissa, quiet): (usize, u64, u64, u64) = match dtype {
+        DType::F16 => (2, 0x7c00, 0x03ff, 0x7e00),
+        DType::BF16 => (2, 0x7f80, 0x007f, 0x7fc0),
+        DType::F32 => (4, 0x7f80_0000, 0x007f_ffff, 0x7fc0_0000),
+        DType::F64 => (8, 0x7ff0 << 48, (1 << 52) - 1, 0x7ff8 << 48),
+        _ => return,
+    };
+    for element in bytes.chunks_exact_mut(width) {
+        let mut word = [0u8; 8];
+        word[..width].copy_from_slice(element);
+        let value = u64::from_le_bytes(word);
+        if value & exponent == exponent && value & mantissa != 0 {
+            element.copy_from_slice(&quiet.to_le_bytes()[..width]);
+        }
+    }
 }
 
 /// [`eval`], then [`bits`].
