@@ -7,8 +7,9 @@ use crate::elementwise::DTypeClass;
 use crate::grad::{GradBuilder, GradContext, InputGrads, G};
 use crate::op::*;
 use crate::scalar::{
-    erf, exp_to_narrow, expm1, gelu, gelu_derivative, gelu_derivative_to_narrow, gelu_tanh,
-    gelu_tanh_to_narrow, log1p, relu, rsqrt, sigmoid, sign, silu, softplus,
+    erf, exp_to_narrow, expm1, float_fn, gelu, gelu_derivative, gelu_derivative_to_narrow,
+    gelu_tanh, gelu_tanh_to_narrow, gelu_to_narrow, log1p, relu, rsqrt, sigmoid, sign, silu,
+    softplus,
 };
 use stagecraft_tensor::{broadcast_shapes, DType, Error, Result, TensorMetadata};
 
@@ -114,7 +115,7 @@ crate::unary_ops! {
     }
     /// `e^x`
     Exp => EXP("Exp", Float) {
-        eval: |x| x.float_fn(f64::exp, exp_to_narrow),
+        eval: |x| float_fn!(x, f64::exp, exp_to_narrow),
         grad: |b, _, y, g| b.mul(g, y),
     }
     /// Natural logarithm.
@@ -189,7 +190,7 @@ crate::unary_ops! {
     }
     /// Gaussian error linear unit, exact form `x·Φ(x)`.
     Gelu => GELU("Gelu", Float) {
-        eval: |x| x.via_f64(gelu),
+        eval: |x| float_fn!(x, gelu, gelu_to_narrow),
         grad: |b, x, y, g| {
             let d = b.op(&GELU_DERIVATIVE, &[x, y], &crate::OpAttrs::new())?;
             b.mul(g, d)
@@ -297,7 +298,7 @@ crate::unary_ops! {
     }
     /// GELU's tanh approximation, `x·(1 + tanh(√(2/π)(x + 0.044715x³)))/2`.
     GeluTanh => GELU_TANH("GeluTanh", Float) {
-        eval: |x| x.float_fn(gelu_tanh, gelu_tanh_to_narrow),
+        eval: |x| float_fn!(x, gelu_tanh, gelu_tanh_to_narrow),
         // With s = σ(2u), u = c(x + k x³): y = x s, and
         // dy/dx = s + x s (1 - s) · 2c (1 + 3k x²).
         grad: |b, x, _, g| {
