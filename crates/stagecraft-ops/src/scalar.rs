@@ -419,6 +419,32 @@ pub fn sigmoid(x: f64) -> f64 {
     }
 }
 
+/// [`sigmoid`] for a result rounded to f32 or narrower, with selects only
+/// so that a loop over a slice vectorizes: `e^{-|x|}` from
+/// [`exp_to_narrow`] (within 1e-15), then `1/(1 + e)` or `e/(1 + e)`.
+/// Below x = -110, where the exponential is clamped, the exact result and
+/// this one (1.7e-48) both round to 0 in every narrow type.
+#[inline(always)]
+pub fn sigmoid_to_narrow(x: f64) -> f64 {
+    let e = exp_to_narrow(-x.abs());
+    let numerator = if x >= 0.0 { 1.0 } else { e };
+    numerator / (1.0 + e)
+}
+
+/// [`silu`] for a result rounded to f32 or narrower: `x·σ(x)` by
+/// [`sigmoid_to_narrow`], vectorizable. Below x = -120 the exact result
+/// rounds to -0 in every narrow type (|x·e^x| < 1e-50), while the clamped
+/// exponential would leave `x·1.7e-48`.
+#[inline(always)]
+pub fn silu_to_narrow(x: f64) -> f64 {
+    let y = x * sigmoid_to_narrow(x);
+    if x < -120.0 {
+        -0.0
+    } else {
+        y
+    }
+}
+
 /// `x·σ(x)` (SiLU, swish), within 3.5 ulp in f64 (`docs/accuracy.md`).
 /// For large negative `x` σ(x) ≈ e^x is never formed as `1 - something`.
 /// Below x = -700 the result is `(x·h)·h` with `h = e^{x/2}`: e^x itself
@@ -732,15 +758,20 @@ pub fn gelu_tanh(x: f64) -> f64 {
 /// is normal, `|t| < 90`, and this stays within about 2^-21 of an f32 ulp
 /// of the exact value (sampled; f16 and bf16 have wider ulps), inside the
 /// 2^-20 the accuracy suite allows for rounding an f64 value to a narrow
-/// type (`docs/accuracy.md`).
+/// type (`docs/accuracy.md`). σ comes from [`sigmoid_to_narrow`], so the
+/// loop vectorizes. Below t = -120 (x < -11.4, and -inf) the exact result
+/// rounds to -0 in every narrow type, and the clamped exponential would
+/// not give it.
 #[inline(always)]
 pub fn gelu_tanh_to_narrow(x: f64) -> f64 {
     const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
-    if x == f64::NEG_INFINITY {
-        return -0.0;
+    let t = 2.0 * (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x));
+    let y = x * sigmoid_to_narrow(t);
+    if t < -120.0 {
+        -0.0
+    } else {
+        y
     }
-    let u = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
-    x * sigmoid(2.0 * u)
 }
 
 /// The error function.
@@ -792,6 +823,41 @@ mod tests {
         assert_eq!(gelu_to_narrow(-0.0).to_bits(), (-0.0f64).to_bits());
         assert_eq!(gelu_to_narrow(20.0), 20.0);
         assert!(gelu_to_narrow(f64::NAN).is_nan());
+    }
+
+    /// The vectorizable narrow sigmoid, SiLU and tanh GELU against their
+    /// f64 forms on f32 inputs, and their limits.
+    #[test]
+    fn narrow_sigmoid_forms_match_the_wide_ones() {
+        let rel = |a: f64, b: f64| {
+            if b == 0.0 {
+                a.abs()
+            } else {
+                ((a - b) / b).abs()
+            }
+        };
+        for i in 0..=100_000 {
+            let x = f64::from(-100.0f32 + 200.0 * i as f32 / 100_000.0);
+            assert!(
+                rel(sigmoid_to_narrow(x), sigmoid(x)) < 4e-15,
+                "sigmoid({x})"
+            );
+            assert!(rel(silu_to_narrow(x), silu(x)) < 4e-15, "silu({x})");
+            if x > -10.0 {
+                let (got, want) = (gelu_tanh_to_narrow(x), gelu_tanh(x));
+                assert!(rel(got, want) < 2e-13 * (1.0 + x * x), "gelu_tanh({x})");
+            }
+        }
+        assert_eq!(sigmoid_to_narrow(f64::INFINITY), 1.0);
+        assert!(sigmoid_to_narrow(f64::NEG_INFINITY) < 1e-47);
+        for f in [silu_to_narrow, gelu_tanh_to_narrow] {
+            assert_eq!(f(f64::INFINITY), f64::INFINITY);
+            assert_eq!(f(f64::NEG_INFINITY).to_bits(), (-0.0f64).to_bits());
+            assert_eq!(f(-1e30).to_bits(), (-0.0f64).to_bits());
+            assert_eq!(f(-0.0).to_bits(), (-0.0f64).to_bits());
+            assert!(f(f64::NAN).is_nan());
+        }
+        assert!(sigmoid_to_narrow(f64::NAN).is_nan());
     }
 
     /// GELU's derivative, narrow and wide, against `Φ(x) + xφ(x)` from

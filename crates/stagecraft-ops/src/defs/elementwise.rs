@@ -8,8 +8,8 @@ use crate::grad::{GradBuilder, GradContext, InputGrads, G};
 use crate::op::*;
 use crate::scalar::{
     erf, exp_to_narrow, expm1, float_fn, gelu, gelu_derivative, gelu_derivative_to_narrow,
-    gelu_tanh, gelu_tanh_to_narrow, gelu_to_narrow, log1p, relu, rsqrt, sigmoid, sign, silu,
-    softplus,
+    gelu_tanh, gelu_tanh_to_narrow, gelu_to_narrow, log1p, relu, rsqrt, sigmoid, sigmoid_to_narrow,
+    sign, silu, silu_to_narrow, softplus,
 };
 use stagecraft_tensor::{broadcast_shapes, DType, Error, Result, TensorMetadata};
 
@@ -155,7 +155,7 @@ crate::unary_ops! {
     }
     /// Logistic sigmoid, `1/(1+e^-x)`.
     Sigmoid => SIGMOID("Sigmoid", Float) {
-        eval: |x| x.via_f64(sigmoid),
+        eval: |x| float_fn!(x, sigmoid, sigmoid_to_narrow),
         grad: |b, x, y, g| {
             let one = b.scalar(1.0, b.meta(x).dtype)?;
             let rest = b.sub(one, y)?;
@@ -325,7 +325,7 @@ crate::unary_ops! {
     }
     /// SiLU (swish), `x·σ(x)`.
     Silu => SILU("Silu", Float) {
-        eval: |x| x.via_f64(silu),
+        eval: |x| float_fn!(x, silu, silu_to_narrow),
         // d x σ(x) = σ(x) (1 + x (1 - σ(x)))
         grad: |b, x, _, g| {
             let one = b.scalar(1.0, b.meta(x).dtype)?;
