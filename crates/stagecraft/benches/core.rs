@@ -4,7 +4,9 @@
 //! - f32 matmul at 256³ and 1024³ (GFLOP/s = 2n³ / time), beside every
 //!   pool thread's FMA peak (no memory traffic);
 //! - a 16M-element f32 add, and the 8-op B3 chain at 16M on the lazy and
-//!   eager devices, each vs a plain copy of the same 64 MiB.
+//!   eager devices, each vs a plain copy of the same 64 MiB;
+//! - eager f32 activations (GELU, its tanh form, exp, tanh, sigmoid) over
+//!   a GPT MLP's activation, per element, vs a plain copy of its bytes.
 //!
 //! Run with `scripts/bench.sh` for 2-thread and pinned 1-thread figures.
 
@@ -181,5 +183,38 @@ fn b3_chain(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, tiny_add, matmul, big_add, b3_chain);
+/// Eager f32 activations over [393216] (a GPT MLP's activation: batch 12 ·
+/// context 64 · 512 wide), in elements per second, beside a copy of the
+/// same bytes: how far each is from memory speed. GELU and exp evaluate
+/// branch-free polynomials in f64 that vectorize; tanh, sigmoid and the
+/// tanh GELU call libm per element.
+fn activations(c: &mut Criterion) {
+    const N: usize = 393_216;
+    let cpu = Device::cpu();
+    let values: Vec<f32> = (0..N).map(|i| (i % 2000) as f32 * 0.004 - 4.0).collect();
+    let x = Tensor::<f32>::from_vec(values.clone(), &[N], &cpu).unwrap();
+    let mut group = c.benchmark_group("activations_f32_393K");
+    group.throughput(Throughput::Elements(N as u64));
+    type Activation = fn(&Tensor<f32>) -> Tensor<f32>;
+    let rows: [(&str, Activation); 5] = [
+        ("gelu", |x| x.gelu()),
+        ("gelu_tanh", |x| x.gelu_tanh()),
+        ("exp", |x| x.exp()),
+        ("tanh", |x| x.tanh()),
+        ("sigmoid", |x| x.sigmoid()),
+    ];
+    for (name, f) in rows {
+        group.bench_function(name, |bench| bench.iter(|| f(&x).wait().unwrap()));
+    }
+    let mut dst = vec![0.0f32; N];
+    group.bench_function("baseline_copy_same_bytes", |bench| {
+        bench.iter(|| {
+            dst.copy_from_slice(black_box(&values));
+            black_box(&dst);
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, tiny_add, matmul, big_add, b3_chain, activations);
 criterion_main!(benches);
