@@ -9,7 +9,7 @@ use crate::op::*;
 use crate::scalar::{
     erf, exp_to_narrow, expm1, float_fn, gelu, gelu_derivative, gelu_derivative_to_narrow,
     gelu_tanh, gelu_tanh_to_narrow, gelu_to_narrow, log1p, relu, rsqrt, sigmoid, sigmoid_to_narrow,
-    sign, silu, silu_to_narrow, softplus,
+    sign, silu, silu_to_narrow, softplus, tanh_to_narrow,
 };
 use stagecraft_tensor::{broadcast_shapes, DType, Error, Result, TensorMetadata};
 
@@ -145,7 +145,7 @@ crate::unary_ops! {
     }
     /// Hyperbolic tangent.
     Tanh => TANH("Tanh", Float) {
-        eval: |x| x.via_f64(f64::tanh),
+        eval: |x| float_fn!(x, f64::tanh, tanh_to_narrow),
         grad: |b, x, y, g| {
             let y2 = b.mul(y, y)?;
             let one = b.scalar(1.0, b.meta(x).dtype)?;
