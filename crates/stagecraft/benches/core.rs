@@ -185,9 +185,9 @@ fn b3_chain(c: &mut Criterion) {
 
 /// Eager f32 activations over [393216] (a GPT MLP's activation: batch 12 ·
 /// context 64 · 512 wide), in elements per second, beside a copy of the
-/// same bytes: how far each is from memory speed. GELU and exp evaluate
-/// branch-free polynomials in f64 that vectorize; tanh, sigmoid and the
-/// tanh GELU call libm per element.
+/// same bytes: how far each is from memory speed. Each evaluates a
+/// branch-free form in f64 that vectorizes (libm's functions are branchy
+/// calls per element) and rounds once to f32.
 fn activations(c: &mut Criterion) {
     const N: usize = 393_216;
     let cpu = Device::cpu();
