@@ -61,22 +61,19 @@ pub(crate) fn reusable(x: &DenseHostTensor, meta: &TensorMetadata) -> bool {
     x.is_unique() && x.metadata() == meta
 }
 
-/// `out[i] = f(src[i])`, in parallel above the threshold.
+/// `out[i] = f(src[i])`, in parallel above the threshold, each part with
+/// the loop for [`loop_level`] of the output type.
 pub(crate) fn map_into<S, D, F>(out: &mut [D], src: &[S], f: F)
 where
     S: Copy + Sync,
-    D: Send,
-    F: Fn(S) -> D + Sync,
+    D: Element,
+    F: Map<S, D>,
 {
-    fn serial<S: Copy, D>(out: &mut [D], src: &[S], f: &impl Fn(S) -> D) {
-        for (o, &s) in out.iter_mut().zip(src) {
-            *o = f(s);
-        }
-    }
+    let level = loop_level::<D>(out.len());
     if out.len() > PARALLEL_THRESHOLD {
-        crate::pool::for_each_chunk(out, CHUNK, |c, o| serial(o, &src[c * CHUNK..], &f));
+        crate::pool::for_each_chunk(out, CHUNK, |c, o| map_on(level, o, &src[c * CHUNK..], f));
     } else {
-        serial(out, src, &f);
+        map_on(level, out, src, f);
     }
 }
 
@@ -209,7 +206,7 @@ impl<T, U, Z: Zip<T, U>> Zip<T, U> for Flipped<Z> {
 }
 
 #[inline(always)]
-fn map_loop<T: Copy, F: Map<T>>(out: &mut [T], src: &[T], f: F) {
+fn map_loop<S: Copy, D, F: Map<S, D>>(out: &mut [D], src: &[S], f: F) {
     for (o, &s) in out.iter_mut().zip(src) {
         *o = f.map(s);
     }
@@ -224,7 +221,7 @@ fn update_loop<T: Copy, F: Map<T>>(xs: &mut [T], f: F) {
 
 multiversioned! {
     /// `out[i] = f(src[i])`.
-    fn map_on<T, F>(out: &mut [T], src: &[T], f: F) where [T: Copy, F: Map<T>] => map_loop
+    fn map_on<S, D, F>(out: &mut [D], src: &[S], f: F) where [S: Copy, F: Map<S, D>] => map_loop
 }
 
 multiversioned! {
@@ -232,18 +229,7 @@ multiversioned! {
     fn update_on<T, F>(xs: &mut [T], f: F) where [T: Copy, F: Map<T>] => update_loop
 }
 
-/// A unary op's `out[i] = f(src[i])`, in parallel above the threshold,
-/// each part with the loop for [`loop_level`].
-fn map_unary<T: Element, F: Map<T>>(out: &mut [T], src: &[T], f: F) {
-    let level = loop_level::<T>(out.len());
-    if out.len() > PARALLEL_THRESHOLD {
-        crate::pool::for_each_chunk(out, CHUNK, |c, o| map_on(level, o, &src[c * CHUNK..], f));
-    } else {
-        map_on(level, out, src, f);
-    }
-}
-
-/// [`map_unary`] in place.
+/// [`map_into`] in place.
 fn update_unary<T: Element, F: Map<T>>(xs: &mut [T], f: F) {
     let level = loop_level::<T>(xs.len());
     if xs.len() > PARALLEL_THRESHOLD {
@@ -498,7 +484,7 @@ fn unary_kernel<T: Element, F: Map<T> + 'static>(f: F) -> Kernel {
             return Ok(smallvec![out]);
         }
         let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
-        map_unary(out.as_mut_slice::<T>()?, x.as_slice::<T>()?, f);
+        map_into(out.as_mut_slice::<T>()?, x.as_slice::<T>()?, f);
         Ok(smallvec![out])
     })
 }

@@ -665,10 +665,12 @@ fn softmax_via_f32<T: Real>(axis: i64, log: bool) -> Kernel {
         let axis = normalize_axis(axis as isize, x.shape().rank())?;
         let (_, n, inner) = split3(x.shape().dims(), axis);
         let mut wide: Vec<f32> = vec![0.0; x.numel()];
-        map_into(&mut wide, x.as_slice::<T>()?, |v| v.wide() as f32);
+        map_into(&mut wide, x.as_slice::<T>()?, |v: T| v.wide() as f32);
         softmax_in_place(&mut wide, n, inner, log);
         let mut out = DenseHostTensor::zeros(out_meta(ctx)?.clone())?;
-        map_into(out.as_mut_slice::<T>()?, &wide, |v| T::narrow(v as f64));
+        map_into(out.as_mut_slice::<T>()?, &wide, |v: f32| {
+            T::narrow(v as f64)
+        });
         Ok(smallvec![out])
     })
 }
