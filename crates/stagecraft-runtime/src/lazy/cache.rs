@@ -3,7 +3,7 @@
 //! never while a trace compiles or runs, so threads running cached traces
 //! only ever share it for reading.
 
-use super::collect::{Collected, Leaf, Skeleton};
+use super::collect::{Collected, Leaf, Skeleton, Structure};
 use super::metrics::{count_cache_hit, count_cache_miss, count_compile};
 use super::op::LazyOp;
 use crate::executor::{instantiate, Executable};
@@ -12,7 +12,7 @@ use crate::profile;
 use stagecraft_graph::{Function, Node, NodeOp, Value};
 use stagecraft_tensor::{HostTensor, Location, Result, TensorMetadata};
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::hash::Hasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
@@ -27,13 +27,15 @@ pub(super) enum Mode {
 }
 
 struct Entry {
+    structure: Structure,
+    /// For explaining later misses.
     skeleton: Skeleton,
     modes: Vec<Mode>,
     executable: Arc<Executable>,
 }
 
 /// Entries by [`fingerprint`]; entries under one fingerprint are told
-/// apart by comparing skeletons in full.
+/// apart by comparing structures in full.
 type Cache = HashMap<u64, Vec<Entry>>;
 
 static CACHE: RwLock<Option<Cache>> = RwLock::new(None);
@@ -56,11 +58,13 @@ fn debug_log(message: &str) {
     }
 }
 
-fn fingerprint(skeleton: &Skeleton) -> u64 {
+fn fingerprint(structure: &Structure) -> u64 {
     // Entries under one fingerprint are compared in full, so a fast hash
     // is enough.
     let mut h = FxHasher::default();
-    skeleton.hash(&mut h);
+    for &word in structure.words() {
+        h.write_u64(word);
+    }
     h.finish()
 }
 
@@ -191,11 +195,13 @@ pub(super) fn build_function(
 pub(super) fn lookup_or_compile(
     collected: &Collected,
 ) -> Result<(Arc<Executable>, Vec<HostTensor>)> {
-    let key = fingerprint(&collected.skeleton);
+    let key = fingerprint(&collected.structure);
     let leaves = &collected.leaves;
     let found = read_cache(|cache| {
         let entries = cache?.get(&key)?;
-        let entry = entries.iter().find(|e| e.skeleton == collected.skeleton)?;
+        let entry = entries
+            .iter()
+            .find(|e| e.structure == collected.structure)?;
         let mut widened = Vec::new();
         for (i, (mode, leaf)) in entry.modes.iter().zip(leaves).enumerate() {
             if let Mode::Baked(v) = mode {
@@ -211,7 +217,7 @@ pub(super) fn lookup_or_compile(
         }
         Some(Err((entry.modes.clone(), widened)))
     });
-    let modes = match found {
+    let found = match found {
         Some(Ok(hit)) => {
             count_cache_hit();
             profile::instant(
@@ -221,6 +227,11 @@ pub(super) fn lookup_or_compile(
             );
             return Ok(hit);
         }
+        other => other,
+    };
+    // A miss: the skeleton explains it and becomes the function.
+    let skeleton = collected.skeleton();
+    let modes = match found {
         Some(Err((mut modes, widened))) => {
             let reason =
                 format!("the values of constants {widened:?} changed: promoting them to arguments");
@@ -230,10 +241,10 @@ pub(super) fn lookup_or_compile(
             }
             modes
         }
-        None => {
+        _ => {
             let reason = read_cache(|cache| match cache {
-                Some(cache) => miss_reason(&collected.skeleton, cache),
-                None => miss_reason(&collected.skeleton, &HashMap::new()),
+                Some(cache) => miss_reason(&skeleton, cache),
+                None => miss_reason(&skeleton, &HashMap::new()),
             });
             note_miss(reason);
             first_modes(leaves)
@@ -244,7 +255,7 @@ pub(super) fn lookup_or_compile(
     let name = format!("lazyTrace_{}", TRACE_NUMBER.fetch_add(1, Ordering::Relaxed));
     let function = build_function(
         name.clone(),
-        &collected.skeleton,
+        &skeleton,
         &modes,
         &collected.ops,
         &collected.locations,
@@ -258,9 +269,10 @@ pub(super) fn lookup_or_compile(
     count_compile(start.elapsed());
     write_cache(|cache| {
         let entries = cache.entry(key).or_default();
-        entries.retain(|e| e.skeleton != collected.skeleton);
+        entries.retain(|e| e.structure != collected.structure);
         entries.push(Entry {
-            skeleton: collected.skeleton.clone(),
+            structure: collected.structure.clone(),
+            skeleton,
             modes,
             executable: exe.clone(),
         });
@@ -281,12 +293,12 @@ fn note_miss(reason: String) {
 /// How the trace cache would treat `collected`'s leaves: as its cached
 /// entry does, else as a first trace.
 pub(super) fn cached_modes(collected: &Collected) -> Vec<Mode> {
-    let key = fingerprint(&collected.skeleton);
+    let key = fingerprint(&collected.structure);
     read_cache(|cache| {
         cache?
             .get(&key)?
             .iter()
-            .find(|e| e.skeleton == collected.skeleton)
+            .find(|e| e.structure == collected.structure)
             .map(|e| e.modes.clone())
     })
     .unwrap_or_else(|| first_modes(&collected.leaves))
@@ -366,7 +378,8 @@ mod tests {
         cache.insert(
             0,
             vec![Entry {
-                skeleton: seen.skeleton.clone(),
+                structure: seen.structure.clone(),
+                skeleton: seen.skeleton(),
                 modes: Vec::new(),
                 executable,
             }],
@@ -375,7 +388,7 @@ mod tests {
         let reason_for = |y: crate::handle::TensorHandle| {
             let r = y.lazy_ref().unwrap();
             let c = collect(&[(r.op.clone(), r.index)]).unwrap();
-            miss_reason(&c.skeleton, &cache)
+            miss_reason(&c.skeleton(), &cache)
         };
         let add = binary(
             &stagecraft_ops::ADD,
@@ -410,7 +423,7 @@ mod tests {
     fn build_function_bakes_and_numbers_origins() {
         let c = trace(&[1.0; 5], &[2.0; 5]);
         let modes = vec![Mode::Argument, Mode::Baked(c.leaves[1].value.clone())];
-        let f = build_function("t".into(), &c.skeleton, &modes, &c.ops, &c.locations);
+        let f = build_function("t".into(), &c.skeleton(), &modes, &c.ops, &c.locations);
         assert_eq!(f.params.len(), 1);
         let last = f.nodes.last().unwrap();
         assert_eq!(last.origin, Some(0));

@@ -30,7 +30,9 @@ pub(super) struct Leaf {
     pub(super) bakeable: bool,
 }
 
-/// The structure of a trace: what the cache key hashes. Every leaf is a
+/// The structure of a trace as it is compiled: ops, attributes, wiring,
+/// argument metadata and results. Built only when a trace is compiled,
+/// printed or explained; lookups use [`Structure`]. Every leaf is a
 /// parameter here, whatever it will become.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub(super) struct Skeleton {
@@ -47,8 +49,51 @@ pub(super) struct SkeletonNode {
     pub(super) outputs: OutputMetas,
 }
 
+/// A trace's structure as a flat list of words: the trace cache's key.
+/// It determines the [`Skeleton`] exactly (equal words, equal skeletons),
+/// since each op is its signature number (op, attributes and output
+/// metadata, numbered when recorded), so a step writes, hashes and
+/// compares it without touching an attribute map or a shape of its ops.
+///
+/// Layout: op count, parameter count; per parameter its dtype, rank and
+/// dims; per op its signature, input count and inputs; then the result
+/// count and the results. A value is `PARAM | leaf` or `node << 32 |
+/// output`.
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+pub(super) struct Structure(Vec<u64>);
+
+/// Marks a parameter among [`Structure`]'s values.
+const PARAM: u64 = 1 << 63;
+
+impl Structure {
+    /// The words, for hashing.
+    pub(super) fn words(&self) -> &[u64] {
+        &self.0
+    }
+}
+
+fn word(value: Value) -> u64 {
+    match value {
+        Value::Param(leaf) => PARAM | u64::from(leaf),
+        Value::Output { node, output } => (u64::from(node) << 32) | u64::from(output),
+    }
+}
+
+fn value(word: u64) -> Value {
+    if word & PARAM != 0 {
+        Value::Param((word & !PARAM) as u32)
+    } else {
+        Value::Output {
+            node: (word >> 32) as u32,
+            output: word as u32,
+        }
+    }
+}
+
 pub(super) struct Collected {
-    pub(super) skeleton: Skeleton,
+    pub(super) structure: Structure,
+    /// The leaves' metadata, in leaf order.
+    pub(super) params: Vec<TensorMetadata>,
     pub(super) ops: Vec<Arc<LazyOp>>,
     pub(super) locations: Vec<Location>,
     pub(super) leaves: Vec<Leaf>,
@@ -59,14 +104,51 @@ pub(super) struct Collected {
     pub(super) target: Device,
 }
 
+impl Collected {
+    /// The trace's skeleton, read back from its structure and its ops.
+    pub(super) fn skeleton(&self) -> Skeleton {
+        let words = &self.structure.0;
+        // Skip the counts and the parameters (`params` has them).
+        let mut at = 2;
+        for _ in 0..self.params.len() {
+            at += 2 + words[at + 1] as usize;
+        }
+        let nodes = self
+            .ops
+            .iter()
+            .map(|op| {
+                let count = words[at + 1] as usize;
+                let inputs = words[at + 2..at + 2 + count]
+                    .iter()
+                    .map(|w| value(*w))
+                    .collect();
+                at += 2 + count;
+                SkeletonNode {
+                    op: op.def as *const OpDef as usize,
+                    attrs: op.attrs.clone(),
+                    inputs,
+                    outputs: op.outputs.clone(),
+                }
+            })
+            .collect();
+        let results = words[at + 1..].iter().map(|w| value(*w)).collect();
+        Skeleton {
+            params: self.params.clone(),
+            nodes,
+            results,
+        }
+    }
+}
+
 fn key_of(p: &Arc<LazyOp>) -> usize {
     Arc::as_ptr(p) as usize
 }
 
 thread_local! {
-    /// Ops and leaves of the last trace this thread collected (capacity
-    /// hints; per thread, as each thread repeats its own step).
-    static LAST_TRACE_SIZE: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+    /// Ops, leaves and structure words of the last trace this thread
+    /// collected (capacity hints; per thread, as each thread repeats its
+    /// own step).
+    static LAST_TRACE_SIZE: Cell<(usize, usize, usize)> = const { Cell::new((0, 0, 0)) };
 }
 
 /// Collects the ops that `roots` depend on and that have not run, in DFS
@@ -79,19 +161,21 @@ pub(super) fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
     // A training loop records the same trace every step: sizing for the
     // last one spares the growth of every vector and map (4–5 µs of the
     // MLP step's 47-op trace).
-    let (size, leaf_count) = LAST_TRACE_SIZE.get();
+    let (size, leaf_count, word_count) = LAST_TRACE_SIZE.get();
     let (size, leaf_count) = (size.min(1 << 16), leaf_count.min(1 << 16));
-    let mut position: HashMap<usize, usize, FxBuild> =
+    let mut position: HashMap<usize, u32, FxBuild> =
         HashMap::with_capacity_and_hasher(size, FxBuild::default());
     let mut ops: Vec<Arc<LazyOp>> = Vec::with_capacity(size);
-    let mut nodes: Vec<SkeletonNode> = Vec::with_capacity(size);
     let mut locations = Vec::with_capacity(size);
+    // Per op, where its outputs start in `inside_uses`.
+    let mut first_output: Vec<u32> = Vec::with_capacity(size);
+    // Per op output, how many ops of this trace read it.
+    let mut inside_uses: Vec<u32> = Vec::with_capacity(size);
+    let mut node_words: Vec<u64> = Vec::with_capacity(word_count.min(1 << 20));
     let mut leaves: Vec<Leaf> = Vec::with_capacity(leaf_count);
     let mut params: Vec<TensorMetadata> = Vec::with_capacity(leaf_count);
     let mut leaf_ids: HashMap<(usize, u32), u32, FxBuild> =
         HashMap::with_capacity_and_hasher(leaf_count, FxBuild::default());
-    let mut inside_uses: HashMap<(usize, u32), u32, FxBuild> =
-        HashMap::with_capacity_and_hasher(size * 2, FxBuild::default());
 
     // Iterative DFS: (op, visited-children?).
     let mut stack: Vec<(Arc<LazyOp>, bool)> = roots
@@ -112,32 +196,39 @@ pub(super) fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
             continue;
         };
         if !expanded {
-            let children: Vec<Arc<LazyOp>> = inputs
-                .iter()
-                .filter_map(|i| match i {
-                    Input::Op(child, _)
-                        if !child.is_done() && !position.contains_key(&key_of(child)) =>
-                    {
-                        Some(child.clone())
-                    }
-                    _ => None,
-                })
-                .collect();
-            drop(slot);
-            stack.push((op.clone(), true));
-            for child in children.into_iter().rev() {
-                stack.push((child, false));
+            let unvisited = |i: &Input| match i {
+                Input::Op(child, _) => !child.is_done() && !position.contains_key(&key_of(child)),
+                Input::Concrete { .. } => false,
+            };
+            if inputs.iter().any(unvisited) {
+                let children: SmallVec<[Arc<LazyOp>; 4]> = inputs
+                    .iter()
+                    .filter(|i| unvisited(i))
+                    .filter_map(|i| match i {
+                        Input::Op(child, _) => Some(child.clone()),
+                        Input::Concrete { .. } => None,
+                    })
+                    .collect();
+                drop(slot);
+                stack.push((op, true));
+                for child in children.into_iter().rev() {
+                    stack.push((child, false));
+                }
+                continue;
             }
-            continue;
+            // Every input is a leaf or already in the trace: the op goes
+            // in now, without a second visit.
         }
-        let mut values: SmallVec<[Value; 4]> = SmallVec::new();
+        let pos = ops.len() as u32;
+        node_words.push(u64::from(op.signature));
+        node_words.push(inputs.len() as u64);
         for input in inputs.iter() {
             let value = match input {
                 Input::Op(child, index) => {
-                    if let Some(&pos) = position.get(&key_of(child)) {
-                        *inside_uses.entry((pos, *index)).or_default() += 1;
+                    if let Some(&at) = position.get(&key_of(child)) {
+                        inside_uses[(first_output[at as usize] + index) as usize] += 1;
                         Value::Output {
-                            node: pos as u32,
+                            node: at,
                             output: *index,
                         }
                     } else {
@@ -183,16 +274,12 @@ pub(super) fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
                     Value::Param(id)
                 }
             };
-            values.push(value);
+            node_words.push(word(value));
         }
         drop(slot);
-        position.insert(key, ops.len());
-        nodes.push(SkeletonNode {
-            op: op.def as *const OpDef as usize,
-            attrs: op.attrs.clone(),
-            inputs: values,
-            outputs: op.outputs.clone(),
-        });
+        position.insert(key, pos);
+        first_output.push(inside_uses.len() as u32);
+        inside_uses.extend(std::iter::repeat_n(0, op.outputs.len()));
         locations.push(op.location);
         ops.push(op);
     }
@@ -200,40 +287,50 @@ pub(super) fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
     // outside the trace (live user tensors or pending ops not in it).
     let mut outputs: Vec<(usize, u32)> = Vec::new();
     let mut requested = Vec::new();
+    // Per op output, its place in `outputs`, if it has one.
+    let mut output_at: Vec<u32> = vec![u32::MAX; inside_uses.len()];
     for (op, index) in roots {
         if let Some(&pos) = position.get(&key_of(op)) {
-            let out = (pos, *index);
-            let at = outputs.iter().position(|o| *o == out).unwrap_or_else(|| {
-                outputs.push(out);
-                outputs.len() - 1
-            });
-            requested.push(at);
+            let slot = (first_output[pos as usize] + index) as usize;
+            if output_at[slot] == u32::MAX {
+                output_at[slot] = outputs.len() as u32;
+                outputs.push((pos as usize, *index));
+            }
+            requested.push(output_at[slot] as usize);
         }
     }
     for (pos, op) in ops.iter().enumerate() {
         for index in 0..op.outputs.len() as u32 {
+            let slot = (first_output[pos] + index) as usize;
             let live = op.is_live(index);
             let uses = op.uses[index as usize].load(Ordering::Relaxed);
-            let inside = inside_uses.get(&(pos, index)).copied().unwrap_or(0);
-            if (live || uses > inside) && !outputs.contains(&(pos, index)) {
+            if (live || uses > inside_uses[slot]) && output_at[slot] == u32::MAX {
+                output_at[slot] = outputs.len() as u32;
                 outputs.push((pos, index));
             }
         }
     }
-    let results = outputs
-        .iter()
-        .map(|&(node, output)| Value::Output {
+    let mut words = Vec::with_capacity(node_words.len() + 3 + 4 * params.len() + outputs.len());
+    words.push(ops.len() as u64);
+    words.push(params.len() as u64);
+    for p in &params {
+        let dims = p.shape.dims();
+        words.push(p.dtype as u64);
+        words.push(dims.len() as u64);
+        words.extend(dims.iter().map(|&d| d as u64));
+    }
+    words.extend_from_slice(&node_words);
+    words.push(outputs.len() as u64);
+    words.extend(outputs.iter().map(|&(node, output)| {
+        word(Value::Output {
             node: node as u32,
             output,
         })
-        .collect();
-    LAST_TRACE_SIZE.set((ops.len(), leaves.len()));
+    }));
+    LAST_TRACE_SIZE.set((ops.len(), leaves.len(), node_words.len()));
     Ok(Collected {
-        skeleton: Skeleton {
-            params,
-            nodes,
-            results,
-        },
+        structure: Structure(words),
+        params,
         ops,
         locations,
         leaves,
@@ -276,6 +373,39 @@ mod tests {
         assert_eq!(c.outputs, [(2, 0)], "intermediates stay inside");
     }
 
+    /// The structure is the cache key: the same recording twice gives the
+    /// same words, a different wiring of equal ops different ones, and
+    /// the skeleton read back from the words has the recorded wiring.
+    #[test]
+    fn the_structure_tells_wirings_apart_and_reads_back_as_the_skeleton() {
+        let d = lazy_device();
+        let (a, b) = (scalar(1.0, d), scalar(2.0, d));
+        let twice = binary(&stagecraft_ops::ADD, &a, &a);
+        let pair = binary(&stagecraft_ops::ADD, &a, &b);
+        let again = binary(&stagecraft_ops::ADD, &scalar(3.0, d), &scalar(4.0, d));
+        let (twice, pair, again) = (
+            collect(&[root(&twice)]).unwrap(),
+            collect(&[root(&pair)]).unwrap(),
+            collect(&[root(&again)]).unwrap(),
+        );
+        assert_ne!(twice.structure, pair.structure);
+        assert_eq!(pair.structure, again.structure, "values are not structure");
+        let skeleton = twice.skeleton();
+        assert_eq!(skeleton.params.len(), 1);
+        assert_eq!(skeleton.nodes[0].inputs.as_slice(), [Value::Param(0); 2]);
+        assert_eq!(skeleton.results, [Value::Output { node: 0, output: 0 }]);
+        let skeleton = pair.skeleton();
+        assert_eq!(skeleton.params.len(), 2);
+        assert_eq!(
+            skeleton.nodes[0].inputs.as_slice(),
+            [Value::Param(0), Value::Param(1)]
+        );
+        assert_eq!(
+            skeleton.nodes[0].op,
+            &stagecraft_ops::ADD as *const OpDef as usize
+        );
+    }
+
     /// An output that a pending op outside the trace reads is returned even
     /// when no handle holds it, so that op can read it later.
     #[test]
@@ -304,7 +434,7 @@ mod tests {
         assert_eq!(c.ops.len(), 1);
         assert_eq!(c.leaves.len(), 1);
         assert!(!c.leaves[0].bakeable);
-        assert_eq!(c.skeleton.nodes[0].inputs.as_slice(), [Value::Param(0)]);
+        assert_eq!(c.skeleton().nodes[0].inputs.as_slice(), [Value::Param(0)]);
     }
 
     /// A leaf whose trace failed fails the collection with its error.

@@ -49,7 +49,7 @@ pub fn step_trace() -> Result<StepTrace> {
     let modes = cached_modes(&collected);
     let recorded = build_function(
         "lazyTrace_step".to_string(),
-        &collected.skeleton,
+        &collected.skeleton(),
         &modes,
         &collected.ops,
         &collected.locations,
@@ -68,7 +68,7 @@ pub fn trace_text(handle: &TensorHandle) -> Result<String> {
     let name = format!("lazyTrace_{}", collected.ops.len());
     let f = build_function(
         name,
-        &collected.skeleton,
+        &collected.skeleton(),
         &modes,
         &collected.ops,
         &collected.locations,
@@ -112,7 +112,7 @@ pub fn trace_dot(handle: &TensorHandle) -> Result<String> {
     let name = format!("lazyTrace_{}", collected.ops.len());
     let f = build_function(
         name,
-        &collected.skeleton,
+        &collected.skeleton(),
         &modes,
         &collected.ops,
         &collected.locations,

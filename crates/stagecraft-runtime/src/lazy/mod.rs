@@ -13,7 +13,10 @@
 //!   live user tensor still refers to, or that a pending op outside the
 //!   trace reads; intermediates used only inside the trace are not outputs.
 //! - The cache key is the trace's structure (ops, attributes, wiring,
-//!   argument dtypes and shapes), never values. Materialized tensors are
+//!   argument dtypes and shapes), never values: a flat list of words in
+//!   which each op is the number its (op, attributes, output metadata)
+//!   got when it was recorded, so a step's lookup hashes and compares
+//!   words, not attribute maps and shapes. Materialized tensors are
 //!   arguments; small constants are baked in until a trace differs from a
 //!   cached one only in their values, which turns them into arguments
 //!   (widening), so per-step scalars cost at most one extra compile.
@@ -27,7 +30,8 @@
 //! The modules follow an op's life: `op` (a recorded op, its states and
 //! claims), `record`, `collect` (a trace's ops and structure), `cache`
 //! (compiled traces by structure), `materialize` (claim, run, store), plus
-//! `inspect` (a trace printed without running it) and `metrics`.
+//! `inspect` (a trace printed without running it), `metrics`, and
+//! `signature` (the numbers of recorded op signatures).
 
 mod cache;
 mod collect;
@@ -36,6 +40,7 @@ mod materialize;
 mod metrics;
 mod op;
 mod record;
+mod signature;
 
 pub use inspect::{step_trace, trace_dot, trace_text, StepTrace};
 pub use materialize::mark_step;

@@ -14,7 +14,7 @@ use crate::handle::TensorHandle;
 use smallvec::SmallVec;
 use stagecraft_ops::{FrozenOpAttrs, OpDef, OutputMetas};
 use stagecraft_tensor::{HostTensor, Location, Result};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// One input of a recorded op.
@@ -90,7 +90,11 @@ pub(crate) struct LazyOp {
     pub(super) attrs: FrozenOpAttrs,
     pub(super) location: Location,
     pub(super) outputs: OutputMetas,
+    /// The number of (`def`, `attrs`, `outputs`): see `signature`.
+    pub(super) signature: u32,
     pub(super) target: Device,
+    /// Set once the op is `Done`, so asking costs a load, not a lock.
+    done: AtomicBool,
     /// Live user handles per output.
     pub(super) live: SmallVec<[AtomicU32; 1]>,
     /// Pending recorded ops reading each output.
@@ -111,12 +115,15 @@ impl LazyOp {
         inputs: Inputs,
     ) -> LazyOp {
         let n = outputs.len();
+        let signature = super::signature::signature(def, &attrs, &outputs);
         LazyOp {
             def,
             attrs,
             location,
             outputs,
+            signature,
             target,
+            done: AtomicBool::new(false),
             live: (0..n).map(|_| AtomicU32::new(0)).collect(),
             uses: (0..n).map(|_| AtomicU32::new(0)).collect(),
             slot: Mutex::new(Slot {
@@ -131,9 +138,10 @@ impl LazyOp {
         self.slot.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// True once a trace ran the op.
+    /// True once a trace ran the op. Acquire pairs with the release in
+    /// [`finish`](Self::finish): whoever sees the flag sees the outputs.
     pub(super) fn is_done(&self) -> bool {
-        matches!(self.lock().state, State::Done(_))
+        self.done.load(Ordering::Acquire)
     }
 
     /// Whether a user handle still refers to output `index`. Acquire pairs
@@ -184,6 +192,7 @@ impl LazyOp {
             State::Claimed(..) | State::Done(_) => return false,
         }
         slot.state = State::Done(outputs);
+        self.done.store(true, Ordering::Release);
         self.wake(&mut slot);
         true
     }
@@ -243,7 +252,9 @@ fn release_inputs(inputs: &Inputs) {
 
 impl Drop for LazyOp {
     fn drop(&mut self) {
-        if let Some(inputs) = self.lock().state.inputs() {
+        // The last owner: no lock to take.
+        let slot = self.slot.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(inputs) = slot.state.inputs() {
             release_inputs(inputs);
         }
     }
