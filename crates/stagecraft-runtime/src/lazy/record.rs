@@ -66,7 +66,7 @@ pub(super) fn record(target: Device, mut inv: OpInvocation<'_>) -> Results {
         op,
         frozen(&attrs),
         location,
-        outputs.clone(),
+        outputs,
         target,
         inputs,
     ));
@@ -78,7 +78,8 @@ pub(super) fn record(target: Device, mut inv: OpInvocation<'_>) -> Results {
         r.since_step += 1;
         r.since_step >= limit
     });
-    let results: Results = outputs
+    let results: Results = lazy_op
+        .outputs
         .iter()
         .enumerate()
         .map(|(i, meta)| {
