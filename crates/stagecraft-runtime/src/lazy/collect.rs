@@ -5,7 +5,7 @@
 //! (`materialize::claim`), which also catches any op another trace ran or
 //! claimed meanwhile.
 
-use super::op::{Input, LazyOp};
+use super::op::{ClaimOutcome, Input, LazyOp, TraceId};
 use crate::device::Device;
 use crate::fxhash::FxBuild;
 use smallvec::SmallVec;
@@ -102,6 +102,8 @@ pub(super) struct Collected {
     /// Positions in `outputs` of the requested roots.
     pub(super) requested: Vec<usize>,
     pub(super) target: Device,
+    /// Whether [`collect_claiming`] claimed every op.
+    pub(super) claimed_all: bool,
 }
 
 impl Collected {
@@ -154,6 +156,19 @@ thread_local! {
 /// Collects the ops that `roots` depend on and that have not run, in DFS
 /// post-order.
 pub(super) fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
+    collect_with(roots, None)
+}
+
+/// [`collect`], claiming each op for `trace` under the lock the walk takes
+/// anyway. It never waits: if another trace holds an op, the ops this
+/// walk claimed are given back and `claimed_all` is false, so the caller
+/// claims in its deadlock-free order instead (`materialize::claim`). A
+/// failed collection gives its claims back too.
+pub(super) fn collect_claiming(roots: &[(Arc<LazyOp>, u32)], trace: TraceId) -> Result<Collected> {
+    collect_with(roots, Some(trace))
+}
+
+fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Result<Collected> {
     let target = roots
         .first()
         .map(|(op, _)| op.target)
@@ -178,77 +193,104 @@ pub(super) fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
         HashMap::with_capacity_and_hasher(leaf_count, FxBuild::default());
 
     // Iterative DFS: (op, visited-children?).
-    let mut stack: Vec<(Arc<LazyOp>, bool)> = roots
-        .iter()
-        .rev()
-        .map(|(op, _)| (op.clone(), false))
-        .collect();
-    while let Some((op, expanded)) = stack.pop() {
-        let key = key_of(&op);
-        if position.contains_key(&key) {
-            continue;
-        }
-        let slot = op.lock();
-        // Pending or claimed (by this trace from an earlier attempt, or by
-        // another, which the claim step will wait for); done ops are
-        // leaves.
-        let Some(inputs) = slot.state.inputs() else {
-            continue;
-        };
-        if !expanded {
-            let unvisited = |i: &Input| match i {
-                Input::Op(child, _) => !child.is_done() && !position.contains_key(&key_of(child)),
-                Input::Concrete { .. } => false,
-            };
-            if inputs.iter().any(unvisited) {
-                let children: SmallVec<[Arc<LazyOp>; 4]> = inputs
-                    .iter()
-                    .filter(|i| unvisited(i))
-                    .filter_map(|i| match i {
-                        Input::Op(child, _) => Some(child.clone()),
-                        Input::Concrete { .. } => None,
-                    })
-                    .collect();
-                drop(slot);
-                stack.push((op, true));
-                for child in children.into_iter().rev() {
-                    stack.push((child, false));
-                }
+    let mut claimed_all = claim_for.is_some();
+    let walked: Result<()> = 'walk: {
+        let mut stack: Vec<(Arc<LazyOp>, bool)> = roots
+            .iter()
+            .rev()
+            .map(|(op, _)| (op.clone(), false))
+            .collect();
+        while let Some((op, expanded)) = stack.pop() {
+            let key = key_of(&op);
+            if position.contains_key(&key) {
                 continue;
             }
-            // Every input is a leaf or already in the trace: the op goes
-            // in now, without a second visit.
-        }
-        let pos = ops.len() as u32;
-        node_words.push(u64::from(op.signature));
-        node_words.push(inputs.len() as u64);
-        for input in inputs.iter() {
-            let value = match input {
-                Input::Op(child, index) => {
-                    if let Some(&at) = position.get(&key_of(child)) {
-                        inside_uses[(first_output[at as usize] + index) as usize] += 1;
-                        Value::Output {
-                            node: at,
-                            output: *index,
+            let mut slot = op.lock();
+            // Pending or claimed (by this trace from an earlier attempt, or by
+            // another, which the claim step will wait for); done ops are
+            // leaves.
+            let Some(inputs) = slot.state.inputs() else {
+                continue;
+            };
+            if !expanded {
+                let unvisited = |i: &Input| match i {
+                    Input::Op(child, _) => {
+                        !child.is_done() && !position.contains_key(&key_of(child))
+                    }
+                    Input::Concrete { .. } => false,
+                };
+                if inputs.iter().any(unvisited) {
+                    let children: SmallVec<[Arc<LazyOp>; 4]> = inputs
+                        .iter()
+                        .filter(|i| unvisited(i))
+                        .filter_map(|i| match i {
+                            Input::Op(child, _) => Some(child.clone()),
+                            Input::Concrete { .. } => None,
+                        })
+                        .collect();
+                    drop(slot);
+                    stack.push((op, true));
+                    for child in children.into_iter().rev() {
+                        stack.push((child, false));
+                    }
+                    continue;
+                }
+                // Every input is a leaf or already in the trace: the op goes
+                // in now, without a second visit.
+            }
+            let pos = ops.len() as u32;
+            node_words.push(u64::from(op.signature));
+            node_words.push(inputs.len() as u64);
+            for input in inputs.iter() {
+                let value = match input {
+                    Input::Op(child, index) => {
+                        if let Some(&at) = position.get(&key_of(child)) {
+                            inside_uses[(first_output[at as usize] + index) as usize] += 1;
+                            Value::Output {
+                                node: at,
+                                output: *index,
+                            }
+                        } else {
+                            // A materialized output: an argument.
+                            let leaf_key = (key_of(child), *index);
+                            let id = match leaf_ids.get(&leaf_key) {
+                                Some(id) => *id,
+                                None => {
+                                    // A child not in the trace was done when
+                                    // it was visited, and stays done.
+                                    let value = child.output(*index).unwrap_or_else(|| {
+                                        Err(Error::internal("a pending input escaped the trace"))
+                                    });
+                                    // The producing trace failed: this one fails the same way.
+                                    let value = match value {
+                                        Ok(v) => v,
+                                        Err(e) => break 'walk Err(e),
+                                    };
+                                    params.push(child.outputs[*index as usize].clone());
+                                    leaves.push(Leaf {
+                                        value,
+                                        bakeable: false,
+                                    });
+                                    let id = (leaves.len() - 1) as u32;
+                                    leaf_ids.insert(leaf_key, id);
+                                    id
+                                }
+                            };
+                            Value::Param(id)
                         }
-                    } else {
-                        // A materialized output: an argument.
-                        let leaf_key = (key_of(child), *index);
+                    }
+                    Input::Concrete { handle } => {
+                        let leaf_key = (handle.addr(), u32::MAX);
                         let id = match leaf_ids.get(&leaf_key) {
                             Some(id) => *id,
                             None => {
-                                // A child not in the trace was done when
-                                // it was visited, and stays done.
-                                let value = child.output(*index).unwrap_or_else(|| {
-                                    Err(Error::internal("a pending input escaped the trace"))
-                                });
-                                // The producing trace failed: this one fails the same way.
-                                let value = value?;
-                                params.push(child.outputs[*index as usize].clone());
-                                leaves.push(Leaf {
-                                    value,
-                                    bakeable: false,
-                                });
+                                let value = match handle.wait() {
+                                    Ok(v) => v.clone(),
+                                    Err(e) => break 'walk Err(e),
+                                };
+                                let bakeable = value.metadata().shape.numel() <= BAKE_LIMIT;
+                                params.push(handle.metadata().clone());
+                                leaves.push(Leaf { value, bakeable });
                                 let id = (leaves.len() - 1) as u32;
                                 leaf_ids.insert(leaf_key, id);
                                 id
@@ -256,33 +298,31 @@ pub(super) fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
                         };
                         Value::Param(id)
                     }
+                };
+                node_words.push(word(value));
+            }
+            if let Some(trace) = claim_for {
+                match slot.claim(trace) {
+                    ClaimOutcome::Taken | ClaimOutcome::AlreadyHeld => {}
+                    ClaimOutcome::Busy | ClaimOutcome::Done => claimed_all = false,
                 }
-                Input::Concrete { handle } => {
-                    let leaf_key = (handle.addr(), u32::MAX);
-                    let id = match leaf_ids.get(&leaf_key) {
-                        Some(id) => *id,
-                        None => {
-                            let value = handle.wait()?.clone();
-                            let bakeable = value.metadata().shape.numel() <= BAKE_LIMIT;
-                            params.push(handle.metadata().clone());
-                            leaves.push(Leaf { value, bakeable });
-                            let id = (leaves.len() - 1) as u32;
-                            leaf_ids.insert(leaf_key, id);
-                            id
-                        }
-                    };
-                    Value::Param(id)
-                }
-            };
-            node_words.push(word(value));
+            }
+            drop(slot);
+            position.insert(key, pos);
+            first_output.push(inside_uses.len() as u32);
+            inside_uses.extend(std::iter::repeat_n(0, op.outputs.len()));
+            locations.push(op.location);
+            ops.push(op);
         }
-        drop(slot);
-        position.insert(key, pos);
-        first_output.push(inside_uses.len() as u32);
-        inside_uses.extend(std::iter::repeat_n(0, op.outputs.len()));
-        locations.push(op.location);
-        ops.push(op);
+        Ok(())
+    };
+    if let (Some(trace), false) = (claim_for, claimed_all && walked.is_ok()) {
+        for op in &ops {
+            op.unclaim(trace);
+        }
+        claimed_all = false;
     }
+    walked?;
     // Outputs: requested roots, then every op output still referenced from
     // outside the trace (live user tensors or pending ops not in it).
     let mut outputs: Vec<(usize, u32)> = Vec::new();
@@ -337,11 +377,13 @@ pub(super) fn collect(roots: &[(Arc<LazyOp>, u32)]) -> Result<Collected> {
         outputs,
         requested,
         target,
+        claimed_all,
     })
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::op::State;
     use super::super::tests::{binary, lazy_device, scalar, unary};
     use super::*;
     use crate::handle::TensorHandle;
@@ -455,6 +497,69 @@ mod tests {
         assert!(zero.wait().is_err());
         let err = collect(&[root(&y)]).err().expect("an error");
         assert_eq!(err.op(), Some("Div"));
+    }
+
+    fn claimed_by(op: &Arc<LazyOp>, trace: TraceId) -> bool {
+        matches!(op.lock().state, State::Claimed(_, t) if t == trace)
+    }
+
+    /// Uncontended, the walk claims every op it collects.
+    #[test]
+    fn collecting_claims_every_op_when_no_other_trace_holds_one() {
+        let d = lazy_device();
+        let w = unary(&stagecraft_ops::NEG, &scalar(1.0, d));
+        let y = binary(&stagecraft_ops::ADD, &w, &scalar(2.0, d));
+        let trace = TraceId::next();
+        let c = collect_claiming(&[root(&y)], trace).unwrap();
+        assert!(c.claimed_all);
+        assert_eq!(c.ops.len(), 2);
+        assert!(c.ops.iter().all(|op| claimed_by(op, trace)));
+    }
+
+    /// If another trace holds an op, the walk gives back what it claimed
+    /// (the caller then claims in address order, which may wait) and
+    /// leaves the other trace's claim alone.
+    #[test]
+    fn collecting_gives_its_claims_back_when_another_trace_holds_an_op() {
+        let d = lazy_device();
+        let w = unary(&stagecraft_ops::NEG, &scalar(1.0, d));
+        let x = unary(&stagecraft_ops::EXP, &w);
+        let y = unary(&stagecraft_ops::LOG, &x);
+        let (mine, other) = (TraceId::next(), TraceId::next());
+        let held = root(&x).0;
+        assert_eq!(held.try_claim(other), ClaimOutcome::Taken);
+        let c = collect_claiming(&[root(&y)], mine).unwrap();
+        assert!(!c.claimed_all);
+        assert_eq!(c.ops.len(), 3, "the held op is still part of the trace");
+        assert!(c.ops.iter().all(|op| !claimed_by(op, mine)));
+        assert!(claimed_by(&held, other));
+        held.unclaim(other);
+    }
+
+    /// A collection that fails on a leaf keeps no claim.
+    #[test]
+    fn a_failed_claiming_collection_keeps_no_claim() {
+        let d = lazy_device();
+        let zero = crate::runtime::execute(
+            &stagecraft_ops::DIV,
+            d,
+            Location::caller(),
+            smallvec::smallvec![scalar_i32(1, d), scalar_i32(0, d)],
+            (&stagecraft_ops::OpAttrs::new()).into(),
+        )
+        .remove(0);
+        // `first` is collected (and claimed) before the walk meets the
+        // failed leaf in `second`'s inputs.
+        let first = unary(&stagecraft_ops::NEG, &scalar_i32(3, d));
+        let second = binary(&stagecraft_ops::ADD, &first, &zero);
+        assert!(zero.wait().is_err());
+        let trace = TraceId::next();
+        let err = collect_claiming(&[root(&second)], trace)
+            .err()
+            .expect("an error");
+        assert_eq!(err.op(), Some("Div"));
+        assert!(matches!(root(&first).0.lock().state, State::Pending(_)));
+        assert!(matches!(root(&second).0.lock().state, State::Pending(_)));
     }
 
     fn scalar_i32(v: i32, d: Device) -> TensorHandle {

@@ -11,7 +11,7 @@
 //! collects again: the op is now a leaf whose value it reads.
 
 use super::cache::lookup_or_compile;
-use super::collect::{collect, Collected};
+use super::collect::{collect, collect_claiming, Collected};
 use super::metrics::{
     count_bytes_to_host, count_execution, count_materialization, count_step, Trigger,
 };
@@ -58,7 +58,16 @@ pub(super) fn claim(roots: &mut Vec<Root>, trace: TraceId) -> Claim {
             release(&mut held);
             return Claim::NothingToRun;
         }
-        let collected = match collect(roots) {
+        // The first attempt claims as it collects, which costs no extra
+        // lock per op; if another trace holds one of the ops, it has given
+        // its claims back, and the ordered claim below takes over.
+        let first_attempt = held.is_empty();
+        let collected = if first_attempt {
+            collect_claiming(roots, trace)
+        } else {
+            collect(roots)
+        };
+        let collected = match collected {
             Ok(c) => c,
             Err(e) => {
                 release(&mut held);
@@ -68,6 +77,9 @@ pub(super) fn claim(roots: &mut Vec<Root>, trace: TraceId) -> Claim {
         if collected.ops.is_empty() {
             // The roots ran elsewhere while this trace was being collected.
             continue;
+        }
+        if collected.claimed_all {
+            return Claim::Ready(collected);
         }
         let mut order: Vec<&Arc<LazyOp>> = collected.ops.iter().collect();
         order.sort_unstable_by_key(|op| address(op));

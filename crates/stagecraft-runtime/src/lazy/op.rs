@@ -71,6 +71,23 @@ pub(super) struct Slot {
     watched: bool,
 }
 
+impl Slot {
+    /// Claims the op for `trace` if it is pending (the caller holds the
+    /// op's lock).
+    pub(super) fn claim(&mut self, trace: TraceId) -> ClaimOutcome {
+        match &mut self.state {
+            State::Pending(inputs) => {
+                let inputs = std::mem::take(inputs);
+                self.state = State::Claimed(inputs, trace);
+                ClaimOutcome::Taken
+            }
+            State::Claimed(_, owner) if *owner == trace => ClaimOutcome::AlreadyHeld,
+            State::Claimed(..) => ClaimOutcome::Busy,
+            State::Done(_) => ClaimOutcome::Done,
+        }
+    }
+}
+
 /// What [`LazyOp::try_claim`] found.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum ClaimOutcome {
@@ -155,17 +172,7 @@ impl LazyOp {
 
     /// Claims the op for `trace` if it is pending.
     pub(super) fn try_claim(&self, trace: TraceId) -> ClaimOutcome {
-        let mut slot = self.lock();
-        match &mut slot.state {
-            State::Pending(inputs) => {
-                let inputs = std::mem::take(inputs);
-                slot.state = State::Claimed(inputs, trace);
-                ClaimOutcome::Taken
-            }
-            State::Claimed(_, owner) if *owner == trace => ClaimOutcome::AlreadyHeld,
-            State::Claimed(..) => ClaimOutcome::Busy,
-            State::Done(_) => ClaimOutcome::Done,
-        }
+        self.lock().claim(trace)
     }
 
     /// Gives back `trace`'s claim, leaving the op pending (no-op for an op
