@@ -483,14 +483,7 @@ mod tests {
     #[test]
     fn a_failed_leaf_fails_the_collection() {
         let d = lazy_device();
-        let zero = crate::runtime::execute(
-            &stagecraft_ops::DIV,
-            d,
-            Location::caller(),
-            smallvec::smallvec![scalar_i32(1, d), scalar_i32(0, d)],
-            (&stagecraft_ops::OpAttrs::new()).into(),
-        )
-        .remove(0);
+        let zero = integer_division_by_zero(d);
         // Recorded before the division runs (after, it would be an error
         // handle at once).
         let y = unary(&stagecraft_ops::NEG, &zero);
@@ -540,14 +533,7 @@ mod tests {
     #[test]
     fn a_failed_claiming_collection_keeps_no_claim() {
         let d = lazy_device();
-        let zero = crate::runtime::execute(
-            &stagecraft_ops::DIV,
-            d,
-            Location::caller(),
-            smallvec::smallvec![scalar_i32(1, d), scalar_i32(0, d)],
-            (&stagecraft_ops::OpAttrs::new()).into(),
-        )
-        .remove(0);
+        let zero = integer_division_by_zero(d);
         // `first` is collected (and claimed) before the walk meets the
         // failed leaf in `second`'s inputs.
         let first = unary(&stagecraft_ops::NEG, &scalar_i32(3, d));
@@ -560,6 +546,18 @@ mod tests {
         assert_eq!(err.op(), Some("Div"));
         assert!(matches!(root(&first).0.lock().state, State::Pending(_)));
         assert!(matches!(root(&second).0.lock().state, State::Pending(_)));
+    }
+
+    /// `1 / 0` in i32, recorded on `d`: its trace fails when it runs.
+    fn integer_division_by_zero(d: Device) -> TensorHandle {
+        crate::runtime::execute(
+            &stagecraft_ops::DIV,
+            d,
+            Location::caller(),
+            smallvec::smallvec![scalar_i32(1, d), scalar_i32(0, d)],
+            (&stagecraft_ops::OpAttrs::new()).into(),
+        )
+        .remove(0)
     }
 
     fn scalar_i32(v: i32, d: Device) -> TensorHandle {
