@@ -500,6 +500,10 @@ fn slice_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGra
     let shape = b.meta(ctx.inputs[0]).shape;
     let slices = resolve_slice(&ctx.attrs, &shape)?;
     let mut g = ctx.grad()?;
+    // One pad for every axis at the end: a pad per axis copied the whole
+    // gradient once per axis, most of them with nothing to add (a
+    // `narrow` of a [B, T, 3C] projection paid three copies).
+    let mut pads: SmallVec<[i64; 8]> = SmallVec::with_capacity(2 * shape.rank());
     for (axis, s) in slices.iter().enumerate() {
         let dim = shape[axis];
         if s.len == 0 {
@@ -521,7 +525,12 @@ fn slice_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGra
             g = b.reshape(t, &back)?;
         }
         let span = (s.len - 1) * s.step + 1;
-        g = pad_axis(b, g, axis, s.start, dim - s.start - span)?;
+        pads.extend([s.start as i64, (dim - s.start - span) as i64]);
+    }
+    if pads.iter().any(|&p| p != 0) {
+        let mut attrs = crate::OpAttrs::new();
+        attrs.set_ints("pads", &pads);
+        g = b.op(&PAD, &[g], &attrs)?;
     }
     crate::grad::only(g)
 }
@@ -529,11 +538,19 @@ fn slice_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGra
 fn pad_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
     let shape = b.meta(ctx.inputs[0]).shape;
     let pads = ctx.attrs.ints("pads")?;
-    let mut g = ctx.grad()?;
-    for axis in 0..shape.rank() {
-        g = slice_of(b, g, axis, pads[2 * axis] as usize, shape[axis])?;
+    let g = ctx.grad()?;
+    // One slice over every axis (see `slice_grad`), none where nothing
+    // was padded.
+    if pads.iter().all(|&p| p == 0) {
+        return crate::grad::only(g);
     }
-    crate::grad::only(g)
+    let starts: SmallVec<[i64; 4]> = (0..shape.rank()).map(|a| pads[2 * a]).collect();
+    let ends: SmallVec<[i64; 4]> = (0..shape.rank())
+        .map(|a| pads[2 * a] + shape[a] as i64)
+        .collect();
+    let mut attrs = crate::OpAttrs::new();
+    attrs.set_ints("starts", &starts).set_ints("ends", &ends);
+    crate::grad::only(b.op(&SLICE, &[g], &attrs)?)
 }
 
 #[cfg(test)]
