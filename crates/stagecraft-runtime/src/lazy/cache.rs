@@ -217,7 +217,9 @@ pub(super) fn lookup_or_compile(
         }
         Some(Err((entry.modes.clone(), widened)))
     });
-    let found = match found {
+    // A miss builds the skeleton: it explains the miss and becomes the
+    // function.
+    let (skeleton, modes) = match found {
         Some(Ok(hit)) => {
             count_cache_hit();
             profile::instant(
@@ -227,11 +229,6 @@ pub(super) fn lookup_or_compile(
             );
             return Ok(hit);
         }
-        other => other,
-    };
-    // A miss: the skeleton explains it and becomes the function.
-    let skeleton = collected.skeleton();
-    let modes = match found {
         Some(Err((mut modes, widened))) => {
             let reason =
                 format!("the values of constants {widened:?} changed: promoting them to arguments");
@@ -239,15 +236,16 @@ pub(super) fn lookup_or_compile(
             for i in widened {
                 modes[i] = Mode::Argument;
             }
-            modes
+            (collected.skeleton(), modes)
         }
-        _ => {
+        None => {
+            let skeleton = collected.skeleton();
             let reason = read_cache(|cache| match cache {
                 Some(cache) => miss_reason(&skeleton, cache),
                 None => miss_reason(&skeleton, &HashMap::new()),
             });
             note_miss(reason);
-            first_modes(leaves)
+            (skeleton, first_modes(leaves))
         }
     };
     let start = Instant::now();

@@ -55,10 +55,10 @@ pub(super) struct SkeletonNode {
 /// metadata, numbered when recorded), so a step writes, hashes and
 /// compares it without touching an attribute map or a shape of its ops.
 ///
-/// Layout: op count, parameter count; per parameter its dtype, rank and
-/// dims; per op its signature, input count and inputs; then the result
-/// count and the results. A value is `PARAM | leaf` or `node << 32 |
-/// output`.
+/// Layout: per op its signature, input count and inputs (written as the
+/// walk goes); per parameter its dtype, rank and dims; the result count
+/// and the results; last the op and parameter counts, which say where
+/// each part ends. A value is `PARAM | leaf` or `node << 32 | output`.
 #[derive(Clone, PartialEq, Eq, Debug, Default)]
 pub(super) struct Structure(Vec<u64>);
 
@@ -110,11 +110,7 @@ impl Collected {
     /// The trace's skeleton, read back from its structure and its ops.
     pub(super) fn skeleton(&self) -> Skeleton {
         let words = &self.structure.0;
-        // Skip the counts and the parameters (`params` has them).
-        let mut at = 2;
-        for _ in 0..self.params.len() {
-            at += 2 + words[at + 1] as usize;
-        }
+        let mut at = 0;
         let nodes = self
             .ops
             .iter()
@@ -133,7 +129,15 @@ impl Collected {
                 }
             })
             .collect();
-        let results = words[at + 1..].iter().map(|w| value(*w)).collect();
+        // Skip the parameters: `params` has them.
+        for _ in 0..self.params.len() {
+            at += 2 + words[at + 1] as usize;
+        }
+        let count = words[at] as usize;
+        let results = words[at + 1..at + 1 + count]
+            .iter()
+            .map(|w| value(*w))
+            .collect();
         Skeleton {
             params: self.params.clone(),
             nodes,
@@ -186,7 +190,7 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
     let mut first_output: Vec<u32> = Vec::with_capacity(size);
     // Per op output, how many ops of this trace read it.
     let mut inside_uses: Vec<u32> = Vec::with_capacity(size);
-    let mut node_words: Vec<u64> = Vec::with_capacity(word_count.min(1 << 20));
+    let mut words: Vec<u64> = Vec::with_capacity(word_count.min(1 << 20));
     let mut leaves: Vec<Leaf> = Vec::with_capacity(leaf_count);
     let mut params: Vec<TensorMetadata> = Vec::with_capacity(leaf_count);
     let mut leaf_ids: HashMap<(usize, u32), u32, FxBuild> =
@@ -213,21 +217,18 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
                 continue;
             };
             if !expanded {
-                let unvisited = |i: &Input| match i {
-                    Input::Op(child, _) => {
-                        !child.is_done() && !position.contains_key(&key_of(child))
-                    }
-                    Input::Concrete { .. } => false,
-                };
-                if inputs.iter().any(unvisited) {
-                    let children: SmallVec<[Arc<LazyOp>; 4]> = inputs
-                        .iter()
-                        .filter(|i| unvisited(i))
-                        .filter_map(|i| match i {
-                            Input::Op(child, _) => Some(child.clone()),
-                            Input::Concrete { .. } => None,
-                        })
-                        .collect();
+                let children: SmallVec<[Arc<LazyOp>; 4]> = inputs
+                    .iter()
+                    .filter_map(|i| match i {
+                        Input::Op(child, _)
+                            if !child.is_done() && !position.contains_key(&key_of(child)) =>
+                        {
+                            Some(child.clone())
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                if !children.is_empty() {
                     drop(slot);
                     stack.push((op, true));
                     for child in children.into_iter().rev() {
@@ -239,8 +240,8 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
                 // in now, without a second visit.
             }
             let pos = ops.len() as u32;
-            node_words.push(u64::from(op.signature));
-            node_words.push(inputs.len() as u64);
+            words.push(u64::from(op.signature));
+            words.push(inputs.len() as u64);
             for input in inputs.iter() {
                 let value = match input {
                     Input::Op(child, index) => {
@@ -299,7 +300,7 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
                         Value::Param(id)
                     }
                 };
-                node_words.push(word(value));
+                words.push(word(value));
             }
             if let Some(trace) = claim_for {
                 match slot.claim(trace) {
@@ -316,11 +317,13 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
         }
         Ok(())
     };
-    if let (Some(trace), false) = (claim_for, claimed_all && walked.is_ok()) {
-        for op in &ops {
-            op.unclaim(trace);
+    if let Some(trace) = claim_for {
+        if !claimed_all || walked.is_err() {
+            for op in &ops {
+                op.unclaim(trace);
+            }
+            claimed_all = false;
         }
-        claimed_all = false;
     }
     walked?;
     // Outputs: requested roots, then every op output still referenced from
@@ -350,16 +353,12 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
             }
         }
     }
-    let mut words = Vec::with_capacity(node_words.len() + 3 + 4 * params.len() + outputs.len());
-    words.push(ops.len() as u64);
-    words.push(params.len() as u64);
     for p in &params {
         let dims = p.shape.dims();
         words.push(p.dtype as u64);
         words.push(dims.len() as u64);
         words.extend(dims.iter().map(|&d| d as u64));
     }
-    words.extend_from_slice(&node_words);
     words.push(outputs.len() as u64);
     words.extend(outputs.iter().map(|&(node, output)| {
         word(Value::Output {
@@ -367,7 +366,9 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
             output,
         })
     }));
-    LAST_TRACE_SIZE.set((ops.len(), leaves.len(), node_words.len()));
+    words.push(ops.len() as u64);
+    words.push(params.len() as u64);
+    LAST_TRACE_SIZE.set((ops.len(), leaves.len(), words.len()));
     Ok(Collected {
         structure: Structure(words),
         params,

@@ -19,6 +19,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 
 /// What a signature number stands for.
+#[derive(Clone)]
 struct Signature {
     def: usize,
     attrs: FrozenOpAttrs,
@@ -68,6 +69,11 @@ pub(super) fn signature(def: &'static OpDef, attrs: &FrozenOpAttrs, outputs: &Ou
         if let Some(n) = find(&seen.borrow(), hash, def, attrs, outputs) {
             return n;
         }
+        let entry = Signature {
+            def,
+            attrs: attrs.clone(),
+            outputs: outputs.clone(),
+        };
         let n = {
             let mut numbered = NUMBERED.lock().unwrap_or_else(|p| p.into_inner());
             let (table, next) = numbered.get_or_insert_with(|| (Table::default(), 0));
@@ -76,20 +82,10 @@ pub(super) fn signature(def: &'static OpDef, attrs: &FrozenOpAttrs, outputs: &Ou
                 None => {
                     let n = *next;
                     *next = next.checked_add(1).expect("fewer than 2^32 op signatures");
-                    let entry = Signature {
-                        def,
-                        attrs: attrs.clone(),
-                        outputs: outputs.clone(),
-                    };
-                    table.entry(hash).or_default().push((entry, n));
+                    table.entry(hash).or_default().push((entry.clone(), n));
                     n
                 }
             }
-        };
-        let entry = Signature {
-            def,
-            attrs: attrs.clone(),
-            outputs: outputs.clone(),
         };
         seen.borrow_mut().entry(hash).or_default().push((entry, n));
         n
