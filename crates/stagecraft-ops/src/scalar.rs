@@ -431,18 +431,26 @@ pub fn sigmoid_to_narrow(x: f64) -> f64 {
     numerator / (1.0 + e)
 }
 
-/// [`silu`] for a result rounded to f32 or narrower: `x·σ(x)` by
-/// [`sigmoid_to_narrow`], vectorizable. Below x = -120 the exact result
-/// rounds to -0 in every narrow type (|x·e^x| < 1e-50), while the clamped
+/// `x·σ(t)` for a result rounded to f32 or narrower, by
+/// [`sigmoid_to_narrow`], vectorizable: SiLU (`t = x`) and the tanh GELU.
+/// Below t = -120, x is negative in both uses and |x·e^t| < 1e-50, so the
+/// exact result rounds to -0 in every narrow type, while the clamped
 /// exponential would leave `x·1.7e-48`.
 #[inline(always)]
-pub fn silu_to_narrow(x: f64) -> f64 {
-    let y = x * sigmoid_to_narrow(x);
-    if x < -120.0 {
+fn times_sigmoid_to_narrow(x: f64, t: f64) -> f64 {
+    let y = x * sigmoid_to_narrow(t);
+    if t < -120.0 {
         -0.0
     } else {
         y
     }
+}
+
+/// [`silu`] for a result rounded to f32 or narrower: `x·σ(x)`,
+/// vectorizable (see [`times_sigmoid_to_narrow`]).
+#[inline(always)]
+pub fn silu_to_narrow(x: f64) -> f64 {
+    times_sigmoid_to_narrow(x, x)
 }
 
 /// `tanh` for a result rounded to f32 or narrower, with selects only so
@@ -807,12 +815,7 @@ pub fn gelu_tanh(x: f64) -> f64 {
 pub fn gelu_tanh_to_narrow(x: f64) -> f64 {
     const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
     let t = 2.0 * (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x));
-    let y = x * sigmoid_to_narrow(t);
-    if t < -120.0 {
-        -0.0
-    } else {
-        y
-    }
+    times_sigmoid_to_narrow(x, t)
 }
 
 /// The error function.
