@@ -12,7 +12,10 @@
 
 mod common;
 use common::b3;
-use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{
+    black_box, criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
+};
 use stagecraft::{Device, Rng, Tensor};
 
 fn tiny_add(c: &mut Criterion) {
@@ -141,20 +144,13 @@ fn big_add(c: &mut Criterion) {
     let cpu = Device::cpu();
     let a = Tensor::<f32>::from_vec(vec![1.0; N], &[N], &cpu).unwrap();
     let b = Tensor::<f32>::from_vec(vec![2.0; N], &[N], &cpu).unwrap();
-    let src = vec![1.0f32; N];
-    let mut dst = vec![0.0f32; N];
     let mut group = c.benchmark_group("B3_16M");
     group.sample_size(20);
     group.throughput(Throughput::Bytes((N * 4) as u64));
     group.bench_function("stagecraft_add", |bench| {
         bench.iter(|| (&a + &b).wait().unwrap())
     });
-    group.bench_function("baseline_copy_same_bytes", |bench| {
-        bench.iter(|| {
-            dst.copy_from_slice(black_box(&src));
-            black_box(&dst);
-        })
-    });
+    copy_baseline(&mut group, &vec![1.0f32; N]);
     group.finish();
 }
 
@@ -172,14 +168,7 @@ fn b3_chain(c: &mut Criterion) {
         let x = Tensor::<f32>::from_vec(vec![0.5; N], &[N], &d).unwrap();
         group.bench_function(name, |bench| bench.iter(|| b3(&x).wait().unwrap()));
     }
-    let src = vec![1.0f32; N];
-    let mut dst = vec![0.0f32; N];
-    group.bench_function("baseline_copy_same_bytes", |bench| {
-        bench.iter(|| {
-            dst.copy_from_slice(black_box(&src));
-            black_box(&dst);
-        })
-    });
+    copy_baseline(&mut group, &vec![1.0f32; N]);
     group.finish();
 }
 
@@ -206,14 +195,20 @@ fn activations(c: &mut Criterion) {
     for (name, f) in rows {
         group.bench_function(name, |bench| bench.iter(|| f(&x).wait().unwrap()));
     }
-    let mut dst = vec![0.0f32; N];
+    copy_baseline(&mut group, &values);
+    group.finish();
+}
+
+/// The `baseline_copy_same_bytes` row: a plain copy of `src`, the memory
+/// rate a group's rows are read against.
+fn copy_baseline(group: &mut BenchmarkGroup<'_, WallTime>, src: &[f32]) {
+    let mut dst = vec![0.0f32; src.len()];
     group.bench_function("baseline_copy_same_bytes", |bench| {
         bench.iter(|| {
-            dst.copy_from_slice(black_box(&values));
+            dst.copy_from_slice(black_box(src));
             black_box(&dst);
         })
     });
-    group.finish();
 }
 
 criterion_group!(benches, tiny_add, matmul, big_add, b3_chain, activations);
