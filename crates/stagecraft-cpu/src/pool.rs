@@ -211,29 +211,87 @@ pub(crate) fn for_each_chunk_init<T: Send, S>(
     f: impl Fn(&mut S, usize, &mut [T]) + Sync,
 ) {
     let chunk_len = chunk_len.max(1);
-    let workers = rayon::current_num_threads().min(data.len().div_ceil(chunk_len));
-    let chunks = std::sync::Mutex::new(data.chunks_mut(chunk_len).enumerate());
-    split_with_caller(vec![(); workers], |()| {
-        let mut state = None;
-        loop {
-            // A panic in `f` on another thread poisons nothing this loop
-            // relies on: the iterator only hands out chunks.
-            let next = chunks.lock().unwrap_or_else(|p| p.into_inner()).next();
-            let Some((index, chunk)) = next else {
-                return;
-            };
-            f(state.get_or_insert_with(&init), index, chunk);
-        }
-    });
+    let count = data.len().div_ceil(chunk_len);
+    for_each_item_init(
+        data.chunks_mut(chunk_len).enumerate(),
+        count,
+        init,
+        |state, (index, chunk)| f(state, index, chunk),
+    );
 }
 
 /// [`for_each_chunk_init`] with no per-thread state.
+///
+/// Most kernels split this way (over a thousand callers, per op, dtype and
+/// shape case), so the loop compiled per caller is kept to taking chunks
+/// and calling `f`.
 pub(crate) fn for_each_chunk<T: Send>(
     data: &mut [T],
     chunk_len: usize,
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
-    for_each_chunk_init(data, chunk_len, || (), |(), index, chunk| f(index, chunk));
+    let chunk_len = chunk_len.max(1);
+    let count = data.len().div_ceil(chunk_len);
+    let chunks = Mutex::new(data.chunks_mut(chunk_len).enumerate());
+    run_workers(rayon::current_num_threads().min(count), &|| {
+        while let Some((index, chunk)) = next_item(&chunks) {
+            f(index, chunk);
+        }
+    });
+}
+
+/// `f(state, item)` for each of the `count` items of `items`, shared out
+/// as [`for_each_chunk_init`] shares chunks: each thread takes the next
+/// item when it has finished one, with one `init()` state per thread that
+/// takes any. The items are taken in order, one at a time under a lock, so
+/// they should be coarse (a block of rows, a tile), not elements.
+///
+/// What is compiled per caller is only the loop taking items; the forking
+/// behind it is compiled once ([`run_workers`]). Over a thousand kernels
+/// (per dtype and shape case) call this, and with the forking compiled per
+/// caller it made up about a fifth of this crate's LLVM IR.
+pub(crate) fn for_each_item_init<I, S>(
+    items: I,
+    count: usize,
+    init: impl Fn() -> S + Sync,
+    f: impl Fn(&mut S, I::Item) + Sync,
+) where
+    I: Iterator + Send,
+{
+    let items = Mutex::new(items);
+    run_workers(rayon::current_num_threads().min(count), &|| {
+        let Some(first) = next_item(&items) else {
+            return;
+        };
+        let mut state = init();
+        f(&mut state, first);
+        while let Some(item) = next_item(&items) {
+            f(&mut state, item);
+        }
+    });
+}
+
+/// The next of the shared `items`. A panic in a worker on another thread
+/// poisons nothing this relies on: the iterator only hands out items.
+fn next_item<I: Iterator>(items: &Mutex<I>) -> Option<I::Item> {
+    items.lock().unwrap_or_else(PoisonError::into_inner).next()
+}
+
+/// `rayon::join` of two callbacks, compiled once rather than once per
+/// caller's pair of closures (rayon's job code is large).
+pub(crate) fn join(a: &mut (dyn FnMut() + Send), b: &mut (dyn FnMut() + Send)) {
+    rayon::join(a, b);
+}
+
+/// Runs `worker` once on each of `workers` threads, the calling thread
+/// among them (see [`split_with_caller`]); with one worker, on the calling
+/// thread alone, with no scope and no thread left lingering.
+fn run_workers(workers: usize, worker: &(dyn Fn() + Sync)) {
+    match workers {
+        0 => {}
+        1 => worker(),
+        _ => split_indices_with_caller(workers, &|_| worker()),
+    }
 }
 
 /// Helps a run: runs pending pool work until `done`, or until none turned
@@ -439,6 +497,47 @@ mod tests {
             }
             assert!(seen.iter().all(|s| s.load(Ordering::Acquire) == 1));
         }
+    }
+
+    /// Every item is visited once, in or out of the pool, with a state
+    /// made on the thread that visits it; no items, no state.
+    #[test]
+    fn items_are_each_visited_once_with_a_state_per_thread() {
+        for in_pool in [false, true] {
+            let seen: Vec<AtomicUsize> = (0..100).map(|_| AtomicUsize::new(0)).collect();
+            let states = AtomicUsize::new(0);
+            let visit = || {
+                for_each_item_init(
+                    (0..100).map(|i| i * 3),
+                    100,
+                    || {
+                        states.fetch_add(1, Ordering::AcqRel);
+                        std::thread::current().id()
+                    },
+                    |owner, item| {
+                        assert_eq!(*owner, std::thread::current().id());
+                        seen[item / 3].fetch_add(1, Ordering::AcqRel);
+                    },
+                )
+            };
+            if in_pool {
+                rayon::scope(|_| visit());
+            } else {
+                visit();
+            }
+            assert!(seen.iter().all(|s| s.load(Ordering::Acquire) == 1));
+            let made = states.load(Ordering::Acquire);
+            assert!((1..=rayon::current_num_threads()).contains(&made), "{made}");
+            for_each_item_init(0..0, 0, || panic!("no items, no state"), |(), _: i32| {});
+        }
+    }
+
+    /// Both halves of a join run and leave their results.
+    #[test]
+    fn a_join_runs_both_sides() {
+        let (mut a, mut b) = (0, 0);
+        join(&mut || a = 1, &mut || b = 2);
+        assert_eq!((a, b), (1, 2));
     }
 
     /// Every chunk is visited once, with its index, its length and a state

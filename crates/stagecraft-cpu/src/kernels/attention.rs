@@ -56,7 +56,7 @@ use smallvec::smallvec;
 use stagecraft_ops::{attention_geometry, AttentionGeometry, Attrs};
 use stagecraft_tensor::{DType, DenseHostTensor, Error, Result, TensorMetadata};
 use std::ops::{Add, Div, Mul, Sub};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 pub(crate) fn register(registry: &mut KernelRegistry) {
     registry.add(
@@ -859,19 +859,8 @@ fn run_tasks<Task: Send, S>(
         }
         return;
     }
-    let queue = Mutex::new(tasks.into_iter());
-    crate::pool::split_with_caller(vec![(); workers], |()| {
-        let mut scratch = None;
-        loop {
-            // A panic elsewhere poisons nothing this loop relies on: the
-            // iterator only hands out tasks.
-            let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
-            let Some(task) = next else {
-                return;
-            };
-            work(scratch.get_or_insert_with(&init), task);
-        }
-    });
+    let count = tasks.len();
+    crate::pool::for_each_item_init(tasks.into_iter(), count, init, work);
 }
 
 /// Whether the call is worth splitting over threads.

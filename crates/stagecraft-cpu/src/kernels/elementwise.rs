@@ -575,24 +575,15 @@ impl<const N: usize> Walk<N> {
 
     fn run_from<U>(&self, out: &mut [U], start: usize, row: &impl Fn(&mut [U], [usize; N])) {
         let rank = self.outer.len();
-        let mut index: SmallVec<[usize; 4]> = SmallVec::from_elem(0, rank);
-        let mut rest = start / self.inner;
-        for axis in (0..rank).rev() {
-            index[axis] = rest % self.outer[axis];
-            rest /= self.outer[axis];
-        }
-        let mut base: [usize; N] = std::array::from_fn(|k| {
-            index
-                .iter()
-                .zip(&self.outer_strides[k])
-                .map(|(i, s)| i * s)
-                .sum()
-        });
+        let (mut index, mut base) = self.position(start);
         let mut col = start % self.inner;
         let mut done = 0;
         while done < out.len() {
             let len = (self.inner - col).min(out.len() - done);
-            let offsets = std::array::from_fn(|k| base[k] + col * self.inner_strides[k]);
+            let mut offsets = base;
+            for (offset, stride) in offsets.iter_mut().zip(self.inner_strides) {
+                *offset += col * stride;
+            }
             row(&mut out[done..done + len], offsets);
             done += len;
             col = 0;
@@ -610,6 +601,24 @@ impl<const N: usize> Walk<N> {
                 index[axis] = 0;
             }
         }
+    }
+
+    /// The outer index of the row holding output element `start`, and
+    /// where each input's part of that row begins. (Compiled once per `N`,
+    /// not per caller's row loop like [`Walk::run_from`].)
+    fn position(&self, start: usize) -> (SmallVec<[usize; 4]>, [usize; N]) {
+        let rank = self.outer.len();
+        let mut index: SmallVec<[usize; 4]> = SmallVec::from_elem(0, rank);
+        let mut rest = start / self.inner;
+        for axis in (0..rank).rev() {
+            index[axis] = rest % self.outer[axis];
+            rest /= self.outer[axis];
+        }
+        let mut base = [0; N];
+        for (b, strides) in base.iter_mut().zip(&self.outer_strides) {
+            *b = index.iter().zip(strides).map(|(i, s)| i * s).sum();
+        }
+        (index, base)
     }
 }
 

@@ -262,28 +262,15 @@ fn conv_blocks<T: GemmElement + Send + Sync>(
         )
     };
     let jobs = pieces.into_iter().enumerate();
-    let workers = if parallel {
-        rayon::current_num_threads().min(blocks)
-    } else {
-        1
-    };
-    if workers <= 1 {
+    if !parallel {
         let mut state = buffers();
         for (b, rows) in jobs {
             run(&mut state, b, rows);
         }
         return;
     }
-    let queue = std::sync::Mutex::new(jobs);
-    crate::pool::split_with_caller(vec![(); workers], |()| {
-        let mut state = buffers();
-        loop {
-            let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
-            let Some((b, rows)) = next else {
-                return;
-            };
-            run(&mut state, b, rows);
-        }
+    crate::pool::for_each_item_init(jobs, blocks, buffers, |state, (b, rows)| {
+        run(state, b, rows)
     });
 }
 

@@ -17,7 +17,6 @@ use super::fused::{isa, Isa};
 use super::{first_dtype, out_meta, split3, take};
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
 use half::{bf16, f16};
-use rayon::prelude::*;
 use smallvec::{smallvec, SmallVec};
 use stagecraft_ops::{reduction_axes, Attrs, OpKind, ReduceOp};
 use stagecraft_tensor::{
@@ -380,14 +379,24 @@ where
     } else {
         let slab = red * inner;
         if parallel {
-            out.par_chunks_mut(inner).enumerate().for_each(|(o, lane)| {
-                lane.par_chunks_mut(COL_BLOCK).enumerate().for_each_init(
-                    || src.scratch(),
-                    |scratch, (c, acc)| {
-                        fold.cols(scratch, o * slab + c * COL_BLOCK, red, inner, acc)
-                    },
-                );
+            // A thread takes four neighbouring column blocks at a time: a
+            // quarter of the lock round trips, and longer runs of each row.
+            let span = COL_BLOCK * 4;
+            let spans = out.chunks_mut(inner).enumerate().flat_map(|(o, lane)| {
+                lane.chunks_mut(span)
+                    .enumerate()
+                    .map(move |(c, acc)| (o * slab + c * span, acc))
             });
+            crate::pool::for_each_item_init(
+                spans,
+                outer * inner.div_ceil(span),
+                || src.scratch(),
+                |scratch, (start, acc)| {
+                    for (b, acc) in acc.chunks_mut(COL_BLOCK).enumerate() {
+                        fold.cols(scratch, start + b * COL_BLOCK, red, inner, acc);
+                    }
+                },
+            );
         } else {
             let mut scratch = src.scratch();
             for (o, lane) in out.chunks_mut(inner).enumerate() {
@@ -425,10 +434,12 @@ where
         if len > ROW_BLOCK {
             let half = len / 2;
             let (a, b) = if parallel && len > PARALLEL_THRESHOLD {
-                rayon::join(
-                    || self.row(scratch, start, half, true),
-                    || self.row(&mut self.src.scratch(), start + half, len - half, true),
-                )
+                let (mut a, mut b) = (self.id, self.id);
+                crate::pool::join(
+                    &mut || a = self.row(scratch, start, half, true),
+                    &mut || b = self.row(&mut self.src.scratch(), start + half, len - half, true),
+                );
+                (a, b)
             } else {
                 (
                     self.row(scratch, start, half, false),

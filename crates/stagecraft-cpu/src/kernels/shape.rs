@@ -16,7 +16,6 @@ use crate::numeric::broadcast_strides;
 use crate::{
     with_any_type, Inputs, Kernel, KernelContext, KernelRegistry, Outputs, PARALLEL_THRESHOLD,
 };
-use rayon::prelude::*;
 use smallvec::{smallvec, SmallVec};
 use stagecraft_ops::{resolve_perm, resolve_reshape, resolve_slice, Attrs};
 use stagecraft_tensor::{
@@ -774,11 +773,12 @@ fn nonzero<T: Element>(x: DenseHostTensor, _: &KernelContext<'_>) -> Result<Dens
     let row_len = dims[rank - 1];
     let coords = if src.len() > PARALLEL_THRESHOLD {
         let rows = (CHUNK / row_len).max(1);
-        let parts: Vec<Vec<i64>> = src
-            .par_chunks(rows * row_len)
-            .enumerate()
-            .map(|(c, chunk)| nonzero_coords(chunk, dims, c * rows))
-            .collect();
+        let chunk_len = rows * row_len;
+        let mut parts: Vec<Vec<i64>> = vec![Vec::new(); src.len().div_ceil(chunk_len)];
+        crate::pool::for_each_chunk(&mut parts, 1, |c, part| {
+            let chunk = &src[c * chunk_len..src.len().min((c + 1) * chunk_len)];
+            part[0] = nonzero_coords(chunk, dims, c * rows);
+        });
         parts.concat()
     } else {
         nonzero_coords(src, dims, 0)

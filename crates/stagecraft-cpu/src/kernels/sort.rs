@@ -10,7 +10,6 @@
 use super::elementwise::is_nan;
 use super::{first_dtype, split3, take};
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry, Outputs, PARALLEL_THRESHOLD};
-use rayon::prelude::*;
 use smallvec::smallvec;
 use stagecraft_tensor::{normalize_axis, DenseHostTensor, Element, Error, Result, TensorMetadata};
 use std::cmp::Ordering;
@@ -140,10 +139,11 @@ fn sort_typed<T: Element>(
     let vals = values.as_mut_slice::<T>()?;
     let idx = indices.as_mut_slice::<i64>()?;
     if outer > 1 && src.len() > PARALLEL_THRESHOLD {
-        vals.par_chunks_mut(k * inner)
-            .zip(idx.par_chunks_mut(k * inner))
-            .enumerate()
-            .for_each(|(o, (v, i))| slab(o, v, i));
+        let slabs = vals
+            .chunks_mut(k * inner)
+            .zip(idx.chunks_mut(k * inner))
+            .enumerate();
+        crate::pool::for_each_item_init(slabs, outer, || (), |(), (o, (v, i))| slab(o, v, i));
     } else {
         for (o, (v, i)) in vals
             .chunks_mut(k * inner)

@@ -10,7 +10,6 @@ use super::creation::Stream;
 use super::elementwise::{reusable, Real};
 use super::{out_meta, take};
 use crate::{with_float_type, Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
-use rayon::prelude::*;
 use smallvec::smallvec;
 use stagecraft_ops::Attrs;
 use stagecraft_tensor::{DenseHostTensor, Error, Result, Scalar, TensorMetadata};
@@ -163,7 +162,10 @@ fn squared_sum<T: Real>(values: &[T]) -> f64 {
     if values.len() < PARALLEL_THRESHOLD {
         return values.chunks(CHUNK).map(chunk_sum).sum();
     }
-    let partials: Vec<f64> = values.par_chunks(CHUNK).map(chunk_sum).collect();
+    let mut partials = vec![0.0; values.len().div_ceil(CHUNK)];
+    crate::pool::for_each_chunk(&mut partials, 1, |c, partial| {
+        partial[0] = chunk_sum(&values[c * CHUNK..values.len().min((c + 1) * CHUNK)]);
+    });
     partials.iter().sum()
 }
 
