@@ -773,12 +773,15 @@ fn nonzero<T: Element>(x: DenseHostTensor, _: &KernelContext<'_>) -> Result<Dens
     let row_len = dims[rank - 1];
     let coords = if src.len() > PARALLEL_THRESHOLD {
         let rows = (CHUNK / row_len).max(1);
-        let chunk_len = rows * row_len;
-        let mut parts: Vec<Vec<i64>> = vec![Vec::new(); src.len().div_ceil(chunk_len)];
-        crate::pool::for_each_chunk(&mut parts, 1, |c, part| {
-            let chunk = &src[c * chunk_len..src.len().min((c + 1) * chunk_len)];
-            part[0] = nonzero_coords(chunk, dims, c * rows);
-        });
+        let mut parts: Vec<Vec<i64>> = vec![Vec::new(); src.len().div_ceil(rows * row_len)];
+        let count = parts.len();
+        let jobs = parts.iter_mut().zip(src.chunks(rows * row_len)).enumerate();
+        crate::pool::for_each_item_init(
+            jobs,
+            count,
+            || (),
+            |(), (c, (part, chunk))| *part = nonzero_coords(chunk, dims, c * rows),
+        );
         parts.concat()
     } else {
         nonzero_coords(src, dims, 0)

@@ -163,9 +163,14 @@ fn squared_sum<T: Real>(values: &[T]) -> f64 {
         return values.chunks(CHUNK).map(chunk_sum).sum();
     }
     let mut partials = vec![0.0; values.len().div_ceil(CHUNK)];
-    crate::pool::for_each_chunk(&mut partials, 1, |c, partial| {
-        partial[0] = chunk_sum(&values[c * CHUNK..values.len().min((c + 1) * CHUNK)]);
-    });
+    let count = partials.len();
+    let jobs = partials.iter_mut().zip(values.chunks(CHUNK));
+    crate::pool::for_each_item_init(
+        jobs,
+        count,
+        || (),
+        |(), (partial, chunk)| *partial = chunk_sum(chunk),
+    );
     partials.iter().sum()
 }
 
