@@ -105,9 +105,15 @@ pub trait BinaryVisitor {
 /// /// doc
 /// Variant => STATIC("OpName", Class) {
 ///     eval: |x| <expression over `x: T` where `T: Num`>,
+///     wgsl: "<WGSL f32 expression over `x`>",                 // optional
 ///     grad: |b, x, y, g| <Result<G>: the input's gradient>,   // or `grad: none`
 /// }
 /// ```
+///
+/// `wgsl` is the op's meaning for GPU kernels: a WGSL expression of type
+/// `f32` over `x: f32`, which may call the helper functions of
+/// `stagecraft-wgpu`'s prelude (`sc_erf`, `sc_tanh`, ...). An op without
+/// one runs on the CPU when placed on a GPU.
 ///
 /// `grad` gets the gradient builder, the input, the output and the
 /// output's gradient; `none` means the op passes no gradient (its
@@ -119,6 +125,7 @@ macro_rules! unary_ops {
         $(#[doc = $doc:literal])*
         $variant:ident => $stat:ident($name:literal, $class:ident) {
             eval: |$x:ident| $eval:expr,
+            $(wgsl: $wgsl:literal,)?
             grad: $($grad:tt)+
         }
     )*) => {
@@ -173,6 +180,14 @@ macro_rules! unary_ops {
                 }
             }
 
+            /// The op's WGSL expression over `x: f32` (see [`unary_ops!`]),
+            /// or `None` when it has no GPU form yet.
+            pub const fn wgsl(self) -> Option<&'static str> {
+                match self {
+                    $(UnaryOp::$variant => $crate::unary_ops!(@wgsl $($wgsl)?),)*
+                }
+            }
+
             /// Calls `visitor` with the op's [`UnaryFn`] type.
             #[inline(always)]
             pub fn visit<V: $crate::elementwise::UnaryVisitor>(self, visitor: V) -> V::Output {
@@ -195,6 +210,8 @@ macro_rules! unary_ops {
             }
         }
     };
+    (@wgsl) => { None };
+    (@wgsl $wgsl:literal) => { Some($wgsl) };
     (@grad $b:ident, $x:ident, $y:ident, $g:ident; none $(,)?) => {{
         let _ = ($b, $x, $y, $g);
         Ok(None)
@@ -212,6 +229,7 @@ macro_rules! unary_ops {
 /// /// doc
 /// Variant => STATIC("OpName", Class) {
 ///     eval: |a, b| <expression over `a, b: T` where `T: Num`>,
+///     wgsl: "<WGSL f32 expression over `a` and `b`>",     // optional
 ///     grad: |b, x, y, out, g| <Result<(G, G)>: both inputs' gradients
 ///                              at the output's shape>,   // or `grad: none`
 ///     zero_divisor_is_error: true,                        // optional
@@ -227,6 +245,7 @@ macro_rules! binary_ops {
         $(#[doc = $doc:literal])*
         $variant:ident => $stat:ident($name:literal, $class:ident) {
             eval: |$a:ident, $bb:ident| $eval:expr,
+            $(wgsl: $wgsl:literal,)?
             $(zero_divisor_is_error: $zero:literal,)?
             grad: $($grad:tt)+
         }
@@ -289,6 +308,14 @@ macro_rules! binary_ops {
             pub fn is_zero_divisor_error(self) -> bool {
                 match self {
                     $(BinaryOp::$variant => false $(|| $zero)?,)*
+                }
+            }
+
+            /// The op's WGSL expression over `a, b: f32` (see
+            /// [`binary_ops!`]), or `None` when it has no GPU form yet.
+            pub const fn wgsl(self) -> Option<&'static str> {
+                match self {
+                    $(BinaryOp::$variant => $crate::unary_ops!(@wgsl $($wgsl)?),)*
                 }
             }
 

@@ -21,6 +21,9 @@ pub enum DeviceKind {
     /// (`HostCall`). It runs CPU kernels on its own partition thread, so a
     /// host closure overlaps with the graph work that does not wait for it.
     Host,
+    /// A GPU (`gpu:N`): tensors live in its own memory, and values move
+    /// to and from the host only by explicit copies (or a read).
+    Gpu,
     /// A device whose handler was registered by a library or the user (for
     /// example a logging wrapper).
     Custom,
@@ -108,6 +111,28 @@ impl Device {
         .expect("interning an existing or new cpu device cannot fail")
     }
 
+    /// The GPU `gpu:index`: the index-th adapter wgpu finds, discrete GPUs
+    /// first (on a machine without one, Mesa's software Vulkan driver).
+    /// The GPU opens on the first op; if there is none, or stagecraft was
+    /// built without the `wgpu` feature, every op on it is an error that
+    /// says what to install or enable. [`Device::try_gpu`] checks first.
+    pub fn gpu(index: usize) -> Device {
+        intern(
+            format!("gpu:{index}"),
+            (DeviceKind::Gpu, index, None),
+            || gpu_handler(index),
+            false,
+        )
+        .expect("interning an existing or new gpu device cannot fail")
+    }
+
+    /// `gpu:index`, or the error that says why this machine or build has
+    /// no such GPU (no adapter, no driver, no `wgpu` feature).
+    pub fn try_gpu(index: usize) -> Result<Device> {
+        gpu_available(index)?;
+        Ok(Device::gpu(index))
+    }
+
     /// A CPU device of the process of rank `rank` in the distributed
     /// group, `/rank:R/cpu:N`: nodes of a function placed there run in
     /// that process, joined to the others by Send/Recv pairs over the
@@ -165,6 +190,18 @@ impl Device {
         if name == "host" {
             return Ok(Device::host());
         }
+        if kind == "gpu" {
+            let index = match index {
+                None => 0,
+                Some(text) => text.parse::<usize>().map_err(|_| {
+                    Error::new(
+                        ErrorKind::Device,
+                        format!("bad device index in `{name}`: expected gpu:N with N = 0, 1, ..."),
+                    )
+                })?,
+            };
+            return Device::try_gpu(index);
+        }
         if kind == "cpu" {
             let index = match index {
                 None => 0,
@@ -190,7 +227,7 @@ impl Device {
         Err(Error::new(
             ErrorKind::Device,
             format!(
-                "unknown device `{name}`: known kinds are `cpu:N` and registered devices ({})",
+                "unknown device `{name}`: known kinds are `cpu:N`, `gpu:N` and registered devices ({})",
                 all.iter()
                     .map(|d| d.name.as_str())
                     .collect::<Vec<_>>()
@@ -223,10 +260,14 @@ impl Device {
 
     /// Registers a device with its own op handler under a new name.
     pub fn register(name: &str, handler: Arc<dyn OpHandler>) -> Result<Device> {
-        if name.starts_with("cpu") || name.starts_with("/rank:") || name == "host" {
+        if name.starts_with("cpu")
+            || name.starts_with("gpu")
+            || name.starts_with("/rank:")
+            || name == "host"
+        {
             return Err(Error::new(
                 ErrorKind::Device,
-                "`host` and device names starting with `cpu` or `/rank:` are reserved",
+                "`host` and device names starting with `cpu`, `gpu` or `/rank:` are reserved",
             ));
         }
         intern(
@@ -286,6 +327,64 @@ impl Device {
     /// The op handler that executes ops on this device.
     pub fn handler(&self) -> &'static dyn OpHandler {
         &*self.0.handler
+    }
+}
+
+#[cfg(feature = "wgpu")]
+fn gpu_handler(index: usize) -> Arc<dyn OpHandler> {
+    Arc::new(crate::gpu_handler::GpuOpHandler::new(index))
+}
+
+#[cfg(feature = "wgpu")]
+fn gpu_available(index: usize) -> Result<()> {
+    stagecraft_wgpu::Gpu::get(index).map(|_| ())
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn gpu_handler(index: usize) -> Arc<dyn OpHandler> {
+    Arc::new(NoGpuOpHandler {
+        name: format!("gpu:{index}"),
+    })
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn gpu_available(_index: usize) -> Result<()> {
+    Err(no_gpu_feature())
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn no_gpu_feature() -> Error {
+    Error::new(
+        ErrorKind::Device,
+        "this stagecraft was built without GPU support: enable the `wgpu` feature \
+         (`stagecraft = { version = \"0.1\", features = [\"wgpu\"] }`, or \
+         `cargo build --features stagecraft/wgpu`)",
+    )
+}
+
+/// `gpu:N` in a build without the `wgpu` feature: every op is the error
+/// that names the feature.
+#[cfg(not(feature = "wgpu"))]
+struct NoGpuOpHandler {
+    name: String,
+}
+
+#[cfg(not(feature = "wgpu"))]
+impl OpHandler for NoGpuOpHandler {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn execute(&self, mut invocation: OpInvocation<'_>) -> Results {
+        invocation.release_chain();
+        let error = no_gpu_feature()
+            .with_op(invocation.op.name)
+            .at(invocation.location);
+        invocation
+            .outputs
+            .iter()
+            .map(|meta| TensorHandle::error(invocation.device, meta.clone(), error.clone()))
+            .collect()
     }
 }
 
@@ -397,8 +496,14 @@ mod tests {
         assert!(r1.is_remote());
         assert!(!Device::on_rank(0, 0).is_remote());
         assert!(!Device::cpu().is_remote());
+        #[cfg(not(feature = "wgpu"))]
+        {
+            let err = Device::parse("gpu:0").unwrap_err();
+            assert!(err.to_string().contains("`wgpu` feature"), "{err}");
+        }
         for bad in [
-            "gpu:0",
+            "gpu:x",
+            "tpu:0",
             "cpu:x",
             "cpu:-1",
             "",

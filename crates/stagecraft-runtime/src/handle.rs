@@ -4,7 +4,9 @@
 
 use crate::async_value::AsyncValue;
 use crate::device::Device;
-use stagecraft_tensor::{DType, Error, HostTensor, Result, TensorMetadata};
+use stagecraft_tensor::{
+    DType, DeviceTensor, Error, ErrorKind, HostTensor, Result, TensorMetadata, TensorValue,
+};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -32,7 +34,8 @@ struct HandleInner {
     device: Device,
     meta: TensorMetadata,
     meta_state: MetadataState,
-    value: AsyncValue<HostTensor>,
+    /// In host memory for host devices, in device memory for a GPU.
+    value: AsyncValue<TensorValue>,
     traced: Option<TracedValue>,
     /// For a tensor on a lazy device: the recorded op output it stands for.
     lazy: Option<crate::lazy::LazyRef>,
@@ -56,8 +59,39 @@ impl Drop for HandleInner {
 pub struct TensorHandle(Arc<HandleInner>);
 
 impl TensorHandle {
-    /// A handle to an available host value.
+    /// A handle to an available host value. On a device with its own
+    /// memory (a GPU) the value is uploaded there; a failed upload is an
+    /// error handle.
+    #[inline]
     pub fn available(device: Device, value: HostTensor) -> TensorHandle {
+        if device.kind() == crate::device::DeviceKind::Gpu {
+            return TensorHandle::uploaded(device, value);
+        }
+        TensorHandle::available_value(device, TensorValue::Host(value))
+    }
+
+    #[cold]
+    fn uploaded(device: Device, value: HostTensor) -> TensorHandle {
+        let meta = value.metadata().clone();
+        let upload = match device.handler().memory() {
+            Some(memory) => value.to_dense().and_then(|dense| memory.upload(&dense)),
+            None => Err(Device::try_gpu(device.index())
+                .err()
+                .unwrap_or_else(|| Error::internal(format!("{device} has no device memory")))),
+        };
+        match upload {
+            Ok(on_device) => TensorHandle::available_on_device(device, on_device),
+            Err(e) => TensorHandle::error(device, meta, e),
+        }
+    }
+
+    /// A handle to an available value in device memory.
+    pub fn available_on_device(device: Device, value: DeviceTensor) -> TensorHandle {
+        TensorHandle::available_value(device, TensorValue::Device(value))
+    }
+
+    /// A handle to an available value wherever it lives.
+    pub fn available_value(device: Device, value: TensorValue) -> TensorHandle {
         TensorHandle(Arc::new(HandleInner {
             device,
             meta: value.metadata().clone(),
@@ -140,7 +174,7 @@ impl TensorHandle {
     /// Sets the value of a lazy handle whose op has run (no-op once set).
     pub(crate) fn fill_lazy(&self, result: Result<HostTensor>) {
         if !self.0.value.is_resolved() {
-            self.0.value.set(result)
+            self.0.value.set(result.map(TensorValue::Host))
         }
     }
 
@@ -168,6 +202,12 @@ impl TensorHandle {
     /// A value that contradicts the metadata promised at creation becomes an
     /// internal error rather than a silently wrong tensor.
     pub fn resolve(&self, result: Result<HostTensor>) {
+        self.resolve_value(result.map(TensorValue::Host))
+    }
+
+    /// Sets the value of a pending handle (once) to a value wherever it
+    /// lives; see [`TensorHandle::resolve`].
+    pub fn resolve_value(&self, result: Result<TensorValue>) {
         let result = match result {
             Ok(v) if self.0.meta_state == MetadataState::Known && v.metadata() != &self.0.meta => {
                 Err(Error::internal(format!(
@@ -224,8 +264,30 @@ impl TensorHandle {
         }
     }
 
-    /// The value, waiting for it if needed.
+    /// The host value, waiting for it if needed. A value in device memory
+    /// is an error here: host code reads it through a copy
+    /// ([`crate::copy_to_device`] or [`crate::read_to_host`]).
     pub fn wait(&self) -> Result<&HostTensor> {
+        match self.wait_value()? {
+            TensorValue::Host(host) => Ok(host),
+            TensorValue::Device(_) => Err(self.in_device_memory()),
+        }
+    }
+
+    /// The error of host code reading a value in device memory.
+    fn in_device_memory(&self) -> Error {
+        Error::new(
+            ErrorKind::Device,
+            format!(
+                "this tensor is in the memory of {}: copy it to the host first \
+                 (`to_device(&Device::cpu())`; reading it with `to_vec` copies it)",
+                self.0.device
+            ),
+        )
+    }
+
+    /// The value wherever it lives, waiting for it if needed.
+    pub fn wait_value(&self) -> Result<&TensorValue> {
         if self.0.traced.is_some() && !self.0.value.is_resolved() {
             return Err(Error::invalid(
                 "this tensor is a symbolic value of a function being traced \
@@ -247,7 +309,22 @@ impl TensorHandle {
     /// The value, moved out if this is the last reference to the handle (so
     /// its buffer may be reused in place), else shared.
     pub fn into_value(self) -> Result<HostTensor> {
-        self.wait()?;
+        match self.into_tensor_value()? {
+            TensorValue::Host(host) => Ok(host),
+            TensorValue::Device(value) => Err(Error::new(
+                ErrorKind::Device,
+                format!(
+                    "this tensor is in the memory of {}: copy it to the host first",
+                    value.storage().device_name()
+                ),
+            )),
+        }
+    }
+
+    /// The value wherever it lives, moved out if this is the last reference
+    /// to the handle, else shared.
+    pub fn into_tensor_value(self) -> Result<TensorValue> {
+        self.wait_value()?;
         if Arc::strong_count(&self.0) > 1 {
             // Shared (the user still holds the operand): a failed
             // `try_unwrap` would cost an atomic compare-and-swap per input.

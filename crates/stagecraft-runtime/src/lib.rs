@@ -14,6 +14,8 @@ mod device;
 pub mod executor;
 pub mod format;
 mod fxhash;
+#[cfg(feature = "wgpu")]
+mod gpu_handler;
 mod handle;
 pub mod lazy;
 pub mod logging;
@@ -29,10 +31,12 @@ pub use context::{
 };
 pub use cpu_handler::{CpuOpHandler, KernelCache, KernelCacheStats};
 pub use device::{Device, DeviceKind};
+#[cfg(feature = "wgpu")]
+pub use gpu_handler::cpu_fallbacks;
 pub use handle::{MetadataState, TensorHandle, TracedValue};
 pub use logging::{LogSink, LoggingOpHandler};
-pub use op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
+pub use op_handler::{Args, DeviceMemory, InputMetas, OpHandler, OpInvocation, Results};
 pub use runtime::{
-    cancel_execution, copy_to_device, count_host_read, execute, is_cancelled, report_error,
-    restart, set_diagnostic_handler, stats, DiagnosticHandler, RuntimeStats,
+    cancel_execution, copy_to_device, count_host_read, execute, is_cancelled, read_to_host,
+    report_error, restart, set_diagnostic_handler, stats, DiagnosticHandler, RuntimeStats,
 };

@@ -7,7 +7,7 @@ use crate::device::Device;
 use crate::handle::TensorHandle;
 use smallvec::SmallVec;
 use stagecraft_ops::{OpAttrsRef, OpDef, OutputMetas};
-use stagecraft_tensor::{Location, TensorMetadata};
+use stagecraft_tensor::{DenseHostTensor, DeviceTensor, Location, Result, TensorMetadata};
 
 /// Op arguments, owned: the runtime takes them so a kernel can reuse the
 /// buffer of an argument it holds the last reference to.
@@ -83,4 +83,19 @@ pub trait OpHandler: Send + Sync {
     fn kernel_cache_stats(&self) -> Option<crate::cpu_handler::KernelCacheStats> {
         None
     }
+
+    /// The device's own memory, for a device whose tensors live outside
+    /// host memory (a GPU); `None` for devices that hold host tensors.
+    fn memory(&self) -> Option<&dyn DeviceMemory> {
+        None
+    }
+}
+
+/// Moves values between host memory and a device's own memory: how
+/// [`crate::copy_to_device`] reaches a GPU.
+pub trait DeviceMemory: Send + Sync {
+    /// A copy of `host` in the device's memory.
+    fn upload(&self, host: &DenseHostTensor) -> Result<DeviceTensor>;
+    /// A copy of `value` in host memory, waiting for the work computing it.
+    fn download(&self, value: &DeviceTensor) -> Result<DenseHostTensor>;
 }

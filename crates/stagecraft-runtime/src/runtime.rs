@@ -7,7 +7,10 @@ use crate::device::Device;
 use crate::handle::TensorHandle;
 use crate::op_handler::{Args, InputMetas, OpInvocation, Results};
 use stagecraft_ops::{Effect, OpAttrsRef, OpDef};
-use stagecraft_tensor::{DType, Error, ErrorKind, Location, Shape, TensorMetadata};
+use stagecraft_tensor::{
+    DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, Shape, TensorMetadata,
+    TensorValue,
+};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -287,21 +290,61 @@ fn input_metas(args: &Args) -> InputMetas {
 }
 
 /// Copies a tensor to another device (a new buffer on the target), counting
-/// the copy. The only way values move between devices.
+/// the copy. The only way values move between devices: host to host, into
+/// a device's own memory (upload), out of it (download), or between two
+/// devices through the host.
 pub fn copy_to_device(handle: &TensorHandle, target: Device, location: Location) -> TensorHandle {
     if handle.device() == target {
         return handle.clone();
     }
     let meta = handle.metadata().clone();
-    if let Err(e) = target.ensure_in_this_process() {
-        return TensorHandle::error(target, meta, e.with_op("CopyToDevice").at(location));
-    }
-    match handle.wait().and_then(|v| v.to_dense()) {
-        Ok(dense) => {
-            count_device_copy(dense.buffer().len());
-            TensorHandle::available(target, dense.deep_copy().into())
+    let copied = target.ensure_in_this_process().and_then(|()| {
+        let (host, fresh) = host_copy_of(handle)?;
+        count_device_copy(host.buffer().len());
+        match target.handler().memory() {
+            Some(memory) => Ok(TensorHandle::available_on_device(
+                target,
+                memory.upload(&host)?,
+            )),
+            // A fresh download is already a copy of its own.
+            None if fresh => Ok(TensorHandle::available(target, host.into())),
+            None => Ok(TensorHandle::available(target, host.deep_copy().into())),
         }
+    });
+    match copied {
+        Ok(handle) => handle,
         Err(e) => TensorHandle::error(target, meta, e.with_op("CopyToDevice").at(location)),
+    }
+}
+
+/// The dense host value of `handle`, waiting for it (and copying it out of
+/// device memory, counted as a copy); `true` when that made a new buffer.
+fn host_copy_of(handle: &TensorHandle) -> Result<(DenseHostTensor, bool)> {
+    match handle.wait_value()? {
+        TensorValue::Host(host) => Ok((host.to_dense()?, false)),
+        TensorValue::Device(value) => {
+            let memory = handle.device().handler().memory().ok_or_else(|| {
+                Error::internal(format!(
+                    "{} holds a value in device memory but has no device memory",
+                    handle.device()
+                ))
+            })?;
+            Ok((memory.download(value)?, true))
+        }
+    }
+}
+
+/// The value of `handle` in host memory, for the user reading it: the
+/// value itself on a host device, a download from a device's memory
+/// (waiting for the kernels computing it) on a GPU.
+pub fn read_to_host(handle: &TensorHandle) -> Result<HostTensor> {
+    match handle.wait_value()? {
+        TensorValue::Host(host) => Ok(host.clone()),
+        TensorValue::Device(_) => {
+            let (host, _) = host_copy_of(handle)?;
+            count_device_copy(host.buffer().len());
+            Ok(host.into())
+        }
     }
 }
 

@@ -5,12 +5,14 @@
 //! builds on these types.
 
 mod buffer;
+mod device;
 mod dtype;
 mod error;
 mod host;
 mod shape;
 
 pub use buffer::{Arena, Buffer, BufferStats, SMALL_BLOCK};
+pub use device::{DeviceStorage, DeviceTensor, TensorValue};
 pub use dtype::{DType, Element, FloatElement, IndexElement, IntElement, NumElement, Scalar};
 pub use error::{Error, ErrorKind, Location, Result};
 pub use host::{DenseHostTensor, HostTensor, ScalarHostTensor, TensorList};

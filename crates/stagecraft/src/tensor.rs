@@ -224,11 +224,11 @@ impl<T: Element> Tensor<T> {
     /// The value, for a read by the user: an implicit device-to-host copy
     /// unless the tensor is on the host device, so the thread's transfer
     /// guard may log or refuse it.
-    fn host_value(&self, what: &str, location: Option<Location>) -> Result<&HostTensor> {
+    fn host_value(&self, what: &str, location: Option<Location>) -> Result<HostTensor> {
         crate::stage::implicit_copy(what, self.device(), self.handle.metadata(), location)?;
         runtime::count_host_read();
         let span = runtime::profile::begin();
-        let value = self.handle.wait();
+        let value = runtime::read_to_host(&self.handle);
         if let (Some(span), Ok(v)) = (span, &value) {
             let bytes = v.metadata().shape.numel() * v.metadata().dtype.size_in_bytes();
             span.end(
@@ -426,7 +426,7 @@ impl<T: Element> fmt::Display for Tensor<T> {
     /// The values (eliding long axes), or the error the tensor holds.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.host_value("Display", None) {
-            Ok(value) => match stagecraft_runtime::format::format_values(value, 3) {
+            Ok(value) => match stagecraft_runtime::format::format_values(&value, 3) {
                 Ok(text) => write!(f, "{text}"),
                 Err(e) => write!(f, "<error: {e}>"),
             },

@@ -103,11 +103,13 @@ crate::unary_ops! {
     /// `-x`
     Neg => NEG("Neg", Numeric) {
         eval: |x| x.neg(),
+        wgsl: "-x",
         grad: |b, _, _, g| b.neg(g),
     }
     /// `|x|`
     Abs => ABS("Abs", Numeric) {
         eval: |x| x.abs(),
+        wgsl: "abs(x)",
         grad: |b, x, _, g| {
             let s = b.unary(&SIGN, x)?;
             b.mul(g, s)
@@ -116,17 +118,20 @@ crate::unary_ops! {
     /// `e^x`
     Exp => EXP("Exp", Float) {
         eval: |x| float_fn!(x, f64::exp, exp_to_narrow),
+        wgsl: "exp(x)",
         grad: |b, _, y, g| b.mul(g, y),
     }
     /// Natural logarithm.
     Log => LOG("Log", Float) {
         eval: |x| x.via_f64(f64::ln),
+        wgsl: "log(x)",
         grad: |b, x, _, g| b.div(g, x),
     }
     /// Square root.
     Sqrt => SQRT("Sqrt", Float) {
         eval: |x| x.via_f64(f64::sqrt),
         // d sqrt(x) = 1 / (2 sqrt(x))
+        wgsl: "sqrt(x)",
         grad: |b, _, y, g| {
             let twice = b.scale(y, 2.0)?;
             b.div(g, twice)
@@ -136,6 +141,7 @@ crate::unary_ops! {
     Rsqrt => RSQRT("Rsqrt", Float) {
         eval: |x| x.via_f64(rsqrt),
         // d x^(-1/2) = -x^(-3/2) / 2 = -y^3 / 2
+        wgsl: "inverseSqrt(x)",
         grad: |b, _, y, g| {
             let y2 = b.mul(y, y)?;
             let y3 = b.mul(y2, y)?;
@@ -146,6 +152,7 @@ crate::unary_ops! {
     /// Hyperbolic tangent.
     Tanh => TANH("Tanh", Float) {
         eval: |x| float_fn!(x, f64::tanh, tanh_to_narrow),
+        wgsl: "sc_tanh(x)",
         grad: |b, x, y, g| {
             let y2 = b.mul(y, y)?;
             let one = b.scalar(1.0, b.meta(x).dtype)?;
@@ -156,6 +163,7 @@ crate::unary_ops! {
     /// Logistic sigmoid, `1/(1+e^-x)`.
     Sigmoid => SIGMOID("Sigmoid", Float) {
         eval: |x| float_fn!(x, sigmoid, sigmoid_to_narrow),
+        wgsl: "sc_sigmoid(x)",
         grad: |b, x, y, g| {
             let one = b.scalar(1.0, b.meta(x).dtype)?;
             let rest = b.sub(one, y)?;
@@ -180,6 +188,7 @@ crate::unary_ops! {
         // Reading the output instead of the input leaves the relu its
         // input's only user, so a staged relu joins its producer's kernel
         // (a matmul's epilogue) and the input is never kept for backward.
+        wgsl: "select(0.0, x, x > 0.0 || x != x)",
         grad: |b, x, y, g| {
             let dtype = b.meta(x).dtype;
             let zero = b.scalar(0.0, dtype)?;
@@ -191,6 +200,7 @@ crate::unary_ops! {
     /// Gaussian error linear unit, exact form `x·Φ(x)`.
     Gelu => GELU("Gelu", Float) {
         eval: |x| float_fn!(x, gelu, gelu_to_narrow),
+        wgsl: "0.5 * x * (1.0 + sc_erf(x * 0.70710678118654752))",
         grad: |b, x, y, g| {
             let d = b.op(&GELU_DERIVATIVE, &[x, y], &crate::OpAttrs::new())?;
             b.mul(g, d)
@@ -199,6 +209,7 @@ crate::unary_ops! {
     /// Sine.
     Sin => SIN("Sin", Float) {
         eval: |x| x.via_f64(f64::sin),
+        wgsl: "sin(x)",
         grad: |b, x, _, g| {
             let c = b.unary(&COS, x)?;
             b.mul(g, c)
@@ -207,6 +218,7 @@ crate::unary_ops! {
     /// Cosine.
     Cos => COS("Cos", Float) {
         eval: |x| x.via_f64(f64::cos),
+        wgsl: "cos(x)",
         grad: |b, x, _, g| {
             let s = b.unary(&SIN, x)?;
             let d = b.mul(g, s)?;
@@ -217,6 +229,7 @@ crate::unary_ops! {
     Asin => ASIN("Asin", Float) {
         eval: |x| x.via_f64(f64::asin),
         // d asin(x) = 1 / sqrt(1 - x²)
+        wgsl: "asin(x)",
         grad: |b, x, _, g| {
             let x2 = b.mul(x, x)?;
             let one = b.scalar(1.0, b.meta(x).dtype)?;
@@ -229,6 +242,7 @@ crate::unary_ops! {
     Acos => ACOS("Acos", Float) {
         eval: |x| x.via_f64(f64::acos),
         // d acos(x) = -1 / sqrt(1 - x²)
+        wgsl: "acos(x)",
         grad: |b, x, _, g| {
             let x2 = b.mul(x, x)?;
             let one = b.scalar(1.0, b.meta(x).dtype)?;
@@ -242,6 +256,7 @@ crate::unary_ops! {
     Atan => ATAN("Atan", Float) {
         eval: |x| x.via_f64(f64::atan),
         // d atan(x) = 1 / (1 + x²)
+        wgsl: "atan(x)",
         grad: |b, x, _, g| {
             let x2 = b.mul(x, x)?;
             let one = b.scalar(1.0, b.meta(x).dtype)?;
@@ -262,6 +277,7 @@ crate::unary_ops! {
                 T::ZERO
             }
         },
+        wgsl: "select(select(x, -1.0, x < 0.0), 1.0, x > 0.0)",
         grad: none,
     }
     /// Logical not of a bool tensor.
@@ -272,22 +288,26 @@ crate::unary_ops! {
     /// The largest integer not above `x` (integers are their own floor).
     Floor => FLOOR("Floor", Numeric) {
         eval: |x| if T::FLOAT { x.via_f64(f64::floor) } else { x },
+        wgsl: "floor(x)",
         grad: none,
     }
     /// The smallest integer not below `x`.
     Ceil => CEIL("Ceil", Numeric) {
         eval: |x| if T::FLOAT { x.via_f64(f64::ceil) } else { x },
+        wgsl: "ceil(x)",
         grad: none,
     }
     /// The nearest integer, halves to even (as NumPy and PyTorch round).
     Round => ROUND("Round", Numeric) {
         eval: |x| if T::FLOAT { x.via_f64(f64::round_ties_even) } else { x },
+        wgsl: "round(x)",
         grad: none,
     }
     /// The error function.
     Erf => ERF("Erf", Float) {
         eval: |x| x.via_f64(erf),
         // d erf(x) = 2/√π · e^(-x²)
+        wgsl: "sc_erf(x)",
         grad: |b, x, _, g| {
             let x2 = b.mul(x, x)?;
             let e = b.neg(x2)?;
@@ -301,6 +321,7 @@ crate::unary_ops! {
         eval: |x| float_fn!(x, gelu_tanh, gelu_tanh_to_narrow),
         // With s = σ(2u), u = c(x + k x³): y = x s, and
         // dy/dx = s + x s (1 - s) · 2c (1 + 3k x²).
+        wgsl: "0.5 * x * (1.0 + sc_tanh(0.79788456080286536 * (x + 0.044715 * x * x * x)))",
         grad: |b, x, _, g| {
             const C: f64 = 0.797_884_560_802_865_4;
             const K: f64 = 0.044_715;
@@ -327,6 +348,7 @@ crate::unary_ops! {
     Silu => SILU("Silu", Float) {
         eval: |x| float_fn!(x, silu, silu_to_narrow),
         // d x σ(x) = σ(x) (1 + x (1 - σ(x)))
+        wgsl: "x * sc_sigmoid(x)",
         grad: |b, x, _, g| {
             let one = b.scalar(1.0, b.meta(x).dtype)?;
             let s = b.unary(&SIGMOID, x)?;
@@ -340,6 +362,7 @@ crate::unary_ops! {
     /// Softplus, `ln(1 + e^x)`, without overflow.
     Softplus => SOFTPLUS("Softplus", Float) {
         eval: |x| x.via_f64(softplus),
+        wgsl: "select(max(x, 0.0) + sc_log1p(exp(-abs(x))), x, x != x)",
         grad: |b, x, _, g| {
             let s = b.unary(&SIGMOID, x)?;
             b.mul(g, s)
@@ -348,6 +371,7 @@ crate::unary_ops! {
     /// `ln(1 + x)`, accurate near 0.
     Log1p => LOG1P("Log1p", Float) {
         eval: |x| x.via_f64(log1p),
+        wgsl: "sc_log1p(x)",
         grad: |b, x, _, g| {
             let one = b.scalar(1.0, b.meta(x).dtype)?;
             let d = b.add(one, x)?;
@@ -357,6 +381,7 @@ crate::unary_ops! {
     /// `e^x - 1`, accurate near 0.
     Expm1 => EXPM1("Expm1", Float) {
         eval: |x| x.via_f64(expm1),
+        wgsl: "sc_expm1(x)",
         grad: |b, x, y, g| {
             let one = b.scalar(1.0, b.meta(x).dtype)?;
             let d = b.add(y, one)?;
@@ -367,6 +392,7 @@ crate::unary_ops! {
     Reciprocal => RECIPROCAL("Reciprocal", Float) {
         eval: |x| x.via_f64(|v| 1.0 / v),
         // d 1/x = -1/x² = -y²
+        wgsl: "1.0 / x",
         grad: |b, _, y, g| {
             let y2 = b.mul(y, y)?;
             let d = b.mul(g, y2)?;
@@ -376,6 +402,7 @@ crate::unary_ops! {
     /// `x²` (integers wrap).
     Square => SQUARE("Square", Numeric) {
         eval: |x| x.mul(x),
+        wgsl: "x * x",
         grad: |b, x, _, g| {
             let twice = b.scale(x, 2.0)?;
             b.mul(g, twice)
@@ -396,22 +423,26 @@ crate::binary_ops! {
     /// `a + b`
     Add => ADD("Add", Numeric) {
         eval: |a, b| a.add(b),
+        wgsl: "a + b",
         grad: |_, _, _, _, g| Ok((g, g)),
     }
     /// `a - b`
     Sub => SUB("Sub", Numeric) {
         eval: |a, b| a.sub(b),
+        wgsl: "a - b",
         grad: |b, _, _, _, g| Ok((g, b.neg(g)?)),
     }
     /// `a * b`
     Mul => MUL("Mul", Numeric) {
         eval: |a, b| a.mul(b),
+        wgsl: "a * b",
         grad: |b, x, y, _, g| Ok((b.mul(g, y)?, b.mul(g, x)?)),
     }
     /// `a / b` (integer division truncates; an integer zero divisor is an
     /// error)
     Div => DIV("Div", Numeric) {
         eval: |a, b| a.div(b),
+        wgsl: "a / b",
         zero_divisor_is_error: true,
         // d(x/y) = g/y, -g x/y^2 = -g out / y
         grad: |b, _, y, out, g| {
@@ -424,6 +455,7 @@ crate::binary_ops! {
     Pow => POW("Pow", Float) {
         eval: |a, b| T::from_f64(a.to_f64().powf(b.to_f64())),
         // d x^y = y x^(y-1) and x^y ln x
+        wgsl: "sc_pow(a, b)",
         grad: |b, x, y, out, g| {
             let one = b.scalar(1.0, b.meta(x).dtype)?;
             let ym1 = b.sub(y, one)?;
@@ -438,11 +470,13 @@ crate::binary_ops! {
     /// The larger of the two (NaN wins).
     Maximum => MAXIMUM("Maximum", Numeric) {
         eval: |a, b| a.maximum(b),
+        wgsl: "select(select(b, a, a > b), a + b, a != a || b != b)",
         grad: |b, x, y, _, g| extremum_grad(b, &GREATER_EQUAL, x, y, g),
     }
     /// The smaller of the two (NaN wins).
     Minimum => MINIMUM("Minimum", Numeric) {
         eval: |a, b| a.minimum(b),
+        wgsl: "select(select(b, a, a < b), a + b, a != a || b != b)",
         grad: |b, x, y, _, g| extremum_grad(b, &LESS_EQUAL, x, y, g),
     }
     /// GELU's derivative `Φ(a) + a·φ(a)` given `b = gelu(a)`, the factor
@@ -461,6 +495,7 @@ crate::binary_ops! {
             })
         },
         // d/dx (Φ + xφ) = 2φ + xφ' = φ·(2 - x²).
+        wgsl: "sc_gelu_derivative(a, b)",
         grad: |b, x, y, _, g| {
             let dtype = b.meta(x).dtype;
             let two = b.scalar(2.0, dtype)?;

@@ -1,0 +1,191 @@
+//! The GPU op handler (`gpu:N`, cargo feature `wgpu`): runs an op with the
+//! GPU kernel `stagecraft-wgpu` has for it, or else on the CPU with its
+//! arguments downloaded and its results uploaded, saying so once per op
+//! and dtypes (never silently).
+//!
+//! Launches are submitted to the device's queue and not waited for: a
+//! result handle is available at once, later kernels read it in queue
+//! order, and the host waits only when it reads a value (a download).
+
+use crate::device::Device;
+use crate::handle::TensorHandle;
+use crate::op_handler::{Args, DeviceMemory, OpHandler, OpInvocation, Results};
+use smallvec::SmallVec;
+use stagecraft_ops::Attrs;
+use stagecraft_tensor::{
+    DType, DenseHostTensor, DeviceTensor, Error, Result, TensorMetadata, TensorValue,
+};
+use stagecraft_wgpu::Gpu;
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock};
+
+pub(crate) struct GpuOpHandler {
+    index: usize,
+    name: String,
+}
+
+impl GpuOpHandler {
+    pub(crate) fn new(index: usize) -> GpuOpHandler {
+        GpuOpHandler {
+            index,
+            name: format!("gpu:{index}"),
+        }
+    }
+
+    fn gpu(&self) -> Result<&'static Gpu> {
+        Gpu::get(self.index)
+    }
+
+    fn run(&self, invocation: OpInvocation<'_>) -> Result<Results> {
+        let gpu = self.gpu()?;
+        let mut values: SmallVec<[DeviceTensor; 4]> = SmallVec::new();
+        for arg in &invocation.args {
+            match arg.wait_value()? {
+                TensorValue::Device(value) => values.push(value.clone()),
+                TensorValue::Host(_) => {
+                    return Err(Error::internal(format!(
+                        "an argument on {} holds a host value",
+                        arg.device()
+                    )))
+                }
+            }
+        }
+        let attrs = Attrs::new(&invocation.attrs, invocation.op);
+        let inputs: SmallVec<[&DeviceTensor; 4]> = values.iter().collect();
+        if let Some(produced) =
+            stagecraft_wgpu::run(gpu, invocation.op, &attrs, &inputs, &invocation.outputs)?
+        {
+            // Side effects order through the chain even on the GPU: none
+            // of the ops with kernels has one, but the chain must advance.
+            let mut invocation = invocation;
+            if let Some((after, done)) = invocation.chain.take() {
+                let _ = after.wait();
+                done.set(Ok(()));
+            }
+            return Ok(produced
+                .into_iter()
+                .map(|value| TensorHandle::available_on_device(invocation.device, value))
+                .collect());
+        }
+        self.on_cpu(gpu, invocation, &values)
+    }
+
+    /// Runs the op with the CPU's kernel: downloads, the CPU handler (with
+    /// the op's own chain), uploads.
+    fn on_cpu(
+        &self,
+        gpu: &'static Gpu,
+        invocation: OpInvocation<'_>,
+        values: &[DeviceTensor],
+    ) -> Result<Results> {
+        warn_once(invocation.op.name, &invocation.inputs, &self.name);
+        let cpu = Device::cpu();
+        let mut host_args = Args::new();
+        for value in values {
+            let host = gpu.download(value)?;
+            crate::runtime::count_device_copy(host.buffer().len());
+            host_args.push(TensorHandle::available(cpu, host.into()));
+        }
+        let device = invocation.device;
+        let results = cpu.handler().execute(OpInvocation {
+            op: invocation.op,
+            device: cpu,
+            location: invocation.location,
+            args: host_args,
+            inputs: invocation.inputs,
+            attrs: invocation.attrs,
+            outputs: invocation.outputs,
+            chain: invocation.chain,
+        });
+        let mut uploaded = Results::new();
+        for result in results {
+            let meta = result.metadata().clone();
+            let handle = match result.wait().and_then(|v| v.to_dense()) {
+                Ok(host) => {
+                    crate::runtime::count_device_copy(host.buffer().len());
+                    TensorHandle::available_on_device(device, gpu.upload(&host)?)
+                }
+                // The CPU kernel's error already names the op and line.
+                Err(e) => TensorHandle::error(device, meta, e),
+            };
+            uploaded.push(handle);
+        }
+        Ok(uploaded)
+    }
+}
+
+fn fallbacks() -> &'static Mutex<HashSet<String>> {
+    static FALLBACKS: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    FALLBACKS.get_or_init(|| Mutex::new(HashSet::new()))
+}
+
+/// Says once per op and input dtypes that the op ran on the CPU.
+fn warn_once(op: &str, inputs: &[TensorMetadata], device: &str) {
+    let dtypes: Vec<DType> = inputs.iter().map(|m| m.dtype).collect();
+    let key = format!("{op}{dtypes:?}");
+    let first = fallbacks()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(key);
+    if first {
+        eprintln!(
+            "stagecraft: warning: `{op}` has no {device} kernel for {dtypes:?}; it runs on the \
+             CPU, its inputs and outputs copied (said once per op and dtypes)"
+        );
+    }
+}
+
+/// The ops (with their input dtypes, as `Op[F32, ...]`) that ran on the
+/// CPU for want of a GPU kernel, in no order.
+pub fn cpu_fallbacks() -> Vec<String> {
+    fallbacks()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .cloned()
+        .collect()
+}
+
+impl OpHandler for GpuOpHandler {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn execute(&self, invocation: OpInvocation<'_>) -> Results {
+        let (op, device, location) = (invocation.op, invocation.device, invocation.location);
+        let outputs = invocation.outputs.clone();
+        // A chain an error leaves behind is released, so later effects
+        // do not wait for it forever.
+        let done = invocation.chain.as_ref().map(|(_, done)| done.clone());
+        match self.run(invocation) {
+            Ok(results) => results,
+            Err(e) => {
+                if let Some(done) = done {
+                    if !done.is_resolved() {
+                        done.set(Ok(()));
+                    }
+                }
+                let e = e.with_op(op.name).at(location);
+                crate::runtime::report_error(&e);
+                outputs
+                    .into_iter()
+                    .map(|meta| TensorHandle::error(device, meta, e.clone()))
+                    .collect()
+            }
+        }
+    }
+
+    fn memory(&self) -> Option<&dyn DeviceMemory> {
+        Some(self)
+    }
+}
+
+impl DeviceMemory for GpuOpHandler {
+    fn upload(&self, host: &DenseHostTensor) -> Result<DeviceTensor> {
+        self.gpu()?.upload(host)
+    }
+
+    fn download(&self, value: &DeviceTensor) -> Result<DenseHostTensor> {
+        self.gpu()?.download(value)
+    }
+}

@@ -1,0 +1,317 @@
+//! One GPU: its wgpu adapter, device and queue, the buffer pool and the
+//! compiled pipelines, opened once per process on first use.
+
+use crate::buffer::{BufferPool, GpuBuffer};
+use stagecraft_tensor::{
+    Buffer, DenseHostTensor, DeviceTensor, Error, ErrorKind, Result, TensorMetadata,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// A compiled compute shader and the layout of its one bind group.
+pub(crate) struct Pipeline {
+    pub(crate) pipeline: wgpu::ComputePipeline,
+    pub(crate) layout: wgpu::BindGroupLayout,
+}
+
+/// An open GPU (`gpu:N`). Lives for the rest of the process.
+pub struct Gpu {
+    name: String,
+    info: wgpu::AdapterInfo,
+    pub(crate) device: wgpu::Device,
+    pub(crate) queue: wgpu::Queue,
+    pub(crate) pool: BufferPool,
+    /// Set by wgpu's device-lost callback: every later op is an error.
+    lost: Arc<Mutex<Option<String>>>,
+    /// Pipelines by their WGSL source: a shader is compiled once per
+    /// process, whatever op or shape asked for it.
+    pipelines: Mutex<HashMap<String, Arc<Pipeline>>>,
+    pub(crate) max_binding_bytes: u64,
+}
+
+/// What a machine without a usable adapter needs, for the error.
+const DRIVER_HINT: &str = "wgpu found no Vulkan, Metal or DX12 adapter. On Linux without a GPU, \
+     install Mesa's software Vulkan driver (Debian/Ubuntu: `apt-get install mesa-vulkan-drivers`; \
+     Fedora: `dnf install mesa-vulkan-drivers`); with a GPU, install its vendor's Vulkan driver";
+
+type Opened = Result<&'static Gpu>;
+
+fn opened() -> &'static Mutex<HashMap<usize, Opened>> {
+    static OPENED: OnceLock<Mutex<HashMap<usize, Opened>>> = OnceLock::new();
+    OPENED.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Adapters in the order `gpu:N` numbers them: discrete GPUs first, then
+/// integrated, virtual, and software (CPU) ones.
+fn adapters() -> Vec<wgpu::Adapter> {
+    let mut descriptor = wgpu::InstanceDescriptor::new_without_display_handle();
+    descriptor.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
+    let backends = descriptor.backends;
+    let instance = wgpu::Instance::new(descriptor);
+    let mut adapters = pollster::block_on(instance.enumerate_adapters(backends));
+    let rank = |a: &wgpu::Adapter| match a.get_info().device_type {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    };
+    adapters.sort_by_key(rank);
+    adapters
+}
+
+impl Gpu {
+    /// `gpu:index`, opened on first use. The error names the driver to
+    /// install when there is no adapter, and the adapters there are when
+    /// `index` is past them.
+    pub fn get(index: usize) -> Result<&'static Gpu> {
+        let mut all = opened().lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(result) = all.get(&index) {
+            return result.clone();
+        }
+        let result = Gpu::open(index).map(|gpu| &*Box::leak(Box::new(gpu)));
+        all.insert(index, result.clone());
+        result
+    }
+
+    fn open(index: usize) -> Result<Gpu> {
+        let mut adapters = adapters();
+        if adapters.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Device,
+                format!("no GPU for gpu:{index}: {DRIVER_HINT}"),
+            ));
+        }
+        if index >= adapters.len() {
+            let names: Vec<String> = adapters
+                .iter()
+                .enumerate()
+                .map(|(i, a)| format!("gpu:{i} = {}", a.get_info().name))
+                .collect();
+            return Err(Error::new(
+                ErrorKind::Device,
+                format!(
+                    "no gpu:{index}: this machine has {} adapter(s): {}",
+                    adapters.len(),
+                    names.join(", ")
+                ),
+            ));
+        }
+        let adapter = adapters.swap_remove(index);
+        let info = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("stagecraft"),
+            // The adapter's own limits, not WebGPU's defaults: a tensor
+            // binding may then be as large as the device allows.
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| {
+            Error::new(
+                ErrorKind::Device,
+                format!("gpu:{index} ({}) refused to open: {e}", info.name),
+            )
+        })?;
+        let lost = Arc::new(Mutex::new(None));
+        let lost_flag = lost.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            *lost_flag.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(format!("{reason:?}: {message}"));
+        });
+        // Errors are caught per op by error scopes; one that escapes them
+        // (none should) is reported rather than aborting the process.
+        device.on_uncaptured_error(Arc::new(|error: wgpu::Error| {
+            eprintln!("stagecraft: uncaptured GPU error: {error}");
+        }));
+        Ok(Gpu {
+            name: format!("gpu:{index}"),
+            info,
+            device,
+            queue,
+            pool: BufferPool::default(),
+            lost,
+            pipelines: Mutex::new(HashMap::new()),
+            max_binding_bytes: limits
+                .max_storage_buffer_binding_size
+                .min(limits.max_buffer_size),
+        })
+    }
+
+    /// The device's name, `gpu:N`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The adapter's name, e.g. `NVIDIA H200` or `llvmpipe (LLVM 15.0.6, 256 bits)`.
+    pub fn adapter_name(&self) -> &str {
+        &self.info.name
+    }
+
+    /// The adapter's backend and driver, for reports.
+    pub fn driver(&self) -> String {
+        format!(
+            "{:?}, {} {}",
+            self.info.backend, self.info.driver, self.info.driver_info
+        )
+    }
+
+    /// True for a software adapter (Mesa's lavapipe): its times are no
+    /// measure of a GPU.
+    pub fn is_software(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
+    }
+
+    /// An error if the device was lost (driver reset, removed GPU): every
+    /// op after that fails with it.
+    pub fn check_alive(&self) -> Result<()> {
+        match &*self.lost.lock().unwrap_or_else(|p| p.into_inner()) {
+            None => Ok(()),
+            Some(reason) => Err(Error::new(
+                ErrorKind::Device,
+                format!("{} was lost ({reason}); its tensors are gone", self.name),
+            )),
+        }
+    }
+
+    /// Marks the device lost, as wgpu's callback does; for tests of what
+    /// follows a lost device.
+    #[doc(hidden)]
+    pub fn simulate_loss(&self, reason: &str) {
+        *self.lost.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
+    }
+
+    /// A new tensor of `meta` in device memory, its bytes unspecified.
+    pub fn alloc(&'static self, meta: TensorMetadata) -> Result<DeviceTensor> {
+        let bytes = meta.checked_size_in_bytes()?;
+        let storage = GpuBuffer::new(self, bytes)?;
+        Ok(DeviceTensor::new(meta, Arc::new(storage)))
+    }
+
+    /// Copies a host tensor into device memory. The copy is queued: the
+    /// device sees it before any work submitted after this call.
+    pub fn upload(&'static self, host: &DenseHostTensor) -> Result<DeviceTensor> {
+        self.check_alive()?;
+        let tensor = self.alloc(host.metadata().clone())?;
+        let bytes = host.buffer().bytes();
+        if !bytes.is_empty() {
+            let target = GpuBuffer::of(&tensor)?;
+            // The queue writes whole 4-byte words.
+            if bytes.len().is_multiple_of(4) {
+                self.queue.write_buffer(target.buffer(), 0, bytes);
+            } else {
+                let mut padded = bytes.to_vec();
+                padded.resize(bytes.len().next_multiple_of(4), 0);
+                self.queue.write_buffer(target.buffer(), 0, &padded);
+            }
+        }
+        Ok(tensor)
+    }
+
+    /// Copies a device tensor to host memory, waiting for the work that
+    /// computes it.
+    pub fn download(&self, tensor: &DeviceTensor) -> Result<DenseHostTensor> {
+        self.check_alive()?;
+        let meta = tensor.metadata().clone();
+        let bytes = meta.checked_size_in_bytes()?;
+        if bytes == 0 {
+            return DenseHostTensor::zeros(meta);
+        }
+        let source = GpuBuffer::of(tensor)?;
+        let padded = bytes.next_multiple_of(4) as u64;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("stagecraft download"),
+            size: padded,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor::default());
+        encoder.copy_buffer_to_buffer(source.buffer(), 0, &staging, 0, padded);
+        self.queue.submit([encoder.finish()]);
+        let (done, mapped) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |result| {
+            let _ = done.send(result);
+        });
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| self.device_error("waiting for the GPU", e))?;
+        mapped
+            .recv()
+            .map_err(|e| self.device_error("reading a GPU buffer", e))?
+            .map_err(|e| self.device_error("mapping a GPU buffer", e))?;
+        let view = staging
+            .get_mapped_range(..)
+            .map_err(|e| self.device_error("mapping a GPU buffer", e))?;
+        let host = DenseHostTensor::from_buffer(meta, Buffer::copy_of(&view[..bytes]));
+        drop(view);
+        staging.unmap();
+        host
+    }
+
+    /// Waits until every submitted kernel has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map(|_| ())
+            .map_err(|e| self.device_error("waiting for the GPU", e))
+    }
+
+    pub(crate) fn device_error(&self, what: &str, error: impl std::fmt::Display) -> Error {
+        if let Err(lost) = self.check_alive() {
+            return lost;
+        }
+        Error::new(ErrorKind::Device, format!("{}: {what}: {error}", self.name))
+    }
+
+    /// The pipeline of a WGSL compute shader (entry point `main`), compiled
+    /// on first use.
+    pub(crate) fn pipeline(&self, source: &str) -> Result<Arc<Pipeline>> {
+        if let Some(p) = self
+            .pipelines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(source)
+        {
+            return Ok(p.clone());
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: None,
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            });
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: None,
+                layout: None,
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        if let Some(error) = pollster::block_on(scope.pop()) {
+            return Err(Error::internal(format!(
+                "a generated GPU shader did not compile: {error}\n{source}"
+            )));
+        }
+        let layout = pipeline.get_bind_group_layout(0);
+        let compiled = Arc::new(Pipeline { pipeline, layout });
+        self.pipelines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(source.to_string(), compiled.clone());
+        Ok(compiled)
+    }
+
+    /// The number of compiled pipelines (each distinct shader once).
+    pub fn pipeline_count(&self) -> usize {
+        self.pipelines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+}

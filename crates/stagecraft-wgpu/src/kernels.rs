@@ -1,0 +1,482 @@
+//! The GPU kernel table: which (op, dtypes, attributes) run on the GPU, and
+//! their launches. Anything not here runs on the CPU through the op
+//! handler's fallback (with copies and a warning), so [`run`] says
+//! "no kernel" rather than failing.
+
+use crate::buffer::GpuBuffer;
+use crate::context::{Gpu, Pipeline};
+use crate::shader::{self, Combine, MAX_RANK, TILE, WORKGROUP};
+use smallvec::SmallVec;
+use stagecraft_ops::{defs, Attrs, OpDef, OpKind, ReduceOp};
+use stagecraft_tensor::{DType, DeviceTensor, Error, Result, TensorMetadata};
+use std::sync::Arc;
+
+/// Output tensors of one launch.
+pub type Outputs = SmallVec<[DeviceTensor; 1]>;
+
+/// The most workgroups along one grid dimension (WebGPU's floor).
+const MAX_GROUPS_PER_DIM: u32 = 65_535;
+
+/// Runs `op` on the GPU if it has a kernel for these inputs and
+/// attributes: `Ok(None)` when it has none (the caller runs it elsewhere).
+/// The work is submitted, not waited for; the outputs may be read by later
+/// kernels at once (the queue keeps order) and by the host through
+/// [`Gpu::download`], which waits.
+pub fn run(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    gpu.check_alive()?;
+    let all_f32 = inputs.iter().all(|t| t.metadata().dtype == DType::F32)
+        && outputs.iter().all(|m| m.dtype == DType::F32);
+    // Reshapes move no data: the output shares the input's buffer.
+    if std::ptr::eq(op, &defs::RESHAPE) && inputs.len() == 1 && outputs.len() == 1 {
+        return Ok(Some(
+            [inputs[0].with_metadata(outputs[0].clone())]
+                .into_iter()
+                .collect(),
+        ));
+    }
+    if !all_f32 || outputs.len() != 1 {
+        return Ok(None);
+    }
+    let out = &outputs[0];
+    if out.shape.numel() == 0 {
+        return gpu
+            .alloc(out.clone())
+            .map(|t| Some([t].into_iter().collect()));
+    }
+    match op.kind {
+        OpKind::Unary(unary) => match unary.wgsl() {
+            Some(expression) => unary_launch(gpu, expression, inputs[0], out).map(Some),
+            None => Ok(None),
+        },
+        OpKind::Binary(binary) => match binary.wgsl() {
+            Some(expression) => binary_launch(gpu, expression, inputs[0], inputs[1], out),
+            None => Ok(None),
+        },
+        OpKind::Reduce(reduce) => reduce_launch(gpu, reduce, attrs, inputs[0], out),
+        _ if std::ptr::eq(op, &defs::MATMUL) => matmul_launch(gpu, attrs, inputs, out),
+        _ if std::ptr::eq(op, &defs::SOFTMAX) => softmax_launch(gpu, false, attrs, inputs[0], out),
+        _ if std::ptr::eq(op, &defs::LOG_SOFTMAX) => {
+            softmax_launch(gpu, true, attrs, inputs[0], out)
+        }
+        _ => Ok(None),
+    }
+}
+
+fn one(tensor: DeviceTensor) -> Outputs {
+    [tensor].into_iter().collect()
+}
+
+/// A 2-D grid of at least `groups` workgroups and its row width in groups.
+fn grid(groups: u32) -> (u32, u32) {
+    if groups <= MAX_GROUPS_PER_DIM {
+        (groups.max(1), 1)
+    } else {
+        (MAX_GROUPS_PER_DIM, groups.div_ceil(MAX_GROUPS_PER_DIM))
+    }
+}
+
+/// `usize` → `u32` for a size a shader indexes with; larger sizes run on
+/// the CPU.
+fn small(value: usize) -> Option<u32> {
+    u32::try_from(value).ok()
+}
+
+/// Binds `buffers` (then `params`) in order and dispatches `groups`.
+fn launch(
+    gpu: &'static Gpu,
+    pipeline: &Pipeline,
+    buffers: &[&DeviceTensor],
+    params: &[u32],
+    groups: (u32, u32, u32),
+) -> Result<()> {
+    let params_bytes: Vec<u8> = params.iter().flat_map(|p| p.to_le_bytes()).collect();
+    let params_buffer = GpuBuffer::new(gpu, params_bytes.len())?;
+    gpu.queue
+        .write_buffer(params_buffer.buffer(), 0, &params_bytes);
+    let mut entries = Vec::with_capacity(buffers.len() + 1);
+    for (slot, tensor) in buffers.iter().enumerate() {
+        entries.push((slot as u32, GpuBuffer::of(tensor)?.buffer()));
+    }
+    entries.push((buffers.len() as u32, params_buffer.buffer()));
+    let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let bind_group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipeline.layout,
+        entries: &entries
+            .iter()
+            .map(|(binding, buffer)| wgpu::BindGroupEntry {
+                binding: *binding,
+                resource: buffer.as_entire_binding(),
+            })
+            .collect::<Vec<_>>(),
+    });
+    let mut encoder = gpu
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor::default());
+    {
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+        pass.set_pipeline(&pipeline.pipeline);
+        pass.set_bind_group(0, &bind_group, &[]);
+        pass.dispatch_workgroups(groups.0, groups.1, groups.2);
+    }
+    gpu.queue.submit([encoder.finish()]);
+    if let Some(error) = pollster::block_on(scope.pop()) {
+        return Err(gpu.device_error("a kernel launch failed", error));
+    }
+    Ok(())
+}
+
+fn unary_launch(
+    gpu: &'static Gpu,
+    expression: &str,
+    x: &DeviceTensor,
+    out: &TensorMetadata,
+) -> Result<Outputs> {
+    let Some(count) = small(out.shape.numel()) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::unary(expression))?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
+    launch(
+        gpu,
+        &pipeline,
+        &[x, &y],
+        &[count, gx * WORKGROUP],
+        (gx, gy, 1),
+    )?;
+    Ok(one(y))
+}
+
+fn too_large(meta: &TensorMetadata) -> Error {
+    Error::invalid(format!(
+        "a GPU kernel indexes at most 2^32 elements; {meta} has more"
+    ))
+}
+
+/// Row-major strides of `dims`.
+fn strides_of(dims: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; dims.len()];
+    for d in (0..dims.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * dims[d + 1];
+    }
+    strides
+}
+
+/// The strides of `input` read over `out`'s dimensions (0 along
+/// dimensions it is broadcast over), aligned at the last axis.
+fn broadcast_strides(input: &[usize], out: &[usize]) -> Vec<usize> {
+    let own = strides_of(input);
+    let lead = out.len() - input.len();
+    (0..out.len())
+        .map(|d| {
+            if d < lead || input[d - lead] == 1 {
+                0
+            } else {
+                own[d - lead]
+            }
+        })
+        .collect()
+}
+
+/// Merges adjacent output dimensions along which every operand's strides
+/// stay contiguous, and drops dimensions of size 1, so most broadcasts
+/// index in one or two dimensions.
+fn merge_dims(dims: &[usize], strides: &mut [Vec<usize>]) -> Vec<usize> {
+    let mut merged: Vec<usize> = Vec::new();
+    let mut merged_strides: Vec<Vec<usize>> = vec![Vec::new(); strides.len()];
+    for d in 0..dims.len() {
+        if dims[d] == 1 {
+            continue;
+        }
+        let joins = !merged.is_empty()
+            && strides.iter().zip(&merged_strides).all(|(s, m)| {
+                let last = *m.last().expect("merged dims have strides");
+                last == s[d] * dims[d]
+            });
+        if joins {
+            let last = merged.len() - 1;
+            merged[last] *= dims[d];
+            for (s, m) in strides.iter().zip(merged_strides.iter_mut()) {
+                *m.last_mut().expect("merged dims have strides") = s[d];
+            }
+        } else {
+            merged.push(dims[d]);
+            for (s, m) in strides.iter().zip(merged_strides.iter_mut()) {
+                m.push(s[d]);
+            }
+        }
+    }
+    for (s, m) in strides.iter_mut().zip(merged_strides) {
+        *s = m;
+    }
+    merged
+}
+
+fn binary_launch(
+    gpu: &'static Gpu,
+    expression: &str,
+    a: &DeviceTensor,
+    b: &DeviceTensor,
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let dims = out.shape.dims();
+    let mut strides = vec![
+        broadcast_strides(a.metadata().shape.dims(), dims),
+        broadcast_strides(b.metadata().shape.dims(), dims),
+    ];
+    let merged = merge_dims(dims, &mut strides);
+    if merged.len() > MAX_RANK {
+        return Ok(None);
+    }
+    let (Some(count), true) = (
+        small(out.shape.numel()),
+        merged
+            .iter()
+            .chain(strides.iter().flatten())
+            .all(|&v| small(v).is_some()),
+    ) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::binary(expression))?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
+    let mut params = vec![0u32; 4 + 3 * MAX_RANK];
+    params[..4].copy_from_slice(&[count, gx * WORKGROUP, merged.len() as u32, 0]);
+    for (d, &dim) in merged.iter().enumerate() {
+        params[4 + d] = dim as u32;
+        params[4 + MAX_RANK + d] = strides[0][d] as u32;
+        params[4 + 2 * MAX_RANK + d] = strides[1][d] as u32;
+    }
+    launch(gpu, &pipeline, &[a, b, &y], &params, (gx, gy, 1))?;
+    Ok(Some(one(y)))
+}
+
+/// The reduced axes of a reduction's `axes` attribute (none = all).
+fn reduced_axes(attrs: &Attrs<'_>, rank: usize) -> Result<Vec<bool>> {
+    let axes = attrs.ints("axes")?;
+    let mut reduced = vec![axes.is_empty(); rank];
+    for &axis in axes {
+        let axis = stagecraft_tensor::normalize_axis(axis as isize, rank)?;
+        reduced[axis] = true;
+    }
+    Ok(reduced)
+}
+
+fn reduce_launch(
+    gpu: &'static Gpu,
+    reduce: ReduceOp,
+    attrs: &Attrs<'_>,
+    x: &DeviceTensor,
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let dims = x.metadata().shape.dims();
+    let reduced = reduced_axes(attrs, dims.len())?;
+    let strides = strides_of(dims);
+    let (mut kept_dims, mut kept_strides) = (Vec::new(), Vec::new());
+    let (mut red_dims, mut red_strides) = (Vec::new(), Vec::new());
+    for d in 0..dims.len() {
+        if dims[d] == 1 {
+            continue;
+        }
+        if reduced[d] {
+            red_dims.push(dims[d]);
+            red_strides.push(strides[d]);
+        } else {
+            kept_dims.push(dims[d]);
+            kept_strides.push(strides[d]);
+        }
+    }
+    if kept_dims.len() > MAX_RANK || red_dims.len() > MAX_RANK {
+        return Ok(None);
+    }
+    let count: usize = red_dims.iter().product();
+    let outputs = out.shape.numel();
+    let (Some(count), Some(outputs)) = (small(count), small(outputs)) else {
+        return Err(too_large(out));
+    };
+    let combine = match reduce {
+        ReduceOp::Sum => Combine {
+            init: "0.0",
+            step: "return acc + x;",
+            finish: "acc",
+        },
+        ReduceOp::Mean => Combine {
+            init: "0.0",
+            step: "return acc + x;",
+            finish: "acc / n",
+        },
+        ReduceOp::Prod => Combine {
+            init: "1.0",
+            step: "return acc * x;",
+            finish: "acc",
+        },
+        ReduceOp::Max => Combine {
+            init: "-sc_inf()",
+            // A NaN on either side wins, as on the CPU.
+            step: "return select(select(x, acc, acc > x), acc + x, acc != acc || x != x);",
+            finish: "acc",
+        },
+        ReduceOp::Min => Combine {
+            init: "sc_inf()",
+            step: "return select(select(x, acc, acc < x), acc + x, acc != acc || x != x);",
+            finish: "acc",
+        },
+    };
+    // Long reductions share a workgroup per output; short ones take a
+    // thread each.
+    let per_workgroup = count > 64;
+    let source = if per_workgroup {
+        shader::reduce_per_workgroup(&combine)
+    } else {
+        shader::reduce_per_thread(&combine)
+    };
+    let pipeline = gpu.pipeline(&source)?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy, row_width) = if per_workgroup {
+        let (gx, gy) = grid(outputs);
+        (gx, gy, gx)
+    } else {
+        let (gx, gy) = grid(outputs.div_ceil(WORKGROUP));
+        (gx, gy, gx * WORKGROUP)
+    };
+    let mut params = vec![0u32; 8 + 4 * MAX_RANK];
+    params[..5].copy_from_slice(&[
+        outputs,
+        count,
+        kept_dims.len() as u32,
+        red_dims.len() as u32,
+        row_width,
+    ]);
+    for (d, (&dim, &stride)) in kept_dims.iter().zip(&kept_strides).enumerate() {
+        params[8 + d] = dim as u32;
+        params[8 + MAX_RANK + d] = stride as u32;
+    }
+    for (d, (&dim, &stride)) in red_dims.iter().zip(&red_strides).enumerate() {
+        params[8 + 2 * MAX_RANK + d] = dim as u32;
+        params[8 + 3 * MAX_RANK + d] = stride as u32;
+    }
+    launch(gpu, &pipeline, &[x, &y], &params, (gx, gy, 1))?;
+    Ok(Some(one(y)))
+}
+
+fn softmax_launch(
+    gpu: &'static Gpu,
+    log: bool,
+    attrs: &Attrs<'_>,
+    x: &DeviceTensor,
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let dims = x.metadata().shape.dims();
+    let axis = stagecraft_tensor::normalize_axis(attrs.int("axis")? as isize, dims.len().max(1))?;
+    // Only the last axis here; another axis runs on the CPU.
+    if dims.is_empty() || axis + 1 != dims.len() {
+        return Ok(None);
+    }
+    let width = dims[axis];
+    let rows = out.shape.numel() / width;
+    let (Some(width), Some(rows)) = (small(width), small(rows)) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::softmax(log))?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(rows);
+    launch(gpu, &pipeline, &[x, &y], &[rows, width, gx], (gx, gy, 1))?;
+    Ok(Some(one(y)))
+}
+
+fn matmul_launch(
+    gpu: &'static Gpu,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let (a, b) = (inputs[0], inputs[1]);
+    let (ad, bd, od) = (
+        a.metadata().shape.dims(),
+        b.metadata().shape.dims(),
+        out.shape.dims(),
+    );
+    // Vectors (promoted to matrices by the op) run on the CPU for now.
+    if ad.len() < 2 || bd.len() < 2 {
+        return Ok(None);
+    }
+    let (ta, tb) = (attrs.bool("transpose_a")?, attrs.bool("transpose_b")?);
+    let (m, n) = (od[od.len() - 2], od[od.len() - 1]);
+    let k = if ta {
+        ad[ad.len() - 2]
+    } else {
+        ad[ad.len() - 1]
+    };
+    let batch: usize = od[..od.len() - 2].iter().product();
+    // An operand's batch is either the output's or a single matrix shared
+    // by every batch; other broadcasts run on the CPU.
+    let batch_stride = |dims: &[usize], matrix: usize| -> Option<usize> {
+        let own: usize = dims[..dims.len() - 2].iter().product();
+        if own == 1 {
+            Some(0)
+        } else if dims[..dims.len() - 2] == od[..od.len() - 2] {
+            Some(matrix)
+        } else {
+            None
+        }
+    };
+    let (Some(sa), Some(sb)) = (batch_stride(ad, m * k), batch_stride(bd, k * n)) else {
+        return Ok(None);
+    };
+    let sizes = [m, n, k, sa, sb, batch, out.shape.numel()];
+    if sizes.iter().any(|&s| small(s).is_none()) {
+        return Err(too_large(out));
+    }
+    let groups = (
+        (n as u32).div_ceil(TILE),
+        (m as u32).div_ceil(TILE),
+        batch as u32,
+    );
+    if groups.0 > MAX_GROUPS_PER_DIM
+        || groups.1 > MAX_GROUPS_PER_DIM
+        || groups.2 > MAX_GROUPS_PER_DIM
+    {
+        return Ok(None);
+    }
+    if k == 0 {
+        // An empty sum is zeros, which the CPU's kernel writes.
+        return Ok(None);
+    }
+    let pipeline = gpu.pipeline(&shader::matmul())?;
+    let y = gpu.alloc(out.clone())?;
+    let params = [
+        m as u32, n as u32, k as u32, ta as u32, tb as u32, sa as u32, sb as u32, 0,
+    ];
+    launch(gpu, &pipeline, &[a, b, &y], &params, groups)?;
+    Ok(Some(one(y)))
+}
+
+/// Shader sources compiled for tests that check generated code compiles.
+#[doc(hidden)]
+pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
+    let mut sources = Vec::new();
+    for op in stagecraft_ops::UnaryOp::ALL {
+        if let Some(expression) = op.wgsl() {
+            sources.push((op.def().name, shader::unary(expression)));
+        }
+    }
+    for op in stagecraft_ops::BinaryOp::ALL {
+        if let Some(expression) = op.wgsl() {
+            sources.push((op.def().name, shader::binary(expression)));
+        }
+    }
+    sources
+}
+
+/// Compiles `source` on `gpu`, for tests of the generated shaders.
+#[doc(hidden)]
+pub fn compile(gpu: &Gpu, source: &str) -> Result<()> {
+    gpu.pipeline(source).map(|_: Arc<Pipeline>| ())
+}

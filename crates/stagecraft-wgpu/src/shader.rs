@@ -1,0 +1,401 @@
+//! WGSL source for the kernels. Elementwise shaders are made from an op's
+//! WGSL expression in its definition (`stagecraft-ops`, `wgsl:` in the op
+//! table); this file holds only the shapes of the loops and the prelude of
+//! math helpers those expressions may call.
+//!
+//! Every shader has one entry point, `main`, and one bind group: its
+//! inputs, its output, then `params`, an array of `u32` with the sizes and
+//! strides of the launch. Sizes live in `params`, not in the source, so one
+//! compiled pipeline serves every shape.
+
+/// The largest rank a strided kernel indexes; a broadcast whose shape still
+/// has more dimensions after merging runs on the CPU.
+pub(crate) const MAX_RANK: usize = 6;
+
+/// Threads per workgroup of the one-thread-per-element kernels.
+pub(crate) const WORKGROUP: u32 = 256;
+
+/// Math the elementwise expressions call where WGSL has no builtin, or
+/// where the builtin's range is narrower than the CPU's (WGSL leaves
+/// `pow` of a negative base and `tanh` of a large argument undefined).
+pub(crate) const PRELUDE: &str = r#"
+fn sc_nan() -> f32 { return bitcast<f32>(0x7fc00000u); }
+fn sc_inf() -> f32 { return bitcast<f32>(0x7f800000u); }
+
+// e^x - 1 without cancellation near 0 (Kahan's correction).
+fn sc_expm1(x: f32) -> f32 {
+    let u = exp(x);
+    if (u == 1.0) { return x; }
+    let um1 = u - 1.0;
+    if (um1 == -1.0) { return -1.0; }
+    if (u > 3.0e38) { return u; }
+    return um1 * x / log(u);
+}
+
+// ln(1 + x) without cancellation near 0.
+fn sc_log1p(x: f32) -> f32 {
+    let u = 1.0 + x;
+    if (u == 1.0) { return x; }
+    if (u > 3.0e38) { return log(u); }
+    return log(u) * x / (u - 1.0);
+}
+
+// tanh from e^(-2|x|) - 1, which neither overflows nor cancels.
+fn sc_tanh(x: f32) -> f32 {
+    let e = sc_expm1(-2.0 * abs(x));
+    let t = -e / (2.0 + e);
+    return select(t, -t, x < 0.0);
+}
+
+fn sc_sigmoid(x: f32) -> f32 {
+    return 1.0 / (1.0 + exp(-x));
+}
+
+// erf: its Taylor series near 0 (relative accuracy), Abramowitz & Stegun
+// 7.1.26 beyond (absolute error below 1.5e-7 where erf is above 0.5).
+fn sc_erf(x: f32) -> f32 {
+    let a = abs(x);
+    if (a < 0.5) {
+        let x2 = x * x;
+        let series = 1.0 + x2 * (-1.0 / 3.0 + x2 * (1.0 / 10.0 + x2 * (-1.0 / 42.0
+            + x2 * (1.0 / 216.0 + x2 * (-1.0 / 1320.0)))));
+        return 1.1283791670955126 * x * series;
+    }
+    let t = 1.0 / (1.0 + 0.3275911 * a);
+    let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
+        + t * (-1.453152027 + t * 1.061405429))));
+    let y = 1.0 - poly * exp(-a * a);
+    return select(y, -y, x < 0.0);
+}
+
+// a^b as the CPU's powf: a negative base with an integer exponent, zero
+// and one bases, NaN otherwise.
+fn sc_pow(a: f32, b: f32) -> f32 {
+    if (b == 0.0 || a == 1.0) { return 1.0; }
+    if (a == 0.0) { return select(0.0, sc_inf(), b < 0.0); }
+    let m = exp2(b * log2(abs(a)));
+    if (a < 0.0) {
+        if (floor(b) != b) { return sc_nan(); }
+        let odd = floor(b * 0.5) * 2.0 != b;
+        return select(m, -m, odd);
+    }
+    return m;
+}
+
+// d gelu(x) / dx given x and y = gelu(x): Φ(x) + x φ(x).
+fn sc_gelu_derivative(x: f32, y: f32) -> f32 {
+    if (x > 3.0e38) { return 1.0; }
+    if (x < -3.0e38) { return 0.0; }
+    let cdf = select(y / x, 0.5, x == 0.0);
+    let pdf = 0.3989422804014327 * exp(-0.5 * x * x);
+    return cdf + x * pdf;
+}
+"#;
+
+/// The flat index of the thread in a launch of [`WORKGROUP`]-wide
+/// workgroups over a 2-D grid (one dimension holds at most 65,535 groups);
+/// `params[1]` is the grid's row width in threads.
+const FLAT_INDEX: &str = "let i = id.x + id.y * params[1];";
+
+/// `y = f(x)` over contiguous tensors. `params`: `[count, row_width]`.
+pub(crate) fn unary(expression: &str) -> String {
+    format!(
+        r#"{PRELUDE}
+@group(0) @binding(0) var<storage, read> input: array<f32>;
+@group(0) @binding(1) var<storage, read_write> output: array<f32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+
+fn op(x: f32) -> f32 {{ return {expression}; }}
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i < params[0]) {{ output[i] = op(input[i]); }}
+}}
+"#
+    )
+}
+
+/// `y = f(a, b)` with broadcasting: each input is read through its own
+/// strides (0 along broadcast dimensions) over the output's dimensions.
+/// `params`: `[count, row_width, rank, 0, dims[MAX_RANK],
+/// a_strides[MAX_RANK], b_strides[MAX_RANK]]`.
+pub(crate) fn binary(expression: &str) -> String {
+    format!(
+        r#"{PRELUDE}
+@group(0) @binding(0) var<storage, read> lhs: array<f32>;
+@group(0) @binding(1) var<storage, read> rhs: array<f32>;
+@group(0) @binding(2) var<storage, read_write> output: array<f32>;
+@group(0) @binding(3) var<storage, read> params: array<u32>;
+
+fn op(a: f32, b: f32) -> f32 {{ return {expression}; }}
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i >= params[0]) {{ return; }}
+    var rest = i;
+    var ia = 0u;
+    var ib = 0u;
+    let rank = params[2];
+    for (var d = 0u; d < rank; d = d + 1u) {{
+        let axis = rank - 1u - d;
+        let dim = params[4u + axis];
+        let coordinate = rest % dim;
+        rest = rest / dim;
+        ia = ia + coordinate * params[4u + {MAX_RANK}u + axis];
+        ib = ib + coordinate * params[4u + {twice}u + axis];
+    }}
+    output[i] = op(lhs[ia], rhs[ib]);
+}}
+"#,
+        twice = 2 * MAX_RANK
+    )
+}
+
+/// How a reduction combines values.
+pub(crate) struct Combine {
+    /// The identity, a WGSL f32 expression.
+    pub(crate) init: &'static str,
+    /// `fn combine(acc: f32, x: f32) -> f32`'s body.
+    pub(crate) step: &'static str,
+    /// The result from the combined value `acc` and the count `n` (an f32).
+    pub(crate) finish: &'static str,
+}
+
+/// The index arithmetic both reduction shaders share: `params` is
+/// `[outputs, count, kept_rank, reduced_rank, row_width, 0, 0, 0,
+/// kept_dims[MAX_RANK], kept_strides[MAX_RANK], reduced_dims[MAX_RANK],
+/// reduced_strides[MAX_RANK]]`.
+fn reduce_prelude(combine: &Combine) -> String {
+    let (init, step) = (combine.init, combine.step);
+    let r = MAX_RANK;
+    format!(
+        r#"{PRELUDE}
+@group(0) @binding(0) var<storage, read> input: array<f32>;
+@group(0) @binding(1) var<storage, read_write> output: array<f32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+
+fn combine(acc: f32, x: f32) -> f32 {{ {step} }}
+fn identity() -> f32 {{ return {init}; }}
+
+// The input offset of output element `o` (its kept coordinates).
+fn kept_offset(o: u32) -> u32 {{
+    var rest = o;
+    var offset = 0u;
+    let rank = params[2];
+    for (var d = 0u; d < rank; d = d + 1u) {{
+        let axis = rank - 1u - d;
+        let dim = params[8u + axis];
+        offset = offset + (rest % dim) * params[8u + {r}u + axis];
+        rest = rest / dim;
+    }}
+    return offset;
+}}
+
+// The input offset of the `r`-th reduced element, from the kept offset.
+fn reduced_offset(r: u32) -> u32 {{
+    var rest = r;
+    var offset = 0u;
+    let rank = params[3];
+    for (var d = 0u; d < rank; d = d + 1u) {{
+        let axis = rank - 1u - d;
+        let dim = params[8u + {r2}u + axis];
+        offset = offset + (rest % dim) * params[8u + {r3}u + axis];
+        rest = rest / dim;
+    }}
+    return offset;
+}}
+"#,
+        r2 = 2 * r,
+        r3 = 3 * r
+    )
+}
+
+/// One thread per output element, for short reductions.
+pub(crate) fn reduce_per_thread(combine: &Combine) -> String {
+    let finish = combine.finish;
+    format!(
+        r#"{prelude}
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    let o = id.x + id.y * params[4];
+    if (o >= params[0]) {{ return; }}
+    let base = kept_offset(o);
+    var acc = identity();
+    let count = params[1];
+    for (var r = 0u; r < count; r = r + 1u) {{
+        acc = combine(acc, input[base + reduced_offset(r)]);
+    }}
+    let n = f32(count);
+    output[o] = {finish};
+}}
+"#,
+        prelude = reduce_prelude(combine)
+    )
+}
+
+/// Threads of one workgroup share the reduction of one output element
+/// (strided partial results, then a tree in workgroup memory), for long
+/// reductions. `params[4]` is the grid's row width in workgroups.
+pub(crate) fn reduce_per_workgroup(combine: &Combine) -> String {
+    let finish = combine.finish;
+    format!(
+        r#"{prelude}
+const LANES: u32 = 64u;
+var<workgroup> partial: array<f32, 64>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) group: vec3<u32>,
+        @builtin(local_invocation_index) lane: u32) {{
+    let o = group.x + group.y * params[4];
+    let live = o < params[0];
+    var acc = identity();
+    let count = params[1];
+    if (live) {{
+        let base = kept_offset(o);
+        for (var r = lane; r < count; r = r + LANES) {{
+            acc = combine(acc, input[base + reduced_offset(r)]);
+        }}
+    }}
+    partial[lane] = acc;
+    workgroupBarrier();
+    for (var width = LANES / 2u; width > 0u; width = width / 2u) {{
+        if (lane < width) {{
+            partial[lane] = combine(partial[lane], partial[lane + width]);
+        }}
+        workgroupBarrier();
+    }}
+    if (live && lane == 0u) {{
+        let acc = partial[0];
+        let n = f32(count);
+        output[o] = {finish};
+    }}
+}}
+"#,
+        prelude = reduce_prelude(combine)
+    )
+}
+
+/// Softmax or log-softmax over the last axis: one workgroup per row.
+/// `params`: `[rows, width, row_width_in_groups]`.
+pub(crate) fn softmax(log: bool) -> String {
+    let write = if log {
+        "output[base + c] = input[base + c] - top - log(total);"
+    } else {
+        "output[base + c] = exp(input[base + c] - top) / total;"
+    };
+    format!(
+        r#"{PRELUDE}
+@group(0) @binding(0) var<storage, read> input: array<f32>;
+@group(0) @binding(1) var<storage, read_write> output: array<f32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+
+const LANES: u32 = 64u;
+var<workgroup> partial: array<f32, 64>;
+
+fn max_nan(a: f32, b: f32) -> f32 {{ return select(select(b, a, a > b), a + b, a != a || b != b); }}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) group: vec3<u32>,
+        @builtin(local_invocation_index) lane: u32) {{
+    let row = group.x + group.y * params[2];
+    let live = row < params[0];
+    let width = params[1];
+    let base = row * width;
+    var top = -sc_inf();
+    if (live) {{
+        for (var c = lane; c < width; c = c + LANES) {{ top = max_nan(top, input[base + c]); }}
+    }}
+    partial[lane] = top;
+    workgroupBarrier();
+    for (var w = LANES / 2u; w > 0u; w = w / 2u) {{
+        if (lane < w) {{ partial[lane] = max_nan(partial[lane], partial[lane + w]); }}
+        workgroupBarrier();
+    }}
+    top = partial[0];
+    workgroupBarrier();
+    var sum = 0.0;
+    if (live) {{
+        for (var c = lane; c < width; c = c + LANES) {{ sum = sum + exp(input[base + c] - top); }}
+    }}
+    partial[lane] = sum;
+    workgroupBarrier();
+    for (var w = LANES / 2u; w > 0u; w = w / 2u) {{
+        if (lane < w) {{ partial[lane] = partial[lane] + partial[lane + w]; }}
+        workgroupBarrier();
+    }}
+    let total = partial[0];
+    if (live) {{
+        for (var c = lane; c < width; c = c + LANES) {{ {write} }}
+    }}
+}}
+"#
+    )
+}
+
+/// The side of a matmul tile.
+pub(crate) const TILE: u32 = 16;
+
+/// Batched `C = op(A) · op(B)`, tiled through workgroup memory: each
+/// workgroup computes a [`TILE`]² block of C, loading one tile of A and
+/// one of B per step along k. `params`: `[m, n, k, transpose_a,
+/// transpose_b, a_batch_stride, b_batch_stride, 0]`; the batch is the
+/// grid's z.
+pub(crate) fn matmul() -> String {
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read> a: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> c: array<f32>;
+@group(0) @binding(3) var<storage, read> params: array<u32>;
+
+const T: u32 = {TILE}u;
+var<workgroup> tile_a: array<array<f32, {TILE}>, {TILE}>;
+var<workgroup> tile_b: array<array<f32, {TILE}>, {TILE}>;
+
+fn load_a(batch: u32, row: u32, col: u32) -> f32 {{
+    let m = params[0];
+    let k = params[2];
+    if (row >= m || col >= k) {{ return 0.0; }}
+    let base = batch * params[5];
+    if (params[3] != 0u) {{ return a[base + col * m + row]; }}
+    return a[base + row * k + col];
+}}
+
+fn load_b(batch: u32, row: u32, col: u32) -> f32 {{
+    let n = params[1];
+    let k = params[2];
+    if (row >= k || col >= n) {{ return 0.0; }}
+    let base = batch * params[6];
+    if (params[4] != 0u) {{ return b[base + col * k + row]; }}
+    return b[base + row * n + col];
+}}
+
+@compute @workgroup_size({TILE}, {TILE})
+fn main(@builtin(workgroup_id) group: vec3<u32>,
+        @builtin(local_invocation_id) local: vec3<u32>) {{
+    let m = params[0];
+    let n = params[1];
+    let k = params[2];
+    let row = group.y * T + local.y;
+    let col = group.x * T + local.x;
+    let batch = group.z;
+    var acc = 0.0;
+    let steps = (k + T - 1u) / T;
+    for (var s = 0u; s < steps; s = s + 1u) {{
+        tile_a[local.y][local.x] = load_a(batch, row, s * T + local.x);
+        tile_b[local.y][local.x] = load_b(batch, s * T + local.y, col);
+        workgroupBarrier();
+        for (var j = 0u; j < T; j = j + 1u) {{
+            acc = fma(tile_a[local.y][j], tile_b[j][local.x], acc);
+        }}
+        workgroupBarrier();
+    }}
+    if (row < m && col < n) {{
+        c[batch * m * n + row * n + col] = acc;
+    }}
+}}
+"#
+    )
+}
