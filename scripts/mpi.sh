@@ -31,5 +31,6 @@ fi
 # (the tests pass --oversubscribe themselves).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
-cargo test -p stagecraft --features mpi --test mpi
-cargo test -p stagecraft-cli --features mpi --test cli distributed
+# `wgpu` as in the workspace's test run, so the crates it built are reused.
+cargo test -p stagecraft --features mpi,wgpu --test mpi
+cargo test -p stagecraft-cli --features mpi,wgpu --test cli distributed

@@ -320,12 +320,12 @@ fn reduce_launch(
         ReduceOp::Max => Combine {
             init: "-sc_inf()",
             // A NaN on either side wins, as on the CPU.
-            step: "return select(select(x, acc, acc > x), acc + x, acc != acc || x != x);",
+            step: "return select(select(x, acc, acc > x), sc_nan(), sc_isnan(acc) || sc_isnan(x));",
             finish: "acc",
         },
         ReduceOp::Min => Combine {
             init: "sc_inf()",
-            step: "return select(select(x, acc, acc < x), acc + x, acc != acc || x != x);",
+            step: "return select(select(x, acc, acc < x), sc_nan(), sc_isnan(acc) || sc_isnan(x));",
             finish: "acc",
         },
     };

@@ -19,6 +19,9 @@ pub(crate) const WORKGROUP: u32 = 256;
 /// where the builtin's range is narrower than the CPU's (WGSL leaves
 /// `pow` of a negative base and `tanh` of a large argument undefined).
 pub(crate) const PRELUDE: &str = r#"
+// WGSL lets a compiler assume floats are never NaN, so `x != x` may fold
+// to false: NaN is tested on the bits.
+fn sc_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
 fn sc_nan() -> f32 { return bitcast<f32>(0x7fc00000u); }
 fn sc_inf() -> f32 { return bitcast<f32>(0x7f800000u); }
 
@@ -47,6 +50,32 @@ fn sc_tanh(x: f32) -> f32 {
     return select(t, -t, x < 0.0);
 }
 
+// atan by its series on |t| <= tan(pi/8), after t -> 1/t and
+// t -> (t-1)/(t+1); builtin inverse trigonometry may be far less accurate
+// (Vulkan allows thousands of ulps; lavapipe's asin is off by 3e-4).
+fn sc_atan(x: f32) -> f32 {
+    let a = abs(x);
+    let inverted = a > 1.0;
+    var t = select(a, 1.0 / a, inverted);
+    let shifted = t > 0.41421356;
+    t = select(t, (t - 1.0) / (t + 1.0), shifted);
+    let z = t * t;
+    var p = -1.0 / 19.0;
+    p = p * z + 1.0 / 17.0;
+    p = p * z - 1.0 / 15.0;
+    p = p * z + 1.0 / 13.0;
+    p = p * z - 1.0 / 11.0;
+    p = p * z + 1.0 / 9.0;
+    p = p * z - 1.0 / 7.0;
+    p = p * z + 1.0 / 5.0;
+    p = p * z - 1.0 / 3.0;
+    p = p * z + 1.0;
+    var r = t * p;
+    r = select(r, r + 0.78539816339744831, shifted);
+    r = select(r, 1.5707963267948966 - r, inverted);
+    return select(r, -r, x < 0.0);
+}
+
 fn sc_sigmoid(x: f32) -> f32 {
     return 1.0 / (1.0 + exp(-x));
 }
@@ -72,6 +101,7 @@ fn sc_erf(x: f32) -> f32 {
 // and one bases, NaN otherwise.
 fn sc_pow(a: f32, b: f32) -> f32 {
     if (b == 0.0 || a == 1.0) { return 1.0; }
+    if (sc_isnan(a) || sc_isnan(b)) { return sc_nan(); }
     if (a == 0.0) { return select(0.0, sc_inf(), b < 0.0); }
     let m = exp2(b * log2(abs(a)));
     if (a < 0.0) {
@@ -105,7 +135,8 @@ pub(crate) fn unary(expression: &str) -> String {
 @group(0) @binding(1) var<storage, read_write> output: array<f32>;
 @group(0) @binding(2) var<storage, read> params: array<u32>;
 
-fn op(x: f32) -> f32 {{ return {expression}; }}
+// Every float unary op maps NaN to NaN, which WGSL's builtins need not do.
+fn op(x: f32) -> f32 {{ if (sc_isnan(x)) {{ return x; }} return {expression}; }}
 
 @compute @workgroup_size({WORKGROUP})
 fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
@@ -294,7 +325,7 @@ pub(crate) fn softmax(log: bool) -> String {
 const LANES: u32 = 64u;
 var<workgroup> partial: array<f32, 64>;
 
-fn max_nan(a: f32, b: f32) -> f32 {{ return select(select(b, a, a > b), a + b, a != a || b != b); }}
+fn max_nan(a: f32, b: f32) -> f32 {{ return select(select(b, a, a > b), sc_nan(), sc_isnan(a) || sc_isnan(b)); }}
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) group: vec3<u32>,

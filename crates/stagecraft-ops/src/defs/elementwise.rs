@@ -188,7 +188,7 @@ crate::unary_ops! {
         // Reading the output instead of the input leaves the relu its
         // input's only user, so a staged relu joins its producer's kernel
         // (a matmul's epilogue) and the input is never kept for backward.
-        wgsl: "select(0.0, x, x > 0.0 || x != x)",
+        wgsl: "select(0.0, x, x > 0.0 || sc_isnan(x))",
         grad: |b, x, y, g| {
             let dtype = b.meta(x).dtype;
             let zero = b.scalar(0.0, dtype)?;
@@ -229,7 +229,7 @@ crate::unary_ops! {
     Asin => ASIN("Asin", Float) {
         eval: |x| x.via_f64(f64::asin),
         // d asin(x) = 1 / sqrt(1 - x²)
-        wgsl: "asin(x)",
+        wgsl: "2.0 * sc_atan(x / (1.0 + sqrt((1.0 - x) * (1.0 + x))))",
         grad: |b, x, _, g| {
             let x2 = b.mul(x, x)?;
             let one = b.scalar(1.0, b.meta(x).dtype)?;
@@ -242,7 +242,7 @@ crate::unary_ops! {
     Acos => ACOS("Acos", Float) {
         eval: |x| x.via_f64(f64::acos),
         // d acos(x) = -1 / sqrt(1 - x²)
-        wgsl: "acos(x)",
+        wgsl: "2.0 * sc_atan(sqrt((1.0 - x) / (1.0 + x)))",
         grad: |b, x, _, g| {
             let x2 = b.mul(x, x)?;
             let one = b.scalar(1.0, b.meta(x).dtype)?;
@@ -256,7 +256,7 @@ crate::unary_ops! {
     Atan => ATAN("Atan", Float) {
         eval: |x| x.via_f64(f64::atan),
         // d atan(x) = 1 / (1 + x²)
-        wgsl: "atan(x)",
+        wgsl: "sc_atan(x)",
         grad: |b, x, _, g| {
             let x2 = b.mul(x, x)?;
             let one = b.scalar(1.0, b.meta(x).dtype)?;
@@ -362,7 +362,7 @@ crate::unary_ops! {
     /// Softplus, `ln(1 + e^x)`, without overflow.
     Softplus => SOFTPLUS("Softplus", Float) {
         eval: |x| x.via_f64(softplus),
-        wgsl: "select(max(x, 0.0) + sc_log1p(exp(-abs(x))), x, x != x)",
+        wgsl: "select(max(x, 0.0) + sc_log1p(exp(-abs(x))), x, sc_isnan(x))",
         grad: |b, x, _, g| {
             let s = b.unary(&SIGMOID, x)?;
             b.mul(g, s)
@@ -470,13 +470,13 @@ crate::binary_ops! {
     /// The larger of the two (NaN wins).
     Maximum => MAXIMUM("Maximum", Numeric) {
         eval: |a, b| a.maximum(b),
-        wgsl: "select(select(b, a, a > b), a + b, a != a || b != b)",
+        wgsl: "select(select(b, a, a > b), sc_nan(), sc_isnan(a) || sc_isnan(b))",
         grad: |b, x, y, _, g| extremum_grad(b, &GREATER_EQUAL, x, y, g),
     }
     /// The smaller of the two (NaN wins).
     Minimum => MINIMUM("Minimum", Numeric) {
         eval: |a, b| a.minimum(b),
-        wgsl: "select(select(b, a, a < b), a + b, a != a || b != b)",
+        wgsl: "select(select(b, a, a < b), sc_nan(), sc_isnan(a) || sc_isnan(b))",
         grad: |b, x, y, _, g| extremum_grad(b, &LESS_EQUAL, x, y, g),
     }
     /// GELU's derivative `Φ(a) + a·φ(a)` given `b = gelu(a)`, the factor

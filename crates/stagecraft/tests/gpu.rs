@@ -1,0 +1,432 @@
+//! The GPU device (`gpu:0`, feature `wgpu`) against the CPU: copies, every
+//! generated elementwise kernel within its measured error bound (the
+//! bounds are in `docs/accuracy.md`), broadcasting, reductions, matmul,
+//! softmax, the CPU fallback for ops without a GPU kernel, autodiff, and
+//! the errors of mixing devices.
+//!
+//! The test command installs Mesa's software Vulkan driver
+//! (`scripts/gpu-driver.sh`), so `gpu:0` is lavapipe in CI and a real GPU
+//! where there is one. With the feature on and no adapter these tests fail
+//! with the error that says what to install; they never pass by skipping.
+
+use stagecraft::{Device, ErrorKind, Tensor};
+
+/// Without the feature, `gpu:0` is an error that names it, whether parsed
+/// or used.
+#[cfg(not(feature = "wgpu"))]
+#[test]
+fn without_the_feature_the_gpu_is_an_error_naming_it() {
+    let err = Device::try_gpu(0).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Device);
+    assert!(err.to_string().contains("`wgpu` feature"), "{err}");
+    let line = line!() + 1;
+    let x = Tensor::<f32>::from_vec(vec![1.0], &[1], &Device::gpu(0));
+    let err = x.and_then(|x| x.to_vec()).unwrap_err();
+    assert!(err.to_string().contains("`wgpu` feature"), "{err}");
+    let _ = line;
+}
+
+#[cfg(feature = "wgpu")]
+mod on_the_gpu {
+    use super::*;
+    use stagecraft::layers::runtime as rt;
+    use stagecraft::{value_and_grad, BinaryOp, DType, Rng, UnaryOp};
+
+    fn gpu() -> Device {
+        Device::try_gpu(0).unwrap_or_else(|e| panic!("the GPU tests need gpu:0: {e}"))
+    }
+
+    fn cpu() -> Device {
+        Device::cpu()
+    }
+
+    /// Values from a seed in `[lo, hi)`.
+    fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+        let mut rng = Rng::new(seed);
+        let t = Tensor::<f32>::rand_uniform(&[n], lo as f64, hi as f64, &mut rng, &cpu());
+        t.to_vec().unwrap()
+    }
+
+    fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let ok = (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= atol + rtol * w.abs();
+            assert!(ok, "{what}: element {i}: GPU {g}, CPU {w}");
+        }
+    }
+
+    #[test]
+    fn values_of_every_dtype_survive_the_round_trip_bit_for_bit() {
+        let gpu = gpu();
+        let f = Tensor::<f32>::from_vec(vec![1.5, -0.0, f32::NAN, f32::INFINITY], &[2, 2], &gpu)
+            .unwrap();
+        assert_eq!(f.device(), gpu);
+        let bits: Vec<u32> = f.to_vec().unwrap().iter().map(|v| v.to_bits()).collect();
+        assert_eq!(
+            bits,
+            [1.5f32, -0.0, f32::NAN, f32::INFINITY].map(f32::to_bits)
+        );
+        // Sizes that are not whole 4-byte words.
+        let b = Tensor::<bool>::from_vec(vec![true, false, true], &[3], &gpu).unwrap();
+        assert_eq!(b.to_vec().unwrap(), vec![true, false, true]);
+        let u = Tensor::<u8>::from_vec(vec![1, 2, 3, 4, 5], &[5], &gpu).unwrap();
+        assert_eq!(u.to_vec().unwrap(), vec![1, 2, 3, 4, 5]);
+        let h = Tensor::<stagecraft::f16>::from_vec(
+            vec![stagecraft::f16::from_f32(0.5); 3],
+            &[3],
+            &gpu,
+        )
+        .unwrap();
+        assert_eq!(h.to_vec().unwrap()[2].to_f32(), 0.5);
+        let l = Tensor::<i64>::from_vec(vec![i64::MIN, 7], &[2], &gpu).unwrap();
+        assert_eq!(l.to_vec().unwrap(), vec![i64::MIN, 7]);
+        // Empty and scalar tensors.
+        let e = Tensor::<f32>::from_vec(vec![], &[0, 3], &gpu).unwrap();
+        assert_eq!(e.to_vec().unwrap(), Vec::<f32>::new());
+        assert_eq!((&e + &e).dims(), &[0, 3]);
+        assert_eq!(Tensor::scalar(2.5f32, &gpu).item().unwrap(), 2.5);
+        // Explicit copies in both directions are counted.
+        let copies = rt::stats().device_copies;
+        let back = f.to_device(&cpu());
+        assert_eq!(back.device(), cpu());
+        assert_eq!(back.to_vec().unwrap()[0], 1.5);
+        let again = back.to_device(&gpu);
+        assert_eq!(again.to_vec().unwrap()[0], 1.5);
+        assert!(rt::stats().device_copies >= copies + 2);
+    }
+
+    /// The error bound of each generated unary kernel against the CPU's
+    /// f64 kernel (rounded to f32), as `|gpu - cpu| <= bound * max(1,
+    /// |cpu|)`, over the op's domain. Measured on lavapipe; Vulkan allows
+    /// GPUs looser builtins (`sin` to 2^-11 absolute), so a real GPU may
+    /// need the looser figures of `docs/accuracy.md`.
+    fn unary_case(op: UnaryOp) -> (f32, f32, f32) {
+        match op {
+            UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Reciprocal => {
+                (1e-3, 100.0, 2e-6)
+            }
+            UnaryOp::Log1p => (-0.99, 100.0, 2e-6),
+            UnaryOp::Asin | UnaryOp::Acos => (-1.0, 1.0, 2e-6),
+            UnaryOp::Exp | UnaryOp::Expm1 => (-80.0, 80.0, 4e-6),
+            UnaryOp::Sin | UnaryOp::Cos => (-20.0, 20.0, 2e-6),
+            UnaryOp::Erf | UnaryOp::Gelu | UnaryOp::GeluTanh => (-8.0, 8.0, 1e-6),
+            _ => (-30.0, 30.0, 2e-6),
+        }
+    }
+
+    #[test]
+    fn every_generated_unary_kernel_is_within_its_bound_and_keeps_nans() {
+        let gpu = gpu();
+        let (mut measured, mut failures) = (Vec::new(), Vec::new());
+        for &op in UnaryOp::ALL {
+            if op.wgsl().is_none() || !op.class().accepts(DType::F32) {
+                continue;
+            }
+            let (lo, hi, bound) = unary_case(op);
+            let mut xs = values(4096, 11, lo, hi);
+            // Small magnitudes, where cancellation would show.
+            xs.extend([0.0, 1e-7, -1e-7, 1e-4, -1e-4, 0.5, -0.5]);
+            xs.retain(|x| (lo..=hi).contains(x));
+            xs.push(f32::NAN);
+            let n = xs.len();
+            let on_gpu = Tensor::from_vec(xs.clone(), &[n], &gpu)
+                .unwrap()
+                .apply_unary(op);
+            assert_eq!(on_gpu.device(), gpu, "{op:?}");
+            let got = on_gpu.to_vec().unwrap();
+            let x64: Vec<f64> = xs.iter().map(|&x| x as f64).collect();
+            let want: Vec<f32> = Tensor::from_vec(x64, &[n], &cpu())
+                .unwrap()
+                .apply_unary(op)
+                .to_vec()
+                .unwrap()
+                .iter()
+                .map(|&v| v as f32)
+                .collect();
+            let (mut worst, mut worst_at) = (0.0f32, 0.0f32);
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                if w.is_nan() {
+                    assert!(
+                        g.is_nan(),
+                        "{op:?}({}) = {g} on the GPU, NaN on the CPU",
+                        xs[i]
+                    );
+                    continue;
+                }
+                let err = if g == w {
+                    0.0
+                } else {
+                    (g - w).abs() / w.abs().max(1.0)
+                };
+                if err > worst {
+                    worst = err;
+                    worst_at = xs[i];
+                }
+            }
+            measured.push(format!("{op:?} {worst:.2e} at {worst_at}"));
+            if worst > bound {
+                failures.push(format!(
+                    "{op:?}: error {worst:e} at x = {worst_at} > {bound:e}"
+                ));
+            }
+        }
+        assert!(failures.is_empty(), "{failures:#?}\nall: {measured:#?}");
+        assert!(measured.len() >= 25, "{measured:?}");
+        println!("worst error per op: {}", measured.join(", "));
+        let fallbacks = rt::cpu_fallbacks();
+        assert!(
+            !fallbacks
+                .iter()
+                .any(|f| f.starts_with("Exp[") || f.starts_with("Tanh[")),
+            "{fallbacks:?}"
+        );
+    }
+
+    #[test]
+    fn binary_kernels_broadcast_like_the_cpu() {
+        let gpu = gpu();
+        let shapes: &[(&[usize], &[usize])] = &[
+            (&[2, 3], &[2, 3]),
+            (&[2, 3], &[3]),
+            (&[4, 1], &[1, 5]),
+            (&[2, 3, 4], &[1, 3, 1]),
+            (&[5], &[]),
+            (&[], &[7]),
+            (&[3, 1, 2], &[4, 1]),
+            (&[1000, 33], &[33]),
+            // Seven dimensions no merge shortens: the CPU's kernel runs.
+            (&[2, 2, 2, 2, 2, 2, 2], &[2, 1, 2, 1, 2, 1, 2]),
+        ];
+        for &op in BinaryOp::ALL {
+            if op.wgsl().is_none() || !op.class().accepts(DType::F32) {
+                continue;
+            }
+            for (case, (sa, sb)) in shapes.iter().enumerate() {
+                let na: usize = sa.iter().product();
+                let nb: usize = sb.iter().product();
+                let (lo, hi) = if matches!(op, BinaryOp::Pow) {
+                    (0.1, 3.0)
+                } else {
+                    (-3.0, 3.0)
+                };
+                let (va, vb) = (values(na, 1 + case as u64, lo, hi), values(nb, 50, lo, hi));
+                let on = |d: &Device| {
+                    let a = Tensor::from_vec(va.clone(), sa, d).unwrap();
+                    let b = Tensor::from_vec(vb.clone(), sb, d).unwrap();
+                    a.apply_binary(op, &b)
+                };
+                let got = on(&gpu);
+                let want = on(&cpu());
+                assert_eq!(got.dims(), want.dims(), "{op:?} {sa:?} {sb:?}");
+                assert_eq!(got.device(), gpu);
+                assert_close(
+                    &format!("{op:?} {sa:?} {sb:?}"),
+                    &got.to_vec().unwrap(),
+                    &want.to_vec().unwrap(),
+                    4e-6,
+                    1e-6,
+                );
+            }
+        }
+        // NaN propagates through max and min as on the CPU.
+        let a = Tensor::from_vec(vec![f32::NAN, 1.0], &[2], &gpu).unwrap();
+        let b = Tensor::from_vec(vec![0.0, f32::NAN], &[2], &gpu).unwrap();
+        assert!(a
+            .apply_binary(BinaryOp::Maximum, &b)
+            .to_vec()
+            .unwrap()
+            .iter()
+            .all(|v| v.is_nan()));
+        // Pow of a negative base with an integer exponent.
+        let base = Tensor::from_vec(vec![-2.0f32, -2.0, -2.0, 0.0], &[4], &gpu).unwrap();
+        let exponent = Tensor::from_vec(vec![2.0f32, 3.0, 0.5, -1.0], &[4], &gpu).unwrap();
+        let p = base
+            .apply_binary(BinaryOp::Pow, &exponent)
+            .to_vec()
+            .unwrap();
+        assert_eq!(&p[..2], &[4.0, -8.0]);
+        assert!(p[2].is_nan() && p[3] == f32::INFINITY, "{p:?}");
+        assert!(rt::cpu_fallbacks().iter().any(|f| f.starts_with("Add[")));
+    }
+
+    #[test]
+    fn reductions_match_the_cpu_over_every_axis_set() {
+        let gpu = gpu();
+        let dims = [3usize, 70, 5];
+        let n: usize = dims.iter().product();
+        let v = values(n, 3, -2.0, 2.0);
+        let axes_sets: &[&[isize]] = &[&[], &[0], &[1], &[2], &[-1], &[0, 2], &[0, 1], &[1, 2]];
+        for keep in [false, true] {
+            for axes in axes_sets {
+                let run = |d: &Device| {
+                    let x = Tensor::from_vec(v.clone(), &dims, d).unwrap();
+                    [
+                        x.sum(axes, keep),
+                        x.mean(axes, keep),
+                        x.max(axes, keep),
+                        x.min(axes, keep),
+                        (&x * 0.5f32).exp().prod(axes, keep),
+                    ]
+                };
+                for (k, (g, c)) in run(&gpu).iter().zip(run(&cpu()).iter()).enumerate() {
+                    assert_eq!(g.dims(), c.dims());
+                    assert_eq!(g.device(), gpu);
+                    // The GPU sums in a tree, the CPU in its own order: a
+                    // product of a thousand factors drifts by n·ε.
+                    let rtol = if k == 4 { 2e-4 } else { 2e-5 };
+                    assert_close(
+                        &format!("reduction {k} over {axes:?} keep {keep}"),
+                        &g.to_vec().unwrap(),
+                        &c.to_vec().unwrap(),
+                        rtol,
+                        2e-5,
+                    );
+                }
+            }
+        }
+        // A NaN wins a max, as on the CPU.
+        let x = Tensor::from_vec(vec![1.0, f32::NAN, 3.0], &[3], &gpu).unwrap();
+        assert!(x.max(&[0], false).item().unwrap().is_nan());
+    }
+
+    #[test]
+    fn matmul_matches_the_cpu_for_odd_sizes_transposes_and_batches() {
+        let gpu = gpu();
+        let cases: &[(&[usize], &[usize], bool, bool)] = &[
+            (&[1, 1], &[1, 1], false, false),
+            (&[17, 33], &[33, 9], false, false),
+            (&[64, 48], &[48, 80], false, false),
+            (&[33, 17], &[33, 9], true, false),
+            (&[17, 33], &[9, 33], false, true),
+            (&[33, 17], &[9, 33], true, true),
+            (&[4, 5, 6], &[4, 6, 7], false, false),
+            (&[4, 5, 6], &[6, 7], false, false),
+            (&[5, 6], &[3, 6, 2], false, false),
+            (&[6], &[6, 3], false, false),
+        ];
+        for (sa, sb, ta, tb) in cases {
+            let (na, nb) = (sa.iter().product(), sb.iter().product());
+            let (va, vb) = (values(na, 7, -1.0, 1.0), values(nb, 8, -1.0, 1.0));
+            let run = |d: &Device| {
+                let a = Tensor::from_vec(va.clone(), sa, d).unwrap();
+                let b = Tensor::from_vec(vb.clone(), sb, d).unwrap();
+                match (ta, tb) {
+                    (false, false) => a.matmul(&b),
+                    (true, false) => a.transpose(-1, -2).matmul(&b),
+                    (false, true) => a.matmul(&b.transpose(-1, -2)),
+                    (true, true) => a.transpose(-1, -2).matmul(&b.transpose(-1, -2)),
+                }
+            };
+            let (g, c) = (run(&gpu), run(&cpu()));
+            assert_eq!(g.dims(), c.dims(), "{sa:?} {sb:?}");
+            assert_close(
+                &format!("matmul {sa:?} {sb:?} {ta} {tb}"),
+                &g.to_vec().unwrap(),
+                &c.to_vec().unwrap(),
+                1e-5,
+                1e-5,
+            );
+        }
+    }
+
+    #[test]
+    fn softmax_and_log_softmax_match_the_cpu() {
+        let gpu = gpu();
+        for dims in [&[4usize, 10][..], &[3, 2, 300], &[1, 1], &[5]] {
+            let n: usize = dims.iter().product();
+            let mut v = values(n, 5, -30.0, 30.0);
+            v[0] = 80.0; // exp overflows without the max subtracted
+            for axis in [-1isize, 0] {
+                let run = |d: &Device| {
+                    let x = Tensor::from_vec(v.clone(), dims, d).unwrap();
+                    [x.softmax(axis), x.log_softmax(axis)]
+                };
+                for (g, c) in run(&gpu).iter().zip(run(&cpu()).iter()) {
+                    assert_close(
+                        &format!("softmax {dims:?} axis {axis}"),
+                        &g.to_vec().unwrap(),
+                        &c.to_vec().unwrap(),
+                        2e-5,
+                        1e-6,
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ops_without_a_gpu_kernel_run_on_the_cpu_and_say_so() {
+        let gpu = gpu();
+        let x = Tensor::from_vec(vec![3.0f32, 1.0, 2.0], &[3], &gpu).unwrap();
+        let (sorted, _) = x.sort(0, false);
+        assert_eq!(sorted.device(), gpu);
+        assert_eq!(sorted.to_vec().unwrap(), vec![1.0, 2.0, 3.0]);
+        let idx = x.argmax(0, false);
+        assert_eq!(idx.device(), gpu);
+        assert_eq!(idx.item().unwrap(), 0);
+        let fallbacks = rt::cpu_fallbacks();
+        assert!(
+            fallbacks.iter().any(|f| f.starts_with("Sort[")),
+            "{fallbacks:?}"
+        );
+    }
+
+    #[test]
+    fn gradients_on_the_gpu_match_the_cpu() {
+        let gpu = gpu();
+        let mut rng = Rng::new(4);
+        let xv = Tensor::<f32>::rand_normal(&[8, 5], 0.0, 1.0, &mut rng, &cpu())
+            .to_vec()
+            .unwrap();
+        let wv = Tensor::<f32>::rand_normal(&[5, 3], 0.0, 1.0, &mut rng, &cpu())
+            .to_vec()
+            .unwrap();
+        let run = |d: &Device| {
+            let x = Tensor::from_vec(xv.clone(), &[8, 5], d).unwrap();
+            let w = Tensor::from_vec(wv.clone(), &[5, 3], d).unwrap();
+            let (loss, grads) = value_and_grad(|w: &Tensor<f32>| {
+                x.matmul(w).tanh().log_softmax(-1).mean(&[], false)
+            })(&w);
+            (
+                loss.item().unwrap(),
+                grads.to_vec().unwrap(),
+                grads.device(),
+            )
+        };
+        let (gl, gg, gd) = run(&gpu);
+        let (cl, cg, _) = run(&cpu());
+        assert_eq!(gd, gpu);
+        assert_close("loss", &[gl], &[cl], 1e-5, 1e-6);
+        assert_close("gradient", &gg, &cg, 1e-4, 1e-6);
+    }
+
+    #[test]
+    fn mixing_devices_and_reading_device_memory_are_clear_errors() {
+        let gpu = gpu();
+        let g = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &gpu).unwrap();
+        let c = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &cpu()).unwrap();
+        let line = line!() + 1;
+        let sum = &g + &c;
+        let err = sum.to_vec().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Device);
+        let text = err.to_string();
+        assert!(text.contains("Add") && text.contains("to_device"), "{text}");
+        assert!(text.contains(&format!("gpu.rs:{line}")), "{text}");
+        // The runtime's own host read of a GPU handle says how to copy.
+        let err = g.handle().wait().unwrap_err();
+        assert!(err.to_string().contains("gpu:0"), "{err}");
+        // A shape error on the GPU names the op and the line, as on the CPU.
+        let m = Tensor::from_vec(vec![1.0f32; 6], &[2, 3], &gpu).unwrap();
+        let line = line!() + 1;
+        let bad = m.matmul(&m);
+        let err = bad.to_vec().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Shape);
+        assert!(err.to_string().contains(&format!("gpu.rs:{line}")), "{err}");
+        // Bad device names.
+        assert!(Device::parse("gpu:x").is_err());
+        assert!(Device::parse("gpu:4096")
+            .unwrap_err()
+            .to_string()
+            .contains("adapter"));
+    }
+}
