@@ -92,6 +92,23 @@ pub enum CompareOp {
     Ge,
 }
 
+impl CompareOp {
+    /// The comparison as a WGSL `bool` expression over `a, b: f32`, for GPU
+    /// kernels. NaN compares unequal to everything, as on the CPU; the
+    /// explicit tests keep a compiler that assumes no NaN from folding
+    /// that away (`sc_isnan` is in `stagecraft-wgpu`'s prelude).
+    pub const fn wgsl(self) -> &'static str {
+        match self {
+            CompareOp::Eq => "!(sc_isnan(a) || sc_isnan(b)) && a == b",
+            CompareOp::Ne => "sc_isnan(a) || sc_isnan(b) || a != b",
+            CompareOp::Lt => "!(sc_isnan(a) || sc_isnan(b)) && a < b",
+            CompareOp::Le => "!(sc_isnan(a) || sc_isnan(b)) && a <= b",
+            CompareOp::Gt => "!(sc_isnan(a) || sc_isnan(b)) && a > b",
+            CompareOp::Ge => "!(sc_isnan(a) || sc_isnan(b)) && a >= b",
+        }
+    }
+}
+
 /// Reductions over a set of axes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {

@@ -60,6 +60,12 @@ fn adapters() -> Vec<wgpu::Adapter> {
     adapters
 }
 
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu({}, {})", self.name, self.info.name)
+    }
+}
+
 impl Gpu {
     /// `gpu:index`, opened on first use. The error names the driver to
     /// install when there is no adapter, and the adapters there are when

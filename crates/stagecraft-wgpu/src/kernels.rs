@@ -5,7 +5,7 @@
 
 use crate::buffer::GpuBuffer;
 use crate::context::{Gpu, Pipeline};
-use crate::shader::{self, Combine, MAX_RANK, TILE, WORKGROUP};
+use crate::shader::{self, CastType, Combine, MAX_RANK, TILE, WORKGROUP};
 use smallvec::SmallVec;
 use stagecraft_ops::{defs, Attrs, OpDef, OpKind, ReduceOp};
 use stagecraft_tensor::{DType, DeviceTensor, Error, Result, TensorMetadata};
@@ -30,24 +30,47 @@ pub fn run(
     outputs: &[TensorMetadata],
 ) -> Result<Option<Outputs>> {
     gpu.check_alive()?;
-    let all_f32 = inputs.iter().all(|t| t.metadata().dtype == DType::F32)
-        && outputs.iter().all(|m| m.dtype == DType::F32);
     // Reshapes move no data: the output shares the input's buffer.
     if std::ptr::eq(op, &defs::RESHAPE) && inputs.len() == 1 && outputs.len() == 1 {
-        return Ok(Some(
-            [inputs[0].with_metadata(outputs[0].clone())]
-                .into_iter()
-                .collect(),
-        ));
+        return Ok(Some(one(inputs[0].with_metadata(outputs[0].clone()))));
     }
-    if !all_f32 || outputs.len() != 1 {
+    if outputs.len() != 1 {
         return Ok(None);
     }
     let out = &outputs[0];
     if out.shape.numel() == 0 {
-        return gpu
-            .alloc(out.clone())
-            .map(|t| Some([t].into_iter().collect()));
+        return gpu.alloc(out.clone()).map(|t| Some(one(t)));
+    }
+    let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|t| t.metadata().dtype).collect();
+    let f32_in = dtypes.iter().all(|&d| d == DType::F32);
+    if std::ptr::eq(op, &defs::TRANSPOSE)
+        || std::ptr::eq(op, &defs::BROADCAST_TO)
+        || std::ptr::eq(op, &defs::SLICE)
+    {
+        return copy_launch(gpu, op, attrs, inputs[0], out);
+    }
+    if std::ptr::eq(op, &defs::FILL) {
+        return fill_launch(gpu, attrs, out);
+    }
+    if std::ptr::eq(op, &defs::CAST) {
+        return cast_launch(gpu, inputs[0], out);
+    }
+    if std::ptr::eq(op, &defs::SELECT) {
+        let four_bytes = out.dtype.size_in_bytes() == 4;
+        return match (dtypes[0] == DType::Bool, four_bytes) {
+            (true, true) => select_launch(gpu, inputs, out),
+            _ => Ok(None),
+        };
+    }
+    if let OpKind::Compare(compare) = op.kind {
+        if !f32_in {
+            return Ok(None);
+        }
+        let source = shader::compare(compare.wgsl());
+        return broadcast_launch(gpu, &source, inputs, out, true);
+    }
+    if !f32_in || out.dtype != DType::F32 {
+        return Ok(None);
     }
     match op.kind {
         OpKind::Unary(unary) => match unary.wgsl() {
@@ -55,7 +78,9 @@ pub fn run(
             None => Ok(None),
         },
         OpKind::Binary(binary) => match binary.wgsl() {
-            Some(expression) => binary_launch(gpu, expression, inputs[0], inputs[1], out),
+            Some(expression) => {
+                broadcast_launch(gpu, &shader::binary(expression), inputs, out, false)
+            }
             None => Ok(None),
         },
         OpKind::Reduce(reduce) => reduce_launch(gpu, reduce, attrs, inputs[0], out),
@@ -219,18 +244,22 @@ fn merge_dims(dims: &[usize], strides: &mut [Vec<usize>]) -> Vec<usize> {
     merged
 }
 
-fn binary_launch(
+/// An elementwise launch over broadcast inputs, each read through its own
+/// strides: binary ops, comparisons (`packed`: four bool results a
+/// thread) and select. `params`: `[count, row_width, rank, 0,
+/// dims[MAX_RANK], then MAX_RANK strides per input]`.
+fn broadcast_launch(
     gpu: &'static Gpu,
-    expression: &str,
-    a: &DeviceTensor,
-    b: &DeviceTensor,
+    source: &str,
+    inputs: &[&DeviceTensor],
     out: &TensorMetadata,
+    packed: bool,
 ) -> Result<Option<Outputs>> {
     let dims = out.shape.dims();
-    let mut strides = vec![
-        broadcast_strides(a.metadata().shape.dims(), dims),
-        broadcast_strides(b.metadata().shape.dims(), dims),
-    ];
+    let mut strides: Vec<Vec<usize>> = inputs
+        .iter()
+        .map(|t| broadcast_strides(t.metadata().shape.dims(), dims))
+        .collect();
     let merged = merge_dims(dims, &mut strides);
     if merged.len() > MAX_RANK {
         return Ok(None);
@@ -244,17 +273,155 @@ fn binary_launch(
     ) else {
         return Err(too_large(out));
     };
-    let pipeline = gpu.pipeline(&shader::binary(expression))?;
+    let pipeline = gpu.pipeline(source)?;
     let y = gpu.alloc(out.clone())?;
-    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
-    let mut params = vec![0u32; 4 + 3 * MAX_RANK];
+    let threads = if packed { count.div_ceil(4) } else { count };
+    let (gx, gy) = grid(threads.div_ceil(WORKGROUP));
+    let mut params = vec![0u32; 4 + (1 + inputs.len()) * MAX_RANK];
     params[..4].copy_from_slice(&[count, gx * WORKGROUP, merged.len() as u32, 0]);
     for (d, &dim) in merged.iter().enumerate() {
         params[4 + d] = dim as u32;
-        params[4 + MAX_RANK + d] = strides[0][d] as u32;
-        params[4 + 2 * MAX_RANK + d] = strides[1][d] as u32;
+        for (k, s) in strides.iter().enumerate() {
+            params[4 + (1 + k) * MAX_RANK + d] = s[d] as u32;
+        }
     }
-    launch(gpu, &pipeline, &[a, b, &y], &params, (gx, gy, 1))?;
+    let mut buffers: SmallVec<[&DeviceTensor; 4]> = inputs.iter().copied().collect();
+    buffers.push(&y);
+    launch(gpu, &pipeline, &buffers, &params, (gx, gy, 1))?;
+    drop(buffers);
+    Ok(Some(one(y)))
+}
+
+fn select_launch(
+    gpu: &'static Gpu,
+    inputs: &[&DeviceTensor],
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    broadcast_launch(gpu, &shader::select(), inputs, out, false)
+}
+
+/// Transposes, broadcasts and slices: one strided read per element of 4
+/// or 8 bytes (narrower elements run on the CPU).
+fn copy_launch(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    attrs: &Attrs<'_>,
+    x: &DeviceTensor,
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let width: u32 = match out.dtype.size_in_bytes() {
+        4 => 1,
+        8 => 2,
+        _ => return Ok(None),
+    };
+    let in_dims = x.metadata().shape.dims();
+    let own = strides_of(in_dims);
+    let out_dims = out.shape.dims();
+    let (offset, strides): (usize, Vec<usize>) = if std::ptr::eq(op, &defs::TRANSPOSE) {
+        let perm = defs::resolve_perm(attrs.ints("perm")?, in_dims.len())?;
+        (0, perm.iter().map(|&p| own[p]).collect())
+    } else if std::ptr::eq(op, &defs::BROADCAST_TO) {
+        (0, broadcast_strides(in_dims, out_dims))
+    } else {
+        let slices = defs::resolve_slice(attrs, &x.metadata().shape)?;
+        let offset = slices.iter().zip(&own).map(|(s, st)| s.start * st).sum();
+        (
+            offset,
+            slices.iter().zip(&own).map(|(s, st)| s.step * st).collect(),
+        )
+    };
+    let mut strides = vec![strides];
+    let merged = merge_dims(out_dims, &mut strides);
+    let words = out.shape.numel() * width as usize;
+    if merged.len() > MAX_RANK {
+        return Ok(None);
+    }
+    let (Some(words), Some(offset), true) = (
+        small(words),
+        small(offset),
+        merged
+            .iter()
+            .chain(&strides[0])
+            .all(|&v| small(v).is_some()),
+    ) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::strided_copy())?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(words.div_ceil(WORKGROUP));
+    let mut params = vec![0u32; 8 + 2 * MAX_RANK];
+    params[..5].copy_from_slice(&[words, gx * WORKGROUP, merged.len() as u32, offset, width]);
+    for (d, &dim) in merged.iter().enumerate() {
+        params[8 + d] = dim as u32;
+        params[8 + MAX_RANK + d] = strides[0][d] as u32;
+    }
+    launch(gpu, &pipeline, &[x, &y], &params, (gx, gy, 1))?;
+    Ok(Some(one(y)))
+}
+
+/// A constant of a 4-byte dtype.
+fn fill_launch(
+    gpu: &'static Gpu,
+    attrs: &Attrs<'_>,
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let bits = match out.dtype {
+        DType::F32 => (attrs.scalar("value")?.to_f64() as f32).to_bits(),
+        DType::I32 => attrs.scalar("value")?.to_f64() as i32 as u32,
+        _ => return Ok(None),
+    };
+    let Some(count) = small(out.shape.numel()) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::fill())?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
+    launch(
+        gpu,
+        &pipeline,
+        &[&y],
+        &[count, gx * WORKGROUP, bits],
+        (gx, gy, 1),
+    )?;
+    Ok(Some(one(y)))
+}
+
+/// Casts among f32, i32 and bool.
+fn cast_launch(
+    gpu: &'static Gpu,
+    x: &DeviceTensor,
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let kind = |dtype: DType| match dtype {
+        DType::F32 => Some(CastType::F32),
+        DType::I32 => Some(CastType::I32),
+        DType::Bool => Some(CastType::Bool),
+        _ => None,
+    };
+    let (Some(from), Some(to)) = (kind(x.metadata().dtype), kind(out.dtype)) else {
+        return Ok(None);
+    };
+    if from == to {
+        return Ok(Some(one(x.clone())));
+    }
+    let Some(count) = small(out.shape.numel()) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::cast(from, to))?;
+    let y = gpu.alloc(out.clone())?;
+    let threads = if to == CastType::Bool {
+        count.div_ceil(4)
+    } else {
+        count
+    };
+    let (gx, gy) = grid(threads.div_ceil(WORKGROUP));
+    launch(
+        gpu,
+        &pipeline,
+        &[x, &y],
+        &[count, gx * WORKGROUP],
+        (gx, gy, 1),
+    )?;
     Ok(Some(one(y)))
 }
 
@@ -472,6 +639,22 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
             sources.push((op.def().name, shader::binary(expression)));
         }
     }
+    for compare in [defs::EQUAL.kind, defs::LESS.kind] {
+        if let OpKind::Compare(c) = compare {
+            sources.push(("compare", shader::compare(c.wgsl())));
+        }
+    }
+    let types = [CastType::F32, CastType::I32, CastType::Bool];
+    for from in types {
+        for to in types {
+            if from != to {
+                sources.push(("Cast", shader::cast(from, to)));
+            }
+        }
+    }
+    sources.push(("Select", shader::select()));
+    sources.push(("copy", shader::strided_copy()));
+    sources.push(("Fill", shader::fill()));
     sources
 }
 

@@ -430,3 +430,231 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
 "#
     )
 }
+
+/// Copies elements of `words` 4-byte words each, reading the input through
+/// strides from an offset (all in elements) over the output's dimensions:
+/// transposes, broadcasts and slices. `params`: `[words, row_width, rank,
+/// offset, words_per_element, 0, 0, 0, dims[MAX_RANK], strides[MAX_RANK]]`.
+pub(crate) fn strided_copy() -> String {
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read> input: array<u32>;
+@group(0) @binding(1) var<storage, read_write> output: array<u32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i >= params[0]) {{ return; }}
+    let width = params[4];
+    var rest = i / width;
+    var source = params[3];
+    let rank = params[2];
+    for (var d = 0u; d < rank; d = d + 1u) {{
+        let axis = rank - 1u - d;
+        let dim = params[8u + axis];
+        source = source + (rest % dim) * params[8u + {MAX_RANK}u + axis];
+        rest = rest / dim;
+    }}
+    output[i] = input[source * width + i % width];
+}}
+"#
+    )
+}
+
+/// Reads element `e` of a bool tensor (one byte each, four to a word).
+const READ_BOOL: &str = r#"
+fn bool_at(e: u32) -> bool { return ((cond[e >> 2u] >> ((e & 3u) * 8u)) & 0xffu) != 0u; }
+"#;
+
+/// A comparison of two broadcast f32 tensors into a bool tensor: each
+/// thread writes one word, four results. `params` as [`binary`]'s.
+pub(crate) fn compare(expression: &str) -> String {
+    format!(
+        r#"{PRELUDE}
+@group(0) @binding(0) var<storage, read> lhs: array<f32>;
+@group(0) @binding(1) var<storage, read> rhs: array<f32>;
+@group(0) @binding(2) var<storage, read_write> output: array<u32>;
+@group(0) @binding(3) var<storage, read> params: array<u32>;
+
+fn op(a: f32, b: f32) -> bool {{ return {expression}; }}
+
+fn holds(i: u32) -> bool {{
+    var rest = i;
+    var ia = 0u;
+    var ib = 0u;
+    let rank = params[2];
+    for (var d = 0u; d < rank; d = d + 1u) {{
+        let axis = rank - 1u - d;
+        let dim = params[4u + axis];
+        let coordinate = rest % dim;
+        rest = rest / dim;
+        ia = ia + coordinate * params[4u + {MAX_RANK}u + axis];
+        ib = ib + coordinate * params[4u + {twice}u + axis];
+    }}
+    return op(lhs[ia], rhs[ib]);
+}}
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    let w = id.x + id.y * params[1];
+    let count = params[0];
+    if (w * 4u >= count) {{ return; }}
+    var word = 0u;
+    for (var j = 0u; j < 4u; j = j + 1u) {{
+        let i = w * 4u + j;
+        if (i < count && holds(i)) {{ word = word | (1u << (8u * j)); }}
+    }}
+    output[w] = word;
+}}
+"#,
+        twice = 2 * MAX_RANK
+    )
+}
+
+/// `cond ? a : b` over three broadcast tensors (a bool condition, 4-byte
+/// values). `params`: `[count, row_width, rank, 0, dims[MAX_RANK],
+/// cond_strides, a_strides, b_strides]`.
+pub(crate) fn select() -> String {
+    let r = MAX_RANK;
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read> cond: array<u32>;
+@group(0) @binding(1) var<storage, read> a: array<u32>;
+@group(0) @binding(2) var<storage, read> b: array<u32>;
+@group(0) @binding(3) var<storage, read_write> output: array<u32>;
+@group(0) @binding(4) var<storage, read> params: array<u32>;
+{READ_BOOL}
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i >= params[0]) {{ return; }}
+    var rest = i;
+    var ic = 0u;
+    var ia = 0u;
+    var ib = 0u;
+    let rank = params[2];
+    for (var d = 0u; d < rank; d = d + 1u) {{
+        let axis = rank - 1u - d;
+        let dim = params[4u + axis];
+        let coordinate = rest % dim;
+        rest = rest / dim;
+        ic = ic + coordinate * params[4u + {r}u + axis];
+        ia = ia + coordinate * params[4u + {r2}u + axis];
+        ib = ib + coordinate * params[4u + {r3}u + axis];
+    }}
+    output[i] = select(b[ib], a[ia], bool_at(ic));
+}}
+"#,
+        r2 = 2 * r,
+        r3 = 3 * r
+    )
+}
+
+/// The element types [`cast`] converts between.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CastType {
+    F32,
+    I32,
+    Bool,
+}
+
+/// Converts contiguous elements as the CPU's `Cast` does: floats to
+/// integers truncate and saturate, NaN to 0; nonzero (NaN too) to `true`.
+/// A bool output is written a word (four results) per thread. `params`:
+/// `[count, row_width]`.
+pub(crate) fn cast(from: CastType, to: CastType) -> String {
+    let (input_type, read) = match from {
+        CastType::F32 => ("f32", "input[i]"),
+        CastType::I32 => ("i32", "input[i]"),
+        CastType::Bool => ("u32", "f32((input[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu)"),
+    };
+    // Every source converts through an f32 value `v`, exact for bool and
+    // for i32 below 2^24.
+    let head = format!(
+        r#"{PRELUDE}
+@group(0) @binding(0) var<storage, read> input: array<{input_type}>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+"#
+    );
+    let convert = if from == CastType::I32 {
+        "f32(input[i])"
+    } else {
+        read
+    };
+    match to {
+        CastType::Bool => {
+            let nonzero = if from == CastType::I32 {
+                "input[i] != 0"
+            } else {
+                "v != 0.0 || sc_isnan(v)"
+            };
+            format!(
+                r#"{head}
+@group(0) @binding(1) var<storage, read_write> output: array<u32>;
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    let w = id.x + id.y * params[1];
+    if (w * 4u >= params[0]) {{ return; }}
+    var word = 0u;
+    for (var j = 0u; j < 4u; j = j + 1u) {{
+        let i = w * 4u + j;
+        if (i < params[0]) {{
+            let v = {convert};
+            if ({nonzero}) {{ word = word | (1u << (8u * j)); }}
+        }}
+    }}
+    output[w] = word;
+}}
+"#
+            )
+        }
+        CastType::F32 => format!(
+            r#"{head}
+@group(0) @binding(1) var<storage, read_write> output: array<f32>;
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i < params[0]) {{ output[i] = {convert}; }}
+}}
+"#
+        ),
+        CastType::I32 => {
+            let value = if from == CastType::F32 {
+                "select(select(select(i32(v), 2147483647, v >= 2147483648.0), \
+                 i32(-2147483648), v <= -2147483648.0), 0, sc_isnan(v))"
+            } else {
+                "i32(v)"
+            };
+            format!(
+                r#"{head}
+@group(0) @binding(1) var<storage, read_write> output: array<i32>;
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i < params[0]) {{
+        let v = {read};
+        output[i] = {value};
+    }}
+}}
+"#
+            )
+        }
+    }
+}
+
+/// Fills words with one bit pattern. `params`: `[words, row_width, bits]`.
+pub(crate) fn fill() -> String {
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read_write> output: array<u32>;
+@group(0) @binding(1) var<storage, read> params: array<u32>;
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i < params[0]) {{ output[i] = params[2]; }}
+}}
+"#
+    )
+}

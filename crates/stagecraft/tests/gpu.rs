@@ -32,8 +32,13 @@ mod on_the_gpu {
     use stagecraft::layers::runtime as rt;
     use stagecraft::{value_and_grad, BinaryOp, DType, Rng, UnaryOp};
 
-    fn gpu() -> Device {
-        Device::try_gpu(0).unwrap_or_else(|e| panic!("the GPU tests need gpu:0: {e}"))
+    /// `gpu:0`. The tests take turns: some count device copies, which
+    /// are counted process-wide.
+    fn gpu() -> (Device, std::sync::MutexGuard<'static, ()>) {
+        static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+        let device = Device::try_gpu(0).unwrap_or_else(|e| panic!("the GPU tests need gpu:0: {e}"));
+        (device, turn)
     }
 
     fn cpu() -> Device {
@@ -57,7 +62,7 @@ mod on_the_gpu {
 
     #[test]
     fn values_of_every_dtype_survive_the_round_trip_bit_for_bit() {
-        let gpu = gpu();
+        let (gpu, _turn) = gpu();
         let f = Tensor::<f32>::from_vec(vec![1.5, -0.0, f32::NAN, f32::INFINITY], &[2, 2], &gpu)
             .unwrap();
         assert_eq!(f.device(), gpu);
@@ -116,7 +121,7 @@ mod on_the_gpu {
 
     #[test]
     fn every_generated_unary_kernel_is_within_its_bound_and_keeps_nans() {
-        let gpu = gpu();
+        let (gpu, _turn) = gpu();
         let (mut measured, mut failures) = (Vec::new(), Vec::new());
         for &op in UnaryOp::ALL {
             if op.wgsl().is_none() || !op.class().accepts(DType::F32) {
@@ -184,7 +189,7 @@ mod on_the_gpu {
 
     #[test]
     fn binary_kernels_broadcast_like_the_cpu() {
-        let gpu = gpu();
+        let (gpu, _turn) = gpu();
         let shapes: &[(&[usize], &[usize])] = &[
             (&[2, 3], &[2, 3]),
             (&[2, 3], &[3]),
@@ -246,12 +251,21 @@ mod on_the_gpu {
             .unwrap();
         assert_eq!(&p[..2], &[4.0, -8.0]);
         assert!(p[2].is_nan() && p[3] == f32::INFINITY, "{p:?}");
+        // The seven-dimensional case ran on the CPU, and said so.
         assert!(rt::cpu_fallbacks().iter().any(|f| f.starts_with("Add[")));
+        // Broadcasts of six dimensions or fewer copy nothing: the GPU's
+        // kernel ran.
+        let a = Tensor::from_vec(values(6, 1, -1.0, 1.0), &[2, 3], &gpu).unwrap();
+        let b = Tensor::from_vec(values(3, 2, -1.0, 1.0), &[3], &gpu).unwrap();
+        let copies = rt::stats().device_copies;
+        let c = &(&a + &b) * &b;
+        assert!(c.check().is_ok());
+        assert_eq!(rt::stats().device_copies, copies);
     }
 
     #[test]
     fn reductions_match_the_cpu_over_every_axis_set() {
-        let gpu = gpu();
+        let (gpu, _turn) = gpu();
         let dims = [3usize, 70, 5];
         let n: usize = dims.iter().product();
         let v = values(n, 3, -2.0, 2.0);
@@ -291,7 +305,7 @@ mod on_the_gpu {
 
     #[test]
     fn matmul_matches_the_cpu_for_odd_sizes_transposes_and_batches() {
-        let gpu = gpu();
+        let (gpu, _turn) = gpu();
         let cases: &[(&[usize], &[usize], bool, bool)] = &[
             (&[1, 1], &[1, 1], false, false),
             (&[17, 33], &[33, 9], false, false),
@@ -331,7 +345,7 @@ mod on_the_gpu {
 
     #[test]
     fn softmax_and_log_softmax_match_the_cpu() {
-        let gpu = gpu();
+        let (gpu, _turn) = gpu();
         for dims in [&[4usize, 10][..], &[3, 2, 300], &[1, 1], &[5]] {
             let n: usize = dims.iter().product();
             let mut v = values(n, 5, -30.0, 30.0);
@@ -355,8 +369,67 @@ mod on_the_gpu {
     }
 
     #[test]
+    fn layout_comparison_select_cast_and_fill_kernels_match_the_cpu() {
+        let (gpu, _turn) = gpu();
+        let v = values(2 * 3 * 4, 21, -2.0, 2.0);
+        let run = |d: &Device| {
+            let x = Tensor::from_vec(v.clone(), &[2, 3, 4], d).unwrap();
+            let y = Tensor::from_vec(values(4, 22, -2.0, 2.0), &[4], d).unwrap();
+            let mask = x.gt(&y);
+            let ints = Tensor::<i64>::from_vec((0..24).collect(), &[2, 3, 4], d).unwrap();
+            vec![
+                x.transpose(0, 2).to_vec().unwrap(),
+                x.permute(&[1, 2, 0]).to_vec().unwrap(),
+                y.broadcast_to(&[3, 4]).to_vec().unwrap(),
+                x.slice(&[0, 1, 1], &[2, 3, 4], &[1, 1, 2])
+                    .to_vec()
+                    .unwrap(),
+                mask.cast::<f32>().to_vec().unwrap(),
+                x.le(&y).cast::<f32>().to_vec().unwrap(),
+                x.eq(&x).cast::<f32>().to_vec().unwrap(),
+                mask.select(&x, &y.neg()).to_vec().unwrap(),
+                (&x * 100.0f32)
+                    .cast::<i32>()
+                    .cast::<f32>()
+                    .to_vec()
+                    .unwrap(),
+                mask.cast::<i32>().cast::<f32>().to_vec().unwrap(),
+                Tensor::<f32>::full(&[5, 3], 1.25, d).to_vec().unwrap(),
+                ints.transpose(0, 2).cast::<f32>().to_vec().unwrap(),
+            ]
+        };
+        let (g, c) = (run(&gpu), run(&cpu()));
+        for (k, (g, c)) in g.iter().zip(&c).enumerate() {
+            assert_eq!(g, c, "case {k}");
+        }
+        // Casts saturate and send NaN to 0, as on the CPU.
+        let edge = vec![3e9f32, -3e9, f32::NAN, -2.7, 2.7, 0.0];
+        let cast = |d: &Device| {
+            let t = Tensor::from_vec(edge.clone(), &[6], d).unwrap();
+            (
+                t.cast::<i32>().to_vec().unwrap(),
+                t.cast::<bool>().to_vec().unwrap(),
+            )
+        };
+        assert_eq!(cast(&gpu), cast(&cpu()));
+        let fallbacks = rt::cpu_fallbacks();
+        for op in [
+            "Transpose[F32]",
+            "Greater[F32, F32]",
+            "Select[",
+            "Cast[F32]",
+            "Slice[F32]",
+        ] {
+            assert!(
+                !fallbacks.iter().any(|f| f.starts_with(op)),
+                "{op}: {fallbacks:?}"
+            );
+        }
+    }
+
+    #[test]
     fn ops_without_a_gpu_kernel_run_on_the_cpu_and_say_so() {
-        let gpu = gpu();
+        let (gpu, _turn) = gpu();
         let x = Tensor::from_vec(vec![3.0f32, 1.0, 2.0], &[3], &gpu).unwrap();
         let (sorted, _) = x.sort(0, false);
         assert_eq!(sorted.device(), gpu);
@@ -373,7 +446,7 @@ mod on_the_gpu {
 
     #[test]
     fn gradients_on_the_gpu_match_the_cpu() {
-        let gpu = gpu();
+        let (gpu, _turn) = gpu();
         let mut rng = Rng::new(4);
         let xv = Tensor::<f32>::rand_normal(&[8, 5], 0.0, 1.0, &mut rng, &cpu())
             .to_vec()
@@ -402,7 +475,7 @@ mod on_the_gpu {
 
     #[test]
     fn mixing_devices_and_reading_device_memory_are_clear_errors() {
-        let gpu = gpu();
+        let (gpu, _turn) = gpu();
         let g = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &gpu).unwrap();
         let c = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &cpu()).unwrap();
         let line = line!() + 1;
