@@ -358,7 +358,7 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
     };
     let shard = crate::train::shard_size(options.batch_size, ranks)?;
     let root = rank == 0;
-    let device = options.device.device();
+    let device = options.device.checked_device()?;
     let mut model = Gpt::new(options.config, options.seed, &device);
     let ddp = options.distributed.then(|| DataParallel::new(&model));
     if let Some(ddp) = &ddp {
@@ -476,7 +476,10 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
     evaluations.push(last);
     let lazy = (options.device == DeviceKind::Lazy).then(lazy_summary);
 
-    let comparison = if options.compare_steps > 0 && !options.distributed {
+    let comparison = if let (true, Some(other_device)) = (
+        options.compare_steps > 0 && !options.distributed,
+        options.device.other(),
+    ) {
         say(format!(
             "timing {} of the same model on each device...",
             crate::train::counted(options.compare_steps, "step")
@@ -488,16 +491,10 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
             options.device,
             options.compare_steps,
         )?;
-        let other = time_steps(
-            &model,
-            corpus,
-            options,
-            options.device.other(),
-            options.compare_steps,
-        )?;
+        let other = time_steps(&model, corpus, options, other_device, options.compare_steps)?;
         let (eager, lazy_ms) = match options.device {
-            DeviceKind::Eager => (this, other),
             DeviceKind::Lazy => (other, this),
+            _ => (this, other),
         };
         Some(Comparison {
             steps: options.compare_steps,
@@ -557,10 +554,7 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
 pub fn print_summary(s: &LmSummary) {
     println!(
         "gpt on the {} device: {} ({:.1} s, {:.2} ms/step, {:.0} tokens/s), final loss {}",
-        match s.device {
-            DeviceKind::Eager => "eager",
-            DeviceKind::Lazy => "lazy",
-        },
+        s.device.name(),
         crate::train::counted(s.steps, "step"),
         s.train_seconds,
         s.ms_per_step,

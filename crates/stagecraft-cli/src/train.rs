@@ -29,6 +29,9 @@ pub enum DeviceKind {
     Eager,
     /// Recorded and run as one compiled, cached trace per step.
     Lazy,
+    /// Op by op on the GPU (`gpu:0`; the `wgpu` feature). Ops without a
+    /// GPU kernel run on the CPU, with copies and a warning.
+    Gpu,
 }
 
 impl DeviceKind {
@@ -37,14 +40,34 @@ impl DeviceKind {
         match self {
             DeviceKind::Eager => Device::cpu(),
             DeviceKind::Lazy => Device::lazy(&Device::cpu()),
+            DeviceKind::Gpu => Device::gpu(0),
         }
     }
 
-    /// The other device.
-    pub fn other(self) -> DeviceKind {
+    /// The device, or the error that says why this build or machine has
+    /// none (a GPU without the `wgpu` feature or without a driver).
+    pub fn checked_device(self) -> Result<Device> {
         match self {
-            DeviceKind::Eager => DeviceKind::Lazy,
-            DeviceKind::Lazy => DeviceKind::Eager,
+            DeviceKind::Gpu => Ok(Device::try_gpu(0)?),
+            other => Ok(other.device()),
+        }
+    }
+
+    /// The other device of the eager-vs-lazy comparison; none for the GPU.
+    pub fn other(self) -> Option<DeviceKind> {
+        match self {
+            DeviceKind::Eager => Some(DeviceKind::Lazy),
+            DeviceKind::Lazy => Some(DeviceKind::Eager),
+            DeviceKind::Gpu => None,
+        }
+    }
+
+    /// The device's name in summaries.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Eager => "eager",
+            DeviceKind::Lazy => "lazy",
+            DeviceKind::Gpu => "gpu",
         }
     }
 }
@@ -387,7 +410,7 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     if options.profile.is_some() {
         profile::start();
     }
-    let device = options.device.device();
+    let device = options.device.checked_device()?;
     let mut model = match &options.load {
         Some(path) => {
             let m = checkpoint::load(options.model, path, &device)?;
@@ -505,7 +528,10 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
     let lazy_summary =
         (options.device == DeviceKind::Lazy).then(|| LazySummary::from_metrics(&metrics));
 
-    let comparison = if options.compare_steps > 0 && !options.distributed {
+    let comparison = if let (true, Some(other_device)) = (
+        options.compare_steps > 0 && !options.distributed,
+        options.device.other(),
+    ) {
         if !options.json {
             eprintln!(
                 "timing {} of the same model on each device...",
@@ -513,16 +539,10 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
             );
         }
         let this = time_steps(&model, data, options, options.device, options.compare_steps)?;
-        let other = time_steps(
-            &model,
-            data,
-            options,
-            options.device.other(),
-            options.compare_steps,
-        )?;
+        let other = time_steps(&model, data, options, other_device, options.compare_steps)?;
         let (eager, lazy_ms) = match options.device {
-            DeviceKind::Eager => (this, other),
             DeviceKind::Lazy => (other, this),
+            _ => (this, other),
         };
         Some(Comparison {
             steps: options.compare_steps,
@@ -612,10 +632,7 @@ pub fn print_summary(s: &Summary) {
     println!(
         "{} on the {} device{}: {} in {} ({:.1} s, {:.2} ms/step), final loss {}",
         s.model.name(),
-        match s.device {
-            DeviceKind::Eager => "eager",
-            DeviceKind::Lazy => "lazy",
-        },
+        s.device.name(),
         if s.ranks > 1 {
             format!(", data-parallel over {} processes", s.ranks)
         } else {

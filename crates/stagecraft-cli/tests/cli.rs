@@ -177,6 +177,62 @@ fn the_convnet_trains_eagerly_too() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--device gpu` trains the MLP op by op on `gpu:0` (lavapipe in CI) to
+/// the CPU's accuracy and nearly its losses. In a build without the
+/// `wgpu` feature, the run fails with the error that names the feature.
+#[test]
+fn the_mlp_trains_on_the_gpu_to_the_cpus_accuracy() {
+    let dir = scratch("gpu");
+    tiny_mnist(&dir, 480, 200);
+    let train = |device: &str| {
+        run(
+            &[
+                "train",
+                "--device",
+                device,
+                "--data",
+                ".",
+                "--steps",
+                "20",
+                "--batch-size",
+                "24",
+                "--compare-steps",
+                "0",
+                "--json",
+            ],
+            &dir,
+        )
+    };
+    if let Err(e) = stagecraft::Device::try_gpu(0) {
+        let out = train("gpu");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("wgpu") || err.contains("mesa-vulkan-drivers"),
+            "{err}"
+        );
+        assert!(
+            e.to_string().contains("`wgpu` feature"),
+            "the GPU tests need gpu:0 in a build with the `wgpu` feature: {e}"
+        );
+        return;
+    }
+    let (gpu, cpu) = (json_of(&train("gpu")), json_of(&train("eager")));
+    assert_eq!(gpu["device"], "gpu");
+    let accuracy = |s: &Value| s["test_accuracy"].as_f64().unwrap();
+    assert!(
+        (accuracy(&gpu) - accuracy(&cpu)).abs() <= 0.003,
+        "GPU {gpu}\nCPU {cpu}"
+    );
+    assert!(accuracy(&cpu) > 0.5, "{cpu}");
+    let loss = |s: &Value| s["final_loss"].as_f64().unwrap();
+    assert!(
+        (loss(&gpu) - loss(&cpu)).abs() <= 1e-3 * loss(&cpu).abs().max(1.0),
+        "GPU {gpu}\nCPU {cpu}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_loaded_checkpoint_gives_the_same_accuracy() {
     let dir = scratch("ckpt");
