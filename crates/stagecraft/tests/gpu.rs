@@ -478,6 +478,18 @@ mod on_the_gpu {
     }
 
     #[test]
+    fn cancellation_stops_gpu_ops_as_it_stops_cpu_ones() {
+        let (gpu, _turn) = gpu();
+        let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &gpu).unwrap();
+        stagecraft::cancel_execution();
+        let cancelled = x.exp().to_vec();
+        stagecraft::restart();
+        assert_eq!(cancelled.unwrap_err().kind(), ErrorKind::Cancelled);
+        let again = x.exp().to_vec().unwrap();
+        assert!((again[0] - std::f32::consts::E).abs() < 1e-6, "{again:?}");
+    }
+
+    #[test]
     fn mixing_devices_and_reading_device_memory_are_clear_errors() {
         let (gpu, _turn) = gpu();
         let g = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &gpu).unwrap();
