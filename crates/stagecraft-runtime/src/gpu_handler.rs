@@ -11,13 +11,14 @@ use crate::device::Device;
 use crate::handle::TensorHandle;
 use crate::op_handler::{Args, DeviceMemory, OpHandler, OpInvocation, Results};
 use smallvec::SmallVec;
-use stagecraft_ops::Attrs;
+use stagecraft_graph::{Function, NodeOp, Value};
+use stagecraft_ops::{Attrs, ControlOp, OpKind};
 use stagecraft_tensor::{
     DType, DenseHostTensor, DeviceTensor, Error, Result, TensorMetadata, TensorValue,
 };
 use stagecraft_wgpu::Gpu;
 use std::collections::HashSet;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub(crate) struct GpuOpHandler {
     index: usize,
@@ -38,6 +39,9 @@ impl GpuOpHandler {
 
     fn run(&self, invocation: OpInvocation<'_>) -> Result<Results> {
         let gpu = self.gpu()?;
+        if let OpKind::Control(kind) = invocation.op.kind {
+            return self.control(kind, invocation);
+        }
         let mut values: SmallVec<[DeviceTensor; 4]> = SmallVec::new();
         for arg in &invocation.args {
             match arg.wait_value()? {
@@ -112,6 +116,143 @@ impl GpuOpHandler {
         }
         Ok(uploaded)
     }
+}
+
+impl GpuOpHandler {
+    /// `Call`, `If` and `While` on the GPU: the functions they name run
+    /// node by node on this device (each node an op like any other, its
+    /// values staying in device memory); a predicate or loop condition is
+    /// read back to the host to choose what runs next.
+    fn control(&self, kind: ControlOp, mut invocation: OpInvocation<'_>) -> Result<Results> {
+        invocation.release_chain();
+        let attrs = Attrs::new(&invocation.attrs, invocation.op);
+        let (device, location) = (invocation.device, invocation.location);
+        let function = |name: &str| -> Result<Arc<Function>> {
+            let id = attrs.func(name)?;
+            Function::lookup(id).ok_or_else(|| {
+                Error::internal(format!("function {id:?} of `{name}` is not in the library"))
+            })
+        };
+        let args: Vec<TensorHandle> = invocation.args.into_iter().collect();
+        let results = match kind {
+            ControlOp::Call => interpret(&*function("f")?, &args, device)?,
+            ControlOp::If => {
+                let (pred, rest) = args
+                    .split_first()
+                    .ok_or_else(|| Error::internal("If without a predicate"))?;
+                let branch = if truth(pred)? {
+                    "then_branch"
+                } else {
+                    "else_branch"
+                };
+                interpret(&*function(branch)?, rest, device)?
+            }
+            ControlOp::While => {
+                let (cond, body) = (function("cond")?, function("body")?);
+                let limit = attrs.int("max_iterations")?;
+                let mut state = args;
+                let mut iterations: i64 = 0;
+                loop {
+                    if crate::runtime::is_cancelled() {
+                        return Err(Error::cancelled());
+                    }
+                    if limit >= 0 && iterations >= limit {
+                        break;
+                    }
+                    let verdict = interpret(&cond, &state, device)?;
+                    match verdict.as_slice() {
+                        [flag] if truth(flag)? => {}
+                        [_] => break,
+                        _ => {
+                            return Err(Error::internal(
+                                "a loop condition returned no single value",
+                            ))
+                        }
+                    }
+                    state = interpret(&body, &state, device)?;
+                    iterations += 1;
+                }
+                state
+            }
+        };
+        // New handles for the op's outputs: a result may be one of the
+        // arguments (an identity branch), and an output must be a tensor
+        // of its own.
+        results
+            .into_iter()
+            .map(|h| {
+                let value = h.wait_value().map_err(|e| e.clone())?;
+                Ok(TensorHandle::available_value(device, value.clone()))
+            })
+            .collect::<Result<Results>>()
+            .map_err(|e: Error| {
+                if e.location().is_some() {
+                    e
+                } else {
+                    e.at(location)
+                }
+            })
+    }
+}
+
+/// The value of a one-element bool predicate, read to the host.
+fn truth(pred: &TensorHandle) -> Result<bool> {
+    let host = crate::runtime::read_to_host(pred)?.to_dense()?;
+    match host.as_slice::<bool>()? {
+        [flag] => Ok(*flag),
+        _ => Err(Error::shape(format!(
+            "a predicate must have one element, got {}",
+            host.metadata()
+        ))),
+    }
+}
+
+/// Runs `function`'s nodes in order on `device` through `execute`, as
+/// eager ops; constants are uploaded. Errors stay in the handles, as they
+/// would eagerly; the first one in a result is returned.
+fn interpret(
+    function: &Function,
+    args: &[TensorHandle],
+    device: Device,
+) -> Result<Vec<TensorHandle>> {
+    if args.len() != function.params.len() {
+        return Err(Error::internal(format!(
+            "@{} takes {} arguments, got {}",
+            function.name,
+            function.params.len(),
+            args.len()
+        )));
+    }
+    let mut outputs: Vec<SmallVec<[TensorHandle; 1]>> = Vec::with_capacity(function.nodes.len());
+    let value = |v: &Value, outputs: &[SmallVec<[TensorHandle; 1]>]| -> TensorHandle {
+        match *v {
+            Value::Param(i) => args[i as usize].clone(),
+            Value::Output { node, output } => outputs[node as usize][output as usize].clone(),
+        }
+    };
+    for node in &function.nodes {
+        let produced: SmallVec<[TensorHandle; 1]> = match &node.op {
+            NodeOp::Const(constant) => {
+                smallvec::smallvec![TensorHandle::available(device, constant.clone())]
+            }
+            NodeOp::Op(def, attrs) => {
+                let inputs: Args = node.inputs.iter().map(|v| value(v, &outputs)).collect();
+                crate::runtime::execute(def, device, node.location, inputs, attrs.clone().into())
+            }
+        };
+        outputs.push(produced);
+    }
+    let results: Vec<TensorHandle> = function
+        .results
+        .iter()
+        .map(|v| value(v, &outputs))
+        .collect();
+    for result in &results {
+        if let Some(e) = result.resolved_error() {
+            return Err(e.clone());
+        }
+    }
+    Ok(results)
 }
 
 fn fallbacks() -> &'static Mutex<HashSet<String>> {

@@ -477,6 +477,72 @@ mod on_the_gpu {
         assert_close("gradient", &gg, &cg, 1e-4, 1e-6);
     }
 
+    /// A staged loop: halve `x` while its sum exceeds `limit`, then
+    /// branch on the sign of its first element.
+    #[stagecraft::stage]
+    fn staged_halving(x: Tensor<f32>, limit: Tensor<f32>) -> Tensor<f32> {
+        let mut y = x;
+        while y.sum(&[0], false).gt(&limit) {
+            y = &y * 0.5f32;
+        }
+        let first = y.slice(&[0], &[1], &[1]).sum(&[0], false);
+        if first.gt(&limit.neg()) {
+            y.exp()
+        } else {
+            y.neg()
+        }
+    }
+
+    #[test]
+    fn functions_cond_while_and_stage_run_their_nodes_on_the_gpu() {
+        let (gpu, _turn) = gpu();
+        let v = vec![3.0f32, -1.0, 4.0, 1.5];
+        let run = |d: &Device| {
+            let x = Tensor::from_vec(v.clone(), &[4], d).unwrap();
+            let limit = Tensor::scalar(1.0f32, d);
+            let f = stagecraft::function(|x: Tensor<f32>| (&x * 2.0f32).tanh().sum(&[0], true));
+            let called = f.call(x.clone());
+            let p = x.sum(&[0], false).gt(&Tensor::scalar(3.0f32, d));
+            let branched = stagecraft::cond(&p, || x.exp(), || x.neg());
+            let looped = stagecraft::while_loop(
+                x.clone(),
+                |s| s.sum(&[0], false).gt(&limit),
+                |s| s * 0.5f32,
+            );
+            let staged = staged_halving(x.clone(), limit.clone());
+            let grad = stagecraft::grad(|x: &Tensor<f32>| {
+                let p = x.sum(&[0], false).gt(&Tensor::scalar(0.0f32, &x.device()));
+                stagecraft::cond(&p, || x.tanh(), || x * 3.0f32).sum(&[0], false)
+            })(&x);
+            [called, branched, looped, staged, grad]
+        };
+        let copies = rt::stats().device_copies;
+        let on_gpu = run(&gpu);
+        for t in &on_gpu {
+            assert_eq!(t.device(), gpu);
+            t.check().unwrap();
+        }
+        let fallbacks = rt::cpu_fallbacks();
+        for op in ["Call[", "If[", "While["] {
+            assert!(
+                !fallbacks.iter().any(|f| f.starts_with(op)),
+                "{op}: {fallbacks:?}"
+            );
+        }
+        // Only predicates and loop conditions came back to the host.
+        let read_back = rt::stats().device_copies - copies;
+        assert!(read_back <= 24, "{read_back} copies");
+        for (k, (g, c)) in on_gpu.iter().zip(run(&cpu()).iter()).enumerate() {
+            assert_close(
+                &format!("case {k}"),
+                &g.to_vec().unwrap(),
+                &c.to_vec().unwrap(),
+                1e-5,
+                1e-6,
+            );
+        }
+    }
+
     #[test]
     fn cancellation_stops_gpu_ops_as_it_stops_cpu_ones() {
         let (gpu, _turn) = gpu();
