@@ -34,12 +34,12 @@ pub fn run(
     if std::ptr::eq(op, &defs::RESHAPE) && inputs.len() == 1 && outputs.len() == 1 {
         return Ok(Some(one(inputs[0].with_metadata(outputs[0].clone()))));
     }
-    if outputs.len() != 1 {
+    let Some(out) = outputs.first() else {
         return Ok(None);
-    }
-    let out = &outputs[0];
-    if out.shape.numel() == 0 {
-        return gpu.alloc(out.clone()).map(|t| Some(one(t)));
+    };
+    if outputs.iter().all(|o| o.shape.numel() == 0) {
+        let empty: Result<Outputs> = outputs.iter().map(|o| gpu.alloc(o.clone())).collect();
+        return empty.map(Some);
     }
     let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|t| t.metadata().dtype).collect();
     let f32_in = dtypes.iter().all(|&d| d == DType::F32);
@@ -48,6 +48,22 @@ pub fn run(
         || std::ptr::eq(op, &defs::SLICE)
     {
         return copy_launch(gpu, op, attrs, inputs[0], out);
+    }
+    if std::ptr::eq(op, &defs::CROSS_ENTROPY) || std::ptr::eq(op, &defs::CROSS_ENTROPY_GRAD) {
+        let supported = dtypes[0] == DType::F32
+            && dtypes[1] == DType::I32
+            && dtypes[2..].iter().all(|&d| d == DType::F32);
+        if !supported {
+            return Ok(None);
+        }
+        return if std::ptr::eq(op, &defs::CROSS_ENTROPY) {
+            cross_entropy_launch(gpu, attrs, inputs, outputs)
+        } else {
+            cross_entropy_grad_launch(gpu, attrs, inputs, out)
+        };
+    }
+    if outputs.len() != 1 {
+        return Ok(None);
     }
     if std::ptr::eq(op, &defs::FILL) {
         return fill_launch(gpu, attrs, out);
@@ -443,8 +459,19 @@ fn reduce_launch(
     x: &DeviceTensor,
     out: &TensorMetadata,
 ) -> Result<Option<Outputs>> {
+    let reduced = reduced_axes(attrs, x.metadata().shape.rank())?;
+    reduce_over(gpu, reduce, &reduced, x, out)
+}
+
+/// `reduce` over the axes `reduced` marks.
+fn reduce_over(
+    gpu: &'static Gpu,
+    reduce: ReduceOp,
+    reduced: &[bool],
+    x: &DeviceTensor,
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
     let dims = x.metadata().shape.dims();
-    let reduced = reduced_axes(attrs, dims.len())?;
     let strides = strides_of(dims);
     let (mut kept_dims, mut kept_strides) = (Vec::new(), Vec::new());
     let (mut red_dims, mut red_strides) = (Vec::new(), Vec::new());
@@ -625,6 +652,146 @@ fn matmul_launch(
     Ok(Some(one(y)))
 }
 
+/// The targets of a cross-entropy, checked on the host: `Some(count of
+/// rows not ignored)` when every target is a class or the ignored value,
+/// `None` otherwise (the CPU's kernel then reports the bad one).
+fn checked_targets(
+    gpu: &'static Gpu,
+    targets: &DeviceTensor,
+    classes: usize,
+    ignore: Option<i64>,
+) -> Result<Option<usize>> {
+    let host = gpu.download(targets)?;
+    let mut counted = 0;
+    for &t in host.as_slice::<i32>()? {
+        if Some(i64::from(t)) == ignore {
+            continue;
+        }
+        if t < 0 || t as usize >= classes {
+            return Ok(None);
+        }
+        counted += 1;
+    }
+    Ok(Some(counted))
+}
+
+/// The `has_ignore, ignore` words of the cross-entropy shaders (an
+/// ignored value outside i32 never matches an i32 target).
+fn ignore_words(ignore: Option<i64>) -> [u32; 2] {
+    match ignore.map(i32::try_from) {
+        Some(Ok(v)) => [1, v as u32],
+        _ => [0, 0],
+    }
+}
+
+fn cross_entropy_launch(
+    gpu: &'static Gpu,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let (logits, targets) = (inputs[0], inputs[1]);
+    let dims = logits.metadata().shape.dims();
+    let classes = dims[dims.len() - 1];
+    let rows = targets.metadata().shape.numel();
+    let ignore = defs::ignore_index(attrs)?;
+    let Some(counted) = checked_targets(gpu, targets, classes, ignore)? else {
+        return Ok(None);
+    };
+    let reduction = defs::LossReduction::of(attrs)?;
+    let (Some(rows32), Some(classes32)) = (small(rows), small(classes)) else {
+        return Err(too_large(logits.metadata()));
+    };
+    let scale: f32 = match reduction {
+        defs::LossReduction::Mean if counted > 0 => 1.0 / counted as f32,
+        _ => 1.0,
+    };
+    let row_meta = outputs[1].clone();
+    let row_loss = gpu.alloc(TensorMetadata::new(DType::F32, row_meta.shape.clone()))?;
+    let lse = gpu.alloc(row_meta)?;
+    let pipeline = gpu.pipeline(&shader::cross_entropy_rows())?;
+    let (gx, gy) = grid(rows32);
+    let [has_ignore, ignored] = ignore_words(ignore);
+    let params = [rows32, classes32, gx, has_ignore, ignored, scale.to_bits()];
+    launch(
+        gpu,
+        &pipeline,
+        &[logits, targets, &row_loss, &lse],
+        &params,
+        (gx, gy, 1),
+    )?;
+    let loss = match reduction {
+        defs::LossReduction::None => row_loss.with_metadata(outputs[0].clone()),
+        // Every row ignored: the mean is 0/0, NaN, as on the CPU.
+        defs::LossReduction::Mean if counted == 0 => {
+            let nan = gpu.alloc(outputs[0].clone())?;
+            let pipeline = gpu.pipeline(&shader::fill())?;
+            launch(
+                gpu,
+                &pipeline,
+                &[&nan],
+                &[1, WORKGROUP, f32::NAN.to_bits()],
+                (1, 1, 1),
+            )?;
+            nan
+        }
+        _ => {
+            let reduced = vec![true; row_loss.metadata().shape.rank()];
+            match reduce_over(gpu, ReduceOp::Sum, &reduced, &row_loss, &outputs[0])? {
+                Some(mut summed) => summed.remove(0),
+                None => return Ok(None),
+            }
+        }
+    };
+    Ok(Some([loss, lse].into_iter().collect()))
+}
+
+fn cross_entropy_grad_launch(
+    gpu: &'static Gpu,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let (logits, targets, lse, g) = (inputs[0], inputs[1], inputs[2], inputs[3]);
+    let dims = logits.metadata().shape.dims();
+    let classes = dims[dims.len() - 1];
+    let ignore = defs::ignore_index(attrs)?;
+    let Some(counted) = checked_targets(gpu, targets, classes, ignore)? else {
+        return Ok(None);
+    };
+    let reduction = defs::LossReduction::of(attrs)?;
+    let (Some(count), Some(classes32)) = (small(out.shape.numel()), small(classes)) else {
+        return Err(too_large(out));
+    };
+    let scale: f32 = match reduction {
+        defs::LossReduction::Mean if counted > 0 => 1.0 / counted as f32,
+        _ => 1.0,
+    };
+    let scalar_g = !matches!(reduction, defs::LossReduction::None);
+    let pipeline = gpu.pipeline(&shader::cross_entropy_grad())?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
+    let [has_ignore, ignored] = ignore_words(ignore);
+    let params = [
+        count,
+        gx * WORKGROUP,
+        classes32,
+        has_ignore,
+        ignored,
+        attrs.bool("subtract_target")? as u32,
+        scalar_g as u32,
+        scale.to_bits(),
+    ];
+    launch(
+        gpu,
+        &pipeline,
+        &[logits, targets, lse, g, &y],
+        &params,
+        (gx, gy, 1),
+    )?;
+    Ok(Some(one(y)))
+}
+
 /// Shader sources compiled for tests that check generated code compiles.
 #[doc(hidden)]
 pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
@@ -655,6 +822,8 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
     sources.push(("Select", shader::select()));
     sources.push(("copy", shader::strided_copy()));
     sources.push(("Fill", shader::fill()));
+    sources.push(("CrossEntropy", shader::cross_entropy_rows()));
+    sources.push(("CrossEntropyGrad", shader::cross_entropy_grad()));
     sources
 }
 

@@ -658,3 +658,99 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 "#
     )
 }
+
+/// Cross-entropy's rows: one workgroup per row computes `lse = log Σ
+/// exp(logits)` (after the row's maximum) and the row's loss `(lse −
+/// logits[target]) · scale`, 0 for an ignored row. Targets were checked on
+/// the host. `params`: `[rows, classes, row_width_in_groups, has_ignore,
+/// ignore (i32 bits), scale (f32 bits)]`.
+pub(crate) fn cross_entropy_rows() -> String {
+    format!(
+        r#"{PRELUDE}
+@group(0) @binding(0) var<storage, read> logits: array<f32>;
+@group(0) @binding(1) var<storage, read> targets: array<i32>;
+@group(0) @binding(2) var<storage, read_write> row_loss: array<f32>;
+@group(0) @binding(3) var<storage, read_write> lse: array<f32>;
+@group(0) @binding(4) var<storage, read> params: array<u32>;
+
+const LANES: u32 = 64u;
+var<workgroup> partial: array<f32, 64>;
+
+fn max_nan(a: f32, b: f32) -> f32 {{ return select(select(b, a, a > b), sc_nan(), sc_isnan(a) || sc_isnan(b)); }}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) group: vec3<u32>,
+        @builtin(local_invocation_index) lane: u32) {{
+    let row = group.x + group.y * params[2];
+    let live = row < params[0];
+    let width = params[1];
+    let base = row * width;
+    var top = -sc_inf();
+    if (live) {{
+        for (var c = lane; c < width; c = c + LANES) {{ top = max_nan(top, logits[base + c]); }}
+    }}
+    partial[lane] = top;
+    workgroupBarrier();
+    for (var w = LANES / 2u; w > 0u; w = w / 2u) {{
+        if (lane < w) {{ partial[lane] = max_nan(partial[lane], partial[lane + w]); }}
+        workgroupBarrier();
+    }}
+    top = partial[0];
+    workgroupBarrier();
+    var sum = 0.0;
+    if (live) {{
+        for (var c = lane; c < width; c = c + LANES) {{ sum = sum + exp(logits[base + c] - top); }}
+    }}
+    partial[lane] = sum;
+    workgroupBarrier();
+    for (var w = LANES / 2u; w > 0u; w = w / 2u) {{
+        if (lane < w) {{ partial[lane] = partial[lane] + partial[lane + w]; }}
+        workgroupBarrier();
+    }}
+    if (live && lane == 0u) {{
+        let l = top + log(partial[0]);
+        lse[row] = l;
+        let t = targets[row];
+        let ignored = params[3] != 0u && t == bitcast<i32>(params[4]);
+        row_loss[row] = select((l - logits[base + u32(t)]) * bitcast<f32>(params[5]), 0.0, ignored);
+    }}
+}}
+"#
+    )
+}
+
+/// Cross-entropy's gradient, one thread per logit: `(softmax − one_hot) ·
+/// s`, `s` the row's share of `g` (`g[row]`, or `g[0]` for a scalar loss)
+/// times `scale`; 0 in an ignored row. `params`: `[count, row_width,
+/// classes, has_ignore, ignore (i32 bits), subtract_target, scalar_g,
+/// scale (f32 bits)]`.
+pub(crate) fn cross_entropy_grad() -> String {
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read> logits: array<f32>;
+@group(0) @binding(1) var<storage, read> targets: array<i32>;
+@group(0) @binding(2) var<storage, read> lse: array<f32>;
+@group(0) @binding(3) var<storage, read> g: array<f32>;
+@group(0) @binding(4) var<storage, read_write> output: array<f32>;
+@group(0) @binding(5) var<storage, read> params: array<u32>;
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i >= params[0]) {{ return; }}
+    let classes = params[2];
+    let row = i / classes;
+    let c = i % classes;
+    let t = targets[row];
+    if (params[3] != 0u && t == bitcast<i32>(params[4])) {{
+        output[i] = 0.0;
+        return;
+    }}
+    let s = select(g[row], g[0], params[6] != 0u) * bitcast<f32>(params[7]);
+    var p = exp(logits[i] - lse[row]);
+    if (params[5] != 0u && i32(c) == t) {{ p = p - 1.0; }}
+    output[i] = p * s;
+}}
+"#
+    )
+}

@@ -544,6 +544,50 @@ mod on_the_gpu {
     }
 
     #[test]
+    fn cross_entropy_and_its_gradient_match_the_cpu_and_bad_targets_are_errors() {
+        use stagecraft::{CrossEntropyOptions, Reduction};
+        let (gpu, _turn) = gpu();
+        let (rows, classes) = (6usize, 5usize);
+        let lv = values(rows * classes, 31, -4.0, 4.0);
+        let targets = vec![0i32, 4, 2, -100, 1, 3];
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            for ignore in [None, Some(-100)] {
+                let options = CrossEntropyOptions {
+                    ignore_index: ignore,
+                    reduction,
+                };
+                let run = |d: &Device| {
+                    let logits = Tensor::from_vec(lv.clone(), &[rows, classes], d).unwrap();
+                    let t = Tensor::from_vec(targets.clone(), &[rows], d).unwrap();
+                    let (loss, grad) = stagecraft::value_and_grad(|l: &Tensor<f32>| {
+                        l.cross_entropy(&t, options).sum(&[], false)
+                    })(&logits);
+                    (loss.to_vec(), grad.to_vec())
+                };
+                let ((gl, gg), (cl, cg)) = (run(&gpu), run(&cpu()));
+                match ignore {
+                    Some(_) => {
+                        let what = format!("{reduction:?}");
+                        assert_close(&what, &gl.unwrap(), &cl.unwrap(), 2e-6, 1e-6);
+                        assert_close(&what, &gg.unwrap(), &cg.unwrap(), 2e-6, 1e-6);
+                    }
+                    None => {
+                        // -100 is out of range: the same Index error on both.
+                        let (ge, ce) = (gl.unwrap_err(), cl.unwrap_err());
+                        assert_eq!(ge.kind(), ErrorKind::Index, "{ge}");
+                        assert_eq!(ge.kind(), ce.kind());
+                    }
+                }
+            }
+        }
+        let fallbacks = rt::cpu_fallbacks();
+        assert!(
+            !fallbacks.iter().any(|f| f.starts_with("CrossEntropyGrad[")),
+            "{fallbacks:?}"
+        );
+    }
+
+    #[test]
     fn cancellation_stops_gpu_ops_as_it_stops_cpu_ones() {
         let (gpu, _turn) = gpu();
         let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &gpu).unwrap();
