@@ -62,8 +62,21 @@ pub fn run(
             cross_entropy_grad_launch(gpu, attrs, inputs, out)
         };
     }
+    if std::ptr::eq(op, &defs::LAYER_NORM) {
+        return match f32_in {
+            true => layer_norm_launch(gpu, attrs, inputs, outputs),
+            false => Ok(None),
+        };
+    }
     if outputs.len() != 1 {
         return Ok(None);
+    }
+    if std::ptr::eq(op, &defs::EMBEDDING) {
+        let four_bytes = dtypes[0].size_in_bytes() == 4;
+        return match (four_bytes, dtypes[1]) {
+            (true, DType::I32) => embedding_launch(gpu, inputs, out),
+            _ => Ok(None),
+        };
     }
     if std::ptr::eq(op, &defs::FILL) {
         return fill_launch(gpu, attrs, out);
@@ -792,6 +805,78 @@ fn cross_entropy_grad_launch(
     Ok(Some(one(y)))
 }
 
+fn layer_norm_launch(
+    gpu: &'static Gpu,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let x = inputs[0];
+    let dims = x.metadata().shape.dims();
+    let width = dims[dims.len() - 1];
+    let rows = outputs[1].shape.numel();
+    // A row of no elements has NaN statistics: the CPU's kernel says so.
+    if width == 0 {
+        return Ok(None);
+    }
+    let (Some(width32), Some(rows32)) = (small(width), small(rows)) else {
+        return Err(too_large(x.metadata()));
+    };
+    let (has_weight, has_bias) = (attrs.bool("has_weight")?, attrs.bool("has_bias")?);
+    let pipeline = gpu.pipeline(&shader::layer_norm(has_weight, has_bias))?;
+    let produced: Outputs = outputs
+        .iter()
+        .map(|m| gpu.alloc(m.clone()))
+        .collect::<Result<_>>()?;
+    let eps = attrs.float("eps")? as f32;
+    let (gx, gy) = grid(rows32);
+    let mut buffers: SmallVec<[&DeviceTensor; 8]> = inputs.iter().copied().collect();
+    buffers.extend(produced.iter());
+    launch(
+        gpu,
+        &pipeline,
+        &buffers,
+        &[rows32, width32, gx, eps.to_bits()],
+        (gx, gy, 1),
+    )?;
+    drop(buffers);
+    Ok(Some(produced))
+}
+
+fn embedding_launch(
+    gpu: &'static Gpu,
+    inputs: &[&DeviceTensor],
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let (table, ids) = (inputs[0], inputs[1]);
+    let [vocabulary, width] = table.metadata().shape.dims() else {
+        return Ok(None);
+    };
+    let host = gpu.download(ids)?;
+    // A bad id: the CPU's kernel reports it.
+    if host
+        .as_slice::<i32>()?
+        .iter()
+        .any(|&id| id < 0 || id as usize >= *vocabulary)
+    {
+        return Ok(None);
+    }
+    let (Some(count), Some(width32)) = (small(out.shape.numel()), small(*width)) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::embedding())?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
+    launch(
+        gpu,
+        &pipeline,
+        &[table, ids, &y],
+        &[count, gx * WORKGROUP, width32],
+        (gx, gy, 1),
+    )?;
+    Ok(Some(one(y)))
+}
+
 /// Shader sources compiled for tests that check generated code compiles.
 #[doc(hidden)]
 pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
@@ -823,6 +908,10 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
     sources.push(("copy", shader::strided_copy()));
     sources.push(("Fill", shader::fill()));
     sources.push(("CrossEntropy", shader::cross_entropy_rows()));
+    sources.push(("Embedding", shader::embedding()));
+    for (w, b) in [(false, false), (true, false), (false, true), (true, true)] {
+        sources.push(("LayerNorm", shader::layer_norm(w, b)));
+    }
     sources.push(("CrossEntropyGrad", shader::cross_entropy_grad()));
     sources
 }

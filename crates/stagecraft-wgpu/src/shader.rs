@@ -754,3 +754,101 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 "#
     )
 }
+
+/// Layer norm over the last axis, one workgroup per row: the mean, then
+/// the population variance around it (two passes, as the CPU's kernel),
+/// `rstd = 1/sqrt(var + eps)`, and `y = (x − mean)·rstd·weight + bias`
+/// with the parameters that are present. `params`: `[rows, width,
+/// row_width_in_groups, eps (f32 bits)]`.
+pub(crate) fn layer_norm(has_weight: bool, has_bias: bool) -> String {
+    let mut bindings = String::from("@group(0) @binding(0) var<storage, read> x: array<f32>;\n");
+    let mut next = 1;
+    let mut scale = String::new();
+    if has_weight {
+        bindings += &format!("@group(0) @binding({next}) var<storage, read> weight: array<f32>;\n");
+        next += 1;
+        scale += " * weight[c]";
+    }
+    if has_bias {
+        bindings += &format!("@group(0) @binding({next}) var<storage, read> bias: array<f32>;\n");
+        next += 1;
+        scale += " + bias[c]";
+    }
+    let (y, mean, rstd, params) = (next, next + 1, next + 2, next + 3);
+    format!(
+        r#"
+{bindings}@group(0) @binding({y}) var<storage, read_write> y: array<f32>;
+@group(0) @binding({mean}) var<storage, read_write> mean_out: array<f32>;
+@group(0) @binding({rstd}) var<storage, read_write> rstd_out: array<f32>;
+@group(0) @binding({params}) var<storage, read> params: array<u32>;
+
+const LANES: u32 = 64u;
+var<workgroup> partial: array<f32, 64>;
+
+fn row_sum(value: f32, lane: u32) -> f32 {{
+    partial[lane] = value;
+    workgroupBarrier();
+    for (var w = LANES / 2u; w > 0u; w = w / 2u) {{
+        if (lane < w) {{ partial[lane] = partial[lane] + partial[lane + w]; }}
+        workgroupBarrier();
+    }}
+    let total = partial[0];
+    workgroupBarrier();
+    return total;
+}}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) group: vec3<u32>,
+        @builtin(local_invocation_index) lane: u32) {{
+    let row = group.x + group.y * params[2];
+    let live = row < params[0];
+    let width = params[1];
+    let base = row * width;
+    var sum = 0.0;
+    if (live) {{
+        for (var c = lane; c < width; c = c + LANES) {{ sum = sum + x[base + c]; }}
+    }}
+    let mean = row_sum(sum, lane) / f32(width);
+    var squares = 0.0;
+    if (live) {{
+        for (var c = lane; c < width; c = c + LANES) {{
+            let d = x[base + c] - mean;
+            squares = squares + d * d;
+        }}
+    }}
+    let rstd = 1.0 / sqrt(row_sum(squares, lane) / f32(width) + bitcast<f32>(params[3]));
+    if (live) {{
+        for (var c = lane; c < width; c = c + LANES) {{
+            y[base + c] = (x[base + c] - mean) * rstd{scale};
+        }}
+        if (lane == 0u) {{
+            mean_out[row] = mean;
+            rstd_out[row] = rstd;
+        }}
+    }}
+}}
+"#
+    )
+}
+
+/// Rows of a table picked by ids (checked on the host): `out[i] =
+/// table[ids[i / width]·width + i % width]`. `params`: `[count,
+/// row_width, width]`.
+pub(crate) fn embedding() -> String {
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read> table: array<u32>;
+@group(0) @binding(1) var<storage, read> ids: array<i32>;
+@group(0) @binding(2) var<storage, read_write> output: array<u32>;
+@group(0) @binding(3) var<storage, read> params: array<u32>;
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i >= params[0]) {{ return; }}
+    let width = params[2];
+    output[i] = table[u32(ids[i / width]) * width + i % width];
+}}
+"#
+    )
+}

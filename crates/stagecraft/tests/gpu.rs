@@ -588,6 +588,52 @@ mod on_the_gpu {
     }
 
     #[test]
+    fn layer_norm_and_embedding_match_the_cpu_and_bad_ids_are_errors() {
+        let (gpu, _turn) = gpu();
+        for width in [1usize, 7, 200] {
+            let xv = values(3 * width, 41, -3.0, 3.0);
+            let (wv, bv) = (values(width, 42, 0.5, 1.5), values(width, 43, -1.0, 1.0));
+            let run = |d: &Device| {
+                let x = Tensor::from_vec(xv.clone(), &[3, width], d).unwrap();
+                let w = Tensor::from_vec(wv.clone(), &[width], d).unwrap();
+                let b = Tensor::from_vec(bv.clone(), &[width], d).unwrap();
+                [
+                    x.layer_norm(None, None, 1e-5),
+                    x.layer_norm(Some(&w), None, 1e-5),
+                    x.layer_norm(None, Some(&b), 1e-5),
+                    x.layer_norm(Some(&w), Some(&b), 1e-5),
+                ]
+            };
+            for (k, (g, c)) in run(&gpu).iter().zip(run(&cpu()).iter()).enumerate() {
+                assert_eq!(g.device(), gpu);
+                assert_close(
+                    &format!("layer norm {k}, width {width}"),
+                    &g.to_vec().unwrap(),
+                    &c.to_vec().unwrap(),
+                    2e-5,
+                    2e-5,
+                );
+            }
+        }
+        let table = values(5 * 3, 44, -1.0, 1.0);
+        let run = |d: &Device, ids: Vec<i32>| {
+            let t = Tensor::from_vec(table.clone(), &[5, 3], d).unwrap();
+            let n = ids.len();
+            t.embedding(&Tensor::from_vec(ids, &[n], d).unwrap())
+                .to_vec()
+        };
+        let ids = vec![4, 0, 0, 3];
+        assert_eq!(run(&gpu, ids.clone()).unwrap(), run(&cpu(), ids).unwrap());
+        let err = run(&gpu, vec![1, 5]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Index, "{err}");
+        let fallbacks = rt::cpu_fallbacks();
+        assert!(
+            !fallbacks.iter().any(|f| f.starts_with("LayerNorm[")),
+            "{fallbacks:?}"
+        );
+    }
+
+    #[test]
     fn cancellation_stops_gpu_ops_as_it_stops_cpu_ones() {
         let (gpu, _turn) = gpu();
         let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &gpu).unwrap();
