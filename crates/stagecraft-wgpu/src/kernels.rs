@@ -81,6 +81,9 @@ pub fn run(
     if std::ptr::eq(op, &defs::FILL) {
         return fill_launch(gpu, attrs, out);
     }
+    if std::ptr::eq(op, &defs::PAD) {
+        return pad_launch(gpu, attrs, inputs[0], out);
+    }
     if std::ptr::eq(op, &defs::CAST) {
         return cast_launch(gpu, inputs[0], out);
     }
@@ -877,6 +880,44 @@ fn embedding_launch(
     Ok(Some(one(y)))
 }
 
+/// Constant padding of f32 or i32 tensors of rank up to [`MAX_RANK`].
+fn pad_launch(
+    gpu: &'static Gpu,
+    attrs: &Attrs<'_>,
+    x: &DeviceTensor,
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let value = attrs.float("value")?;
+    let bits = match out.dtype {
+        DType::F32 => (value as f32).to_bits(),
+        DType::I32 => value as i32 as u32,
+        _ => return Ok(None),
+    };
+    let in_dims = x.metadata().shape.dims();
+    let out_dims = out.shape.dims();
+    if out_dims.len() > MAX_RANK {
+        return Ok(None);
+    }
+    let pads = attrs.dims("pads")?;
+    let strides = strides_of(in_dims);
+    let Some(count) = small(out.shape.numel()) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::pad())?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
+    let mut params = vec![0u32; 4 + 4 * MAX_RANK];
+    params[..4].copy_from_slice(&[count, gx * WORKGROUP, out_dims.len() as u32, bits]);
+    for d in 0..out_dims.len() {
+        let words = [out_dims[d], pads[2 * d], in_dims[d], strides[d]];
+        for (k, &w) in words.iter().enumerate() {
+            params[4 + k * MAX_RANK + d] = small(w).ok_or_else(|| too_large(out))?;
+        }
+    }
+    launch(gpu, &pipeline, &[x, &y], &params, (gx, gy, 1))?;
+    Ok(Some(one(y)))
+}
+
 /// Shader sources compiled for tests that check generated code compiles.
 #[doc(hidden)]
 pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
@@ -909,6 +950,7 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
     sources.push(("Fill", shader::fill()));
     sources.push(("CrossEntropy", shader::cross_entropy_rows()));
     sources.push(("Embedding", shader::embedding()));
+    sources.push(("Pad", shader::pad()));
     for (w, b) in [(false, false), (true, false), (false, true), (true, true)] {
         sources.push(("LayerNorm", shader::layer_norm(w, b)));
     }

@@ -852,3 +852,44 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 "#
     )
 }
+
+/// Pads 4-byte elements with a constant: output coordinate `c` reads input
+/// coordinate `c − before` when that lies inside the input. `params`:
+/// `[count, row_width, rank, value (bits), out_dims[MAX_RANK],
+/// before[MAX_RANK], in_dims[MAX_RANK], in_strides[MAX_RANK]]`.
+pub(crate) fn pad() -> String {
+    let r = MAX_RANK;
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read> input: array<u32>;
+@group(0) @binding(1) var<storage, read_write> output: array<u32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i >= params[0]) {{ return; }}
+    var rest = i;
+    var source = 0u;
+    var inside = true;
+    let rank = params[2];
+    for (var d = 0u; d < rank; d = d + 1u) {{
+        let axis = rank - 1u - d;
+        let dim = params[4u + axis];
+        let c = rest % dim;
+        rest = rest / dim;
+        let before = params[4u + {r}u + axis];
+        let in_dim = params[4u + {r2}u + axis];
+        if (c < before || c - before >= in_dim) {{
+            inside = false;
+        }} else {{
+            source = source + (c - before) * params[4u + {r3}u + axis];
+        }}
+    }}
+    if (inside) {{ output[i] = input[source]; }} else {{ output[i] = params[3]; }}
+}}
+"#,
+        r2 = 2 * r,
+        r3 = 3 * r
+    )
+}

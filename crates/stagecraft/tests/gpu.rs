@@ -399,6 +399,11 @@ mod on_the_gpu {
                     .unwrap(),
                 mask.cast::<i32>().cast::<f32>().to_vec().unwrap(),
                 Tensor::<f32>::full(&[5, 3], 1.25, d).to_vec().unwrap(),
+                x.pad(&[(1, 0), (0, 2), (3, 1)], -0.5).to_vec().unwrap(),
+                ints.pad(&[(0, 1), (2, 0), (0, 0)], 7.0)
+                    .cast::<f32>()
+                    .to_vec()
+                    .unwrap(),
                 ints.transpose(0, 2).cast::<f32>().to_vec().unwrap(),
             ]
         };
