@@ -308,6 +308,46 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     )
 }
 
+/// The row statistics softmax and cross-entropy share: the 64 lanes of a
+/// workgroup find the maximum of `input[base .. base + width]` (a NaN
+/// wins), then the sum of `exp(x − max)` over it. Called in uniform
+/// control flow (it has barriers); `live` is false in a workgroup past
+/// the last row.
+const ROW_MAX_AND_EXP_SUM: &str = r#"
+const LANES: u32 = 64u;
+var<workgroup> partial: array<f32, 64>;
+
+fn max_nan(a: f32, b: f32) -> f32 { return select(select(b, a, a > b), sc_nan(), sc_isnan(a) || sc_isnan(b)); }
+
+fn row_max_and_exp_sum(base: u32, width: u32, live: bool, lane: u32) -> vec2<f32> {
+    var top = -sc_inf();
+    if (live) {
+        for (var c = lane; c < width; c = c + LANES) { top = max_nan(top, input[base + c]); }
+    }
+    partial[lane] = top;
+    workgroupBarrier();
+    for (var w = LANES / 2u; w > 0u; w = w / 2u) {
+        if (lane < w) { partial[lane] = max_nan(partial[lane], partial[lane + w]); }
+        workgroupBarrier();
+    }
+    top = partial[0];
+    workgroupBarrier();
+    var sum = 0.0;
+    if (live) {
+        for (var c = lane; c < width; c = c + LANES) { sum = sum + exp(input[base + c] - top); }
+    }
+    partial[lane] = sum;
+    workgroupBarrier();
+    for (var w = LANES / 2u; w > 0u; w = w / 2u) {
+        if (lane < w) { partial[lane] = partial[lane] + partial[lane + w]; }
+        workgroupBarrier();
+    }
+    let total = partial[0];
+    workgroupBarrier();
+    return vec2<f32>(top, total);
+}
+"#;
+
 /// Softmax or log-softmax over the last axis: one workgroup per row.
 /// `params`: `[rows, width, row_width_in_groups]`.
 pub(crate) fn softmax(log: bool) -> String {
@@ -321,12 +361,7 @@ pub(crate) fn softmax(log: bool) -> String {
 @group(0) @binding(0) var<storage, read> input: array<f32>;
 @group(0) @binding(1) var<storage, read_write> output: array<f32>;
 @group(0) @binding(2) var<storage, read> params: array<u32>;
-
-const LANES: u32 = 64u;
-var<workgroup> partial: array<f32, 64>;
-
-fn max_nan(a: f32, b: f32) -> f32 {{ return select(select(b, a, a > b), sc_nan(), sc_isnan(a) || sc_isnan(b)); }}
-
+{ROW_MAX_AND_EXP_SUM}
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) group: vec3<u32>,
         @builtin(local_invocation_index) lane: u32) {{
@@ -334,29 +369,9 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     let live = row < params[0];
     let width = params[1];
     let base = row * width;
-    var top = -sc_inf();
-    if (live) {{
-        for (var c = lane; c < width; c = c + LANES) {{ top = max_nan(top, input[base + c]); }}
-    }}
-    partial[lane] = top;
-    workgroupBarrier();
-    for (var w = LANES / 2u; w > 0u; w = w / 2u) {{
-        if (lane < w) {{ partial[lane] = max_nan(partial[lane], partial[lane + w]); }}
-        workgroupBarrier();
-    }}
-    top = partial[0];
-    workgroupBarrier();
-    var sum = 0.0;
-    if (live) {{
-        for (var c = lane; c < width; c = c + LANES) {{ sum = sum + exp(input[base + c] - top); }}
-    }}
-    partial[lane] = sum;
-    workgroupBarrier();
-    for (var w = LANES / 2u; w > 0u; w = w / 2u) {{
-        if (lane < w) {{ partial[lane] = partial[lane] + partial[lane + w]; }}
-        workgroupBarrier();
-    }}
-    let total = partial[0];
+    let stats = row_max_and_exp_sum(base, width, live, lane);
+    let top = stats.x;
+    let total = stats.y;
     if (live) {{
         for (var c = lane; c < width; c = c + LANES) {{ {write} }}
     }}
@@ -667,17 +682,12 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 pub(crate) fn cross_entropy_rows() -> String {
     format!(
         r#"{PRELUDE}
-@group(0) @binding(0) var<storage, read> logits: array<f32>;
+@group(0) @binding(0) var<storage, read> input: array<f32>;
 @group(0) @binding(1) var<storage, read> targets: array<i32>;
 @group(0) @binding(2) var<storage, read_write> row_loss: array<f32>;
 @group(0) @binding(3) var<storage, read_write> lse: array<f32>;
 @group(0) @binding(4) var<storage, read> params: array<u32>;
-
-const LANES: u32 = 64u;
-var<workgroup> partial: array<f32, 64>;
-
-fn max_nan(a: f32, b: f32) -> f32 {{ return select(select(b, a, a > b), sc_nan(), sc_isnan(a) || sc_isnan(b)); }}
-
+{ROW_MAX_AND_EXP_SUM}
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) group: vec3<u32>,
         @builtin(local_invocation_index) lane: u32) {{
@@ -685,34 +695,13 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     let live = row < params[0];
     let width = params[1];
     let base = row * width;
-    var top = -sc_inf();
-    if (live) {{
-        for (var c = lane; c < width; c = c + LANES) {{ top = max_nan(top, logits[base + c]); }}
-    }}
-    partial[lane] = top;
-    workgroupBarrier();
-    for (var w = LANES / 2u; w > 0u; w = w / 2u) {{
-        if (lane < w) {{ partial[lane] = max_nan(partial[lane], partial[lane + w]); }}
-        workgroupBarrier();
-    }}
-    top = partial[0];
-    workgroupBarrier();
-    var sum = 0.0;
-    if (live) {{
-        for (var c = lane; c < width; c = c + LANES) {{ sum = sum + exp(logits[base + c] - top); }}
-    }}
-    partial[lane] = sum;
-    workgroupBarrier();
-    for (var w = LANES / 2u; w > 0u; w = w / 2u) {{
-        if (lane < w) {{ partial[lane] = partial[lane] + partial[lane + w]; }}
-        workgroupBarrier();
-    }}
+    let stats = row_max_and_exp_sum(base, width, live, lane);
     if (live && lane == 0u) {{
-        let l = top + log(partial[0]);
+        let l = stats.x + log(stats.y);
         lse[row] = l;
         let t = targets[row];
         let ignored = params[3] != 0u && t == bitcast<i32>(params[4]);
-        row_loss[row] = select((l - logits[base + u32(t)]) * bitcast<f32>(params[5]), 0.0, ignored);
+        row_loss[row] = select((l - input[base + u32(t)]) * bitcast<f32>(params[5]), 0.0, ignored);
     }}
 }}
 "#
