@@ -147,6 +147,32 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     )
 }
 
+/// `fn offsets(i: u32) -> array<u32, inputs>`: the offset of output
+/// element `i` in each of `inputs` broadcast operands, from the launch's
+/// `params`: `[count, row_width, rank, 0, dims[MAX_RANK], then MAX_RANK
+/// strides per operand]`.
+fn broadcast_offsets(inputs: usize) -> String {
+    format!(
+        r#"
+fn offsets(i: u32) -> array<u32, {inputs}> {{
+    var rest = i;
+    var at = array<u32, {inputs}>();
+    let rank = params[2];
+    for (var d = 0u; d < rank; d = d + 1u) {{
+        let axis = rank - 1u - d;
+        let dim = params[4u + axis];
+        let coordinate = rest % dim;
+        rest = rest / dim;
+        for (var k = 0u; k < {inputs}u; k = k + 1u) {{
+            at[k] = at[k] + coordinate * params[4u + (k + 1u) * {MAX_RANK}u + axis];
+        }}
+    }}
+    return at;
+}}
+"#
+    )
+}
+
 /// `y = f(a, b)` with broadcasting: each input is read through its own
 /// strides (0 along broadcast dimensions) over the output's dimensions.
 /// `params`: `[count, row_width, rank, 0, dims[MAX_RANK],
@@ -160,27 +186,16 @@ pub(crate) fn binary(expression: &str) -> String {
 @group(0) @binding(3) var<storage, read> params: array<u32>;
 
 fn op(a: f32, b: f32) -> f32 {{ return {expression}; }}
-
+{offsets}
 @compute @workgroup_size({WORKGROUP})
 fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     {FLAT_INDEX}
     if (i >= params[0]) {{ return; }}
-    var rest = i;
-    var ia = 0u;
-    var ib = 0u;
-    let rank = params[2];
-    for (var d = 0u; d < rank; d = d + 1u) {{
-        let axis = rank - 1u - d;
-        let dim = params[4u + axis];
-        let coordinate = rest % dim;
-        rest = rest / dim;
-        ia = ia + coordinate * params[4u + {MAX_RANK}u + axis];
-        ib = ib + coordinate * params[4u + {twice}u + axis];
-    }}
-    output[i] = op(lhs[ia], rhs[ib]);
+    let at = offsets(i);
+    output[i] = op(lhs[at[0]], rhs[at[1]]);
 }}
 "#,
-        twice = 2 * MAX_RANK
+        offsets = broadcast_offsets(2)
     )
 }
 
@@ -493,21 +508,10 @@ pub(crate) fn compare(expression: &str) -> String {
 @group(0) @binding(3) var<storage, read> params: array<u32>;
 
 fn op(a: f32, b: f32) -> bool {{ return {expression}; }}
-
+{offsets}
 fn holds(i: u32) -> bool {{
-    var rest = i;
-    var ia = 0u;
-    var ib = 0u;
-    let rank = params[2];
-    for (var d = 0u; d < rank; d = d + 1u) {{
-        let axis = rank - 1u - d;
-        let dim = params[4u + axis];
-        let coordinate = rest % dim;
-        rest = rest / dim;
-        ia = ia + coordinate * params[4u + {MAX_RANK}u + axis];
-        ib = ib + coordinate * params[4u + {twice}u + axis];
-    }}
-    return op(lhs[ia], rhs[ib]);
+    let at = offsets(i);
+    return op(lhs[at[0]], rhs[at[1]]);
 }}
 
 @compute @workgroup_size({WORKGROUP})
@@ -523,7 +527,7 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     output[w] = word;
 }}
 "#,
-        twice = 2 * MAX_RANK
+        offsets = broadcast_offsets(2)
     )
 }
 
@@ -531,7 +535,6 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 /// values). `params`: `[count, row_width, rank, 0, dims[MAX_RANK],
 /// cond_strides, a_strides, b_strides]`.
 pub(crate) fn select() -> String {
-    let r = MAX_RANK;
     format!(
         r#"
 @group(0) @binding(0) var<storage, read> cond: array<u32>;
@@ -539,30 +542,16 @@ pub(crate) fn select() -> String {
 @group(0) @binding(2) var<storage, read> b: array<u32>;
 @group(0) @binding(3) var<storage, read_write> output: array<u32>;
 @group(0) @binding(4) var<storage, read> params: array<u32>;
-{READ_BOOL}
+{READ_BOOL}{offsets}
 @compute @workgroup_size({WORKGROUP})
 fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     {FLAT_INDEX}
     if (i >= params[0]) {{ return; }}
-    var rest = i;
-    var ic = 0u;
-    var ia = 0u;
-    var ib = 0u;
-    let rank = params[2];
-    for (var d = 0u; d < rank; d = d + 1u) {{
-        let axis = rank - 1u - d;
-        let dim = params[4u + axis];
-        let coordinate = rest % dim;
-        rest = rest / dim;
-        ic = ic + coordinate * params[4u + {r}u + axis];
-        ia = ia + coordinate * params[4u + {r2}u + axis];
-        ib = ib + coordinate * params[4u + {r3}u + axis];
-    }}
-    output[i] = select(b[ib], a[ia], bool_at(ic));
+    let at = offsets(i);
+    output[i] = select(b[at[2]], a[at[1]], bool_at(at[0]));
 }}
 "#,
-        r2 = 2 * r,
-        r3 = 3 * r
+        offsets = broadcast_offsets(3)
     )
 }
 
