@@ -639,6 +639,19 @@ mod on_the_gpu {
     }
 
     #[test]
+    fn the_lazy_device_over_a_gpu_is_refused_with_a_clear_error() {
+        let (gpu, _turn) = gpu();
+        let lazy = Device::lazy(&gpu);
+        let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &lazy).unwrap();
+        let err = x.exp().to_vec().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Device);
+        assert!(
+            err.to_string().contains("does not run traces on gpu:0 yet"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn cancellation_stops_gpu_ops_as_it_stops_cpu_ones() {
         let (gpu, _turn) = gpu();
         let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &gpu).unwrap();

@@ -229,10 +229,18 @@ pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable
 /// Instantiates `function` with every node on `device`.
 pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<Executable> {
     let kernels = device.handler().host_kernels().ok_or_else(|| {
-        Error::new(
-            ErrorKind::Device,
-            format!("{device} cannot run graph functions (it has no host kernels)"),
-        )
+        let why = if device.kind() == crate::device::DeviceKind::Gpu {
+            // `Call`, `If` and `While` on a GPU run their functions node
+            // by node in its op handler; only compiled executables (the
+            // lazy device's traces) come here.
+            format!(
+                "the lazy device does not run traces on {device} yet: run ops on {device} \
+                 eagerly (function, cond and while_loop work there), or lazily on the CPU"
+            )
+        } else {
+            format!("{device} cannot run graph functions (it has no host kernels)")
+        };
+        Error::new(ErrorKind::Device, why)
     })?;
     // Slots: parameters first, then every node output in order.
     let mut node_base = Vec::with_capacity(function.nodes.len());
