@@ -7,7 +7,7 @@ use crate::buffer::GpuBuffer;
 use crate::context::{Gpu, Pipeline};
 use crate::shader::{self, CastType, Combine, MAX_RANK, TILE, WORKGROUP};
 use smallvec::SmallVec;
-use stagecraft_ops::{defs, Attrs, OpDef, OpKind, ReduceOp};
+use stagecraft_ops::{defs, Attrs, Effect, OpDef, OpKind, ReduceOp};
 use stagecraft_tensor::{DType, DeviceTensor, Error, Result, TensorMetadata};
 use std::sync::Arc;
 
@@ -37,9 +37,16 @@ pub fn run(
     let Some(out) = outputs.first() else {
         return Ok(None);
     };
-    if outputs.iter().all(|o| o.shape.numel() == 0) {
+    // Empty results of a pure op need no launch. Empty inputs with a
+    // nonempty result (a max over nothing) go to the CPU's kernel, whose
+    // answer or error is the op's.
+    let pure = op.effect == Effect::Pure;
+    if pure && outputs.iter().all(|o| o.shape.numel() == 0) {
         let empty: Result<Outputs> = outputs.iter().map(|o| gpu.alloc(o.clone())).collect();
         return empty.map(Some);
+    }
+    if !pure || inputs.iter().any(|t| t.metadata().shape.numel() == 0) {
+        return Ok(None);
     }
     let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|t| t.metadata().dtype).collect();
     let f32_in = dtypes.iter().all(|&d| d == DType::F32);

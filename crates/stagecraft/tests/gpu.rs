@@ -302,6 +302,16 @@ mod on_the_gpu {
                 }
             }
         }
+        // Reductions over nothing give the CPU's answer (or error).
+        for d in [&gpu, &cpu()] {
+            let empty = Tensor::<f32>::from_vec(vec![], &[2, 0], d).unwrap();
+            assert_eq!(empty.sum(&[1], false).to_vec().unwrap(), vec![0.0, 0.0]);
+        }
+        let empty_max = |d: &Device| {
+            let empty = Tensor::<f32>::from_vec(vec![], &[2, 0], d).unwrap();
+            empty.max(&[1], false).to_vec().map_err(|e| e.kind())
+        };
+        assert_eq!(empty_max(&gpu), empty_max(&cpu()));
         // A NaN wins a max, as on the CPU.
         let x = Tensor::from_vec(vec![1.0, f32::NAN, 3.0], &[3], &gpu).unwrap();
         assert!(x.max(&[0], false).item().unwrap().is_nan());
