@@ -190,28 +190,21 @@ impl Device {
         if name == "host" {
             return Ok(Device::host());
         }
-        if kind == "gpu" {
+        if kind == "gpu" || kind == "cpu" {
             let index = match index {
                 None => 0,
                 Some(text) => text.parse::<usize>().map_err(|_| {
                     Error::new(
                         ErrorKind::Device,
-                        format!("bad device index in `{name}`: expected gpu:N with N = 0, 1, ..."),
+                        format!(
+                            "bad device index in `{name}`: expected {kind}:N with N = 0, 1, ..."
+                        ),
                     )
                 })?,
             };
-            return Device::try_gpu(index);
-        }
-        if kind == "cpu" {
-            let index = match index {
-                None => 0,
-                Some(text) => text.parse::<usize>().map_err(|_| {
-                    Error::new(
-                        ErrorKind::Device,
-                        format!("bad device index in `{name}`: expected cpu:N with N = 0, 1, ..."),
-                    )
-                })?,
-            };
+            if kind == "gpu" {
+                return Device::try_gpu(index);
+            }
             if index > 1024 {
                 return Err(Error::new(
                     ErrorKind::Device,
