@@ -474,7 +474,7 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
         last.step, last.train_loss, last.val_loss
     ));
     evaluations.push(last);
-    let lazy = (options.device == DeviceKind::Lazy).then(lazy_summary);
+    let lazy = options.device.is_lazy().then(lazy_summary);
 
     let comparison = if let (true, Some(other_device)) = (
         options.compare_steps > 0 && !options.distributed,
@@ -492,9 +492,9 @@ pub fn run(options: &LmOptions, corpus: &Corpus) -> Result<LmSummary> {
             options.compare_steps,
         )?;
         let other = time_steps(&model, corpus, options, other_device, options.compare_steps)?;
-        let (eager, lazy_ms) = match options.device {
-            DeviceKind::Lazy => (other, this),
-            _ => (this, other),
+        let (eager, lazy_ms) = match options.device.is_lazy() {
+            true => (other, this),
+            false => (this, other),
         };
         Some(Comparison {
             steps: options.compare_steps,

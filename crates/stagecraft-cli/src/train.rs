@@ -32,6 +32,10 @@ pub enum DeviceKind {
     /// Op by op on the GPU (`gpu:0`; the `wgpu` feature). Ops without a
     /// GPU kernel run on the CPU, with copies and a warning.
     Gpu,
+    /// Recorded and run on the GPU as one cached trace per step, each
+    /// trace one submission of the GPU's work (the `wgpu` feature).
+    #[serde(rename = "lazy-gpu")]
+    LazyGpu,
 }
 
 impl DeviceKind {
@@ -41,6 +45,7 @@ impl DeviceKind {
             DeviceKind::Eager => Device::cpu(),
             DeviceKind::Lazy => Device::lazy(&Device::cpu()),
             DeviceKind::Gpu => Device::gpu(0),
+            DeviceKind::LazyGpu => Device::lazy(&Device::gpu(0)),
         }
     }
 
@@ -49,17 +54,25 @@ impl DeviceKind {
     pub fn checked_device(self) -> Result<Device> {
         match self {
             DeviceKind::Gpu => Ok(Device::try_gpu(0)?),
+            DeviceKind::LazyGpu => Ok(Device::lazy(&Device::try_gpu(0)?)),
             other => Ok(other.device()),
         }
     }
 
-    /// The other device of the eager-vs-lazy comparison; none for the GPU.
+    /// The other device of the eager-vs-lazy comparison, on the same
+    /// processor.
     pub fn other(self) -> Option<DeviceKind> {
         match self {
             DeviceKind::Eager => Some(DeviceKind::Lazy),
             DeviceKind::Lazy => Some(DeviceKind::Eager),
-            DeviceKind::Gpu => None,
+            DeviceKind::Gpu => Some(DeviceKind::LazyGpu),
+            DeviceKind::LazyGpu => Some(DeviceKind::Gpu),
         }
+    }
+
+    /// True for the devices that record traces.
+    pub fn is_lazy(self) -> bool {
+        matches!(self, DeviceKind::Lazy | DeviceKind::LazyGpu)
     }
 
     /// The device's name in summaries.
@@ -68,6 +81,7 @@ impl DeviceKind {
             DeviceKind::Eager => "eager",
             DeviceKind::Lazy => "lazy",
             DeviceKind::Gpu => "gpu",
+            DeviceKind::LazyGpu => "lazy-gpu",
         }
     }
 }
@@ -525,8 +539,10 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         f64::NAN
     };
     let metrics = lazy::metrics();
-    let lazy_summary =
-        (options.device == DeviceKind::Lazy).then(|| LazySummary::from_metrics(&metrics));
+    let lazy_summary = options
+        .device
+        .is_lazy()
+        .then(|| LazySummary::from_metrics(&metrics));
 
     let comparison = if let (true, Some(other_device)) = (
         options.compare_steps > 0 && !options.distributed,
@@ -540,9 +556,9 @@ pub fn run(options: &TrainOptions, data: &Mnist) -> Result<Summary> {
         }
         let this = time_steps(&model, data, options, options.device, options.compare_steps)?;
         let other = time_steps(&model, data, options, other_device, options.compare_steps)?;
-        let (eager, lazy_ms) = match options.device {
-            DeviceKind::Lazy => (other, this),
-            _ => (this, other),
+        let (eager, lazy_ms) = match options.device.is_lazy() {
+            true => (other, this),
+            false => (this, other),
         };
         Some(Comparison {
             steps: options.compare_steps,

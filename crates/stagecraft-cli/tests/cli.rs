@@ -147,6 +147,53 @@ fn train_json_reports_steps_accuracy_and_lazy_metrics() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The convnet's first steps on the GPU, op by op and lazily, give the
+/// CPU's losses.
+#[test]
+fn the_convnet_trains_on_the_gpu_with_the_cpus_losses() {
+    let dir = scratch("cnn-gpu");
+    tiny_mnist(&dir, 16, 10);
+    let train = |device: &str| {
+        run(
+            &[
+                "train",
+                "--model",
+                "cnn",
+                "--device",
+                device,
+                "--data",
+                ".",
+                "--steps",
+                "3",
+                "--batch-size",
+                "4",
+                "--compare-steps",
+                "0",
+                "--json",
+            ],
+            &dir,
+        )
+    };
+    if let Err(e) = stagecraft::Device::try_gpu(0) {
+        assert!(e.to_string().contains("`wgpu` feature"), "{e}");
+        let out = train("lazy-gpu");
+        assert!(!out.status.success());
+        eprintln!("skipped the GPU runs: no GPU device in this build ({e})");
+        return;
+    }
+    let cpu = json_of(&train("eager"));
+    let loss = |s: &Value| s["final_loss"].as_f64().unwrap();
+    for device in ["gpu", "lazy-gpu"] {
+        let gpu = json_of(&train(device));
+        assert_eq!(gpu["device"], device);
+        assert!(
+            (loss(&gpu) - loss(&cpu)).abs() <= 1e-3 * loss(&cpu).abs().max(1.0),
+            "GPU {gpu}\nCPU {cpu}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn the_convnet_trains_eagerly_too() {
     let dir = scratch("cnn");
@@ -217,19 +264,28 @@ fn the_mlp_trains_on_the_gpu_to_the_cpus_accuracy() {
         );
         return;
     }
-    let (gpu, cpu) = (json_of(&train("gpu")), json_of(&train("eager")));
-    assert_eq!(gpu["device"], "gpu");
+    let cpu = json_of(&train("eager"));
     let accuracy = |s: &Value| s["test_accuracy"].as_f64().unwrap();
-    assert!(
-        (accuracy(&gpu) - accuracy(&cpu)).abs() <= 0.003,
-        "GPU {gpu}\nCPU {cpu}"
-    );
-    assert!(accuracy(&cpu) > 0.5, "{cpu}");
     let loss = |s: &Value| s["final_loss"].as_f64().unwrap();
-    assert!(
-        (loss(&gpu) - loss(&cpu)).abs() <= 1e-3 * loss(&cpu).abs().max(1.0),
-        "GPU {gpu}\nCPU {cpu}"
-    );
+    assert!(accuracy(&cpu) > 0.5, "{cpu}");
+    // Op by op, then as one cached trace per step, on the GPU.
+    for device in ["gpu", "lazy-gpu"] {
+        let gpu = json_of(&train(device));
+        assert_eq!(gpu["device"], device);
+        assert!(
+            (accuracy(&gpu) - accuracy(&cpu)).abs() <= 0.003,
+            "GPU {gpu}\nCPU {cpu}"
+        );
+        assert!(
+            (loss(&gpu) - loss(&cpu)).abs() <= 1e-3 * loss(&cpu).abs().max(1.0),
+            "GPU {gpu}\nCPU {cpu}"
+        );
+        if device == "lazy-gpu" {
+            // 20 steps of one structure: compiled once or twice (a
+            // constant widened), hit for the rest.
+            assert!(gpu["lazy"]["cache_hits"].as_u64().unwrap() >= 15, "{gpu}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

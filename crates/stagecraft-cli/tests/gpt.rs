@@ -94,6 +94,38 @@ fn eager_and_lazy_training_agree_and_the_lazy_run_is_one_trace() {
     assert_eq!(m.allocations_last_step, 0, "{m:?}");
 }
 
+/// The GPT trains on the GPU, op by op and lazily (one cached trace per
+/// step), with the CPU's losses. Needs `gpu:0` in a build with the `wgpu`
+/// feature (the test command's); elsewhere the device's error is checked.
+#[test]
+fn the_gpt_trains_on_the_gpu_eagerly_and_lazily_with_the_cpus_losses() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let gpu = match Device::try_gpu(0) {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            assert!(e.to_string().contains("`wgpu` feature"), "{e}");
+            eprintln!("skipped: no GPU device in this build ({e})");
+            return;
+        }
+    };
+    let corpus = corpus();
+    let options = options(&corpus, 6);
+    let (_, cpu) = train(&corpus, &options, &Device::cpu());
+    for device in [gpu, Device::lazy(&gpu)] {
+        lazy::reset_metrics();
+        let (_, losses) = train(&corpus, &options, &device);
+        for (step, (a, b)) in cpu.iter().zip(&losses).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-3 * a.abs().max(1.0),
+                "{device} step {step}: CPU {a}, GPU {b}"
+            );
+        }
+        if device.lazy_target().is_some() {
+            assert!(lazy::metrics().cache_hits >= 3, "{:?}", lazy::metrics());
+        }
+    }
+}
+
 #[test]
 fn save_and_load_keep_the_logits() {
     let corpus = corpus();

@@ -1,7 +1,7 @@
 //! The CPU kernel contract and the registry that maps ops to kernels.
 
 use smallvec::SmallVec;
-use stagecraft_ops::{Attrs, Effect, OpDef, ShapeKind};
+use stagecraft_ops::{Attrs, ConstantKernels, Effect, OpDef, ShapeKind};
 use stagecraft_tensor::{DenseHostTensor, HostTensor, Result, TensorMetadata};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -149,6 +149,69 @@ pub fn settle_by_shape<'a>(
         .map(|meta| DenseHostTensor::zeros(meta.clone()))
         .collect::<Result<Outputs>>()
         .map(Some)
+}
+
+/// The CPU's kernels as the graph passes' [`ConstantKernels`]: constant
+/// folding runs the very kernels a CPU function would, so folding cannot
+/// change a bit of what it computes.
+pub struct CpuConstantKernels;
+
+/// The CPU's constant kernels.
+pub static CONSTANT_KERNELS: CpuConstantKernels = CpuConstantKernels;
+
+impl ConstantKernels for CpuConstantKernels {
+    fn device_kind(&self) -> &str {
+        "cpu"
+    }
+
+    fn evaluate(
+        &self,
+        op: &'static OpDef,
+        attrs: &Attrs<'_>,
+        inputs: &[DenseHostTensor],
+        outputs: &[TensorMetadata],
+    ) -> Option<SmallVec<[HostTensor; 1]>> {
+        // The kernel gets buffers the caller's constants share, so it never
+        // takes its in-place path: the same inputs can give NaNs of another
+        // sign or payload in place (IEEE arithmetic does not fix them, and
+        // the two loops compile differently). Out of place is how a kernel
+        // runs whenever its input has another use.
+        let held: Inputs = inputs.iter().cloned().collect();
+        let metas: SmallVec<[TensorMetadata; 4]> =
+            held.iter().map(|t| t.metadata().clone()).collect();
+        // Shapes a kernel must not see (see `settle_by_shape`) are settled
+        // without it, or left for run time to report.
+        if let Some(settled) = settle_by_shape(op, &metas, outputs).ok()? {
+            return Some(settled.into_iter().map(HostTensor::Dense).collect());
+        }
+        let factory = registry().get(op)?;
+        // A panicking kernel is a kernel bug, but optimizing must not be
+        // where it brings the process down: the node is left for run time
+        // to report.
+        let produced = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let kernel = factory(attrs, &metas)?;
+            kernel(
+                held,
+                &KernelContext {
+                    attrs: *attrs,
+                    outputs,
+                },
+            )
+        }))
+        .ok()?
+        .ok()?;
+        // The nodes downstream were inferred against the recorded metadata;
+        // a kernel that disagrees with it must not be trusted to replace it.
+        if produced.len() != outputs.len()
+            || produced
+                .iter()
+                .zip(outputs)
+                .any(|(t, meta)| t.metadata() != meta)
+        {
+            return None;
+        }
+        Some(produced.into_iter().map(HostTensor::Dense).collect())
+    }
 }
 
 #[cfg(test)]

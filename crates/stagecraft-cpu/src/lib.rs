@@ -16,8 +16,9 @@ pub mod pool;
 pub mod reference;
 
 pub use kernel::{
-    registry, settle_by_shape, AnyKernel, Inputs, Kernel, KernelContext, KernelFactory,
-    KernelRegistry, Outputs, ValueInputs, ValueKernel, ValueKernelFactory, ValueOutputs,
+    registry, settle_by_shape, AnyKernel, CpuConstantKernels, Inputs, Kernel, KernelContext,
+    KernelFactory, KernelRegistry, Outputs, ValueInputs, ValueKernel, ValueKernelFactory,
+    ValueOutputs, CONSTANT_KERNELS,
 };
 pub use kernels::attention::{
     workspace_bytes as attention_workspace_bytes, Workspace as AttentionWorkspace,

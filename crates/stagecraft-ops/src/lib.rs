@@ -7,6 +7,7 @@
 //! attribute errors are found synchronously at the call.
 
 mod attrs;
+mod constant;
 pub mod defs;
 pub mod elementwise;
 pub mod func;
@@ -15,6 +16,7 @@ mod op;
 pub mod scalar;
 
 pub use attrs::{AttrKind, AttrValue, FrozenOpAttrs, OpAttrs, OpAttrsRef};
+pub use constant::ConstantKernels;
 pub use defs::*;
 pub use elementwise::{BinaryFn, BinaryVisitor, DTypeClass, UnaryFn, UnaryVisitor};
 pub use func::{FuncId, FunctionSignature};

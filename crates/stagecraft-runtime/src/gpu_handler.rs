@@ -8,10 +8,11 @@
 //! order, and the host waits only when it reads a value (a download).
 
 use crate::device::Device;
+use crate::executor::device_program::interpret;
 use crate::handle::TensorHandle;
 use crate::op_handler::{Args, DeviceMemory, OpHandler, OpInvocation, Results};
 use smallvec::SmallVec;
-use stagecraft_graph::{Function, NodeOp, Value};
+use stagecraft_graph::Function;
 use stagecraft_ops::{Attrs, ControlOp, OpKind};
 use stagecraft_tensor::{
     DType, DenseHostTensor, DeviceTensor, Error, Result, TensorMetadata, TensorValue,
@@ -134,8 +135,10 @@ impl GpuOpHandler {
             })
         };
         let args: Vec<TensorHandle> = invocation.args.into_iter().collect();
+        // One submission for the whole function, up to a predicate read.
+        let batch = crate::op_handler::Batch::begin(device);
         let results = match kind {
-            ControlOp::Call => interpret(&*function("f")?, &args, device)?,
+            ControlOp::Call => interpret(&*function("f")?, &args, device, &[])?,
             ControlOp::If => {
                 let (pred, rest) = args
                     .split_first()
@@ -145,7 +148,7 @@ impl GpuOpHandler {
                 } else {
                     "else_branch"
                 };
-                interpret(&*function(branch)?, rest, device)?
+                interpret(&*function(branch)?, rest, device, &[])?
             }
             ControlOp::While => {
                 let (cond, body) = (function("cond")?, function("body")?);
@@ -159,7 +162,7 @@ impl GpuOpHandler {
                     if limit >= 0 && iterations >= limit {
                         break;
                     }
-                    let verdict = interpret(&cond, &state, device)?;
+                    let verdict = interpret(&cond, &state, device, &[])?;
                     match verdict.as_slice() {
                         [flag] if truth(flag)? => {}
                         [_] => break,
@@ -169,12 +172,13 @@ impl GpuOpHandler {
                             ))
                         }
                     }
-                    state = interpret(&body, &state, device)?;
+                    state = interpret(&body, &state, device, &[])?;
                     iterations += 1;
                 }
                 state
             }
         };
+        batch.end()?;
         // New handles for the op's outputs: a result may be one of the
         // arguments (an identity branch), and an output must be a tensor
         // of its own.
@@ -205,54 +209,6 @@ fn truth(pred: &TensorHandle) -> Result<bool> {
             host.metadata()
         ))),
     }
-}
-
-/// Runs `function`'s nodes in order on `device` through `execute`, as
-/// eager ops; constants are uploaded. Errors stay in the handles, as they
-/// would eagerly; the first one in a result is returned.
-fn interpret(
-    function: &Function,
-    args: &[TensorHandle],
-    device: Device,
-) -> Result<Vec<TensorHandle>> {
-    if args.len() != function.params.len() {
-        return Err(Error::internal(format!(
-            "@{} takes {} arguments, got {}",
-            function.name,
-            function.params.len(),
-            args.len()
-        )));
-    }
-    let mut outputs: Vec<SmallVec<[TensorHandle; 1]>> = Vec::with_capacity(function.nodes.len());
-    let value = |v: &Value, outputs: &[SmallVec<[TensorHandle; 1]>]| -> TensorHandle {
-        match *v {
-            Value::Param(i) => args[i as usize].clone(),
-            Value::Output { node, output } => outputs[node as usize][output as usize].clone(),
-        }
-    };
-    for node in &function.nodes {
-        let produced: SmallVec<[TensorHandle; 1]> = match &node.op {
-            NodeOp::Const(constant) => {
-                smallvec::smallvec![TensorHandle::available(device, constant.clone())]
-            }
-            NodeOp::Op(def, attrs) => {
-                let inputs: Args = node.inputs.iter().map(|v| value(v, &outputs)).collect();
-                crate::runtime::execute(def, device, node.location, inputs, attrs.clone().into())
-            }
-        };
-        outputs.push(produced);
-    }
-    let results: Vec<TensorHandle> = function
-        .results
-        .iter()
-        .map(|v| value(v, &outputs))
-        .collect();
-    for result in &results {
-        if let Some(e) = result.resolved_error() {
-            return Err(e.clone());
-        }
-    }
-    Ok(results)
 }
 
 fn fallbacks() -> &'static Mutex<HashSet<String>> {
@@ -318,6 +274,31 @@ impl OpHandler for GpuOpHandler {
 
     fn memory(&self) -> Option<&dyn DeviceMemory> {
         Some(self)
+    }
+
+    /// Elementwise groups of ops with WGSL expressions: the GPU has no
+    /// fused reduction or matmul epilogue.
+    fn fusions(&self) -> Option<stagecraft_graph::passes::fuse::Fusions> {
+        Some(stagecraft_graph::passes::fuse::Fusions {
+            reductions: false,
+            matmul_epilogues: false,
+            accepts: stagecraft_wgpu::fuses,
+        })
+    }
+
+    fn begin_batch(&self) {
+        if let Ok(gpu) = self.gpu() {
+            gpu.begin_batch();
+        }
+    }
+
+    fn end_batch(&self) -> Result<()> {
+        match self.gpu() {
+            Ok(gpu) => gpu.end_batch(),
+            // A device that never opened began no batch; its error is
+            // every op's already.
+            Err(_) => Ok(()),
+        }
     }
 }
 

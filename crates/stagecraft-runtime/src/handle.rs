@@ -85,6 +85,15 @@ impl TensorHandle {
         }
     }
 
+    /// A handle to `value` on `device`: a host value is copied into the
+    /// memory of a device that has its own (as [`TensorHandle::available`]).
+    pub fn placed(device: Device, value: TensorValue) -> TensorHandle {
+        match value {
+            TensorValue::Host(host) => TensorHandle::available(device, host),
+            TensorValue::Device(on_device) => TensorHandle::available_on_device(device, on_device),
+        }
+    }
+
     /// A handle to an available value in device memory.
     pub fn available_on_device(device: Device, value: DeviceTensor) -> TensorHandle {
         TensorHandle::available_value(device, TensorValue::Device(value))
@@ -172,9 +181,9 @@ impl TensorHandle {
     }
 
     /// Sets the value of a lazy handle whose op has run (no-op once set).
-    pub(crate) fn fill_lazy(&self, result: Result<HostTensor>) {
+    pub(crate) fn fill_lazy(&self, result: Result<TensorValue>) {
         if !self.0.value.is_resolved() {
-            self.0.value.set(result.map(TensorValue::Host))
+            self.0.value.set(result)
         }
     }
 

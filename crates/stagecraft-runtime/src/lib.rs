@@ -40,3 +40,7 @@ pub use runtime::{
     cancel_execution, copy_to_device, count_host_read, execute, is_cancelled, read_to_host,
     report_error, restart, set_diagnostic_handler, stats, DiagnosticHandler, RuntimeStats,
 };
+/// The GPU device crate, for what the runtime does not wrap (the adapter's
+/// name, submission counts).
+#[cfg(feature = "wgpu")]
+pub use stagecraft_wgpu;

@@ -89,6 +89,59 @@ pub trait OpHandler: Send + Sync {
     fn memory(&self) -> Option<&dyn DeviceMemory> {
         None
     }
+
+    /// The fused forms this device's kernels run, for a device that runs
+    /// graph functions node by node (a GPU); `None` when it runs no fused
+    /// op (the graph passes then leave the function unfused).
+    fn fusions(&self) -> Option<stagecraft_graph::passes::fuse::Fusions> {
+        None
+    }
+
+    /// Starts a batch: until [`OpHandler::end_batch`], the device may hold
+    /// back the work of the ops it runs and submit it together (a GPU
+    /// records one command buffer). Batches nest. A no-op for handlers
+    /// that run work as it comes.
+    fn begin_batch(&self) {}
+
+    /// Ends a batch, submitting what it held back; an error the device
+    /// reports for that work as a whole.
+    fn end_batch(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A batch of a device's work (see [`OpHandler::begin_batch`]), ended when
+/// dropped if [`Batch::end`] was not called.
+pub(crate) struct Batch {
+    handler: Option<&'static dyn OpHandler>,
+}
+
+impl Batch {
+    pub(crate) fn begin(device: Device) -> Batch {
+        let handler = device.handler();
+        handler.begin_batch();
+        Batch {
+            handler: Some(handler),
+        }
+    }
+
+    /// Ends the batch, with the device's verdict on the work it submitted.
+    pub(crate) fn end(mut self) -> Result<()> {
+        match self.handler.take() {
+            Some(handler) => handler.end_batch(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        if let Some(handler) = self.handler.take() {
+            // An early return (an error) ends the batch; the error that
+            // caused it is the one reported.
+            let _ = handler.end_batch();
+        }
+    }
 }
 
 /// Moves values between host memory and a device's own memory: how

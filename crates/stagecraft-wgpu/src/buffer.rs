@@ -123,8 +123,17 @@ impl Drop for GpuBuffer {
         let Some(buffer) = self.buffer.take() else {
             return;
         };
+        if let Some(buffer) = self.gpu.defer_release(buffer) {
+            self.gpu.pool.release(buffer);
+        }
+    }
+}
+
+impl BufferPool {
+    /// Keeps a freed buffer for reuse, within the pool's limit.
+    pub(crate) fn release(&self, buffer: wgpu::Buffer) {
         let capacity = buffer.size();
-        let mut pool = self.gpu.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pool = self.free.lock().unwrap_or_else(|p| p.into_inner());
         if pool.bytes + capacity <= POOL_LIMIT_BYTES {
             pool.bytes += capacity;
             pool.by_capacity.entry(capacity).or_default().push(buffer);

@@ -27,6 +27,26 @@ pub struct Gpu {
     /// process, whatever op or shape asked for it.
     pipelines: Mutex<HashMap<String, Arc<Pipeline>>>,
     pub(crate) max_binding_bytes: u64,
+    /// The open batch, if any: launches record into its encoder instead
+    /// of submitting one command buffer each.
+    batch: Mutex<Batch>,
+    /// Command buffers submitted to the queue, for tests and reports.
+    submissions: std::sync::atomic::AtomicU64,
+}
+
+/// Work held back while a batch is open (see [`Gpu::begin_batch`]).
+#[derive(Default)]
+struct Batch {
+    /// Nested [`Gpu::begin_batch`] calls not yet ended.
+    depth: usize,
+    /// The command buffer being recorded, created by the first launch.
+    encoder: Option<wgpu::CommandEncoder>,
+    /// Buffers freed while recorded work may still read them. They go to
+    /// the pool only after that work is submitted: a later upload or
+    /// launch parameter written into a reused buffer would otherwise land
+    /// (queue writes run at the start of the next submission) before the
+    /// recorded kernels that read the old contents.
+    freed: Vec<wgpu::Buffer>,
 }
 
 /// What a machine without a usable adapter needs, for the error.
@@ -141,6 +161,8 @@ impl Gpu {
             max_binding_bytes: limits
                 .max_storage_buffer_binding_size
                 .min(limits.max_buffer_size),
+            batch: Mutex::new(Batch::default()),
+            submissions: Default::default(),
         })
     }
 
@@ -223,6 +245,7 @@ impl Gpu {
         if bytes == 0 {
             return DenseHostTensor::zeros(meta);
         }
+        self.flush()?;
         let source = GpuBuffer::of(tensor)?;
         let padded = bytes.next_multiple_of(4) as u64;
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
@@ -235,7 +258,7 @@ impl Gpu {
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor::default());
         encoder.copy_buffer_to_buffer(source.buffer(), 0, &staging, 0, padded);
-        self.queue.submit([encoder.finish()]);
+        self.submit(encoder);
         let (done, mapped) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |result| {
             let _ = done.send(result);
@@ -258,10 +281,103 @@ impl Gpu {
 
     /// Waits until every submitted kernel has finished.
     pub fn synchronize(&self) -> Result<()> {
+        self.flush()?;
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
             .map(|_| ())
             .map_err(|e| self.device_error("waiting for the GPU", e))
+    }
+
+    /// Opens a batch: until the matching [`Gpu::end_batch`], kernel
+    /// launches (from any thread) are recorded into one command buffer,
+    /// submitted when the outermost batch ends or when the host must wait
+    /// (a download). The lazy device runs a trace this way, so a trace is
+    /// one submission, as on a GPU it should be. Batches nest.
+    pub fn begin_batch(&self) {
+        self.batch.lock().unwrap_or_else(|p| p.into_inner()).depth += 1;
+    }
+
+    /// Ends a batch; the outermost end submits what it recorded. An error
+    /// the driver reports for the recorded work as a whole (validation at
+    /// submission) is returned here.
+    pub fn end_batch(&self) -> Result<()> {
+        let last = {
+            let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+            batch.depth = batch.depth.saturating_sub(1);
+            batch.depth == 0
+        };
+        if last {
+            self.flush()
+        } else {
+            Ok(())
+        }
+    }
+
+    /// True while a batch is open.
+    pub fn in_batch(&self) -> bool {
+        self.batch.lock().unwrap_or_else(|p| p.into_inner()).depth > 0
+    }
+
+    /// Records `work` into the open batch's command buffer, or into one of
+    /// its own that is submitted at once when no batch is open.
+    pub(crate) fn encode(&self, work: impl FnOnce(&mut wgpu::CommandEncoder)) {
+        let new_encoder = || {
+            self.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
+        };
+        let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        if batch.depth > 0 {
+            work(batch.encoder.get_or_insert_with(new_encoder));
+            return;
+        }
+        drop(batch);
+        let mut encoder = new_encoder();
+        work(&mut encoder);
+        self.submit(encoder);
+    }
+
+    /// Submits the recorded work of the open batch (which stays open), and
+    /// returns the buffers it freed to the pool.
+    fn flush(&self) -> Result<()> {
+        let (encoder, freed) = {
+            let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+            (batch.encoder.take(), std::mem::take(&mut batch.freed))
+        };
+        if let Some(encoder) = encoder {
+            let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+            self.submit(encoder);
+            if let Some(error) = pollster::block_on(scope.pop()) {
+                return Err(self.device_error("submitting a batch of kernels", error));
+            }
+        }
+        for buffer in freed {
+            self.pool.release(buffer);
+        }
+        Ok(())
+    }
+
+    fn submit(&self, encoder: wgpu::CommandEncoder) {
+        self.submissions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.queue.submit([encoder.finish()]);
+    }
+
+    /// How many command buffers this device has submitted: one per
+    /// kernel launched outside a batch, one per batch, one per download.
+    pub fn submissions(&self) -> u64 {
+        self.submissions.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Keeps a freed buffer from the pool while a batch's recorded work
+    /// may read it; `Some(buffer)` back when no batch is open.
+    pub(crate) fn defer_release(&self, buffer: wgpu::Buffer) -> Option<wgpu::Buffer> {
+        let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        if batch.depth > 0 || batch.encoder.is_some() {
+            batch.freed.push(buffer);
+            None
+        } else {
+            Some(buffer)
+        }
     }
 
     pub(crate) fn device_error(&self, what: &str, error: impl std::fmt::Display) -> Error {

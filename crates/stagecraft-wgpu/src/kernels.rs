@@ -50,6 +50,16 @@ pub fn run(
     }
     let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|t| t.metadata().dtype).collect();
     let f32_in = dtypes.iter().all(|&d| d == DType::F32);
+    // Kernel families kept in their own modules.
+    for family in [
+        crate::conv::run,
+        crate::transformer::run,
+        crate::indexing::run,
+    ] {
+        if let Some(produced) = family(gpu, op, attrs, inputs, outputs)? {
+            return Ok(Some(produced));
+        }
+    }
     if std::ptr::eq(op, &defs::TRANSPOSE)
         || std::ptr::eq(op, &defs::BROADCAST_TO)
         || std::ptr::eq(op, &defs::SLICE)
@@ -132,12 +142,23 @@ pub fn run(
     }
 }
 
-fn one(tensor: DeviceTensor) -> Outputs {
+/// Whether `op` may join a fused elementwise program the GPU runs: its
+/// fused form is pasted from its WGSL expression, so an op without one
+/// stays a node of its own (and runs on the CPU alone, not its group).
+pub fn fuses(op: &'static OpDef) -> bool {
+    match op.kind {
+        OpKind::Unary(unary) => unary.wgsl().is_some(),
+        OpKind::Binary(binary) => binary.wgsl().is_some(),
+        _ => true,
+    }
+}
+
+pub(crate) fn one(tensor: DeviceTensor) -> Outputs {
     [tensor].into_iter().collect()
 }
 
 /// A 2-D grid of at least `groups` workgroups and its row width in groups.
-fn grid(groups: u32) -> (u32, u32) {
+pub(crate) fn grid(groups: u32) -> (u32, u32) {
     if groups <= MAX_GROUPS_PER_DIM {
         (groups.max(1), 1)
     } else {
@@ -147,12 +168,12 @@ fn grid(groups: u32) -> (u32, u32) {
 
 /// `usize` → `u32` for a size a shader indexes with; larger sizes run on
 /// the CPU.
-fn small(value: usize) -> Option<u32> {
+pub(crate) fn small(value: usize) -> Option<u32> {
     u32::try_from(value).ok()
 }
 
 /// Binds `buffers` (then `params`) in order and dispatches `groups`.
-fn launch(
+pub(crate) fn launch(
     gpu: &'static Gpu,
     pipeline: &Pipeline,
     buffers: &[&DeviceTensor],
@@ -180,16 +201,12 @@ fn launch(
             })
             .collect::<Vec<_>>(),
     });
-    let mut encoder = gpu
-        .device
-        .create_command_encoder(&wgpu::CommandEncoderDescriptor::default());
-    {
+    gpu.encode(|encoder| {
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
         pass.set_pipeline(&pipeline.pipeline);
         pass.set_bind_group(0, &bind_group, &[]);
         pass.dispatch_workgroups(groups.0, groups.1, groups.2);
-    }
-    gpu.queue.submit([encoder.finish()]);
+    });
     if let Some(error) = pollster::block_on(scope.pop()) {
         return Err(gpu.device_error("a kernel launch failed", error));
     }
@@ -218,14 +235,14 @@ fn unary_launch(
     Ok(one(y))
 }
 
-fn too_large(meta: &TensorMetadata) -> Error {
+pub(crate) fn too_large(meta: &TensorMetadata) -> Error {
     Error::invalid(format!(
         "a GPU kernel indexes at most 2^32 elements; {meta} has more"
     ))
 }
 
 /// Row-major strides of `dims`.
-fn strides_of(dims: &[usize]) -> Vec<usize> {
+pub(crate) fn strides_of(dims: &[usize]) -> Vec<usize> {
     let mut strides = vec![1; dims.len()];
     for d in (0..dims.len().saturating_sub(1)).rev() {
         strides[d] = strides[d + 1] * dims[d + 1];
@@ -235,7 +252,7 @@ fn strides_of(dims: &[usize]) -> Vec<usize> {
 
 /// The strides of `input` read over `out`'s dimensions (0 along
 /// dimensions it is broadcast over), aligned at the last axis.
-fn broadcast_strides(input: &[usize], out: &[usize]) -> Vec<usize> {
+pub(crate) fn broadcast_strides(input: &[usize], out: &[usize]) -> Vec<usize> {
     let own = strides_of(input);
     let lead = out.len() - input.len();
     (0..out.len())
@@ -252,7 +269,7 @@ fn broadcast_strides(input: &[usize], out: &[usize]) -> Vec<usize> {
 /// Merges adjacent output dimensions along which every operand's strides
 /// stay contiguous, and drops dimensions of size 1, so most broadcasts
 /// index in one or two dimensions.
-fn merge_dims(dims: &[usize], strides: &mut [Vec<usize>]) -> Vec<usize> {
+pub(crate) fn merge_dims(dims: &[usize], strides: &mut [Vec<usize>]) -> Vec<usize> {
     let mut merged: Vec<usize> = Vec::new();
     let mut merged_strides: Vec<Vec<usize>> = vec![Vec::new(); strides.len()];
     for d in 0..dims.len() {
@@ -465,7 +482,7 @@ fn cast_launch(
 }
 
 /// The reduced axes of a reduction's `axes` attribute (none = all).
-fn reduced_axes(attrs: &Attrs<'_>, rank: usize) -> Result<Vec<bool>> {
+pub(crate) fn reduced_axes(attrs: &Attrs<'_>, rank: usize) -> Result<Vec<bool>> {
     let axes = attrs.ints("axes")?;
     let mut reduced = vec![axes.is_empty(); rank];
     for &axis in axes {

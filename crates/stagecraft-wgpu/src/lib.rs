@@ -13,9 +13,13 @@
 
 mod buffer;
 mod context;
+mod conv;
+mod indexing;
 mod kernels;
 mod shader;
+mod transformer;
 
 pub use buffer::GpuBuffer;
 pub use context::Gpu;
-pub use kernels::{compile, every_elementwise_shader, run, Outputs};
+pub use indexing::{every_indexing_shader, fused_shader};
+pub use kernels::{compile, every_elementwise_shader, fuses, run, Outputs};

@@ -75,5 +75,8 @@ pub mod layers {
     pub use stagecraft_graph as graph;
     pub use stagecraft_ops as ops;
     pub use stagecraft_runtime as runtime;
+    /// The GPU device crate (feature `wgpu`).
+    #[cfg(feature = "wgpu")]
+    pub use stagecraft_runtime::stagecraft_wgpu as wgpu;
     pub use stagecraft_tensor as tensor;
 }

@@ -5,7 +5,7 @@
 //! the errors of mixing devices.
 //!
 //! The test command installs Mesa's software Vulkan driver
-//! (`scripts/gpu-driver.sh`), so `gpu:0` is lavapipe in CI and a real GPU
+//! (`scripts/system-packages.sh`), so `gpu:0` is lavapipe in CI and a real GPU
 //! where there is one. With the feature on and no adapter these tests fail
 //! with the error that says what to install; they never pass by skipping.
 
@@ -27,6 +27,16 @@ fn without_the_feature_the_gpu_is_an_error_naming_it() {
 }
 
 #[cfg(feature = "wgpu")]
+#[path = "gpu/conv.rs"]
+mod conv;
+#[cfg(feature = "wgpu")]
+#[path = "gpu/indexing.rs"]
+mod indexing;
+#[cfg(feature = "wgpu")]
+#[path = "gpu/transformer.rs"]
+mod transformer;
+
+#[cfg(feature = "wgpu")]
 mod on_the_gpu {
     use super::*;
     use stagecraft::layers::runtime as rt;
@@ -34,25 +44,25 @@ mod on_the_gpu {
 
     /// `gpu:0`. The tests take turns: some count device copies, which
     /// are counted process-wide.
-    fn gpu() -> (Device, std::sync::MutexGuard<'static, ()>) {
+    pub(crate) fn gpu() -> (Device, std::sync::MutexGuard<'static, ()>) {
         static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
         let device = Device::try_gpu(0).unwrap_or_else(|e| panic!("the GPU tests need gpu:0: {e}"));
         (device, turn)
     }
 
-    fn cpu() -> Device {
+    pub(crate) fn cpu() -> Device {
         Device::cpu()
     }
 
     /// Values from a seed in `[lo, hi)`.
-    fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    pub(crate) fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
         let mut rng = Rng::new(seed);
         let t = Tensor::<f32>::rand_uniform(&[n], lo as f64, hi as f64, &mut rng, &cpu());
         t.to_vec().unwrap()
     }
 
-    fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32) {
+    pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32) {
         assert_eq!(got.len(), want.len(), "{what}: lengths");
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             let ok = (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= atol + rtol * w.abs();
@@ -648,17 +658,83 @@ mod on_the_gpu {
         );
     }
 
+    /// A lazy trace over the GPU runs there as one submission of its
+    /// work; a later step of the same structure hits the trace cache, and
+    /// the values stay in device memory between steps.
     #[test]
-    fn the_lazy_device_over_a_gpu_is_refused_with_a_clear_error() {
+    fn the_lazy_device_runs_a_trace_on_the_gpu_as_one_submission() {
+        use stagecraft::lazy;
         let (gpu, _turn) = gpu();
-        let lazy = Device::lazy(&gpu);
-        let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &lazy).unwrap();
-        let err = x.exp().to_vec().unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::Device);
-        assert!(
-            err.to_string().contains("does not run traces on gpu:0 yet"),
-            "{err}"
+        let device = stagecraft::layers::wgpu::Gpu::get(0).unwrap();
+        let on_lazy = Device::lazy(&gpu);
+        let step = |x: &Tensor<f32>, w: &Tensor<f32>| -> Tensor<f32> {
+            let h = x.matmul(w).relu();
+            let y = (&h * &h + 1.0).log();
+            y.sum(&[1], false)
+        };
+        let (xs, ws) = (values(6 * 5, 41, -1.0, 1.0), values(5 * 7, 42, -1.0, 1.0));
+        let want = step(
+            &Tensor::from_vec(xs.clone(), &[6, 5], &cpu()).unwrap(),
+            &Tensor::from_vec(ws.clone(), &[5, 7], &cpu()).unwrap(),
+        )
+        .to_vec()
+        .unwrap();
+        let x = Tensor::from_vec(xs, &[6, 5], &on_lazy).unwrap();
+        let mut w = Tensor::from_vec(ws, &[5, 7], &on_lazy).unwrap();
+        lazy::reset_metrics();
+        let y = step(&x, &w);
+        let (before, ops_before) = (device.submissions(), rt::stats().ops_executed);
+        lazy::mark_step();
+        // One submission: an op sent to the CPU would have downloaded its
+        // inputs, submitting what was recorded before it.
+        assert_eq!(device.submissions() - before, 1, "one submission per trace");
+        // MatMul, the elementwise chain fused into one GPU kernel, Sum.
+        assert_eq!(rt::stats().ops_executed - ops_before, 3);
+        assert_close(
+            "a lazy trace on the GPU",
+            &y.to_vec().unwrap(),
+            &want,
+            1e-5,
+            1e-5,
         );
+        // Steps that update `w` in device memory: the same trace, cached.
+        for _ in 0..3 {
+            w = &w * 0.5;
+            let y = step(&x, &w);
+            let before = device.submissions();
+            lazy::mark_step();
+            assert_eq!(device.submissions() - before, 1);
+            assert!(y.to_vec().unwrap().iter().all(|v| v.is_finite()));
+        }
+        let m = lazy::metrics();
+        assert!(m.cache_hits >= 2, "{m:?}");
+    }
+
+    /// Training through the lazy device on the GPU: gradients of a trace
+    /// match the CPU's, and an error in a trace names the user's line.
+    #[test]
+    fn gradients_and_errors_of_lazy_traces_on_the_gpu() {
+        let (gpu, _turn) = gpu();
+        let on_lazy = Device::lazy(&gpu);
+        let xs = values(4 * 3, 43, -2.0, 2.0);
+        let grad_on = |device: &Device| {
+            let x = Tensor::from_vec(xs.clone(), &[4, 3], device).unwrap();
+            let (value, grads) =
+                value_and_grad(|x: &Tensor<f32>| (x.tanh() * x).sum(&[], false))(&x);
+            (value.item().unwrap(), grads.to_vec().unwrap())
+        };
+        let (want_value, want_grad) = grad_on(&cpu());
+        let (value, grad) = grad_on(&on_lazy);
+        assert_close("loss", &[value], &[want_value], 1e-5, 1e-5);
+        assert_close("gradient", &grad, &want_grad, 1e-5, 1e-5);
+        let a = Tensor::from_vec(vec![1.0f32; 6], &[2, 3], &on_lazy).unwrap();
+        let b = Tensor::from_vec(vec![1.0f32; 6], &[2, 3], &on_lazy).unwrap();
+        let line = line!() + 1;
+        let bad = a.exp().matmul(&b);
+        let err = bad.to_vec().unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("MatMul") || text.contains("matmul"), "{text}");
+        assert!(text.contains(&format!("gpu.rs:{line}")), "{text}");
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Constant folding: an op whose inputs are all constants is run once, now,
-//! on the CPU, and replaced by constants holding its outputs.
+//! by a device's [`ConstantKernels`] (the CPU's, from the runtime), and
+//! replaced by constants holding its outputs. The pass knows no device
+//! crate: the kernels come through that interface.
 //!
 //! A node is folded only when doing so cannot change what the function
 //! does or make it much bigger:
@@ -12,8 +14,8 @@
 //!   inferred against;
 //! - its outputs hold at most [`FOLD_LIMIT`] elements in all, since a
 //!   folded constant lives in the function (and its text) for good;
-//! - it runs on the CPU (no placement, or a `cpu` one), whose kernels are
-//!   the ones folding runs, so the bits cannot differ;
+//! - it runs on the device whose kernels fold it (no placement, or one of
+//!   that device's kind), so the bits cannot differ;
 //! - the kernel succeeds. A kernel error (an integer division by zero, say)
 //!   leaves the node as it is, so that the error is reported when the
 //!   function runs, at the node's location, like any other.
@@ -26,9 +28,8 @@
 use super::{outputs_of, Rebuilder};
 use crate::{Function, Node, NodeOp, Value};
 use smallvec::{smallvec, SmallVec};
-use stagecraft_cpu::{registry, settle_by_shape, Inputs, KernelContext};
-use stagecraft_ops::{Attrs, Effect, OpKind, ShapeKind};
-use stagecraft_tensor::{DenseHostTensor, HostTensor, ScalarHostTensor, TensorMetadata};
+use stagecraft_ops::{Attrs, ConstantKernels, Effect, OpKind, ShapeKind};
+use stagecraft_tensor::{DenseHostTensor, HostTensor, ScalarHostTensor};
 
 /// The most elements (over all outputs) that one folded node may produce.
 pub const FOLD_LIMIT: usize = 1 << 16;
@@ -38,17 +39,17 @@ pub const FOLD_LIMIT: usize = 1 << 16;
 /// nodes after it, so chains of constant arithmetic fold completely. The
 /// constants the folded nodes consumed stay; [`super::dce()`] removes them
 /// once nothing uses them.
-pub fn fold_constants(f: &Function) -> Function {
-    run(f).0
+pub fn fold_constants(f: &Function, kernels: &dyn ConstantKernels) -> Function {
+    run(f, kernels).0
 }
 
 /// [`fold_constants`], also returning how many nodes were folded.
-pub(crate) fn run(f: &Function) -> (Function, usize) {
+pub(crate) fn run(f: &Function, kernels: &dyn ConstantKernels) -> (Function, usize) {
     let mut b = Rebuilder::new(f);
     let mut folded = 0;
     for node in &f.nodes {
         let node = b.remapped(node);
-        match evaluate(b.built(), &node) {
+        match evaluate(b.built(), &node, kernels) {
             Some(values) => {
                 let outputs = values
                     .into_iter()
@@ -79,14 +80,18 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
 
 /// The outputs of `node` (whose inputs are values of `g`) if it can be
 /// folded, `None` otherwise.
-fn evaluate(g: &Function, node: &Node) -> Option<SmallVec<[HostTensor; 1]>> {
+fn evaluate(
+    g: &Function,
+    node: &Node,
+    kernels: &dyn ConstantKernels,
+) -> Option<SmallVec<[HostTensor; 1]>> {
     let NodeOp::Op(def, attrs) = &node.op else {
         return None;
     };
     if def.effect != Effect::Pure
         || matches!(def.kind, OpKind::Control(_))
         || def.shape_kind != ShapeKind::Static
-        || !on_cpu(node.device.as_deref())
+        || !placed_on(node.device.as_deref(), kernels.device_kind())
     {
         return None;
     }
@@ -97,52 +102,14 @@ fn evaluate(g: &Function, node: &Node) -> Option<SmallVec<[HostTensor; 1]>> {
     if elements > FOLD_LIMIT {
         return None;
     }
-    let held: Inputs = node
+    let inputs: SmallVec<[DenseHostTensor; 4]> = node
         .inputs
         .iter()
         .map(|&v| constant(g, v)?.to_dense().ok())
         .collect::<Option<_>>()?;
-    // The kernel gets buffers that `held` shares, so it never takes its
-    // in-place path: the same inputs can give NaNs of another sign or
-    // payload in place (IEEE arithmetic does not fix them, and the two
-    // loops compile differently). Out of place is how a kernel runs
-    // whenever its input has another use, and what the reference
-    // interpreter in the tests does.
-    let inputs = held.clone();
-    let metas: SmallVec<[TensorMetadata; 4]> = held.iter().map(|t| t.metadata().clone()).collect();
-    // Shapes a kernel must not see (see `settle_by_shape`) fold without it,
-    // or are left for run time to report.
-    if let Some(settled) = settle_by_shape(def, &metas, &node.outputs).ok()? {
-        return Some(settled.into_iter().map(HostTensor::Dense).collect());
-    }
-    let factory = registry().get(def)?;
-    // A panicking kernel is a kernel bug, but optimizing must not be where
-    // it brings the process down: leave the node for run time to report.
-    let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let attrs = Attrs::new(attrs, def);
-        let kernel = factory(&attrs, &metas)?;
-        kernel(
-            inputs,
-            &KernelContext {
-                attrs,
-                outputs: &node.outputs,
-            },
-        )
-    }))
-    .ok()?
-    .ok()?;
-    drop(held);
-    // The nodes downstream were inferred against the recorded metadata; a
-    // kernel that disagrees with it must not be trusted to replace it.
-    if outputs.len() != node.outputs.len()
-        || outputs
-            .iter()
-            .zip(&node.outputs)
-            .any(|(t, meta)| t.metadata() != meta)
-    {
-        return None;
-    }
-    Some(outputs.into_iter().map(compact).collect())
+    let outputs = kernels.evaluate(def, &Attrs::new(attrs, def), &inputs, &node.outputs)?;
+    let dense: Option<Vec<DenseHostTensor>> = outputs.iter().map(|t| t.to_dense().ok()).collect();
+    Some(dense?.into_iter().map(compact).collect())
 }
 
 /// The constant behind `v`, if a constant node produces it.
@@ -156,9 +123,9 @@ fn constant(g: &Function, v: Value) -> Option<&HostTensor> {
     }
 }
 
-/// True for no placement or a CPU one (`cpu`, `cpu:N`).
-fn on_cpu(device: Option<&str>) -> bool {
-    device.is_none_or(|d| d.trim().split(':').next() == Some("cpu"))
+/// True for no placement or one of the device `kind` (`cpu`, `cpu:N`).
+fn placed_on(device: Option<&str>, kind: &str) -> bool {
+    device.is_none_or(|d| d.trim().split(':').next() == Some(kind))
 }
 
 /// A broadcast scalar when every element is the same value and the scalar
@@ -200,7 +167,7 @@ mod tests {
     }
 
     fn folded(f: &Function) -> (Function, usize) {
-        let (g, n) = run(f);
+        let (g, n) = run(f, &stagecraft_cpu::CONSTANT_KERNELS);
         crate::verify(&g).unwrap_or_else(|e| panic!("{e}\n{}", print(&g)));
         (g, n)
     }

@@ -18,7 +18,7 @@ use crate::{Function, Node, NodeOp, Value};
 use smallvec::SmallVec;
 use stagecraft_ops::{
     decode_fused, fused_operand, matmul_attrs, matmul_transposes, Attrs, FusedInstr, OpAttrs,
-    OpKind, CAST, FUSED_BINARY, FUSED_BINARY_BASE, FUSED_COMPARE, FUSED_COMPARE_BASE,
+    OpDef, OpKind, CAST, FUSED_BINARY, FUSED_BINARY_BASE, FUSED_COMPARE, FUSED_COMPARE_BASE,
     FUSED_ELEMENTWISE, FUSED_MATMUL, FUSED_REDUCE, FUSED_REDUCE_OPS, FUSED_UNARY, MATMUL,
 };
 use stagecraft_tensor::{DType, TensorMetadata};
@@ -122,10 +122,44 @@ fn mask_code(f: &Function, i: usize, uses: &[SmallVec<[u32; 1]>]) -> Option<i64>
 /// Fuses elementwise groups; returns the new function and how many nodes
 /// were folded into fused kernels.
 pub(crate) fn run(f: &Function) -> (Function, usize) {
+    run_with(f, &Fusions::ALL)
+}
+
+/// Which fusions a device's kernels can run.
+#[derive(Clone, Copy, Debug)]
+pub struct Fusions {
+    /// Reductions of a group's root become `FusedReduce`.
+    pub reductions: bool,
+    /// Matmuls read by a group become `FusedMatMul` with the group as epilogue.
+    pub matmul_epilogues: bool,
+    /// Only ops this accepts join groups (a device may lack some ops'
+    /// fused form).
+    pub accepts: fn(&'static OpDef) -> bool,
+}
+
+impl Fusions {
+    /// Everything the CPU kernels fuse.
+    pub const ALL: Fusions = Fusions {
+        reductions: true,
+        matmul_epilogues: true,
+        accepts: |_| true,
+    };
+}
+
+/// Fusion limited to `fusions`: how a device whose kernels run fewer
+/// fused forms than the CPU's (a GPU: elementwise groups only) fuses.
+pub fn run_with(f: &Function, fusions: &Fusions) -> (Function, usize) {
     let masked = masks_as_numbers(f);
     let f = masked.as_ref().unwrap_or(f);
     let (_, uses) = f.use_counts();
-    let codes: Vec<Option<i64>> = f.nodes.iter().map(|n| code(f, n)).collect();
+    let codes: Vec<Option<i64>> = f
+        .nodes
+        .iter()
+        .map(|n| match &n.op {
+            NodeOp::Op(def, _) if !(fusions.accepts)(def) => None,
+            _ => code(f, n),
+        })
+        .collect();
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut group_of: Vec<Option<usize>> = vec![None; f.nodes.len()];
     for (i, node) in f.nodes.iter().enumerate() {
@@ -162,6 +196,9 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
     let mut claims: Vec<Option<(usize, OpAttrs)>> = vec![None; f.nodes.len()];
     let mut reduced: Vec<bool> = vec![false; groups.len()];
     for (i, node) in f.nodes.iter().enumerate() {
+        if !fusions.reductions {
+            break;
+        }
         let NodeOp::Op(def, given) = &node.op else {
             continue;
         };
@@ -197,6 +234,9 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
     let mut epilogue_of: Vec<Option<usize>> = vec![None; groups.len()];
     let mut in_epilogue: Vec<bool> = vec![false; f.nodes.len()];
     for (c, node) in f.nodes.iter().enumerate() {
+        if !fusions.matmul_epilogues {
+            break;
+        }
         let Some(g) = group_of[c].filter(|&g| !reduced[g] && epilogue_of[g].is_none()) else {
             continue;
         };
@@ -363,6 +403,7 @@ mod tests {
     use super::*;
     use crate::passes::optimize;
     use crate::passes::testing::run_bits;
+    use stagecraft_cpu::CONSTANT_KERNELS as CPU;
     use stagecraft_ops::{OpDef, ADD, MUL, RELU, SUB};
     use stagecraft_tensor::{HostTensor, Location, Scalar, ScalarHostTensor, Shape};
 
@@ -387,7 +428,7 @@ mod tests {
         let d = Value::node(f.add_op(&SUB, &none, &[c, three], loc).unwrap());
         let e = Value::node(f.add_op(&RELU, &none, &[d], loc).unwrap());
         f.results = vec![e];
-        let g = optimize(&f);
+        let g = optimize(&f, &CPU);
         crate::verify(&g).unwrap();
         let kernels: Vec<&str> = g
             .nodes
@@ -467,7 +508,7 @@ mod tests {
             attrs.set_ints("axes", axes).set_bool("keepdim", keepdim);
             let r = Value::node(f.add_op(op, &attrs, &[c], loc).unwrap());
             f.results = vec![r];
-            let g = optimize(&f);
+            let g = optimize(&f, &CPU);
             crate::verify(&g).unwrap();
             assert_eq!(kernels(&g), ["FusedReduce"], "{} over {axes:?}", op.name);
             let x = values(dims, 1);
@@ -493,7 +534,7 @@ mod tests {
         );
         let s = Value::node(f.add_op(&stagecraft_ops::SUM, &none, &[p], loc).unwrap());
         f.results = vec![s];
-        let g = optimize(&f);
+        let g = optimize(&f, &CPU);
         assert_eq!(kernels(&g), ["FusedReduce"]);
         let args = [values(&[1000], 2), values(&[1000], 3)];
         assert_eq!(run_bits(&f, &args), run_bits(&g, &args));
@@ -514,7 +555,7 @@ mod tests {
         let r = Value::node(f.add_op(&RELU, &none, &[a], loc).unwrap());
         let y = Value::node(f.add_op(&MUL, &none, &[r, Value::Param(2)], loc).unwrap());
         f.results = vec![y];
-        let g = optimize(&f);
+        let g = optimize(&f, &CPU);
         crate::verify(&g).unwrap();
         assert_eq!(kernels(&g), ["FusedElementwise"]);
         let args = [values(&[m, n], 4), values(&[n], 5), values(&[m, 1], 6)];
@@ -534,7 +575,7 @@ mod tests {
         );
         let s = Value::node(f.add_op(&stagecraft_ops::SUM, &none, &[t], loc).unwrap());
         f.results = vec![t, s];
-        let g = optimize(&f);
+        let g = optimize(&f, &CPU);
         assert_eq!(kernels(&g), ["Tanh", "Sum"]);
     }
 
@@ -553,7 +594,7 @@ mod tests {
             let a = Value::node(f.add_op(&ADD, &none, &[p, Value::Param(2)], loc).unwrap());
             let r = Value::node(f.add_op(&RELU, &none, &[a], loc).unwrap());
             f.results = vec![r];
-            let g = optimize(&f);
+            let g = optimize(&f, &CPU);
             crate::verify(&g).unwrap();
             assert_eq!(kernels(&g), ["FusedMatMul"]);
             let args = [values(&[m, k], 7), values(&[k, n], 8), values(&[n], 9)];
@@ -573,7 +614,7 @@ mod tests {
         );
         let r = Value::node(f.add_op(&RELU, &none, &[p], loc).unwrap());
         f.results = vec![p, r];
-        let g = optimize(&f);
+        let g = optimize(&f, &CPU);
         assert_eq!(kernels(&g), ["MatMul", "Relu"]);
     }
 
@@ -598,7 +639,7 @@ mod tests {
             let step = Value::node(f.add_op(&MUL, &none, &[dw, lr], loc).unwrap());
             let updated = Value::node(f.add_op(&SUB, &none, &[w, step], loc).unwrap());
             f.results = vec![updated];
-            let opt = optimize(&f);
+            let opt = optimize(&f, &CPU);
             crate::verify(&opt).unwrap();
             assert_eq!(kernels(&opt), ["FusedMatMul"], "{batch}x{k}x{n}");
             let args = [
@@ -644,12 +685,12 @@ mod tests {
         let x = HostTensor::Dense(stagecraft_tensor::DenseHostTensor::from_slice(&x, [n]).unwrap());
         let args = [x, values(&[n], 4)];
         let f = build(false);
-        let opt = optimize(&f);
+        let opt = optimize(&f, &CPU);
         crate::verify(&opt).unwrap();
         assert_eq!(kernels(&opt), ["FusedElementwise"]);
         assert_eq!(run_bits(&f, &args), run_bits(&opt, &args));
         let f = build(true);
-        let opt = optimize(&f);
+        let opt = optimize(&f, &CPU);
         assert_eq!(kernels(&opt), ["Greater", "Cast", "Mul"]);
         assert_eq!(run_bits(&f, &args), run_bits(&opt, &args));
     }

@@ -138,6 +138,7 @@ mod tests {
     use super::*;
     use crate::text::print;
     use proptest::prelude::*;
+    use stagecraft_cpu::CONSTANT_KERNELS as CPU;
     use stagecraft_ops::{self as ops, OpAttrs};
     use stagecraft_tensor::{DType, DenseHostTensor, HostTensor, TensorMetadata};
 
@@ -369,7 +370,7 @@ mod tests {
         f.add_op(&ops::CALL, &call_attrs(noisy), &[Value::Param(0)], loc(2))
             .unwrap();
         f.results = vec![Value::Param(0)];
-        let g = super::super::optimize(&f);
+        let g = super::super::optimize(&f, &CPU);
         crate::verify(&g).unwrap();
         assert_eq!(names(&g), ["Print"]);
     }

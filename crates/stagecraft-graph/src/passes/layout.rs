@@ -131,6 +131,7 @@ mod tests {
     use super::*;
     use crate::passes::testing::{eval, loc, meta};
     use crate::passes::{optimize, optimize_with_stats};
+    use stagecraft_cpu::CONSTANT_KERNELS as CPU;
     use stagecraft_ops::OpAttrs;
     use stagecraft_tensor::{DenseHostTensor, HostTensor};
 
@@ -172,7 +173,7 @@ mod tests {
         f.results = vec![dw, dx];
         let args = [arg(&[32, 20], 1), arg(&[32, 24], 2), arg(&[20, 24], 3)];
         let before = eval(&f, &args).unwrap();
-        let (g2, stats) = optimize_with_stats(&f);
+        let (g2, stats) = optimize_with_stats(&f, &CPU);
         assert_eq!(ops(&g2), vec!["MatMul", "MatMul"], "{stats:?}");
         let flags: Vec<(bool, bool)> = g2
             .nodes
@@ -200,7 +201,7 @@ mod tests {
         f.results = vec![p, xt];
         let args = [arg(&[20, 20], 4)];
         let before = eval(&f, &args).unwrap();
-        let g = optimize(&f);
+        let g = optimize(&f, &CPU);
         assert_eq!(ops(&g), vec!["Transpose", "MatMul"]);
         let after = eval(&g, &args).unwrap();
         for (b, a) in before.iter().zip(&after) {

@@ -47,7 +47,7 @@ pub use layout::fold_transposes;
 
 use crate::{Function, Node, NodeOp, Value};
 use smallvec::SmallVec;
-use stagecraft_ops::{Effect, FuncId, OpKind};
+use stagecraft_ops::{ConstantKernels, Effect, FuncId, OpKind};
 use std::collections::HashMap;
 
 /// What [`optimize_with_stats`] did.
@@ -71,19 +71,30 @@ pub struct PassStats {
 }
 
 /// Runs inline → fold → CSE → DCE (see the [module docs](self) for why in
-/// that order) and returns the optimized function.
-pub fn optimize(f: &Function) -> Function {
-    optimize_with_stats(f).0
+/// that order) and returns the optimized function; constants fold with
+/// `kernels` (the runtime passes the CPU's).
+pub fn optimize(f: &Function, kernels: &dyn ConstantKernels) -> Function {
+    optimize_with_stats(f, kernels).0
 }
 
 /// [`optimize`], also saying what each pass did.
-pub fn optimize_with_stats(f: &Function) -> (Function, PassStats) {
-    let (g, stats) = simplify_with_stats(f);
+pub fn optimize_with_stats(f: &Function, kernels: &dyn ConstantKernels) -> (Function, PassStats) {
+    optimize_fusing(f, kernels, &fuse::Fusions::ALL)
+}
+
+/// [`optimize_with_stats`] for a device whose kernels run only the fused
+/// forms `fusions` allows (a GPU).
+pub fn optimize_fusing(
+    f: &Function,
+    kernels: &dyn ConstantKernels,
+    fusions: &fuse::Fusions,
+) -> (Function, PassStats) {
+    let (g, stats) = simplify_with_stats(f, kernels);
     // Transposes read by products become strides, then fusion groups what
     // is left.
     let (g, transposes) = layout::run(&g);
     let (g, removed) = if transposes > 0 { dce::run(&g) } else { (g, 0) };
-    let (g, fused) = fuse::run(&g);
+    let (g, fused) = fuse::run_with(&g, fusions);
     let stats = PassStats {
         nodes_after: g.nodes.len(),
         removed: stats.removed + removed,
@@ -95,9 +106,9 @@ pub fn optimize_with_stats(f: &Function) -> (Function, PassStats) {
 
 /// Every pass but fusion (inline → fold → CSE → DCE): the function stays
 /// in terms of the ops the user wrote.
-pub fn simplify_with_stats(f: &Function) -> (Function, PassStats) {
+pub fn simplify_with_stats(f: &Function, kernels: &dyn ConstantKernels) -> (Function, PassStats) {
     let (g, inlined) = inline::run(f);
-    let (g, folded) = fold::run(&g);
+    let (g, folded) = fold::run(&g, kernels);
     let (g, merged) = cse::run(&g);
     let (g, removed) = dce::run(&g);
     let fused = 0;
@@ -249,6 +260,7 @@ mod tests {
     use super::*;
     use crate::text::print;
     use proptest::prelude::*;
+    use stagecraft_cpu::CONSTANT_KERNELS as CPU;
     use stagecraft_ops::{self as ops, OpAttrs};
     use stagecraft_tensor::{DenseHostTensor, Scalar, ScalarHostTensor};
 
@@ -303,7 +315,7 @@ mod tests {
         for node in &mut f.nodes {
             node.origin = Some(node.location.line() + 100);
         }
-        let (g, stats) = optimize_with_stats(&f);
+        let (g, stats) = optimize_with_stats(&f, &CPU);
         assert!(stats.folded > 0 && stats.merged > 0 && stats.fused > 0);
         for node in &g.nodes {
             let expected = Some(node.location.line() + 100);
@@ -314,7 +326,7 @@ mod tests {
     #[test]
     fn optimize_prints_the_expected_function() {
         let f = sample();
-        let (g, stats) = simplify_with_stats(&f);
+        let (g, stats) = simplify_with_stats(&f, &CPU);
         crate::verify(&g).unwrap();
         let expected = r#"@sample(%0: f32[3]) -> (f32[3], f32[3]) {
   %1 = Const[dtype: f32, value: 2.0]() : f32[]  @ "t.rs":1:1
@@ -342,7 +354,7 @@ mod tests {
             }
         );
         // Fusion then joins `x * 2 + 1` and `(x + x)² * 6` into two kernels.
-        let (fused, stats) = optimize_with_stats(&f);
+        let (fused, stats) = optimize_with_stats(&f, &CPU);
         assert_eq!(stats.fused, 5, "{}", print(&fused));
         assert_eq!(
             run_bits(
@@ -364,8 +376,8 @@ mod tests {
 
     #[test]
     fn optimize_is_idempotent_on_its_output() {
-        let g = optimize(&sample());
-        let (h, stats) = optimize_with_stats(&g);
+        let g = optimize(&sample(), &CPU);
+        let (h, stats) = optimize_with_stats(&g, &CPU);
         assert_eq!(print(&h), print(&g));
         assert_eq!(
             (stats.folded, stats.merged, stats.removed, stats.inlined),
@@ -412,7 +424,7 @@ mod tests {
             )
             .unwrap();
         f.results = vec![Value::node(sum)];
-        let (g, stats) = simplify_with_stats(&f);
+        let (g, stats) = simplify_with_stats(&f, &CPU);
         crate::verify(&g).unwrap();
         assert_eq!(stats.inlined, 1);
         assert_eq!(stats.folded, 1);
@@ -477,7 +489,7 @@ mod tests {
         for _ in 0..200 {
             let tree = pure_dag().new_tree(&mut runner).unwrap();
             let (f, _) = proptest::strategy::ValueTree::current(&tree);
-            let (_, stats) = optimize_with_stats(&f);
+            let (_, stats) = optimize_with_stats(&f, &CPU);
             total.folded += stats.folded;
             total.merged += stats.merged;
             total.removed += stats.removed;
@@ -496,7 +508,7 @@ mod tests {
         #[test]
         fn optimize_preserves_results((f, args) in pure_dag()) {
             let before = eval(&f, &args).unwrap();
-            let (g, stats) = optimize_with_stats(&f);
+            let (g, stats) = optimize_with_stats(&f, &CPU);
             crate::verify(&g).unwrap();
             let after = eval(&g, &args).unwrap();
             prop_assert_eq!(bits(&before), bits(&after));
@@ -509,7 +521,7 @@ mod tests {
             let prints = |f: &Function| f.nodes.iter().filter(|n| n.op.name() == "Print").count();
             prop_assert_eq!(prints(&f), prints(&g));
             // A second round finds nothing left to do.
-            let (_, again) = optimize_with_stats(&g);
+            let (_, again) = optimize_with_stats(&g, &CPU);
             prop_assert_eq!((again.folded, again.merged, again.removed), (0, 0, 0));
         }
     }

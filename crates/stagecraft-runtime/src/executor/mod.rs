@@ -9,9 +9,11 @@
 
 pub mod buffer_plan;
 pub mod control;
+pub mod device_program;
 pub mod partition;
 
 pub use buffer_plan::BufferPlan;
+pub use device_program::DeviceProgram;
 
 use crate::device::Device;
 use crate::runtime::{count_kernel_launch, report_error};
@@ -218,7 +220,10 @@ fn slot_of(value: Value, node_base: &[Slot]) -> Slot {
 /// partitions the nodes, and resolves every node's kernel on its device's
 /// kernel cache.
 pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable> {
-    let function = Arc::new(stagecraft_graph::passes::optimize(&function));
+    let function = Arc::new(stagecraft_graph::passes::optimize(
+        &function,
+        &stagecraft_cpu::CONSTANT_KERNELS,
+    ));
     let placement = partition::place(&function, device)?;
     if placement.iter().any(|d| *d != device) {
         return partition::instantiate_partitioned(function, device, &placement);
@@ -229,18 +234,12 @@ pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable
 /// Instantiates `function` with every node on `device`.
 pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<Executable> {
     let kernels = device.handler().host_kernels().ok_or_else(|| {
-        let why = if device.kind() == crate::device::DeviceKind::Gpu {
-            // `Call`, `If` and `While` on a GPU run their functions node
-            // by node in its op handler; only compiled executables (the
-            // lazy device's traces) come here.
-            format!(
-                "the lazy device does not run traces on {device} yet: run ops on {device} \
-                 eagerly (function, cond and while_loop work there), or lazily on the CPU"
-            )
-        } else {
-            format!("{device} cannot run graph functions (it has no host kernels)")
-        };
-        Error::new(ErrorKind::Device, why)
+        // A GPU runs functions node by node (`DeviceProgram`), never
+        // through host kernels.
+        Error::new(
+            ErrorKind::Device,
+            format!("{device} cannot run graph functions with host kernels"),
+        )
     })?;
     // Slots: parameters first, then every node output in order.
     let mut node_base = Vec::with_capacity(function.nodes.len());

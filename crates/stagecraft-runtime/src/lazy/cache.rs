@@ -6,11 +6,12 @@
 use super::collect::{Collected, Leaf, Skeleton, Structure};
 use super::metrics::{count_cache_hit, count_cache_miss, count_compile};
 use super::op::LazyOp;
-use crate::executor::{instantiate, Executable};
+use crate::device::Device;
+use crate::executor::{instantiate, DeviceProgram, Executable};
 use crate::fxhash::FxHasher;
 use crate::profile;
 use stagecraft_graph::{Function, Node, NodeOp, Value};
-use stagecraft_tensor::{HostTensor, Location, Result, TensorMetadata};
+use stagecraft_tensor::{Error, HostTensor, Location, Result, TensorMetadata, TensorValue};
 use std::collections::HashMap;
 use std::hash::Hasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,12 +27,58 @@ pub(super) enum Mode {
     Baked(HostTensor),
 }
 
+/// A trace compiled for its target device.
+pub(crate) enum Compiled {
+    /// Planned host kernels, for a device holding host tensors.
+    Host(Executable),
+    /// Node by node through the op handler, for a device that runs ops
+    /// itself (a GPU), as one batch of its work.
+    Device(DeviceProgram),
+}
+
+impl Compiled {
+    fn new(function: Function, target: Device) -> Result<Compiled> {
+        let handler = target.handler();
+        if handler.host_kernels().is_none() && handler.memory().is_some() {
+            return Ok(Compiled::Device(DeviceProgram::new(&function, target)));
+        }
+        Ok(Compiled::Host(instantiate(Arc::new(function), target)?))
+    }
+
+    /// Runs the trace on `args`; errors name the entries of `locations`
+    /// (see [`Executable::run_recorded`]).
+    pub(crate) fn run_recorded(
+        &self,
+        args: Vec<TensorValue>,
+        locations: &[Location],
+    ) -> Result<Vec<TensorValue>> {
+        match self {
+            Compiled::Device(program) => program.run_recorded(args, locations),
+            Compiled::Host(exe) => {
+                let host = args
+                    .into_iter()
+                    .map(|v| match v {
+                        TensorValue::Host(h) => Ok(h),
+                        TensorValue::Device(d) => Err(Error::internal(format!(
+                            "a trace for {} got an argument in the memory of {}",
+                            exe.device(),
+                            d.storage().device_name()
+                        ))),
+                    })
+                    .collect::<Result<Vec<HostTensor>>>()?;
+                let results = exe.run_recorded(host, locations)?;
+                Ok(results.into_iter().map(TensorValue::Host).collect())
+            }
+        }
+    }
+}
+
 struct Entry {
     structure: Structure,
     /// For explaining later misses.
     skeleton: Skeleton,
     modes: Vec<Mode>,
-    executable: Arc<Executable>,
+    executable: Arc<Compiled>,
 }
 
 /// Entries by [`fingerprint`]; entries under one fingerprint are told
@@ -194,7 +241,7 @@ pub(super) fn build_function(
 /// exchange for never holding the cache while compiling.
 pub(super) fn lookup_or_compile(
     collected: &Collected,
-) -> Result<(Arc<Executable>, Vec<HostTensor>)> {
+) -> Result<(Arc<Compiled>, Vec<TensorValue>)> {
     let key = fingerprint(&collected.structure);
     let leaves = &collected.leaves;
     let found = read_cache(|cache| {
@@ -205,7 +252,11 @@ pub(super) fn lookup_or_compile(
         let mut widened = Vec::new();
         for (i, (mode, leaf)) in entry.modes.iter().zip(leaves).enumerate() {
             if let Mode::Baked(v) = mode {
-                if !(leaf.bakeable && v.same_value(&leaf.value)) {
+                let same = match &leaf.value {
+                    TensorValue::Host(value) => leaf.bakeable && v.same_value(value),
+                    TensorValue::Device(_) => false,
+                };
+                if !same {
                     widened.push(i);
                 }
             }
@@ -258,7 +309,7 @@ pub(super) fn lookup_or_compile(
         &collected.ops,
         &collected.locations,
     );
-    let exe = Arc::new(instantiate(Arc::new(function), collected.target)?);
+    let exe = Arc::new(Compiled::new(function, collected.target)?);
     if let Some(span) = span {
         let ops = collected.ops.len().to_string();
         span.end(profile::COMPILE, name, vec![("ops", ops)]);
@@ -308,17 +359,14 @@ pub(super) fn cached_modes(collected: &Collected) -> Vec<Mode> {
 fn first_modes(leaves: &[Leaf]) -> Vec<Mode> {
     leaves
         .iter()
-        .map(|l| {
-            if l.bakeable {
-                Mode::Baked(l.value.clone())
-            } else {
-                Mode::Argument
-            }
+        .map(|l| match &l.value {
+            TensorValue::Host(value) if l.bakeable => Mode::Baked(value.clone()),
+            _ => Mode::Argument,
         })
         .collect()
 }
 
-fn arguments(modes: &[Mode], leaves: &[Leaf]) -> Vec<HostTensor> {
+fn arguments(modes: &[Mode], leaves: &[Leaf]) -> Vec<TensorValue> {
     modes
         .iter()
         .zip(leaves)
@@ -361,11 +409,11 @@ mod tests {
         // ...which then serves any values.
         let (hit, args) = lookup_or_compile(&trace(&[0.5; 7], &[9.0; 7])).unwrap();
         assert!(Arc::ptr_eq(&widened, &hit));
-        let out = hit.run(args).unwrap();
-        assert_eq!(
-            out[0].to_dense().unwrap().to_vec::<f32>().unwrap(),
-            [4.5; 7]
-        );
+        let out = hit.run_recorded(args, &[]).unwrap();
+        let TensorValue::Host(out) = &out[0] else {
+            panic!("a CPU trace gives host values");
+        };
+        assert_eq!(out.to_dense().unwrap().to_vec::<f32>().unwrap(), [4.5; 7]);
     }
 
     #[test]
@@ -420,7 +468,10 @@ mod tests {
     #[test]
     fn build_function_bakes_and_numbers_origins() {
         let c = trace(&[1.0; 5], &[2.0; 5]);
-        let modes = vec![Mode::Argument, Mode::Baked(c.leaves[1].value.clone())];
+        let TensorValue::Host(baked) = &c.leaves[1].value else {
+            panic!("a CPU leaf is a host value");
+        };
+        let modes = vec![Mode::Argument, Mode::Baked(baked.clone())];
         let f = build_function("t".into(), &c.skeleton(), &modes, &c.ops, &c.locations);
         assert_eq!(f.params.len(), 1);
         let last = f.nodes.last().unwrap();

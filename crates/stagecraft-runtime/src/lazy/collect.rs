@@ -11,7 +11,7 @@ use crate::fxhash::FxBuild;
 use smallvec::SmallVec;
 use stagecraft_graph::Value;
 use stagecraft_ops::{FrozenOpAttrs, OpDef, OutputMetas};
-use stagecraft_tensor::{Error, HostTensor, Location, Result, TensorMetadata};
+use stagecraft_tensor::{Error, Location, Result, TensorMetadata, TensorValue};
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -24,7 +24,7 @@ const BAKE_LIMIT: usize = 16;
 
 /// A trace argument before the cache decides whether it is baked.
 pub(super) struct Leaf {
-    pub(super) value: HostTensor,
+    pub(super) value: TensorValue,
     /// False for values a trace computed (always arguments) and for large
     /// values.
     pub(super) bakeable: bool,
@@ -285,11 +285,14 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
                         let id = match leaf_ids.get(&leaf_key) {
                             Some(id) => *id,
                             None => {
-                                let value = match handle.wait() {
+                                let value = match handle.wait_value() {
                                     Ok(v) => v.clone(),
                                     Err(e) => break 'walk Err(e),
                                 };
-                                let bakeable = value.metadata().shape.numel() <= BAKE_LIMIT;
+                                // A value in device memory stays there: an
+                                // argument, never read back to be baked.
+                                let bakeable = matches!(value, TensorValue::Host(_))
+                                    && value.metadata().shape.numel() <= BAKE_LIMIT;
                                 params.push(handle.metadata().clone());
                                 leaves.push(Leaf { value, bakeable });
                                 let id = (leaves.len() - 1) as u32;

@@ -54,7 +54,8 @@ pub fn step_trace() -> Result<StepTrace> {
         &collected.ops,
         &collected.locations,
     );
-    let optimized = stagecraft_graph::passes::optimize(&recorded);
+    let optimized =
+        stagecraft_graph::passes::optimize(&recorded, &stagecraft_cpu::CONSTANT_KERNELS);
     Ok(StepTrace {
         recorded,
         optimized,

@@ -92,6 +92,12 @@ impl OpHandler for LazyOpHandler {
         }
         record::record(self.target, inv)
     }
+
+    /// The target's memory: a materialized value of a lazy tensor lives
+    /// where its trace ran.
+    fn memory(&self) -> Option<&dyn crate::op_handler::DeviceMemory> {
+        self.target.handler().memory()
+    }
 }
 
 /// Whether a handle lives on a lazy device.

@@ -13,7 +13,7 @@ use crate::device::Device;
 use crate::handle::TensorHandle;
 use smallvec::SmallVec;
 use stagecraft_ops::{FrozenOpAttrs, OpDef, OutputMetas};
-use stagecraft_tensor::{HostTensor, Location, Result};
+use stagecraft_tensor::{Location, Result, TensorValue};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -31,7 +31,7 @@ pub(super) type Inputs = SmallVec<[Input; 4]>;
 
 /// Outputs of an op that ran: each value (`None` for an output nobody
 /// could read any more), or the trace's error.
-pub(super) type Outputs = SmallVec<[Option<Result<HostTensor>>; 1]>;
+pub(super) type Outputs = SmallVec<[Option<Result<TensorValue>>; 1]>;
 
 /// Identifies one materialization, the owner of the ops it claims.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -229,7 +229,7 @@ impl LazyOp {
     }
 
     /// The stored value of output `index`, once the op is done.
-    pub(super) fn output(&self, index: u32) -> Option<Result<HostTensor>> {
+    pub(super) fn output(&self, index: u32) -> Option<Result<TensorValue>> {
         match &self.lock().state {
             State::Done(values) => Some(
                 values
@@ -347,8 +347,10 @@ mod tests {
         let (owner, waiter) = (TraceId::next(), TraceId::next());
         op.try_claim(owner);
         let value = || {
-            Some(Ok(HostTensor::from(
-                stagecraft_tensor::DenseHostTensor::from_slice(&[-1.0f32, -2.0], [2]).unwrap(),
+            Some(Ok(TensorValue::Host(
+                stagecraft_tensor::DenseHostTensor::from_slice(&[-1.0f32, -2.0], [2])
+                    .unwrap()
+                    .into(),
             )))
         };
         std::thread::scope(|s| {
@@ -360,7 +362,9 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(20));
             assert!(!waiting.is_finished(), "the claim is still held");
             op.finish(owner, smallvec::smallvec![value()]);
-            let got = waiting.join().unwrap().expect("done").unwrap();
+            let TensorValue::Host(got) = waiting.join().unwrap().expect("done").unwrap() else {
+                panic!("a host value was stored");
+            };
             assert_eq!(
                 got.to_dense().unwrap().to_vec::<f32>().unwrap(),
                 [-1.0, -2.0]

@@ -159,15 +159,15 @@ pub(super) fn execute_eagerly(target: Device, mut inv: OpInvocation<'_>) -> Resu
     } = inv;
     let moved: crate::Args = args
         .iter()
-        .map(|a| match a.wait() {
-            Ok(v) => TensorHandle::available(target, v.clone()),
+        .map(|a| match a.wait_value() {
+            Ok(v) => TensorHandle::placed(target, v.clone()),
             Err(e) => TensorHandle::error(target, a.metadata().clone(), e),
         })
         .collect();
     crate::runtime::execute(op, target, location, moved, attrs)
         .into_iter()
-        .map(|h| match h.wait() {
-            Ok(v) => TensorHandle::available(device, v.clone()),
+        .map(|h| match h.wait_value() {
+            Ok(v) => TensorHandle::available_value(device, v.clone()),
             Err(e) => TensorHandle::error(device, h.metadata().clone(), e),
         })
         .collect()
