@@ -191,10 +191,15 @@ fn value_of(frame: &mut Frame, handle: &TensorHandle, location: Location) -> Res
     // whatever its size. As a parameter, the caller would have to pass a
     // handle that lives on no device it can run on.
     let made_inside = concrete && handle.device() == tracer_device();
-    // A value in device memory stays a parameter: baking it would read it
-    // back to the host while tracing.
+    // A value in device memory (on a GPU, or a lazy GPU value read early)
+    // stays a parameter: baking it would read it back while tracing.
+    let in_device_memory = concrete
+        && matches!(
+            handle.wait_value(),
+            Ok(stagecraft_tensor::TensorValue::Device(_))
+        );
     let small_concrete = concrete
-        && handle.device().kind() != crate::device::DeviceKind::Gpu
+        && !in_device_memory
         && meta.shape.numel() <= CONST_CAPTURE_LIMIT
         && !frame.keep_as_param.is_some_and(|keep| keep(handle));
     if made_inside || small_concrete {

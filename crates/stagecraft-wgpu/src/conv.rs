@@ -24,7 +24,7 @@
 
 use crate::context::Gpu;
 use crate::kernels::{grid, launch, one, small, Outputs};
-use crate::shader::{PRELUDE, WORKGROUP};
+use crate::shader::{self, PRELUDE, WORKGROUP};
 use stagecraft_ops::{conv2d_window, defs, pool_window, Attrs, OpDef, Window2d};
 use stagecraft_tensor::{DType, DeviceTensor, Result, TensorMetadata};
 
@@ -643,28 +643,6 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     )
 }
 
-/// Sums the splits of a filter gradient in order: `out[i] = Σ_s
-/// partial[s·count + i]`. `params`: `[count, row_width, splits]`.
-fn split_sum_shader() -> String {
-    format!(
-        r#"
-@group(0) @binding(0) var<storage, read> partial: array<f32>;
-@group(0) @binding(1) var<storage, read_write> out: array<f32>;
-@group(0) @binding(2) var<storage, read> params: array<u32>;
-
-@compute @workgroup_size({WORKGROUP})
-fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
-    let i = id.x + id.y * params[1];
-    let count = params[0];
-    if (i >= count) {{ return; }}
-    var acc = 0.0;
-    for (var s = 0u; s < params[2]; s = s + 1u) {{ acc = acc + partial[s * count + i]; }}
-    out[i] = acc;
-}}
-"#
-    )
-}
-
 /// Workgroups (tiled) or threads (direct) worth splitting a filter
 /// gradient's long sums for: below this a device sits mostly idle.
 const TARGET_TILES: usize = 256;
@@ -751,12 +729,12 @@ fn conv_product(
     launch(gpu, &pipeline, &[a, b, &partial], &params, (gx, gy, 1))?;
     let results = results as u32;
     let (gx, gy) = grid(results.div_ceil(WORKGROUP));
-    let sum = gpu.pipeline(&split_sum_shader())?;
+    let sum = gpu.pipeline(&shader::part_sums())?;
     launch(
         gpu,
         &sum,
         &[&partial, &y],
-        &[results, gx * WORKGROUP, splits as u32],
+        &[results, gx * WORKGROUP, splits as u32, results, 0],
         (gx, gy, 1),
     )?;
     Ok(Some(one(y)))
@@ -1026,7 +1004,7 @@ mod tests {
                 ));
             }
         }
-        sources.push(("split sum".into(), split_sum_shader()));
+        sources.push(("split sum".into(), shader::part_sums()));
         for kernel in [
             PoolKernel::Max,
             PoolKernel::Average,

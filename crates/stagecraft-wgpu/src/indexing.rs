@@ -92,6 +92,67 @@ fn launch_flat(
     launch(gpu, &pipeline, buffers, &params, (gx, gy, 1))
 }
 
+/// [`launch_flat`] into a fresh tensor of `out`, bound after `inputs`.
+fn launch_flat_new(
+    gpu: &'static Gpu,
+    source: &str,
+    inputs: &[&DeviceTensor],
+    out: &TensorMetadata,
+    items: u32,
+    rest: &[u32],
+) -> Result<Option<Outputs>> {
+    let y = gpu.alloc(out.clone())?;
+    let mut buffers = inputs.to_vec();
+    buffers.push(&y);
+    launch_flat(gpu, source, &buffers, items, rest)?;
+    drop(buffers);
+    Ok(Some(one(y)))
+}
+
+/// A [`flat_main`] kernel from `input` to `output`, both of 4-byte words,
+/// with `functions` for its body.
+fn words_source(functions: &str, body: &str) -> String {
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read> input: array<u32>;
+@group(0) @binding(1) var<storage, read_write> output: array<u32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+{functions}{main}"#,
+        main = flat_main(body)
+    )
+}
+
+/// A [`flat_main`] kernel that reads `indices` through [`pick`], and
+/// `source` and `output` as arrays of `element`.
+fn indexed_source(source: &str, element: &str, body: &str) -> String {
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read> {source}: array<{element}>;
+@group(0) @binding(1) var<storage, read> indices: array<u32>;
+@group(0) @binding(2) var<storage, read_write> output: array<{element}>;
+@group(0) @binding(3) var<storage, read> params: array<u32>;
+{pick}{main}"#,
+        pick = pick(),
+        main = flat_main(body)
+    )
+}
+
+/// The words after `[items, row_width]` of the kernels that follow `axis`
+/// through the positions of an index tensor: `[size, index_words, rank,
+/// axis, extra, 0]`, then `blocks`.
+fn axis_params(
+    [size, index_words, extra]: [u32; 3],
+    rank: usize,
+    axis: usize,
+    blocks: &[[u32; MAX_RANK]],
+) -> Vec<u32> {
+    let mut rest = vec![size, index_words, rank as u32, axis as u32, extra, 0];
+    for block in blocks {
+        rest.extend_from_slice(block);
+    }
+    rest
+}
+
 /// Index `k` of `indices`, one word of `params[3]` per index (1 for i32,
 /// 2 for i64, whose low word it reads).
 const INDEX_AT: &str = r#"
@@ -182,14 +243,7 @@ fn rank_block(values: &[usize], meta: &TensorMetadata) -> Result<[u32; MAX_RANK]
 /// A copy of 4-byte words: the first step of the adds, which add into a
 /// copy of `x`.
 fn copy_source() -> String {
-    format!(
-        r#"
-@group(0) @binding(0) var<storage, read> input: array<u32>;
-@group(0) @binding(1) var<storage, read_write> output: array<u32>;
-@group(0) @binding(2) var<storage, read> params: array<u32>;
-{main}"#,
-        main = flat_main("    output[i] = input[i];")
-    )
+    words_source("", "    output[i] = input[i];")
 }
 
 /// A new tensor of `out` holding `x`'s words, for an add to add into.
@@ -356,11 +410,7 @@ fn fused_launch(
         return Ok(None);
     }
     let [count] = small_all([out.shape.numel()], out)?;
-    let y = gpu.alloc(out.clone())?;
-    buffers.push(&y);
-    launch_flat(gpu, &source, &buffers, count, &rest)?;
-    drop(buffers);
-    Ok(Some(one(y)))
+    launch_flat_new(gpu, &source, &buffers, out, count, &rest)
 }
 
 // ----------------------------------------------------------------- gathers
@@ -369,23 +419,16 @@ fn fused_launch(
 /// `[outer, n, inner]`. `params`: `[words, row_width, size, index_words,
 /// n, inner, element_words]`.
 fn gather_source() -> String {
-    format!(
-        r#"
-@group(0) @binding(0) var<storage, read> x: array<u32>;
-@group(0) @binding(1) var<storage, read> indices: array<u32>;
-@group(0) @binding(2) var<storage, read_write> output: array<u32>;
-@group(0) @binding(3) var<storage, read> params: array<u32>;
-{pick}{main}"#,
-        pick = pick(),
-        main = flat_main(
-            r#"    let width = params[6];
+    indexed_source(
+        "x",
+        "u32",
+        r#"    let width = params[6];
     let e = i / width;
     let inner = params[5];
     let row = e / inner;
     let n = params[4];
     let picked = (row / n) * params[2] + pick(row % n);
-    output[i] = x[(picked * inner + e % inner) * width + i % width];"#
-        )
+    output[i] = x[(picked * inner + e % inner) * width + i % width];"#,
     )
 }
 
@@ -409,15 +452,14 @@ fn gather_launch(
     let Some(index_words) = checked_indices(gpu, indices, -(size as i64), size as i64)? else {
         return Ok(None);
     };
-    let y = gpu.alloc(out.clone())?;
-    launch_flat(
+    launch_flat_new(
         gpu,
         &gather_source(),
-        &[x, indices, &y],
+        &[x, indices],
+        out,
         words,
         &[size32, index_words, n, inner, width],
-    )?;
-    Ok(Some(one(y)))
+    )
 }
 
 /// `GatherElements` over words: output element `e` (at a position of the
@@ -427,15 +469,10 @@ fn gather_launch(
 /// x_strides[MAX_RANK]]`.
 fn gather_elements_source() -> String {
     let r = MAX_RANK;
-    format!(
-        r#"
-@group(0) @binding(0) var<storage, read> x: array<u32>;
-@group(0) @binding(1) var<storage, read> indices: array<u32>;
-@group(0) @binding(2) var<storage, read_write> output: array<u32>;
-@group(0) @binding(3) var<storage, read> params: array<u32>;
-{pick}{main}"#,
-        pick = pick(),
-        main = flat_main(&format!(
+    indexed_source(
+        "x",
+        "u32",
+        &format!(
             r#"    let width = params[6];
     let e = i / width;
     let rank = params[4];
@@ -450,7 +487,7 @@ fn gather_elements_source() -> String {
     }}
     at = at + pick(e) * params[8u + {r}u + axis];
     output[i] = x[at * width + i % width];"#
-        ))
+        ),
     )
 }
 
@@ -479,25 +516,20 @@ fn gather_elements_launch(
     let Some(index_words) = checked_indices(gpu, indices, -(size as i64), size as i64)? else {
         return Ok(None);
     };
-    let mut rest = vec![
-        size32,
-        index_words,
-        dims.len() as u32,
-        axis as u32,
-        width,
-        0,
-    ];
-    rest.extend_from_slice(&index_block);
-    rest.extend_from_slice(&stride_block);
-    let y = gpu.alloc(out.clone())?;
-    launch_flat(
+    let rest = axis_params(
+        [size32, index_words, width],
+        dims.len(),
+        axis,
+        &[index_block, stride_block],
+    );
+    launch_flat_new(
         gpu,
         &gather_elements_source(),
-        &[x, indices, &y],
+        &[x, indices],
+        out,
         words,
         &rest,
-    )?;
-    Ok(Some(one(y)))
+    )
 }
 
 // -------------------------------------------------------------------- adds
@@ -509,15 +541,10 @@ fn gather_elements_launch(
 /// index_dims[MAX_RANK], x_strides[MAX_RANK], index_strides[MAX_RANK]]`.
 fn scatter_add_source() -> String {
     let (r, r2) = (MAX_RANK, 2 * MAX_RANK);
-    format!(
-        r#"
-@group(0) @binding(0) var<storage, read> src: array<f32>;
-@group(0) @binding(1) var<storage, read> indices: array<u32>;
-@group(0) @binding(2) var<storage, read_write> output: array<f32>;
-@group(0) @binding(3) var<storage, read> params: array<u32>;
-{pick}{main}"#,
-        pick = pick(),
-        main = flat_main(&format!(
+    indexed_source(
+        "src",
+        "f32",
+        &format!(
             r#"    let rank = params[4];
     let axis = params[5];
     var rest = i;
@@ -540,7 +567,7 @@ fn scatter_add_source() -> String {
         let t = to + pick(k) * x_step;
         output[t] = output[t] + src[k];
     }}"#
-        ))
+        ),
     )
 }
 
@@ -574,17 +601,12 @@ fn scatter_add_launch(
     let Some(index_words) = checked_indices(gpu, indices, -(size as i64), size as i64)? else {
         return Ok(None);
     };
-    let mut rest = vec![
-        size32,
-        index_words,
-        dims.len() as u32,
-        axis as u32,
-        along32,
-        0,
-    ];
-    for block in [index_block, x_block, step_block] {
-        rest.extend_from_slice(&block);
-    }
+    let rest = axis_params(
+        [size32, index_words, along32],
+        dims.len(),
+        axis,
+        &[index_block, x_block, step_block],
+    );
     let y = copy_of(gpu, x, out)?;
     launch_flat(
         gpu,
@@ -602,24 +624,17 @@ fn scatter_add_launch(
 /// for `k` in order. `params`: `[lines, row_width, size, index_words,
 /// count, inner]`.
 fn index_add_source() -> String {
-    format!(
-        r#"
-@group(0) @binding(0) var<storage, read> src: array<f32>;
-@group(0) @binding(1) var<storage, read> indices: array<u32>;
-@group(0) @binding(2) var<storage, read_write> output: array<f32>;
-@group(0) @binding(3) var<storage, read> params: array<u32>;
-{pick}{main}"#,
-        pick = pick(),
-        main = flat_main(
-            r#"    let count = params[4];
+    indexed_source(
+        "src",
+        "f32",
+        r#"    let count = params[4];
     let inner = params[5];
     let o = i / inner;
     let c = i % inner;
     for (var k = 0u; k < count; k = k + 1u) {
         let t = (o * params[2] + pick(k)) * inner + c;
         output[t] = output[t] + src[(o * count + k) * inner + c];
-    }"#
-        )
+    }"#,
     )
 }
 
@@ -803,15 +818,9 @@ fn arg_launch(
 /// One input of a `Concat`, copied into its columns of the output's rows
 /// (all in words). `params`: `[words, row_width, width, row_len, at]`.
 fn concat_source() -> String {
-    format!(
-        r#"
-@group(0) @binding(0) var<storage, read> input: array<u32>;
-@group(0) @binding(1) var<storage, read_write> output: array<u32>;
-@group(0) @binding(2) var<storage, read> params: array<u32>;
-{main}"#,
-        main = flat_main(
-            "    output[(i / params[2]) * params[3] + params[4] + i % params[2]] = input[i];"
-        )
+    words_source(
+        "",
+        "    output[(i / params[2]) * params[3] + params[4] + i % params[2]] = input[i];",
     )
 }
 
@@ -893,11 +902,11 @@ fn one_hot_launch(
     let Some(index_words) = checked_indices(gpu, indices, 0, depth)? else {
         return Ok(None);
     };
-    let y = gpu.alloc(out.clone())?;
-    launch_flat(
+    launch_flat_new(
         gpu,
         &one_hot_source(),
-        &[indices, &y],
+        &[indices],
+        out,
         words,
         &[
             depth32,
@@ -906,8 +915,7 @@ fn one_hot_launch(
             one_bits as u32,
             (one_bits >> 32) as u32,
         ],
-    )?;
-    Ok(Some(one(y)))
+    )
 }
 
 // ------------------------------------------------------------------ cumsum
@@ -972,15 +980,14 @@ fn cumsum_launch(
         attrs.bool("exclusive")? as u32,
         attrs.bool("reverse")? as u32,
     ];
-    let y = gpu.alloc(out.clone())?;
-    launch_flat(
+    launch_flat_new(
         gpu,
         &cumsum_source(),
-        &[x, &y],
+        &[x],
+        out,
         lines,
         &[n32, inner32, flags[0], flags[1], 1f32.to_bits()],
-    )?;
-    Ok(Some(one(y)))
+    )
 }
 
 // ------------------------------------------------------------------- trilu
@@ -992,21 +999,16 @@ fn cumsum_launch(
 /// (upper). `params`: `[words, row_width, rows, cols, lanes,
 /// element_words, upper, k (i32 bits, clamped to the matrix), count]`.
 fn trilu_source() -> String {
-    format!(
+    words_source(
         r#"
-@group(0) @binding(0) var<storage, read> input: array<u32>;
-@group(0) @binding(1) var<storage, read_write> output: array<u32>;
-@group(0) @binding(2) var<storage, read> params: array<u32>;
-
-fn keep(e: u32) -> bool {{
+fn keep(e: u32) -> bool {
     let cols = params[3];
     let d = i32(e % cols) - i32((e / cols) % params[2]);
     let k = bitcast<i32>(params[7]);
     return select(d <= k, d >= k, params[6] != 0u);
-}}
-{main}"#,
-        main = flat_main(
-            r#"    let lanes = params[4];
+}
+"#,
+        r#"    let lanes = params[4];
     if (lanes == 1u) {
         output[i] = select(0u, input[i], keep(i / params[5]));
         return;
@@ -1018,8 +1020,7 @@ fn keep(e: u32) -> bool {{
         let e = i * lanes + j;
         if (e < params[8] && keep(e)) { word = word | (input[i] & (mask << (bits * j))); }
     }
-    output[i] = word;"#
-        )
+    output[i] = word;"#,
     )
 }
 
@@ -1046,11 +1047,11 @@ fn trilu_launch(
     let [words, count32, rows32, cols32] = small_all([words, count, rows, cols], out)?;
     // Beyond the matrix every `col - row` compares the same way.
     let k = attrs.int("k")?.clamp(-(rows as i64), cols as i64) as i32;
-    let y = gpu.alloc(out.clone())?;
-    launch_flat(
+    launch_flat_new(
         gpu,
         &trilu_source(),
-        &[x, &y],
+        &[x],
+        out,
         words,
         &[
             rows32,
@@ -1061,8 +1062,7 @@ fn trilu_launch(
             k as u32,
             count32,
         ],
-    )?;
-    Ok(Some(one(y)))
+    )
 }
 
 /// Every shader of this module (the fused kernel is built per program:

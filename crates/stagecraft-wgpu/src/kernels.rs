@@ -850,24 +850,34 @@ fn layer_norm_launch(
         return Err(too_large(x.metadata()));
     };
     let (has_weight, has_bias) = (attrs.bool("has_weight")?, attrs.bool("has_bias")?);
-    let pipeline = gpu.pipeline(&shader::layer_norm(has_weight, has_bias))?;
+    let source = shader::layer_norm(has_weight, has_bias);
+    let eps = attrs.float("eps")? as f32;
+    row_norm_launch(gpu, &source, inputs, outputs, [rows32, width32], eps).map(Some)
+}
+
+/// Launches a norm of one workgroup per row (see [`shader::ROW_MAIN`]):
+/// binds `inputs`, then fresh tensors of `outputs`, which it returns.
+/// `params`: `[rows, width, row_width_in_groups, eps (f32 bits)]`.
+pub(crate) fn row_norm_launch(
+    gpu: &'static Gpu,
+    source: &str,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+    [rows, width]: [u32; 2],
+    eps: f32,
+) -> Result<Outputs> {
+    let pipeline = gpu.pipeline(source)?;
     let produced: Outputs = outputs
         .iter()
         .map(|m| gpu.alloc(m.clone()))
         .collect::<Result<_>>()?;
-    let eps = attrs.float("eps")? as f32;
-    let (gx, gy) = grid(rows32);
+    let (gx, gy) = grid(rows);
     let mut buffers: SmallVec<[&DeviceTensor; 8]> = inputs.iter().copied().collect();
     buffers.extend(produced.iter());
-    launch(
-        gpu,
-        &pipeline,
-        &buffers,
-        &[rows32, width32, gx, eps.to_bits()],
-        (gx, gy, 1),
-    )?;
+    let params = [rows, width, gx, eps.to_bits()];
+    launch(gpu, &pipeline, &buffers, &params, (gx, gy, 1))?;
     drop(buffers);
-    Ok(Some(produced))
+    Ok(produced)
 }
 
 fn embedding_launch(

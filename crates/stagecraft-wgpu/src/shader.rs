@@ -363,6 +363,19 @@ fn row_max_and_exp_sum(base: u32, width: u32, live: bool, lane: u32) -> vec2<f32
 }
 "#;
 
+/// The head of a `main` that gives each row a workgroup of 64 lanes, for
+/// `params` that start `[rows, width, row_width_in_groups]`. Lanes of a
+/// workgroup past the last row run on (not `live`): every lane must reach
+/// the barriers of the row sums.
+pub(crate) const ROW_MAIN: &str = r#"
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) group: vec3<u32>,
+        @builtin(local_invocation_index) lane: u32) {
+    let row = group.x + group.y * params[2];
+    let live = row < params[0];
+    let width = params[1];
+    let base = row * width;"#;
+
 /// Softmax or log-softmax over the last axis: one workgroup per row.
 /// `params`: `[rows, width, row_width_in_groups]`.
 pub(crate) fn softmax(log: bool) -> String {
@@ -376,14 +389,7 @@ pub(crate) fn softmax(log: bool) -> String {
 @group(0) @binding(0) var<storage, read> input: array<f32>;
 @group(0) @binding(1) var<storage, read_write> output: array<f32>;
 @group(0) @binding(2) var<storage, read> params: array<u32>;
-{ROW_MAX_AND_EXP_SUM}
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) group: vec3<u32>,
-        @builtin(local_invocation_index) lane: u32) {{
-    let row = group.x + group.y * params[2];
-    let live = row < params[0];
-    let width = params[1];
-    let base = row * width;
+{ROW_MAX_AND_EXP_SUM}{ROW_MAIN}
     let stats = row_max_and_exp_sum(base, width, live, lane);
     let top = stats.x;
     let total = stats.y;
@@ -456,6 +462,31 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     if (row < m && col < n) {{
         c[batch * m * n + row * n + col] = acc;
     }}
+}}
+"#
+    )
+}
+
+/// `out[i] = Σ_k partial[k·stride + offset + i]`, the parts in order: the
+/// last pass of sums split into parts (WGSL has no float atomics), whose
+/// fixed order makes every run's result the same. `params`: `[count,
+/// row_width, parts, stride, offset]`.
+pub(crate) fn part_sums() -> String {
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read> partial: array<f32>;
+@group(0) @binding(1) var<storage, read_write> out: array<f32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i >= params[0]) {{ return; }}
+    var acc = 0.0;
+    for (var k = 0u; k < params[2]; k = k + 1u) {{
+        acc = acc + partial[k * params[3] + params[4] + i];
+    }}
+    out[i] = acc;
 }}
 "#
     )
@@ -676,14 +707,7 @@ pub(crate) fn cross_entropy_rows() -> String {
 @group(0) @binding(2) var<storage, read_write> row_loss: array<f32>;
 @group(0) @binding(3) var<storage, read_write> lse: array<f32>;
 @group(0) @binding(4) var<storage, read> params: array<u32>;
-{ROW_MAX_AND_EXP_SUM}
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) group: vec3<u32>,
-        @builtin(local_invocation_index) lane: u32) {{
-    let row = group.x + group.y * params[2];
-    let live = row < params[0];
-    let width = params[1];
-    let base = row * width;
+{ROW_MAX_AND_EXP_SUM}{ROW_MAIN}
     let stats = row_max_and_exp_sum(base, width, live, lane);
     if (live && lane == 0u) {{
         let l = stats.x + log(stats.y);
@@ -774,14 +798,7 @@ fn row_sum(value: f32, lane: u32) -> f32 {{
     workgroupBarrier();
     return total;
 }}
-
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) group: vec3<u32>,
-        @builtin(local_invocation_index) lane: u32) {{
-    let row = group.x + group.y * params[2];
-    let live = row < params[0];
-    let width = params[1];
-    let base = row * width;
+{ROW_MAIN}
     var sum = 0.0;
     if (live) {{
         for (var c = lane; c < width; c = c + LANES) {{ sum = sum + x[base + c]; }}

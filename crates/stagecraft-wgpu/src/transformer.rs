@@ -23,8 +23,8 @@
 //! binds more than eight storage buffers (WebGPU's guaranteed minimum).
 
 use crate::context::Gpu;
-use crate::kernels::{grid, launch, one, small, Outputs};
-use crate::shader::{PRELUDE, WORKGROUP};
+use crate::kernels::{grid, launch, one, row_norm_launch, small, Outputs};
+use crate::shader::{self, PRELUDE, ROW_MAIN, WORKGROUP};
 use smallvec::SmallVec;
 use stagecraft_ops::{defs, Attrs, OpDef};
 use stagecraft_tensor::{DType, DeviceTensor, Result, TensorMetadata};
@@ -152,14 +152,7 @@ fn rms_norm_shader(has_weight: bool) -> String {
     let bindings = b.finish();
     let scale = if has_weight { " * weight[c]" } else { "" };
     format!(
-        r#"{bindings}{ROW_SUMS}
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) group: vec3<u32>,
-        @builtin(local_invocation_index) lane: u32) {{
-    let row = group.x + group.y * params[2];
-    let live = row < params[0];
-    let width = params[1];
-    let base = row * width;
+        r#"{bindings}{ROW_SUMS}{ROW_MAIN}
     var squares = 0.0;
     if (live) {{
         for (var c = lane; c < width; c = c + LANES) {{
@@ -205,14 +198,7 @@ fn norm_grad_rows_shader(centered: bool, has_weight: bool) -> String {
     };
     let centre = if centered { " - c1" } else { "" };
     format!(
-        r#"{bindings}{ROW_SUMS}
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) group: vec3<u32>,
-        @builtin(local_invocation_index) lane: u32) {{
-    let row = group.x + group.y * params[2];
-    let live = row < params[0];
-    let width = params[1];
-    let base = row * width;
+        r#"{bindings}{ROW_SUMS}{ROW_MAIN}
     var m = 0.0;
     var r = 0.0;
     if (live) {{
@@ -314,30 +300,6 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     )
 }
 
-/// The second pass: `out[c] = Σ_chunk partial[chunk, c + offset]`, one
-/// thread per column, the chunks in order. `params`: `[chunks, width,
-/// offset, partial_width, row_width]`.
-fn column_sums_shader() -> String {
-    format!(
-        r#"
-@group(0) @binding(0) var<storage, read> partial: array<f32>;
-@group(0) @binding(1) var<storage, read_write> out: array<f32>;
-@group(0) @binding(2) var<storage, read> params: array<u32>;
-
-@compute @workgroup_size({WORKGROUP})
-fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
-    let c = id.x + id.y * params[4];
-    if (c >= params[1]) {{ return; }}
-    var acc = 0.0;
-    for (var k = 0u; k < params[0]; k = k + 1u) {{
-        acc = acc + partial[k * params[3] + params[2] + c];
-    }}
-    out[c] = acc;
-}}
-"#
-    )
-}
-
 fn rms_norm_launch(
     gpu: &'static Gpu,
     attrs: &Attrs<'_>,
@@ -358,23 +320,8 @@ fn rms_norm_launch(
         return Ok(None);
     };
     let eps = attrs.float("eps")? as f32;
-    let pipeline = gpu.pipeline(&rms_norm_shader(has_weight))?;
-    let produced: Outputs = outputs
-        .iter()
-        .map(|m| gpu.alloc(m.clone()))
-        .collect::<Result<_>>()?;
-    let (gx, gy) = grid(rows32);
-    let mut buffers: SmallVec<[&DeviceTensor; 4]> = inputs.iter().copied().collect();
-    buffers.extend(produced.iter());
-    launch(
-        gpu,
-        &pipeline,
-        &buffers,
-        &[rows32, width32, gx, eps.to_bits()],
-        (gx, gy, 1),
-    )?;
-    drop(buffers);
-    Ok(Some(produced))
+    let source = rms_norm_shader(has_weight);
+    row_norm_launch(gpu, &source, inputs, outputs, [rows32, width32], eps).map(Some)
 }
 
 /// `LayerNormGrad(g, x, mean, rstd, [weight])` (`centered`) or
@@ -465,7 +412,8 @@ fn norm_grad_launch(
     launch(gpu, &pipeline, &buffers, &params, (gx, gy, 1))?;
     drop(buffers);
 
-    let pipeline = gpu.pipeline(&column_sums_shader())?;
+    // The second pass: each output sums its columns of every chunk.
+    let pipeline = gpu.pipeline(&shader::part_sums())?;
     let (gx, gy) = grid(width32.div_ceil(WORKGROUP));
     let offsets = [(has_weight, w_offset), (has_bias, b_offset)];
     for (meta, (_, offset)) in outputs[1..]
@@ -473,7 +421,7 @@ fn norm_grad_launch(
         .zip(offsets.iter().filter(|(on, _)| *on))
     {
         let sums = gpu.alloc(meta.clone())?;
-        let params = [chunks32, width32, *offset, partial_width, gx * WORKGROUP];
+        let params = [width32, gx * WORKGROUP, chunks32, partial_width, *offset];
         launch(gpu, &pipeline, &[&partial, &sums], &params, (gx, gy, 1))?;
         produced.push(sums);
     }
@@ -639,18 +587,13 @@ fn att_exp(x: f32) -> f32 {{
     )
 }
 
-/// The forward pass: one workgroup per (head, tile of queries), thread
-/// `(x, y)` = (key or value column in the tile, query in the tile).
-fn attention_forward_shader() -> String {
+/// The head of every attention shader's `main`: the sizes from `params`,
+/// and the head and tile this workgroup owns, its first row (query or
+/// key) named `tile_start`. `o_base` starts the head's rows of `o` and of
+/// `dO`, which share a layout.
+fn attention_main(tile_start: &str) -> String {
     format!(
-        r#"{common}
-@group(0) @binding(0) var<storage, read> q: array<f32>;
-@group(0) @binding(1) var<storage, read> k: array<f32>;
-@group(0) @binding(2) var<storage, read> v: array<f32>;
-@group(0) @binding(3) var<storage, read_write> o: array<f32>;
-@group(0) @binding(4) var<storage, read_write> lse: array<f32>;
-@group(0) @binding(5) var<storage, read> params: array<u32>;
-
+        r#"
 @compute @workgroup_size({TILE}, {TILE})
 fn main(@builtin(workgroup_id) group: vec3<u32>,
         @builtin(local_invocation_id) local: vec3<u32>) {{
@@ -664,17 +607,33 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     let flat = group.x + group.y * params[7];
     let live = flat < params[0] * blocks;
     let head = flat / blocks;
-    let i0 = (flat % blocks) * B;
+    let {tile_start} = (flat % blocks) * B;
     let row = local.y;
     let col = local.x;
+    let q_base = head * t * d;
+    let k_base = head * s * d;
+    let v_base = head * s * dv;
+    let o_base = head * t * dv;"#
+    )
+}
+
+/// The forward pass: one workgroup per (head, tile of queries), thread
+/// `(x, y)` = (key or value column in the tile, query in the tile).
+fn attention_forward_shader() -> String {
+    format!(
+        r#"{common}
+@group(0) @binding(0) var<storage, read> q: array<f32>;
+@group(0) @binding(1) var<storage, read> k: array<f32>;
+@group(0) @binding(2) var<storage, read> v: array<f32>;
+@group(0) @binding(3) var<storage, read_write> o: array<f32>;
+@group(0) @binding(4) var<storage, read_write> lse: array<f32>;
+@group(0) @binding(5) var<storage, read> params: array<u32>;
+
+{main}
     let i = i0 + row;
     let row_live = live && i < t;
     // Keys past the tile's last query are masked for all its queries.
     let key_end = select(0u, select(s, min(s, i0 + B), causal), live);
-    let q_base = head * t * d;
-    let k_base = head * s * d;
-    let v_base = head * s * dv;
-    let o_base = head * t * dv;
     var m = -sc_inf();
     var l = 0.0;
     for (var j0 = 0u; j0 < key_end; j0 = j0 + B) {{
@@ -741,7 +700,8 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     }}
 }}
 "#,
-        common = attention_common()
+        common = attention_common(),
+        main = attention_main("i0")
     )
 }
 
@@ -786,28 +746,10 @@ fn attention_dq_shader() -> String {
 @group(0) @binding(5) var<storage, read_write> dq: array<f32>;
 @group(0) @binding(6) var<storage, read> params: array<u32>;
 
-@compute @workgroup_size({TILE}, {TILE})
-fn main(@builtin(workgroup_id) group: vec3<u32>,
-        @builtin(local_invocation_id) local: vec3<u32>) {{
-    let t = params[1];
-    let s = params[2];
-    let d = params[3];
-    let dv = params[4];
-    let causal = params[5] != 0u;
-    let scale = bitcast<f32>(params[6]);
-    let blocks = params[8];
-    let flat = group.x + group.y * params[7];
-    let live = flat < params[0] * blocks;
-    let head = flat / blocks;
-    let i0 = (flat % blocks) * B;
-    let row = local.y;
-    let col = local.x;
+{main}
     let i = i0 + row;
     let row_live = live && i < t;
     let key_end = select(0u, select(s, min(s, i0 + B), causal), live);
-    let q_base = head * t * d;
-    let k_base = head * s * d;
-    let v_base = head * s * dv;
     var li = 0.0;
     var delta = 0.0;
     if (row_live) {{
@@ -832,7 +774,7 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
         for (var e0 = 0u; e0 < dv; e0 = e0 + B) {{
             let e = e0 + col;
             var gv = 0.0;
-            if (row_live && e < dv) {{ gv = d_o[head * t * dv + i * dv + e]; }}
+            if (row_live && e < dv) {{ gv = d_o[o_base + i * dv + e]; }}
             tile_a[row][col] = gv;
             var vv = 0.0;
             if (j0 + row < s && e < dv) {{ vv = v[v_base + (j0 + row) * dv + e]; }}
@@ -862,7 +804,8 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     }}
 }}
 "#,
-        common = attention_common()
+        common = attention_common(),
+        main = attention_main("i0")
     )
 }
 
@@ -882,31 +825,12 @@ fn attention_dkdv_shader() -> String {
 @group(0) @binding(6) var<storage, read_write> dv_out: array<f32>;
 @group(0) @binding(7) var<storage, read> params: array<u32>;
 
-@compute @workgroup_size({TILE}, {TILE})
-fn main(@builtin(workgroup_id) group: vec3<u32>,
-        @builtin(local_invocation_id) local: vec3<u32>) {{
-    let t = params[1];
-    let s = params[2];
-    let d = params[3];
-    let dv = params[4];
-    let causal = params[5] != 0u;
-    let scale = bitcast<f32>(params[6]);
-    let blocks = params[8];
-    let flat = group.x + group.y * params[7];
-    let live = flat < params[0] * blocks;
-    let head = flat / blocks;
-    let j0 = (flat % blocks) * B;
-    let row = local.y;
-    let col = local.x;
+{main}
     let j = j0 + row;
     let key_live = live && j < s;
     // Queries before the tile's first key see none of its keys.
     let first = select(0u, j0, causal);
     let query_end = select(0u, t, live);
-    let q_base = head * t * d;
-    let k_base = head * s * d;
-    let v_base = head * s * dv;
-    let g_base = head * t * dv;
     for (var i0 = first; i0 < query_end; i0 = i0 + B) {{
         let i = i0 + col;
         let query_live = i < t;
@@ -938,7 +862,7 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
         for (var e0 = 0u; e0 < dv; e0 = e0 + B) {{
             let e = e0 + col;
             var gv = 0.0;
-            if (i0 + row < t && e < dv) {{ gv = d_o[g_base + (i0 + row) * dv + e]; }}
+            if (i0 + row < t && e < dv) {{ gv = d_o[o_base + (i0 + row) * dv + e]; }}
             tile_a[row][col] = gv;
             workgroupBarrier();
             var sum = 0.0;
@@ -954,7 +878,7 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
         for (var e0 = 0u; e0 < dv; e0 = e0 + B) {{
             let e = e0 + col;
             var gv = 0.0;
-            if (i0 + row < t && e < dv) {{ gv = d_o[g_base + (i0 + row) * dv + e]; }}
+            if (i0 + row < t && e < dv) {{ gv = d_o[o_base + (i0 + row) * dv + e]; }}
             tile_a[row][col] = gv;
             var vv = 0.0;
             if (key_live && e < dv) {{ vv = v[v_base + j * dv + e]; }}
@@ -987,7 +911,8 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     }}
 }}
 "#,
-        common = attention_common()
+        common = attention_common(),
+        main = attention_main("j0")
     )
 }
 
@@ -1152,7 +1077,7 @@ fn every_shader() -> Vec<(String, String)> {
             }
         }
     }
-    sources.push(("column sums".into(), column_sums_shader()));
+    sources.push(("column sums".into(), shader::part_sums()));
     sources.push(("squared sum".into(), squared_sum_shader()));
     sources.push(("partial total".into(), partial_total_shader()));
     sources.push(("attention".into(), attention_forward_shader()));

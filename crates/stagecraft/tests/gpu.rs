@@ -673,12 +673,15 @@ mod on_the_gpu {
             y.sum(&[1], false)
         };
         let (xs, ws) = (values(6 * 5, 41, -1.0, 1.0), values(5 * 7, 42, -1.0, 1.0));
+        // The same trace on the lazy CPU first: its cached executable must
+        // not serve the GPU's recording of the same structure.
+        let on_lazy_cpu = Device::lazy(&cpu());
         let want = step(
-            &Tensor::from_vec(xs.clone(), &[6, 5], &cpu()).unwrap(),
-            &Tensor::from_vec(ws.clone(), &[5, 7], &cpu()).unwrap(),
-        )
-        .to_vec()
-        .unwrap();
+            &Tensor::from_vec(xs.clone(), &[6, 5], &on_lazy_cpu).unwrap(),
+            &Tensor::from_vec(ws.clone(), &[5, 7], &on_lazy_cpu).unwrap(),
+        );
+        lazy::mark_step();
+        let want = want.to_vec().unwrap();
         let x = Tensor::from_vec(xs, &[6, 5], &on_lazy).unwrap();
         let mut w = Tensor::from_vec(ws, &[5, 7], &on_lazy).unwrap();
         lazy::reset_metrics();
@@ -708,6 +711,28 @@ mod on_the_gpu {
         }
         let m = lazy::metrics();
         assert!(m.cache_hits >= 2, "{m:?}");
+    }
+
+    /// A lazy GPU value read early (now in device memory) and then used
+    /// inside a `cond` branch stays a parameter of the branch: tracing it
+    /// must not read it back to bake it.
+    #[test]
+    fn a_lazy_gpu_value_read_early_feeds_a_branch() {
+        let (gpu, _turn) = gpu();
+        let on_lazy = Device::lazy(&gpu);
+        let x = Tensor::from_vec(vec![0.5f32, -1.0, 2.0], &[3], &on_lazy).unwrap();
+        let y = x.exp();
+        let early = y.to_vec().unwrap();
+        let c = y.sum(&[], false).gt(&Tensor::scalar(0.0, &on_lazy));
+        let z = stagecraft::cond(&c, || y.exp(), || y.clone());
+        let want: Vec<f32> = early.iter().map(|v| v.exp()).collect();
+        assert_close(
+            "a branch over an early read",
+            &z.to_vec().unwrap(),
+            &want,
+            1e-5,
+            1e-6,
+        );
     }
 
     /// Training through the lazy device on the GPU: gradients of a trace

@@ -74,6 +74,9 @@ impl Compiled {
 }
 
 struct Entry {
+    /// The device the trace was compiled for: one structure recorded on
+    /// two lazy devices is two traces (a host executable, a GPU program).
+    target: Device,
     structure: Structure,
     /// For explaining later misses.
     skeleton: Skeleton,
@@ -248,7 +251,7 @@ pub(super) fn lookup_or_compile(
         let entries = cache?.get(&key)?;
         let entry = entries
             .iter()
-            .find(|e| e.structure == collected.structure)?;
+            .find(|e| e.target == collected.target && e.structure == collected.structure)?;
         let mut widened = Vec::new();
         for (i, (mode, leaf)) in entry.modes.iter().zip(leaves).enumerate() {
             if let Mode::Baked(v) = mode {
@@ -318,8 +321,9 @@ pub(super) fn lookup_or_compile(
     count_compile(start.elapsed());
     write_cache(|cache| {
         let entries = cache.entry(key).or_default();
-        entries.retain(|e| e.structure != collected.structure);
+        entries.retain(|e| !(e.target == collected.target && e.structure == collected.structure));
         entries.push(Entry {
+            target: collected.target,
             structure: collected.structure.clone(),
             skeleton,
             modes,
@@ -347,7 +351,7 @@ pub(super) fn cached_modes(collected: &Collected) -> Vec<Mode> {
         cache?
             .get(&key)?
             .iter()
-            .find(|e| e.structure == collected.structure)
+            .find(|e| e.target == collected.target && e.structure == collected.structure)
             .map(|e| e.modes.clone())
     })
     .unwrap_or_else(|| first_modes(&collected.leaves))
@@ -424,6 +428,7 @@ mod tests {
         cache.insert(
             0,
             vec![Entry {
+                target: seen.target,
                 structure: seen.structure.clone(),
                 skeleton: seen.skeleton(),
                 modes: Vec::new(),
