@@ -216,9 +216,11 @@ impl<T: Element> Tensor<T> {
         }
     }
 
-    /// Waits until the value is computed; returns its error if any.
+    /// Waits until the value is computed (on a GPU: until its kernels are
+    /// submitted, which later reads wait behind); returns its error if any.
+    /// Reads nothing back, so it works wherever the value lives.
     pub fn wait(&self) -> Result<()> {
-        self.handle.wait().map(|_| ())
+        self.handle.wait_value().map(|_| ())
     }
 
     /// The value, for a read by the user: an implicit device-to-host copy

@@ -76,6 +76,8 @@ mod on_the_gpu {
         let f = Tensor::<f32>::from_vec(vec![1.5, -0.0, f32::NAN, f32::INFINITY], &[2, 2], &gpu)
             .unwrap();
         assert_eq!(f.device(), gpu);
+        // Waiting reads nothing back: it works for a value in GPU memory.
+        f.exp().wait().unwrap();
         let bits: Vec<u32> = f.to_vec().unwrap().iter().map(|v| v.to_bits()).collect();
         assert_eq!(
             bits,
