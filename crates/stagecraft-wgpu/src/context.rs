@@ -245,7 +245,6 @@ impl Gpu {
         if bytes == 0 {
             return DenseHostTensor::zeros(meta);
         }
-        self.flush()?;
         let source = GpuBuffer::of(tensor)?;
         let padded = bytes.next_multiple_of(4) as u64;
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
@@ -258,7 +257,14 @@ impl Gpu {
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor::default());
         encoder.copy_buffer_to_buffer(source.buffer(), 0, &staging, 0, padded);
-        self.submit(encoder);
+        {
+            // The recorded work and the copy reach the queue under one
+            // lock: another thread's flush must not slip its submission of
+            // the kernels this copy reads in after the copy.
+            let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+            self.flush_locked(&mut batch)?;
+            self.submit(encoder);
+        }
         let (done, mapped) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |result| {
             let _ = done.send(result);
@@ -301,16 +307,12 @@ impl Gpu {
     /// the driver reports for the recorded work as a whole (validation at
     /// submission) is returned here.
     pub fn end_batch(&self) -> Result<()> {
-        let last = {
-            let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
-            batch.depth = batch.depth.saturating_sub(1);
-            batch.depth == 0
-        };
-        if last {
-            self.flush()
-        } else {
-            Ok(())
+        let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        batch.depth = batch.depth.saturating_sub(1);
+        if batch.depth > 0 {
+            return Ok(());
         }
+        self.flush_locked(&mut batch)
     }
 
     /// True while a batch is open.
@@ -325,12 +327,14 @@ impl Gpu {
             self.device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
         };
+        // Recorded and submitted under the batch lock, so that the queue
+        // sees launches in the order they were made, whichever thread made
+        // them and whether or not a batch is open.
         let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         if batch.depth > 0 {
             work(batch.encoder.get_or_insert_with(new_encoder));
             return;
         }
-        drop(batch);
         let mut encoder = new_encoder();
         work(&mut encoder);
         self.submit(encoder);
@@ -339,21 +343,29 @@ impl Gpu {
     /// Submits the recorded work of the open batch (which stays open), and
     /// returns the buffers it freed to the pool.
     fn flush(&self) -> Result<()> {
-        let (encoder, freed) = {
-            let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
-            (batch.encoder.take(), std::mem::take(&mut batch.freed))
-        };
-        if let Some(encoder) = encoder {
+        let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        self.flush_locked(&mut batch)
+    }
+
+    /// Submits the batch's recorded work while its lock is held, then
+    /// returns the buffers that work may have read to the pool. Taking the
+    /// encoder and submitting it must be one step: a thread that found the
+    /// encoder gone while another had yet to submit it could queue a read
+    /// of its results ahead of the kernels computing them.
+    fn flush_locked(&self, batch: &mut Batch) -> Result<()> {
+        let mut result = Ok(());
+        if let Some(encoder) = batch.encoder.take() {
             let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
             self.submit(encoder);
             if let Some(error) = pollster::block_on(scope.pop()) {
-                return Err(self.device_error("submitting a batch of kernels", error));
+                result = Err(self.device_error("submitting a batch of kernels", error));
             }
         }
-        for buffer in freed {
+        // Submitted or refused, the recorded work no longer reads them.
+        for buffer in batch.freed.drain(..) {
             self.pool.release(buffer);
         }
-        Ok(())
+        result
     }
 
     fn submit(&self, encoder: wgpu::CommandEncoder) {

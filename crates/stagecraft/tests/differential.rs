@@ -1521,15 +1521,6 @@ mod on_the_gpu {
         Device::try_gpu(0).unwrap_or_else(|e| panic!("the GPU comparison needs gpu:0: {e}"))
     }
 
-    /// KNOWN FAILURE (a runtime bug, open): two threads running ops on
-    /// `gpu:0` at once get wrong values now and then (3 runs in 4 of this
-    /// file's two GPU tests side by side; none in 3 runs one at a time).
-    /// The tests take turns until it is fixed.
-    fn turn() -> std::sync::MutexGuard<'static, ()> {
-        static TURN: Mutex<()> = Mutex::new(());
-        TURN.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Values read back with their shapes, or the error's kind and text.
     type Kinded = Result<Vec<(Vec<usize>, Vec<f32>)>, (ErrorKind, String)>;
 
@@ -1659,7 +1650,6 @@ mod on_the_gpu {
     /// within the bound (see the module docs), and most are compared.
     #[test]
     fn gpu_runs_agree_with_the_cpu() {
-        let _turn = turn();
         use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
         const CASES: u32 = 512;
         let config = Config {
@@ -1737,7 +1727,6 @@ mod on_the_gpu {
     /// same kind of error on `gpu:0` (eager and lazy) as on the CPU.
     #[test]
     fn errors_agree_in_kind() {
-        let _turn = turn();
         use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
         let config = Config {
             cases: 128,
