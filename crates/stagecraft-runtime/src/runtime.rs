@@ -319,7 +319,7 @@ pub fn copy_to_device(handle: &TensorHandle, target: Device, location: Location)
 
 /// The dense host value of `handle`, waiting for it (and copying it out of
 /// device memory, counted as a copy); `true` when that made a new buffer.
-fn host_copy_of(handle: &TensorHandle) -> Result<(DenseHostTensor, bool)> {
+pub(crate) fn host_copy_of(handle: &TensorHandle) -> Result<(DenseHostTensor, bool)> {
     match handle.wait_value()? {
         TensorValue::Host(host) => Ok((host.to_dense()?, false)),
         TensorValue::Device(value) => {

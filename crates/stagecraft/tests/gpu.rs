@@ -805,4 +805,82 @@ mod on_the_gpu {
             .to_string()
             .contains("adapter"));
     }
+
+    /// The tail of a model: on `device` when given, else where it is.
+    fn split_model(x: &Tensor<f32>, w: &Tensor<f32>, device: Option<Device>) -> Tensor<f32> {
+        let h = x.matmul(w).relu();
+        let tail = || (h.matmul(w) + 0.5f32).tanh().softmax(-1);
+        let out = match device {
+            Some(d) => stagecraft::with_device(&d, tail),
+            None => tail(),
+        };
+        out.sum(&[-1], false) * 2.0f32
+    }
+
+    #[test]
+    fn a_function_placed_partly_on_the_gpu_runs_as_two_partitions_joined_by_send_and_recv() {
+        let (gpu, _turn) = gpu();
+        let mut rng = Rng::new(4);
+        let x = Tensor::<f32>::rand_normal(&[8, 16], 0.0, 1.0, &mut rng, &cpu());
+        let w = Tensor::<f32>::rand_normal(&[16, 16], 0.0, 0.3, &mut rng, &cpu());
+        let want = split_model(&x, &w, None).to_vec().unwrap();
+        let split = stagecraft::function(move |(x, w): (Tensor<f32>, Tensor<f32>)| {
+            split_model(&x, &w, Some(gpu))
+        });
+        let before = rt::stats().device_copies;
+        let got = split.call((x.clone(), w.clone())).to_vec().unwrap();
+        assert_close("split model", &got, &want, 1e-5, 1e-6);
+        // h and w go to the GPU, the tail's result comes back: each edge
+        // between the partitions is one Send/Recv pair, one copy.
+        assert_eq!(rt::stats().device_copies - before, 3);
+        let traced = split.traced_function(&(x.clone(), w.clone())).unwrap();
+        let exe = rt::executor::instantiate(traced, cpu()).unwrap();
+        assert_eq!(exe.partition_count(), 2);
+        // Runs again from the cache, with new values.
+        let x2 = &x * 0.5f32;
+        let want = split_model(&x2, &w, None).to_vec().unwrap();
+        let got = split.call((x2, w)).to_vec().unwrap();
+        assert_close("split model, second call", &got, &want, 1e-5, 1e-6);
+    }
+
+    #[test]
+    fn an_error_in_the_gpu_partition_names_its_line_and_releases_the_cpu_one() {
+        let (gpu, _turn) = gpu();
+        let line = line!() + 4;
+        let f = stagecraft::function(move |x: Tensor<f32>| {
+            let far = stagecraft::with_device(&gpu, || {
+                let wide = x.reshape(&[2, 3]);
+                wide.matmul(&wide).exp()
+            });
+            // The CPU partition waits for `far`; the GPU's error must
+            // release it.
+            (&x + 1.0f32).sum(&[0], false) + far.sum(&[0, 1], false)
+        });
+        let err = f
+            .call(Tensor::<f32>::ones(&[6], &cpu()))
+            .to_vec()
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Shape, "{err}");
+        assert_eq!(err.op(), Some("MatMul"), "{err}");
+        assert_eq!(err.location().unwrap().line(), line, "{err}");
+    }
+
+    #[test]
+    fn a_function_on_the_gpu_runs_a_with_device_scope_on_the_cpu() {
+        let (gpu, _turn) = gpu();
+        let mut rng = Rng::new(6);
+        let x = Tensor::<f32>::rand_normal(&[8, 16], 0.0, 1.0, &mut rng, &cpu());
+        let w = Tensor::<f32>::rand_normal(&[16, 16], 0.0, 0.3, &mut rng, &cpu());
+        let want = split_model(&x, &w, None).to_vec().unwrap();
+        let on_cpu = stagecraft::function(move |(x, w): (Tensor<f32>, Tensor<f32>)| {
+            split_model(&x, &w, Some(cpu()))
+        });
+        let (gx, gw) = (x.to_device(&gpu), w.to_device(&gpu));
+        let before = rt::stats().device_copies;
+        let got = on_cpu.call((gx.clone(), gw.clone()));
+        assert_eq!(got.device(), gpu);
+        assert_close("tail on the CPU", &got.to_vec().unwrap(), &want, 1e-5, 1e-6);
+        // h and w down, the tail's result up, the result read: four.
+        assert_eq!(rt::stats().device_copies - before, 4);
+    }
 }

@@ -90,7 +90,8 @@ fn masks_as_numbers(f: &Function) -> Option<Function> {
 /// a comparison that only it reads, whose operands a fused kernel reads.
 fn mask_code(f: &Function, i: usize, uses: &[SmallVec<[u32; 1]>]) -> Option<i64> {
     let node = &f.nodes[i];
-    let out = &node.outputs[0];
+    // (A node without outputs, a partition's `Send`, is no cast.)
+    let out = node.outputs.first()?;
     let NodeOp::Op(def, _) = &node.op else {
         return None;
     };
@@ -143,6 +144,13 @@ impl Fusions {
         reductions: true,
         matmul_epilogues: true,
         accepts: |_| true,
+    };
+
+    /// No fusion: for a device that runs no fused op.
+    pub const NONE: Fusions = Fusions {
+        reductions: false,
+        matmul_epilogues: false,
+        accepts: |_| false,
     };
 }
 

@@ -90,11 +90,7 @@ pub fn optimize_fusing(
     fusions: &fuse::Fusions,
 ) -> (Function, PassStats) {
     let (g, stats) = simplify_with_stats(f, kernels);
-    // Transposes read by products become strides, then fusion groups what
-    // is left.
-    let (g, transposes) = layout::run(&g);
-    let (g, removed) = if transposes > 0 { dce::run(&g) } else { (g, 0) };
-    let (g, fused) = fuse::run_with(&g, fusions);
+    let (g, removed, fused) = lower(&g, fusions);
     let stats = PassStats {
         nodes_after: g.nodes.len(),
         removed: stats.removed + removed,
@@ -102,6 +98,19 @@ pub fn optimize_fusing(
         ..stats
     };
     (g, stats)
+}
+
+/// The passes after [`simplify_with_stats`] that shape a function for a
+/// device's kernels: transposes read by products become strides, then
+/// fusion (limited to `fusions`) groups what is left. A function placed on
+/// several devices is simplified whole, then lowered per partition, each
+/// for its own device's kernels. Returns the function, the nodes removed
+/// and the groups fused.
+pub fn lower(f: &Function, fusions: &fuse::Fusions) -> (Function, usize, usize) {
+    let (g, transposes) = layout::run(f);
+    let (g, removed) = if transposes > 0 { dce::run(&g) } else { (g, 0) };
+    let (g, fused) = fuse::run_with(&g, fusions);
+    (g, removed, fused)
 }
 
 /// Every pass but fusion (inline → fold → CSE → DCE): the function stays

@@ -7,13 +7,20 @@
 //!
 //! A program runs inside one batch of the device's work: a GPU records
 //! the whole trace into one command buffer and submits it once.
+//!
+//! A function placed partly on such a device is partitioned like any
+//! other (`partition.rs`): the device's partition is a [`DeviceProgram`]
+//! whose `Send` downloads a value and publishes it in the run's
+//! rendezvous, and whose `Recv` uploads what another partition sent.
 
+use super::partition::{should_stop, Rendezvous};
 use crate::device::Device;
 use crate::handle::TensorHandle;
 use crate::op_handler::{Args, Batch};
 use smallvec::SmallVec;
 use stagecraft_graph::{Function, NodeOp, Value};
-use stagecraft_tensor::{Error, Location, Result, TensorValue};
+use stagecraft_ops::{AttrValue, OpAttrs, OpKind};
+use stagecraft_tensor::{Error, HostTensor, Location, Result, TensorValue};
 use std::sync::Arc;
 
 /// A function optimized for a device that runs ops itself.
@@ -40,6 +47,51 @@ impl DeviceProgram {
             function: Arc::new(optimized),
             device,
         }
+    }
+
+    /// A partition of a function already optimized whole: run as it is.
+    pub(crate) fn partition(function: Function, device: Device) -> DeviceProgram {
+        DeviceProgram {
+            function: Arc::new(function),
+            device,
+        }
+    }
+
+    /// The ops a run executes (constants and transfers aside).
+    pub fn op_count(&self) -> usize {
+        self.function
+            .nodes
+            .iter()
+            .filter(|n| match &n.op {
+                NodeOp::Op(def, _) => def.kind != OpKind::Transfer,
+                NodeOp::Const(_) => false,
+            })
+            .count()
+    }
+
+    /// Runs a partition of a partitioned function: host arguments are
+    /// uploaded, `Send` and `Recv` meet the other partitions in
+    /// `rendezvous`, and results are downloaded.
+    pub(crate) fn run_partition(
+        &self,
+        args: Vec<HostTensor>,
+        rendezvous: &Rendezvous,
+        locations: &[Location],
+    ) -> Result<Vec<HostTensor>> {
+        let args: Vec<TensorHandle> = args
+            .into_iter()
+            .map(|v| TensorHandle::available(self.device, v))
+            .collect();
+        let batch = Batch::begin(self.device);
+        let results = interpret_with(
+            &self.function,
+            &args,
+            self.device,
+            locations,
+            Some(rendezvous),
+        );
+        batch.end()?;
+        results?.iter().map(crate::runtime::read_to_host).collect()
     }
 
     /// The optimized function.
@@ -83,6 +135,32 @@ pub(crate) fn interpret(
     device: Device,
     locations: &[Location],
 ) -> Result<Vec<TensorHandle>> {
+    interpret_with(function, args, device, locations, None)
+}
+
+/// The key a `Send` or `Recv` node meets its other half under.
+fn transfer_key(attrs: &OpAttrs) -> Result<String> {
+    match attrs.get("key") {
+        Some(AttrValue::Str(key)) => Ok(key.to_string()),
+        _ => Err(Error::internal("a transfer without a key")),
+    }
+}
+
+/// [`interpret`], with `rendezvous` serving the `Send` and `Recv` nodes
+/// of a partition. A run stops between nodes when a partitioned run it
+/// works for has failed elsewhere.
+///
+/// Outside a partition, a node placed on another device (a `with_device`
+/// scope in a function that runs on the GPU) runs there, by the placement
+/// rules of partitioned functions; its inputs are copied over and its
+/// results back as eager ops copy them (counted).
+fn interpret_with(
+    function: &Function,
+    args: &[TensorHandle],
+    device: Device,
+    locations: &[Location],
+    rendezvous: Option<&Rendezvous>,
+) -> Result<Vec<TensorHandle>> {
     if args.len() != function.params.len() {
         return Err(Error::internal(format!(
             "@{} takes {} arguments, got {}",
@@ -91,6 +169,12 @@ pub(crate) fn interpret(
             args.len()
         )));
     }
+    let placement = match rendezvous {
+        None if function.nodes.iter().any(|n| n.device.is_some()) => {
+            Some(super::partition::place(function, device)?)
+        }
+        _ => None,
+    };
     let mut outputs: Vec<SmallVec<[TensorHandle; 1]>> = Vec::with_capacity(function.nodes.len());
     let value = |v: &Value, outputs: &[SmallVec<[TensorHandle; 1]>]| -> TensorHandle {
         match *v {
@@ -98,27 +182,62 @@ pub(crate) fn interpret(
             Value::Output { node, output } => outputs[node as usize][output as usize].clone(),
         }
     };
-    for node in &function.nodes {
+    let moved = |h: TensorHandle, to: Device, location: Location| match h.device() == to {
+        true => h,
+        false => crate::runtime::copy_to_device(&h, to, location),
+    };
+    for (index, node) in function.nodes.iter().enumerate() {
+        let here = placement.as_ref().map_or(device, |p| p[index]);
         let produced: SmallVec<[TensorHandle; 1]> = match &node.op {
             NodeOp::Const(constant) => {
-                smallvec::smallvec![TensorHandle::available(device, constant.clone())]
+                smallvec::smallvec![TensorHandle::available(here, constant.clone())]
             }
             NodeOp::Op(def, attrs) => {
-                let inputs: Args = node.inputs.iter().map(|v| value(v, &outputs)).collect();
                 let location = node
                     .origin
                     .and_then(|i| locations.get(i as usize))
                     .copied()
                     .unwrap_or(node.location);
-                crate::runtime::execute(def, device, location, inputs, attrs.clone().into())
+                let inputs: Args = node
+                    .inputs
+                    .iter()
+                    .map(|v| moved(value(v, &outputs), here, location))
+                    .collect();
+                if def.kind == OpKind::Transfer {
+                    let rendezvous = super::partition::rendezvous(rendezvous)?;
+                    let key = transfer_key(attrs)?;
+                    match inputs.first() {
+                        // Send: the value leaves device memory for the
+                        // rendezvous, which counts the transfer.
+                        Some(sent) => {
+                            let (host, _) = crate::runtime::host_copy_of(sent)?;
+                            rendezvous.send(&key, host.into(), location)?;
+                            SmallVec::new()
+                        }
+                        // Recv: what another partition sent, uploaded.
+                        None => {
+                            let got = rendezvous.recv(&key, location)?;
+                            smallvec::smallvec![TensorHandle::available(device, got)]
+                        }
+                    }
+                } else {
+                    if rendezvous.is_some() && should_stop() {
+                        return Err(Error::cancelled().with_op(def.name).at(location));
+                    }
+                    crate::runtime::execute(def, here, location, inputs, attrs.clone().into())
+                }
             }
         };
         outputs.push(produced);
     }
+    let location = function
+        .nodes
+        .first()
+        .map_or_else(Location::caller, |n| n.location);
     let results: Vec<TensorHandle> = function
         .results
         .iter()
-        .map(|v| value(v, &outputs))
+        .map(|v| moved(value(v, &outputs), device, location))
         .collect();
     for result in &results {
         if let Some(e) = result.resolved_error() {

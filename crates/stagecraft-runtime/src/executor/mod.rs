@@ -220,15 +220,27 @@ fn slot_of(value: Value, node_base: &[Slot]) -> Slot {
 /// partitions the nodes, and resolves every node's kernel on its device's
 /// kernel cache.
 pub fn instantiate(function: Arc<Function>, device: Device) -> Result<Executable> {
-    let function = Arc::new(stagecraft_graph::passes::optimize(
-        &function,
-        &stagecraft_cpu::CONSTANT_KERNELS,
-    ));
+    use stagecraft_graph::passes::{lower, simplify_with_stats};
+    let (function, _) = simplify_with_stats(&function, &stagecraft_cpu::CONSTANT_KERNELS);
+    // Placed before fusion: each partition is then fused for its own
+    // device's kernels (a GPU runs fewer fused forms than the CPU).
     let placement = partition::place(&function, device)?;
     if placement.iter().any(|d| *d != device) {
-        return partition::instantiate_partitioned(function, device, &placement);
+        return partition::instantiate_partitioned(Arc::new(function), device, &placement);
     }
-    instantiate_on(function, device)
+    let (function, _, _) = lower(&function, &fusions_of(device));
+    instantiate_on(Arc::new(function), device)
+}
+
+/// The fused forms `device`'s kernels run: all of them on a host device,
+/// what the handler says on a device that runs ops itself.
+pub(crate) fn fusions_of(device: Device) -> stagecraft_graph::passes::fuse::Fusions {
+    use stagecraft_graph::passes::fuse::Fusions;
+    let handler = device.handler();
+    match handler.host_kernels() {
+        Some(_) => Fusions::ALL,
+        None => handler.fusions().unwrap_or(Fusions::NONE),
+    }
 }
 
 /// Instantiates `function` with every node on `device`.

@@ -26,6 +26,7 @@
 //! iterations, so long work elsewhere is abandoned instead of running to
 //! its end only for its result to be dropped.
 
+use super::device_program::DeviceProgram;
 use super::{instantiate_on, Executable};
 use crate::device::{Device, DeviceKind};
 use crate::runtime::{count_device_copy, is_cancelled};
@@ -60,21 +61,24 @@ pub(crate) fn place(function: &Function, default: Device) -> Result<Vec<Device>>
                 Some(Value::Param(_)) => Some(default),
                 None => None,
             })
-            .or_else(|| {
-                // A constant or a creation op: next to its first explicitly
-                // placed consumer, so the value is not shipped across.
-                function.nodes[i + 1..]
-                    .iter()
-                    .zip(&explicit[i + 1..])
-                    .find(|(n, _)| {
-                        n.inputs
-                            .iter()
-                            .any(|v| matches!(v, Value::Output { node, .. } if *node as usize == i))
-                    })
-                    .and_then(|(_, d)| *d)
-            })
             .unwrap_or(default);
         placed.push(device);
+    }
+    // A constant or a creation op goes next to its first consumer, however
+    // that was placed, so its value is not shipped across. (A consumer
+    // that took its device from this node is on it already.)
+    let mut first_consumer: Vec<Option<usize>> = vec![None; function.nodes.len()];
+    for (c, node) in function.nodes.iter().enumerate().rev() {
+        for v in &node.inputs {
+            if let Value::Output { node, .. } = v {
+                first_consumer[*node as usize] = Some(c);
+            }
+        }
+    }
+    for (i, node) in function.nodes.iter().enumerate() {
+        if let (true, None, Some(c)) = (node.inputs.is_empty(), explicit[i], first_consumer[i]) {
+            placed[i] = placed[c];
+        }
     }
     Ok(placed)
 }
@@ -353,10 +357,40 @@ pub(super) fn rendezvous(r: Option<&Rendezvous>) -> Result<&Rendezvous> {
 pub(crate) struct Partitioned {
     /// The partition of the function's own device (parameters and results).
     main: Executable,
-    others: Vec<Executable>,
+    others: Vec<Part>,
     /// For a function partitioned across ranks: its edges to other
     /// processes, and how many times this process has run it.
     remote: Option<(Arc<RemoteEdges>, AtomicU64)>,
+}
+
+/// A partition besides the main one: planned host kernels on a host
+/// device, or a program of ops for a device that runs ops itself (a GPU).
+pub(super) enum Part {
+    Host(Executable),
+    Device(DeviceProgram),
+}
+
+impl Part {
+    fn device(&self) -> Device {
+        match self {
+            Part::Host(exe) => exe.device,
+            Part::Device(program) => program.device(),
+        }
+    }
+
+    fn run(&self, rendezvous: &Rendezvous, locations: &[Location]) -> Result<Vec<HostTensor>> {
+        match self {
+            Part::Host(exe) => exe.run_with(Vec::new(), Some(rendezvous), locations),
+            Part::Device(program) => program.run_partition(Vec::new(), rendezvous, locations),
+        }
+    }
+
+    fn kernel_count(&self) -> usize {
+        match self {
+            Part::Host(exe) => exe.kernel_count(),
+            Part::Device(program) => program.op_count(),
+        }
+    }
 }
 
 impl Partitioned {
@@ -382,12 +416,8 @@ impl Partitioned {
                 .iter()
                 .map(|part| {
                     scope.spawn(move || {
-                        let run = || {
-                            with_stop_flags(flags, || {
-                                part.run_with(Vec::new(), Some(rdv), locations)
-                            })
-                        };
-                        let result = match device_pool(part.device) {
+                        let run = || with_stop_flags(flags, || part.run(rdv, locations));
+                        let result = match device_pool(part.device()) {
                             Some(pool) => pool.install(run),
                             None => run(),
                         };
@@ -674,11 +704,22 @@ pub(super) fn instantiate_partitioned(
     }
     let mut executables = Vec::new();
     for (i, (f, d)) in parts.into_iter().zip(devices).enumerate() {
-        if layout.in_this_process(i) {
-            executables.push(instantiate_on(Arc::new(f), d.without_rank())?);
+        if !layout.in_this_process(i) {
+            continue;
         }
+        let d = d.without_rank();
+        let (f, _, _) = stagecraft_graph::passes::lower(&f, &super::fusions_of(d));
+        // The main partition holds the parameters and results on a host
+        // device; another may be a device that runs ops itself.
+        let part = match d.handler().host_kernels() {
+            None if i > 0 => Part::Device(DeviceProgram::partition(f, d)),
+            _ => Part::Host(instantiate_on(Arc::new(f), d)?),
+        };
+        executables.push(part);
     }
-    let main_exe = executables.remove(0);
+    let Part::Host(main_exe) = executables.remove(0) else {
+        return Err(Error::internal("the main partition is not a host program"));
+    };
     let partitions = Partitioned {
         main: main_exe,
         others: executables,
@@ -706,11 +747,6 @@ impl Partitioned {
 
     /// Kernels launched per run, over all partitions.
     pub fn kernel_count(&self) -> usize {
-        self.main.kernel_count()
-            + self
-                .others
-                .iter()
-                .map(Executable::kernel_count)
-                .sum::<usize>()
+        self.main.kernel_count() + self.others.iter().map(Part::kernel_count).sum::<usize>()
     }
 }
