@@ -24,62 +24,85 @@
 
 use crate::context::Gpu;
 use crate::kernels::{grid, launch, one, small, Outputs};
+use crate::registry::{kernel, Accepts, GpuKernel};
 use crate::shader::{self, PRELUDE, WORKGROUP};
-use stagecraft_ops::{conv2d_window, defs, pool_window, Attrs, OpDef, Window2d};
+use stagecraft_ops::{conv2d_window, defs, pool_window, Attrs, Window2d};
 use stagecraft_tensor::{DType, DeviceTensor, Result, TensorMetadata};
 
-/// Runs `op` if this family has a GPU kernel for it and these inputs;
-/// `Ok(None)` otherwise.
-pub(crate) fn run(
-    gpu: &'static Gpu,
-    op: &'static OpDef,
-    attrs: &Attrs<'_>,
-    inputs: &[&DeviceTensor],
-    outputs: &[TensorMetadata],
-) -> Result<Option<Outputs>> {
-    let is = |def: &'static OpDef| std::ptr::eq(op, def);
-    let product = if is(&defs::CONV2D) {
-        Some(Product::Forward)
-    } else if is(&defs::CONV2D_BACKPROP_INPUT) || is(&defs::CONV_TRANSPOSE2D) {
+/// The entries of this family: f32 inputs, each kernel checking that its
+/// tensors are of rank 4.
+pub(crate) fn register(table: &mut Vec<GpuKernel>) {
+    use Accepts::AllF32;
+    table.extend([
+        kernel(&defs::CONV2D, AllF32, |g, _, a, i, o| {
+            product_entry(g, Product::Forward, a, i, o)
+        }),
         // A transposed convolution is the input gradient of the
         // convolution with its window, as on the CPU: its input plays the
         // output gradient, its output the convolution's image.
-        Some(Product::InputGradient)
-    } else if is(&defs::CONV2D_BACKPROP_FILTER) {
-        Some(Product::FilterGradient)
-    } else {
-        None
-    };
-    // (average, gradient)
-    let pool = if is(&defs::MAX_POOL2D) {
-        Some((false, false))
-    } else if is(&defs::AVG_POOL2D) {
-        Some((true, false))
-    } else if is(&defs::MAX_POOL2D_GRAD) {
-        Some((false, true))
-    } else if is(&defs::AVG_POOL2D_GRAD) {
-        Some((true, true))
-    } else {
-        None
-    };
-    if product.is_none() && pool.is_none() {
-        return Ok(None);
-    }
+        kernel(&defs::CONV2D_BACKPROP_INPUT, AllF32, |g, _, a, i, o| {
+            product_entry(g, Product::InputGradient, a, i, o)
+        }),
+        kernel(&defs::CONV_TRANSPOSE2D, AllF32, |g, _, a, i, o| {
+            product_entry(g, Product::InputGradient, a, i, o)
+        }),
+        kernel(&defs::CONV2D_BACKPROP_FILTER, AllF32, |g, _, a, i, o| {
+            product_entry(g, Product::FilterGradient, a, i, o)
+        }),
+        kernel(&defs::MAX_POOL2D, AllF32, |g, _, a, i, o| {
+            pool_entry(g, false, false, a, i, o)
+        }),
+        kernel(&defs::AVG_POOL2D, AllF32, |g, _, a, i, o| {
+            pool_entry(g, true, false, a, i, o)
+        }),
+        kernel(&defs::MAX_POOL2D_GRAD, AllF32, |g, _, a, i, o| {
+            pool_entry(g, false, true, a, i, o)
+        }),
+        kernel(&defs::AVG_POOL2D_GRAD, AllF32, |g, _, a, i, o| {
+            pool_entry(g, true, true, a, i, o)
+        }),
+    ]);
+}
+
+/// The one output of a convolution or pooling when it and every input
+/// are f32 tensors of rank 4; `None` otherwise (the CPU runs it).
+fn nchw<'a>(inputs: &[&DeviceTensor], outputs: &'a [TensorMetadata]) -> Option<&'a TensorMetadata> {
     let [out] = outputs else {
-        return Ok(None);
+        return None;
     };
     let supported = out.dtype == DType::F32
         && out.shape.rank() == 4
         && inputs
             .iter()
             .all(|t| t.metadata().dtype == DType::F32 && t.metadata().shape.rank() == 4);
-    if !supported {
-        return Ok(None);
+    supported.then_some(out)
+}
+
+fn product_entry(
+    gpu: &'static Gpu,
+    product: Product,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    match nchw(inputs, outputs) {
+        Some(out) => conv_run(gpu, product, attrs, inputs, out),
+        None => Ok(None),
     }
-    match (product, pool) {
-        (Some(product), _) => conv_run(gpu, product, attrs, inputs, out),
-        (_, Some((average, gradient))) => pool_run(gpu, average, gradient, attrs, inputs, out),
-        _ => Ok(None),
+}
+
+/// A pooling: `average` or max, forward or its `gradient`.
+fn pool_entry(
+    gpu: &'static Gpu,
+    average: bool,
+    gradient: bool,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    match nchw(inputs, outputs) {
+        Some(out) => pool_run(gpu, average, gradient, attrs, inputs, out),
+        None => Ok(None),
     }
 }
 

@@ -14,47 +14,84 @@
 //! sums are the CPU's bit for bit.
 
 use crate::context::Gpu;
-use crate::kernels::{grid, launch, one, small, strides_of, too_large, Outputs};
+use crate::kernels::{grid, launch, one, single, small, strides_of, too_large, Outputs};
+use crate::registry::{kernel, rules, Accepts, GpuKernel};
 use crate::shader::{MAX_RANK, PRELUDE, WORKGROUP};
-use stagecraft_ops::{decode_fused, defs, fused_operand, Attrs, FusedInstr, FusedOperand, OpDef};
+use stagecraft_ops::{decode_fused, defs, fused_operand, Attrs, FusedInstr, FusedOperand};
 use stagecraft_tensor::{normalize_axis, DType, DeviceTensor, Result, TensorMetadata};
 
-/// Runs `op` if this family has a GPU kernel for it and these inputs;
-/// `Ok(None)` otherwise.
-pub(crate) fn run(
-    gpu: &'static Gpu,
-    op: &'static OpDef,
-    attrs: &Attrs<'_>,
-    inputs: &[&DeviceTensor],
-    outputs: &[TensorMetadata],
-) -> Result<Option<Outputs>> {
-    let [out] = outputs else {
-        return Ok(None);
-    };
-    let is = |def: &'static OpDef| std::ptr::eq(op, def);
-    if is(&defs::FUSED_ELEMENTWISE) {
-        fused_launch(gpu, attrs, inputs, out)
-    } else if is(&defs::GATHER) {
-        gather_launch(gpu, attrs, inputs, out)
-    } else if is(&defs::GATHER_ELEMENTS) {
-        gather_elements_launch(gpu, attrs, inputs, out)
-    } else if is(&defs::SCATTER_ADD) {
-        scatter_add_launch(gpu, attrs, inputs, out)
-    } else if is(&defs::INDEX_ADD) {
-        index_add_launch(gpu, attrs, inputs, out)
-    } else if is(&defs::ARGMAX) || is(&defs::ARGMIN) {
-        arg_launch(gpu, is(&defs::ARGMAX), attrs, inputs[0], out)
-    } else if is(&defs::CONCAT) {
-        concat_launch(gpu, attrs, inputs, out)
-    } else if is(&defs::ONE_HOT) {
-        one_hot_launch(gpu, attrs, inputs[0], out)
-    } else if is(&defs::CUMSUM) {
-        cumsum_launch(gpu, attrs, inputs[0], out)
-    } else if is(&defs::TRILU) {
-        trilu_launch(gpu, attrs, inputs[0], out)
-    } else {
-        Ok(None)
+/// The entries of this family, each of one output. Index tensors are i32
+/// or i64; the launches check the indices themselves on the host.
+pub(crate) fn register(table: &mut Vec<GpuKernel>) {
+    use Accepts::{AllF32, Exactly, Rule};
+    use DType::{F32, I32, I64};
+    table.extend([
+        kernel(&defs::FUSED_ELEMENTWISE, AllF32, |g, _, a, i, o| {
+            single(o, |out| fused_launch(g, a, i, out))
+        }),
+        kernel(&defs::GATHER, Rule(gather_dtypes), |g, _, a, i, o| {
+            single(o, |out| gather_launch(g, a, i, out))
+        }),
+        kernel(
+            &defs::GATHER_ELEMENTS,
+            Rule(gather_dtypes),
+            |g, _, a, i, o| single(o, |out| gather_elements_launch(g, a, i, out)),
+        ),
+    ]);
+    // (x, indices, src): the adds are f32's.
+    for dtypes in [&[F32, I32, F32], &[F32, I64, F32]] {
+        table.extend([
+            kernel(&defs::SCATTER_ADD, Exactly(dtypes), |g, _, a, i, o| {
+                single(o, |out| scatter_add_launch(g, a, i, out))
+            }),
+            kernel(&defs::INDEX_ADD, Exactly(dtypes), |g, _, a, i, o| {
+                single(o, |out| index_add_launch(g, a, i, out))
+            }),
+        ]);
     }
+    for x in [&[F32], &[I32]] {
+        table.extend([
+            kernel(&defs::ARGMAX, Exactly(x), |g, _, a, i, o| {
+                single(o, |out| arg_launch(g, true, a, i[0], out))
+            }),
+            kernel(&defs::ARGMIN, Exactly(x), |g, _, a, i, o| {
+                single(o, |out| arg_launch(g, false, a, i[0], out))
+            }),
+        ]);
+    }
+    table.push(kernel(
+        &defs::CONCAT,
+        Rule(concat_dtypes),
+        |g, _, a, i, o| single(o, |out| concat_launch(g, a, i, out)),
+    ));
+    for indices in [&[I32], &[I64]] {
+        table.push(kernel(&defs::ONE_HOT, Exactly(indices), |g, _, a, i, o| {
+            single(o, |out| one_hot_launch(g, a, i[0], out))
+        }));
+    }
+    table.extend([
+        kernel(&defs::CUMSUM, AllF32, |g, _, a, i, o| {
+            single(o, |out| cumsum_launch(g, a, i[0], out))
+        }),
+        kernel(&defs::TRILU, Rule(trilu_dtypes), |g, _, a, i, o| {
+            single(o, |out| trilu_launch(g, a, i[0], out))
+        }),
+    ]);
+}
+
+/// Gathers: elements of one or two words, indices i32 or i64.
+fn gather_dtypes(dtypes: &[DType]) -> bool {
+    matches!(dtypes, [x, indices] if rules::words(*x) && rules::index(*indices))
+}
+
+/// Concatenations of elements of one or two words.
+fn concat_dtypes(dtypes: &[DType]) -> bool {
+    !dtypes.is_empty() && dtypes.iter().all(|&d| rules::words(d))
+}
+
+/// Triangles of elements of 1, 2, 4 or 8 bytes.
+fn trilu_dtypes(dtypes: &[DType]) -> bool {
+    matches!(dtypes, [x] if matches!(x.size_in_bytes(), 1 | 2 | 4 | 8))
 }
 
 // ------------------------------------------------------------ shared parts

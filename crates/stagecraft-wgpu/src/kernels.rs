@@ -1,10 +1,12 @@
-//! The GPU kernel table: which (op, dtypes, attributes) run on the GPU, and
-//! their launches. Anything not here runs on the CPU through the op
-//! handler's fallback (with copies and a warning), so [`run`] says
-//! "no kernel" rather than failing.
+//! The GPU kernels of single ops, and [`run`], which launches them
+//! through the kernel table ([`kernels`](fn@crate::kernels)). Anything
+//! without a kernel runs on the CPU through the op handler's fallback
+//! (with copies and a warning), so [`run`] says "no kernel" rather than
+//! failing.
 
 use crate::buffer::GpuBuffer;
 use crate::context::{Gpu, Pipeline};
+use crate::registry::{self, kernel, rules, Accepts, GpuKernel, Launch};
 use crate::shader::{self, CastType, Combine, MAX_RANK, TILE, WORKGROUP};
 use smallvec::SmallVec;
 use stagecraft_ops::{defs, Attrs, Effect, OpDef, OpKind, ReduceOp};
@@ -22,6 +24,11 @@ const MAX_GROUPS_PER_DIM: u32 = 65_535;
 /// The work is submitted, not waited for; the outputs may be read by later
 /// kernels at once (the queue keeps order) and by the host through
 /// [`Gpu::download`], which waits.
+///
+/// Which kernel runs is the table's answer for the op and the inputs'
+/// dtypes ([`lookup`](crate::lookup)); before that, rules every op shares:
+/// reshapes share their input's buffer, a pure op's empty results need no
+/// launch, and side-effecting ops and empty inputs go to the CPU.
 pub fn run(
     gpu: &'static Gpu,
     op: &'static OpDef,
@@ -32,11 +39,11 @@ pub fn run(
     gpu.check_alive()?;
     // Reshapes move no data: the output shares the input's buffer.
     if std::ptr::eq(op, &defs::RESHAPE) && inputs.len() == 1 && outputs.len() == 1 {
-        return Ok(Some(one(inputs[0].with_metadata(outputs[0].clone()))));
+        return share_launch(gpu, op, attrs, inputs, outputs);
     }
-    let Some(out) = outputs.first() else {
+    if outputs.is_empty() {
         return Ok(None);
-    };
+    }
     // Empty results of a pure op need no launch. Empty inputs with a
     // nonempty result (a max over nothing) go to the CPU's kernel, whose
     // answer or error is the op's.
@@ -49,97 +56,217 @@ pub fn run(
         return Ok(None);
     }
     let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|t| t.metadata().dtype).collect();
-    let f32_in = dtypes.iter().all(|&d| d == DType::F32);
-    // Kernel families kept in their own modules.
-    for family in [
-        crate::conv::run,
-        crate::transformer::run,
-        crate::indexing::run,
-    ] {
-        if let Some(produced) = family(gpu, op, attrs, inputs, outputs)? {
-            return Ok(Some(produced));
-        }
+    match registry::lookup(op, &dtypes) {
+        Some(entry) => (entry.launch)(gpu, op, attrs, inputs, outputs),
+        None => Ok(None),
     }
-    if std::ptr::eq(op, &defs::TRANSPOSE)
-        || std::ptr::eq(op, &defs::BROADCAST_TO)
-        || std::ptr::eq(op, &defs::SLICE)
-    {
-        return copy_launch(gpu, op, attrs, inputs[0], out);
-    }
-    if std::ptr::eq(op, &defs::CROSS_ENTROPY) || std::ptr::eq(op, &defs::CROSS_ENTROPY_GRAD) {
-        let supported = dtypes[0] == DType::F32
-            && dtypes[1] == DType::I32
-            && dtypes[2..].iter().all(|&d| d == DType::F32);
-        if !supported {
-            return Ok(None);
-        }
-        return if std::ptr::eq(op, &defs::CROSS_ENTROPY) {
-            cross_entropy_launch(gpu, attrs, inputs, outputs)
-        } else {
-            cross_entropy_grad_launch(gpu, attrs, inputs, out)
+}
+
+/// The entries of this module's kernels: the elementwise ops with a WGSL
+/// form, the reductions, and the single ops below.
+pub(crate) fn register(table: &mut Vec<GpuKernel>) {
+    use Accepts::{AllF32, Exactly, Rule};
+    use DType::{Bool, F32, I32};
+    for &op in stagecraft_ops::all_ops() {
+        let launch: Launch = match op.kind {
+            OpKind::Unary(unary) if unary.wgsl().is_some() => unary_entry,
+            OpKind::Binary(binary) if binary.wgsl().is_some() => binary_entry,
+            OpKind::Compare(_) => compare_entry,
+            OpKind::Reduce(_) => reduce_entry,
+            _ => continue,
         };
+        table.push(kernel(op, AllF32, launch));
     }
-    if std::ptr::eq(op, &defs::LAYER_NORM) {
-        return match f32_in {
-            true => layer_norm_launch(gpu, attrs, inputs, outputs),
-            false => Ok(None),
-        };
-    }
-    if outputs.len() != 1 {
-        return Ok(None);
-    }
-    if std::ptr::eq(op, &defs::EMBEDDING) {
-        let four_bytes = dtypes[0].size_in_bytes() == 4;
-        return match (four_bytes, dtypes[1]) {
-            (true, DType::I32) => embedding_launch(gpu, inputs, out),
-            _ => Ok(None),
-        };
-    }
-    if std::ptr::eq(op, &defs::FILL) {
-        return fill_launch(gpu, attrs, out);
-    }
-    if std::ptr::eq(op, &defs::PAD) {
-        return pad_launch(gpu, attrs, inputs[0], out);
-    }
-    if std::ptr::eq(op, &defs::CAST) {
-        return cast_launch(gpu, inputs[0], out);
-    }
-    if std::ptr::eq(op, &defs::SELECT) {
-        let four_bytes = out.dtype.size_in_bytes() == 4;
-        return match (dtypes[0] == DType::Bool, four_bytes) {
-            (true, true) => select_launch(gpu, inputs, out),
-            _ => Ok(None),
-        };
-    }
-    if let OpKind::Compare(compare) = op.kind {
-        if !f32_in {
-            return Ok(None);
-        }
-        let source = shader::compare(compare.wgsl());
-        return broadcast_launch(gpu, &source, inputs, out, true);
-    }
-    if !f32_in || out.dtype != DType::F32 {
-        return Ok(None);
-    }
-    match op.kind {
-        OpKind::Unary(unary) => match unary.wgsl() {
-            Some(expression) => unary_launch(gpu, expression, inputs[0], out).map(Some),
-            None => Ok(None),
-        },
-        OpKind::Binary(binary) => match binary.wgsl() {
-            Some(expression) => {
-                broadcast_launch(gpu, &shader::binary(expression), inputs, out, false)
-            }
-            None => Ok(None),
-        },
-        OpKind::Reduce(reduce) => reduce_launch(gpu, reduce, attrs, inputs[0], out),
-        _ if std::ptr::eq(op, &defs::MATMUL) => matmul_launch(gpu, attrs, inputs, out),
-        _ if std::ptr::eq(op, &defs::SOFTMAX) => softmax_launch(gpu, false, attrs, inputs[0], out),
-        _ if std::ptr::eq(op, &defs::LOG_SOFTMAX) => {
-            softmax_launch(gpu, true, attrs, inputs[0], out)
-        }
+    table.extend([
+        kernel(&defs::RESHAPE, Rule(rules::any), share_launch),
+        kernel(
+            &defs::TRANSPOSE,
+            Rule(rules::one_of_words),
+            |g, _, a, i, o| copy_launch(g, Layout::Transpose, a, i, o),
+        ),
+        kernel(
+            &defs::BROADCAST_TO,
+            Rule(rules::one_of_words),
+            |g, _, a, i, o| copy_launch(g, Layout::Broadcast, a, i, o),
+        ),
+        kernel(&defs::SLICE, Rule(rules::one_of_words), |g, _, a, i, o| {
+            copy_launch(g, Layout::Slice, a, i, o)
+        }),
+        kernel(
+            &defs::CROSS_ENTROPY,
+            Exactly(&[F32, I32]),
+            |g, _, a, i, o| cross_entropy_launch(g, a, i, o),
+        ),
+        kernel(
+            &defs::CROSS_ENTROPY_GRAD,
+            Exactly(&[F32, I32, F32, F32]),
+            |g, _, a, i, o| match o.first() {
+                Some(out) => cross_entropy_grad_launch(g, a, i, out),
+                None => Ok(None),
+            },
+        ),
+        kernel(&defs::LAYER_NORM, AllF32, |g, _, a, i, o| {
+            layer_norm_launch(g, a, i, o)
+        }),
+        kernel(&defs::EMBEDDING, Rule(embedding_dtypes), |g, _, _, i, o| {
+            single(o, |out| embedding_launch(g, i, out))
+        }),
+        kernel(&defs::FILL, Exactly(&[]), |g, _, a, _, o| {
+            single(o, |out| fill_launch(g, a, out))
+        }),
+        kernel(&defs::PAD, Exactly(&[F32]), pad_entry),
+        kernel(&defs::PAD, Exactly(&[I32]), pad_entry),
+        kernel(&defs::CAST, Exactly(&[F32]), cast_entry),
+        kernel(&defs::CAST, Exactly(&[I32]), cast_entry),
+        kernel(&defs::CAST, Exactly(&[Bool]), cast_entry),
+        kernel(&defs::SELECT, Rule(select_dtypes), |g, _, _, i, o| {
+            single(o, |out| select_launch(g, i, out))
+        }),
+        kernel(&defs::MATMUL, AllF32, |g, _, a, i, o| {
+            single_f32(o, |out| matmul_launch(g, a, i, out))
+        }),
+        kernel(&defs::SOFTMAX, AllF32, |g, _, a, i, o| {
+            single_f32(o, |out| softmax_launch(g, false, a, i[0], out))
+        }),
+        kernel(&defs::LOG_SOFTMAX, AllF32, |g, _, a, i, o| {
+            single_f32(o, |out| softmax_launch(g, true, a, i[0], out))
+        }),
+    ]);
+}
+
+/// `Embedding`'s table of a 4-byte dtype and its i32 ids.
+fn embedding_dtypes(dtypes: &[DType]) -> bool {
+    matches!(dtypes, [table, DType::I32] if table.size_in_bytes() == 4)
+}
+
+/// `Select`'s bool condition and values of a 4-byte dtype.
+fn select_dtypes(dtypes: &[DType]) -> bool {
+    matches!(dtypes, [DType::Bool, a, b] if a.size_in_bytes() == 4 && b.size_in_bytes() == 4)
+}
+
+/// Runs `launch` on the one output of a single-output op; `Ok(None)` for
+/// any other number of outputs.
+pub(crate) fn single(
+    outputs: &[TensorMetadata],
+    launch: impl FnOnce(&TensorMetadata) -> Result<Option<Outputs>>,
+) -> Result<Option<Outputs>> {
+    match outputs {
+        [out] => launch(out),
         _ => Ok(None),
     }
+}
+
+/// [`single`] for kernels that write f32 alone.
+fn single_f32(
+    outputs: &[TensorMetadata],
+    launch: impl FnOnce(&TensorMetadata) -> Result<Option<Outputs>>,
+) -> Result<Option<Outputs>> {
+    single(outputs, |out| match out.dtype {
+        DType::F32 => launch(out),
+        _ => Ok(None),
+    })
+}
+
+/// A reshape: the output is the input's buffer under the new shape.
+fn share_launch(
+    _: &'static Gpu,
+    _: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    match (inputs, outputs) {
+        ([x], [out]) => Ok(Some(one(x.with_metadata(out.clone())))),
+        _ => Ok(None),
+    }
+}
+
+/// A unary op from its WGSL expression.
+fn unary_entry(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let OpKind::Unary(unary) = op.kind else {
+        return Ok(None);
+    };
+    single_f32(outputs, |out| match unary.wgsl() {
+        Some(expression) => unary_launch(gpu, expression, inputs[0], out).map(Some),
+        None => Ok(None),
+    })
+}
+
+/// A binary op from its WGSL expression, over broadcast inputs.
+fn binary_entry(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let OpKind::Binary(binary) = op.kind else {
+        return Ok(None);
+    };
+    single_f32(outputs, |out| match binary.wgsl() {
+        Some(expression) => broadcast_launch(gpu, &shader::binary(expression), inputs, out, false),
+        None => Ok(None),
+    })
+}
+
+/// A comparison of f32s into bools.
+fn compare_entry(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let OpKind::Compare(compare) = op.kind else {
+        return Ok(None);
+    };
+    single(outputs, |out| {
+        broadcast_launch(gpu, &shader::compare(compare.wgsl()), inputs, out, true)
+    })
+}
+
+/// A reduction over the axes of its `axes` attribute.
+fn reduce_entry(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let OpKind::Reduce(reduce) = op.kind else {
+        return Ok(None);
+    };
+    single_f32(outputs, |out| {
+        reduce_launch(gpu, reduce, attrs, inputs[0], out)
+    })
+}
+
+/// Constant padding of f32 or i32.
+fn pad_entry(
+    gpu: &'static Gpu,
+    _: &'static OpDef,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    single(outputs, |out| pad_launch(gpu, attrs, inputs[0], out))
+}
+
+/// Casts among f32, i32 and bool.
+fn cast_entry(
+    gpu: &'static Gpu,
+    _: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    single(outputs, |out| cast_launch(gpu, inputs[0], out))
 }
 
 /// Whether `op` may join a fused elementwise program the GPU runs: its
@@ -348,23 +475,41 @@ fn broadcast_launch(
     Ok(Some(one(y)))
 }
 
+/// `Select` of 4-byte values by a bool condition.
 fn select_launch(
     gpu: &'static Gpu,
     inputs: &[&DeviceTensor],
     out: &TensorMetadata,
 ) -> Result<Option<Outputs>> {
+    if out.dtype.size_in_bytes() != 4 {
+        return Ok(None);
+    }
     broadcast_launch(gpu, &shader::select(), inputs, out, false)
+}
+
+/// How a strided copy reads its input.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Layout {
+    /// `Transpose`: the input's strides permuted by `perm`.
+    Transpose,
+    /// `BroadcastTo`: stride 0 along broadcast dimensions.
+    Broadcast,
+    /// `Slice`: an offset and stepped strides.
+    Slice,
 }
 
 /// Transposes, broadcasts and slices: one strided read per element of 4
 /// or 8 bytes (narrower elements run on the CPU).
 fn copy_launch(
     gpu: &'static Gpu,
-    op: &'static OpDef,
+    layout: Layout,
     attrs: &Attrs<'_>,
-    x: &DeviceTensor,
-    out: &TensorMetadata,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
 ) -> Result<Option<Outputs>> {
+    let (x, Some(out)) = (inputs[0], outputs.first()) else {
+        return Ok(None);
+    };
     let width: u32 = match out.dtype.size_in_bytes() {
         4 => 1,
         8 => 2,
@@ -373,18 +518,20 @@ fn copy_launch(
     let in_dims = x.metadata().shape.dims();
     let own = strides_of(in_dims);
     let out_dims = out.shape.dims();
-    let (offset, strides): (usize, Vec<usize>) = if std::ptr::eq(op, &defs::TRANSPOSE) {
-        let perm = defs::resolve_perm(attrs.ints("perm")?, in_dims.len())?;
-        (0, perm.iter().map(|&p| own[p]).collect())
-    } else if std::ptr::eq(op, &defs::BROADCAST_TO) {
-        (0, broadcast_strides(in_dims, out_dims))
-    } else {
-        let slices = defs::resolve_slice(attrs, &x.metadata().shape)?;
-        let offset = slices.iter().zip(&own).map(|(s, st)| s.start * st).sum();
-        (
-            offset,
-            slices.iter().zip(&own).map(|(s, st)| s.step * st).collect(),
-        )
+    let (offset, strides): (usize, Vec<usize>) = match layout {
+        Layout::Transpose => {
+            let perm = defs::resolve_perm(attrs.ints("perm")?, in_dims.len())?;
+            (0, perm.iter().map(|&p| own[p]).collect())
+        }
+        Layout::Broadcast => (0, broadcast_strides(in_dims, out_dims)),
+        Layout::Slice => {
+            let slices = defs::resolve_slice(attrs, &x.metadata().shape)?;
+            let offset = slices.iter().zip(&own).map(|(s, st)| s.start * st).sum();
+            (
+                offset,
+                slices.iter().zip(&own).map(|(s, st)| s.step * st).collect(),
+            )
+        }
     };
     let mut strides = vec![strides];
     let merged = merge_dims(out_dims, &mut strides);

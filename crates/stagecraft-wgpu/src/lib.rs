@@ -1,6 +1,7 @@
 //! The GPU device of stagecraft, on [wgpu]: tensors in device memory
 //! ([`GpuBuffer`], pooled), copies between host and device ([`Gpu::upload`],
-//! [`Gpu::download`]) and WGSL kernels ([`run`]).
+//! [`Gpu::download`]) and WGSL kernels ([`run`]), declared in one table
+//! keyed by op and input dtypes ([`kernels`], [`lookup`]).
 //!
 //! The same shaders run on real GPUs (Vulkan, Metal, DX12) and on Mesa's
 //! software Vulkan driver (lavapipe), which is how CI tests them. Elementwise
@@ -16,6 +17,7 @@ mod context;
 mod conv;
 mod indexing;
 mod kernels;
+mod registry;
 mod shader;
 mod transformer;
 
@@ -23,3 +25,4 @@ pub use buffer::GpuBuffer;
 pub use context::Gpu;
 pub use indexing::{every_indexing_shader, fused_shader};
 pub use kernels::{compile, every_elementwise_shader, fuses, run, Outputs};
+pub use registry::{kernels, lookup, Accepts, GpuKernel, Launch};

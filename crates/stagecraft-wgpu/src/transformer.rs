@@ -24,49 +24,55 @@
 
 use crate::context::Gpu;
 use crate::kernels::{grid, launch, one, row_norm_launch, small, Outputs};
+use crate::registry::{kernel, Accepts, GpuKernel};
 use crate::shader::{self, PRELUDE, ROW_MAIN, WORKGROUP};
 use smallvec::SmallVec;
-use stagecraft_ops::{defs, Attrs, OpDef};
+use stagecraft_ops::{defs, Attrs};
 use stagecraft_tensor::{DType, DeviceTensor, Result, TensorMetadata};
 
-/// Runs `op` if this family has a GPU kernel for it and these inputs;
-/// `Ok(None)` otherwise.
-pub(crate) fn run(
-    gpu: &'static Gpu,
-    op: &'static OpDef,
-    attrs: &Attrs<'_>,
+/// The entries of this family: f32 in, and each launch checks its outputs
+/// are f32 too.
+pub(crate) fn register(table: &mut Vec<GpuKernel>) {
+    use Accepts::AllF32;
+    table.extend([
+        kernel(&defs::LAYER_NORM_GRAD, AllF32, |g, _, a, i, o| {
+            f32_only(i, o, || norm_grad_launch(g, true, a, i, o))
+        }),
+        kernel(&defs::RMS_NORM, AllF32, |g, _, a, i, o| {
+            f32_only(i, o, || rms_norm_launch(g, a, i, o))
+        }),
+        kernel(&defs::RMS_NORM_GRAD, AllF32, |g, _, a, i, o| {
+            f32_only(i, o, || norm_grad_launch(g, false, a, i, o))
+        }),
+        kernel(
+            &defs::SCALED_DOT_PRODUCT_ATTENTION,
+            AllF32,
+            |g, _, a, i, o| f32_only(i, o, || attention_launch(g, a, i, o)),
+        ),
+        kernel(
+            &defs::SCALED_DOT_PRODUCT_ATTENTION_GRAD,
+            AllF32,
+            |g, _, a, i, o| f32_only(i, o, || attention_grad_launch(g, a, i, o)),
+        ),
+        kernel(&defs::SQUARED_NORM, AllF32, |g, _, _, i, o| {
+            f32_only(i, o, || squared_norm_launch(g, i, &o[0]))
+        }),
+    ]);
+}
+
+/// Runs `launch` when there are inputs and outputs, all f32; `Ok(None)`
+/// (the CPU) otherwise.
+fn f32_only(
     inputs: &[&DeviceTensor],
     outputs: &[TensorMetadata],
+    launch: impl FnOnce() -> Result<Option<Outputs>>,
 ) -> Result<Option<Outputs>> {
-    let ours = [
-        &defs::LAYER_NORM_GRAD,
-        &defs::RMS_NORM,
-        &defs::RMS_NORM_GRAD,
-        &defs::SCALED_DOT_PRODUCT_ATTENTION,
-        &defs::SCALED_DOT_PRODUCT_ATTENTION_GRAD,
-        &defs::SQUARED_NORM,
-    ];
-    if !ours.iter().any(|&def| std::ptr::eq(op, def)) {
-        return Ok(None);
-    }
     let f32_only = inputs.iter().all(|t| t.metadata().dtype == DType::F32)
         && outputs.iter().all(|o| o.dtype == DType::F32);
     if !f32_only || inputs.is_empty() || outputs.is_empty() {
         return Ok(None);
     }
-    if std::ptr::eq(op, &defs::LAYER_NORM_GRAD) {
-        norm_grad_launch(gpu, true, attrs, inputs, outputs)
-    } else if std::ptr::eq(op, &defs::RMS_NORM) {
-        rms_norm_launch(gpu, attrs, inputs, outputs)
-    } else if std::ptr::eq(op, &defs::RMS_NORM_GRAD) {
-        norm_grad_launch(gpu, false, attrs, inputs, outputs)
-    } else if std::ptr::eq(op, &defs::SCALED_DOT_PRODUCT_ATTENTION) {
-        attention_launch(gpu, attrs, inputs, outputs)
-    } else if std::ptr::eq(op, &defs::SCALED_DOT_PRODUCT_ATTENTION_GRAD) {
-        attention_grad_launch(gpu, attrs, inputs, outputs)
-    } else {
-        squared_norm_launch(gpu, inputs, &outputs[0])
-    }
+    launch()
 }
 
 /// Every size as a `u32`, or `None` when one is too large for the
@@ -1090,6 +1096,7 @@ fn every_shader() -> Vec<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run;
     use stagecraft_ops::OpAttrs;
     use stagecraft_tensor::DenseHostTensor;
 
