@@ -169,19 +169,24 @@ impl KernelCache {
             return Ok(kernel);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        let registry = stagecraft_cpu::registry();
-        let kernel = if let stagecraft_ops::OpKind::Control(_) = op.kind {
-            let device = crate::Device::parse(&format!("cpu:{}", self.device_index))?;
-            AnyKernel::Value(crate::executor::control::control_kernel(op, attrs, device)?)
-        } else if let Some(factory) = registry.get(op) {
-            AnyKernel::Dense(factory(&Attrs::new(attrs, op), inputs)?)
-        } else if let Some(factory) = registry.get_value(op) {
-            AnyKernel::Value(factory(&Attrs::new(attrs, op), inputs)?)
-        } else {
-            return Err(Error::new(
-                ErrorKind::Device,
-                format!("the CPU has no kernel for {}", op.name),
-            ));
+        use crate::kernels::{kernel_for, DeviceKernel};
+        let kernel = match kernel_for(op, crate::DeviceKind::Cpu, &dtypes) {
+            Some(DeviceKernel::Control) => {
+                let device = crate::Device::parse(&format!("cpu:{}", self.device_index))?;
+                AnyKernel::Value(crate::executor::control::control_kernel(op, attrs, device)?)
+            }
+            Some(DeviceKernel::Cpu(factory)) => {
+                AnyKernel::Dense(factory(&Attrs::new(attrs, op), inputs)?)
+            }
+            Some(DeviceKernel::CpuValue(factory)) => {
+                AnyKernel::Value(factory(&Attrs::new(attrs, op), inputs)?)
+            }
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::Device,
+                    format!("the CPU has no kernel for {}", op.name),
+                ))
+            }
         };
         let frozen = attrs.freeze();
         let kernel = {

@@ -17,6 +17,7 @@ mod fxhash;
 #[cfg(feature = "wgpu")]
 mod gpu_handler;
 mod handle;
+pub mod kernels;
 pub mod lazy;
 pub mod logging;
 mod op_handler;
