@@ -47,12 +47,9 @@ impl GpuOpHandler {
         for arg in &invocation.args {
             match arg.wait_value()? {
                 TensorValue::Device(value) => values.push(value.clone()),
-                TensorValue::Host(_) => {
-                    return Err(Error::internal(format!(
-                        "an argument on {} holds a host value",
-                        arg.device()
-                    )))
-                }
+                // A tensor list lives in host memory on every device (its
+                // items are values of their own): list ops run on the CPU.
+                TensorValue::Host(_) => return self.on_cpu(gpu, invocation),
             }
         }
         let attrs = Attrs::new(&invocation.attrs, invocation.op);
@@ -72,24 +69,26 @@ impl GpuOpHandler {
                 .map(|value| TensorHandle::available_on_device(invocation.device, value))
                 .collect());
         }
-        self.on_cpu(gpu, invocation, &values)
+        self.on_cpu(gpu, invocation)
     }
 
     /// Runs the op with the CPU's kernel: downloads, the CPU handler (with
     /// the op's own chain), uploads.
-    fn on_cpu(
-        &self,
-        gpu: &'static Gpu,
-        invocation: OpInvocation<'_>,
-        values: &[DeviceTensor],
-    ) -> Result<Results> {
-        warn_once(invocation.op.name, &invocation.inputs, &self.name);
+    fn on_cpu(&self, gpu: &'static Gpu, invocation: OpInvocation<'_>) -> Result<Results> {
+        warn_once(invocation.op, &invocation.inputs, &self.name);
         let cpu = Device::cpu();
         let mut host_args = Args::new();
-        for value in values {
-            let host = gpu.download(value)?;
-            crate::runtime::count_device_copy(host.buffer().len());
-            host_args.push(TensorHandle::available(cpu, host.into()));
+        for arg in &invocation.args {
+            let host = match arg.wait_value()? {
+                TensorValue::Device(value) => {
+                    let host = gpu.download(value)?;
+                    crate::runtime::count_device_copy(host.buffer().len());
+                    host.into()
+                }
+                // A tensor list, kept in host memory.
+                TensorValue::Host(list) => list.clone(),
+            };
+            host_args.push(TensorHandle::available(cpu, host));
         }
         let device = invocation.device;
         let results = cpu.handler().execute(OpInvocation {
@@ -105,13 +104,20 @@ impl GpuOpHandler {
         let mut uploaded = Results::new();
         for result in results {
             let meta = result.metadata().clone();
-            let handle = match result.wait().and_then(|v| v.to_dense()) {
-                Ok(host) => {
-                    crate::runtime::count_device_copy(host.buffer().len());
-                    TensorHandle::available_on_device(device, gpu.upload(&host)?)
+            let handle = match result.wait() {
+                // A tensor list stays in host memory.
+                Ok(list) if meta.dtype == DType::List => {
+                    TensorHandle::available_value(device, TensorValue::Host(list.clone()))
                 }
+                Ok(value) => match value.to_dense() {
+                    Ok(host) => {
+                        crate::runtime::count_device_copy(host.buffer().len());
+                        TensorHandle::available_on_device(device, gpu.upload(&host)?)
+                    }
+                    Err(e) => TensorHandle::error(device, meta, e),
+                },
                 // The CPU kernel's error already names the op and line.
-                Err(e) => TensorHandle::error(device, meta, e),
+                Err(e) => TensorHandle::error(device, meta, e.clone()),
             };
             uploaded.push(handle);
         }
@@ -217,19 +223,33 @@ fn fallbacks() -> &'static Mutex<HashSet<String>> {
 }
 
 /// Says once per op and input dtypes that the op ran on the CPU.
-fn warn_once(op: &str, inputs: &[TensorMetadata], device: &str) {
+fn warn_once(op: &'static stagecraft_ops::OpDef, inputs: &[TensorMetadata], device: &str) {
     let dtypes: Vec<DType> = inputs.iter().map(|m| m.dtype).collect();
-    let key = format!("{op}{dtypes:?}");
+    let name = op.name;
+    let key = format!("{name}{dtypes:?}");
     let first = fallbacks()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(key);
-    if first {
-        eprintln!(
-            "stagecraft: warning: `{op}` has no {device} kernel for {dtypes:?}; it runs on the \
-             CPU, its inputs and outputs copied (said once per op and dtypes)"
-        );
+    if !first {
+        return;
     }
+    let why = match crate::kernels::kernel_for(op, crate::DeviceKind::Gpu, &dtypes) {
+        // The kernel exists but declined these inputs (a size past 2^32
+        // elements, an attribute or layout it does not cover).
+        Some(_) => {
+            let shapes: Vec<String> = inputs.iter().map(ToString::to_string).collect();
+            format!(
+                "{device}'s kernel for `{name}` does not cover inputs {}",
+                shapes.join(", ")
+            )
+        }
+        None => format!("`{name}` has no {device} kernel for {dtypes:?}"),
+    };
+    eprintln!(
+        "stagecraft: warning: {why}; it runs on the CPU, its inputs and outputs copied \
+         (said once per op and dtypes)"
+    );
 }
 
 /// The ops (with their input dtypes, as `Op[F32, ...]`) that ran on the

@@ -60,11 +60,14 @@ pub struct TensorHandle(Arc<HandleInner>);
 
 impl TensorHandle {
     /// A handle to an available host value. On a device with its own
-    /// memory (a GPU) the value is uploaded there; a failed upload is an
-    /// error handle.
+    /// memory (a GPU) the value is uploaded there (a tensor list, whose
+    /// items are values of their own, stays in host memory); a failed
+    /// upload is an error handle.
     #[inline]
     pub fn available(device: Device, value: HostTensor) -> TensorHandle {
-        if device.kind() == crate::device::DeviceKind::Gpu {
+        // A tensor list stays in host memory on every device.
+        if device.kind() == crate::device::DeviceKind::Gpu && !matches!(value, HostTensor::List(_))
+        {
             return TensorHandle::uploaded(device, value);
         }
         TensorHandle::available_value(device, TensorValue::Host(value))

@@ -134,9 +134,9 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
     ]);
 }
 
-/// `Embedding`'s table of a 4-byte dtype and its i32 ids.
+/// `Embedding`'s table of a 4-byte dtype and its i32 or i64 ids.
 fn embedding_dtypes(dtypes: &[DType]) -> bool {
-    matches!(dtypes, [table, DType::I32] if table.size_in_bytes() == 4)
+    matches!(dtypes, [table, DType::I32 | DType::I64] if table.size_in_bytes() == 4)
 }
 
 /// `Select`'s bool condition and values of a 4-byte dtype.
@@ -500,6 +500,25 @@ enum Layout {
 
 /// Transposes, broadcasts and slices: one strided read per element of 4
 /// or 8 bytes (narrower elements run on the CPU).
+/// `x` with its dimensions permuted (`perm[i]` is the input dimension of
+/// output dimension `i`), copied by the strided-copy kernel.
+fn transposed(gpu: &'static Gpu, x: &DeviceTensor, perm: &[usize]) -> Result<Option<DeviceTensor>> {
+    let dims = x.metadata().shape.dims();
+    let out_dims: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+    let out = TensorMetadata::new(x.metadata().dtype, out_dims);
+    let perm: Vec<i64> = perm.iter().map(|&p| p as i64).collect();
+    let mut attrs = stagecraft_ops::OpAttrs::new();
+    attrs.set_ints("perm", &perm);
+    let produced = copy_launch(
+        gpu,
+        Layout::Transpose,
+        &Attrs::new(&attrs, &defs::TRANSPOSE),
+        &[x],
+        &[out],
+    )?;
+    Ok(produced.and_then(|ys| ys.into_iter().next()))
+}
+
 fn copy_launch(
     gpu: &'static Gpu,
     layout: Layout,
@@ -756,9 +775,34 @@ fn softmax_launch(
 ) -> Result<Option<Outputs>> {
     let dims = x.metadata().shape.dims();
     let axis = stagecraft_tensor::normalize_axis(attrs.int("axis")? as isize, dims.len().max(1))?;
-    // Only the last axis here; another axis runs on the CPU.
-    if dims.is_empty() || axis + 1 != dims.len() {
+    if dims.is_empty() {
         return Ok(None);
+    }
+    // Another axis: moved last by a transposing copy, and back.
+    if axis + 1 != dims.len() {
+        let mut perm: Vec<usize> = (0..dims.len()).filter(|&d| d != axis).collect();
+        perm.push(axis);
+        let mut back = vec![0; perm.len()];
+        for (to, &from) in perm.iter().enumerate() {
+            back[from] = to;
+        }
+        let Some(moved) = transposed(gpu, x, &perm)? else {
+            return Ok(None);
+        };
+        let last = (dims.len() - 1) as i64;
+        let mut last_axis = stagecraft_ops::OpAttrs::new();
+        last_axis.set_int("axis", last);
+        let op = if log {
+            &defs::LOG_SOFTMAX
+        } else {
+            &defs::SOFTMAX
+        };
+        let moved_out = TensorMetadata::new(out.dtype, moved.metadata().shape.clone());
+        let Some(ys) = softmax_launch(gpu, log, &Attrs::new(&last_axis, op), &moved, &moved_out)?
+        else {
+            return Ok(None);
+        };
+        return Ok(transposed(gpu, &ys[0], &back)?.map(one));
     }
     let width = dims[axis];
     let rows = out.shape.numel() / width;
@@ -784,9 +828,35 @@ fn matmul_launch(
         b.metadata().shape.dims(),
         out.shape.dims(),
     );
-    // Vectors (promoted to matrices by the op) run on the CPU for now.
+    // Vectors are matrices of one row (a) or one column (b), as the op
+    // promotes them; the result drops that dimension again. (The op
+    // refuses transpose flags on a vector.)
     if ad.len() < 2 || bd.len() < 2 {
-        return Ok(None);
+        let as_matrix = |t: &DeviceTensor, dims: [usize; 2]| {
+            t.with_metadata(TensorMetadata::new(t.metadata().dtype, dims))
+        };
+        let a2 = match ad {
+            [k] => as_matrix(a, [1, *k]),
+            _ => a.clone(),
+        };
+        let b2 = match bd {
+            [k] => as_matrix(b, [*k, 1]),
+            _ => b.clone(),
+        };
+        let mut dims = od.to_vec();
+        if ad.len() == 1 {
+            dims.insert(dims.len() - usize::from(bd.len() > 1), 1);
+        }
+        if bd.len() == 1 {
+            dims.push(1);
+        }
+        let out2 = TensorMetadata::new(out.dtype, dims);
+        let produced = matmul_launch(gpu, attrs, &[&a2, &b2], &out2)?;
+        return Ok(produced.map(|ys| {
+            ys.into_iter()
+                .map(|y| y.with_metadata(out.clone()))
+                .collect()
+        }));
     }
     let (ta, tb) = (attrs.bool("transpose_a")?, attrs.bool("transpose_b")?);
     let (m, n) = (od[od.len() - 2], od[od.len() - 1]);
@@ -1037,12 +1107,19 @@ fn embedding_launch(
         return Ok(None);
     };
     let host = gpu.download(ids)?;
+    let in_range = |id: i64| id >= 0 && (id as u64) < *vocabulary as u64;
+    // i64 ids are read by their low word, which holds any id in range.
+    let (valid, id_words) = match ids.metadata().dtype {
+        DType::I64 => (host.as_slice::<i64>()?.iter().all(|&id| in_range(id)), 2),
+        _ => (
+            host.as_slice::<i32>()?
+                .iter()
+                .all(|&id| in_range(id as i64)),
+            1,
+        ),
+    };
     // A bad id: the CPU's kernel reports it.
-    if host
-        .as_slice::<i32>()?
-        .iter()
-        .any(|&id| id < 0 || id as usize >= *vocabulary)
-    {
+    if !valid {
         return Ok(None);
     }
     let (Some(count), Some(width32)) = (small(out.shape.numel()), small(*width)) else {
@@ -1055,7 +1132,7 @@ fn embedding_launch(
         gpu,
         &pipeline,
         &[table, ids, &y],
-        &[count, gx * WORKGROUP, width32],
+        &[count, gx * WORKGROUP, width32, id_words],
         (gx, gy, 1),
     )?;
     Ok(Some(one(y)))

@@ -250,7 +250,8 @@ mod tests {
         assert!(lookup(&defs::EQUAL, &[I32, I32]).is_none());
         assert!(lookup(&defs::SUM, &[F32]).is_some());
         assert!(lookup(&defs::EMBEDDING, &[F32, I32]).is_some());
-        assert!(lookup(&defs::EMBEDDING, &[F32, DType::I64]).is_none());
+        assert!(lookup(&defs::EMBEDDING, &[F32, DType::I64]).is_some());
+        assert!(lookup(&defs::EMBEDDING, &[F32, F32]).is_none());
         assert!(lookup(&defs::SELECT, &[DType::Bool, I32, I32]).is_some());
         assert!(lookup(&defs::SELECT, &[DType::Bool, DType::F64, DType::F64]).is_none());
         assert!(lookup(&defs::FILL, &[]).is_some());

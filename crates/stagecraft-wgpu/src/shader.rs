@@ -828,7 +828,7 @@ fn row_sum(value: f32, lane: u32) -> f32 {{
 
 /// Rows of a table picked by ids (checked on the host): `out[i] =
 /// table[ids[i / width]·width + i % width]`. `params`: `[count,
-/// row_width, width]`.
+/// row_width, width, words per id]`.
 pub(crate) fn embedding() -> String {
     format!(
         r#"
@@ -842,7 +842,8 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     {FLAT_INDEX}
     if (i >= params[0]) {{ return; }}
     let width = params[2];
-    output[i] = table[u32(ids[i / width]) * width + i % width];
+    // params[3]: words per id (1 for i32, 2 for i64, read by its low word).
+    output[i] = table[u32(ids[(i / width) * params[3]]) * width + i % width];
 }}
 "#
     )

@@ -343,6 +343,10 @@ mod on_the_gpu {
             (&[4, 5, 6], &[6, 7], false, false),
             (&[5, 6], &[3, 6, 2], false, false),
             (&[6], &[6, 3], false, false),
+            (&[6, 3], &[3], false, false),
+            (&[6], &[6], false, false),
+            (&[2, 4, 6], &[6], false, false),
+            (&[6], &[2, 6, 4], false, false),
         ];
         for (sa, sb, ta, tb) in cases {
             let (na, nb) = (sa.iter().product(), sb.iter().product());
@@ -357,7 +361,11 @@ mod on_the_gpu {
                     (true, true) => a.transpose(-1, -2).matmul(&b.transpose(-1, -2)),
                 }
             };
-            let (g, c) = (run(&gpu), run(&cpu()));
+            let copies = rt::stats().device_copies;
+            let g = run(&gpu);
+            // Every case runs on the GPU: a fallback to the CPU would copy.
+            assert_eq!(rt::stats().device_copies - copies, 0, "{sa:?} {sb:?}");
+            let c = run(&cpu());
             assert_eq!(g.dims(), c.dims(), "{sa:?} {sb:?}");
             assert_close(
                 &format!("matmul {sa:?} {sb:?} {ta} {tb}"),
@@ -376,12 +384,19 @@ mod on_the_gpu {
             let n: usize = dims.iter().product();
             let mut v = values(n, 5, -30.0, 30.0);
             v[0] = 80.0; // exp overflows without the max subtracted
-            for axis in [-1isize, 0] {
+            for axis in [-1isize, 0, 1]
+                .into_iter()
+                .filter(|&a| a < dims.len() as isize)
+            {
                 let run = |d: &Device| {
                     let x = Tensor::from_vec(v.clone(), dims, d).unwrap();
                     [x.softmax(axis), x.log_softmax(axis)]
                 };
-                for (g, c) in run(&gpu).iter().zip(run(&cpu()).iter()) {
+                let copies = rt::stats().device_copies;
+                let on_gpu = run(&gpu);
+                // Any axis runs on the GPU: a fallback to the CPU would copy.
+                assert_eq!(rt::stats().device_copies, copies, "{dims:?} axis {axis}");
+                for (g, c) in on_gpu.iter().zip(run(&cpu()).iter()) {
                     assert_close(
                         &format!("softmax {dims:?} axis {axis}"),
                         &g.to_vec().unwrap(),
@@ -652,6 +667,25 @@ mod on_the_gpu {
         let ids = vec![4, 0, 0, 3];
         assert_eq!(run(&gpu, ids.clone()).unwrap(), run(&cpu(), ids).unwrap());
         let err = run(&gpu, vec![1, 5]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Index, "{err}");
+        // i64 ids (what most data loaders give) run on the GPU too: only
+        // the id check reads them back, never the table or the rows.
+        let run64 = |d: &Device, ids: Vec<i64>| {
+            let t = Tensor::from_vec(table.clone(), &[5, 3], d).unwrap();
+            let n = ids.len();
+            let ids = Tensor::from_vec(ids, &[n], d).unwrap();
+            let copies = rt::stats().device_copies;
+            let rows = t.embedding(&ids);
+            let _ = rows.wait();
+            (rt::stats().device_copies - copies, rows.to_vec())
+        };
+        let ids = vec![4i64, 0, 2, 3, 1];
+        let (copies, got) = run64(&gpu, ids.clone());
+        assert_eq!(copies, 0);
+        assert_eq!(got.unwrap(), run64(&cpu(), ids).1.unwrap());
+        let err = run64(&gpu, vec![1, 5]).1.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Index, "{err}");
+        let err = run64(&gpu, vec![-1, 0]).1.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Index, "{err}");
         let fallbacks = rt::cpu_fallbacks();
         assert!(

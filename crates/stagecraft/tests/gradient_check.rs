@@ -1666,6 +1666,8 @@ mod on_the_gpu {
         ("IndexAdd", 4),                      // 2.00
         ("LayerNorm", 16),                    // 7.59
         ("LayerNormGrad", 16),                // 8.00
+        ("ListPop", 2),                       // 0.92
+        ("ListPush", 2),                      // 0.92
         ("Log", 2),                           // 0.81
         ("Log1p", 2),                         // 0.50
         ("LogSoftmax", 8),                    // 2.75
@@ -1715,30 +1717,15 @@ mod on_the_gpu {
         ("TopK", 0),                          // 0.00
         ("Transpose", 0),                     // 0.00
         ("Trilu", 0),                         // 0.00
+        ("While", 8),                         // 2.64
     ];
 
     /// Ops left out of the comparison (their cases still run, and what
-    /// they give is printed), with the failure. KNOWN FAILURE (a runtime
-    /// bug): list ops fail on `gpu:0`, eager or lazy, with "dtype error: a
-    /// list of tensors has no elements of its own; only list ops take it":
-    /// a function pushing and popping a list, and so the gradient of
-    /// `while_loop`, which keeps each trip's values in a tensor list (the
-    /// loop's forward pass runs there; its gradient works on the CPU, in
-    /// f32 and f64).
-    const LEFT_OUT: &[(&str, &str)] = &[
-        (
-            "While",
-            "its gradient fails on gpu:0: \"a list of tensors has no elements of its own\"",
-        ),
-        (
-            "ListPush",
-            "fails on gpu:0: \"a list of tensors has no elements of its own\"",
-        ),
-        (
-            "ListPop",
-            "fails on gpu:0: \"a list of tensors has no elements of its own\"",
-        ),
-    ];
+    /// they give is printed), with the failure. None now: list ops and the
+    /// gradient of `while_loop` (which keeps each trip's values in a
+    /// tensor list) failed on `gpu:0` until lists stayed in host memory
+    /// there.
+    const LEFT_OUT: &[(&str, &str)] = &[];
 
     /// The worst error of `got` against `want` (infinite for a NaN against
     /// a number).
