@@ -574,9 +574,23 @@ mod on_the_gpu {
         // Only predicates and loop conditions came back to the host.
         let read_back = rt::stats().device_copies - copies;
         assert!(read_back <= 24, "{read_back} copies");
-        for (k, (g, c)) in on_gpu.iter().zip(run(&cpu()).iter()).enumerate() {
+        let on_cpu = run(&cpu());
+        for (k, (g, c)) in on_gpu.iter().zip(on_cpu.iter()).enumerate() {
             assert_close(
                 &format!("case {k}"),
+                &g.to_vec().unwrap(),
+                &c.to_vec().unwrap(),
+                1e-5,
+                1e-6,
+            );
+        }
+        // The same on the lazy device over the GPU: `#[stage]`'s loop and
+        // branch conditions are read back from its traces.
+        let lazy = Device::lazy(&gpu);
+        for (k, (g, c)) in run(&lazy).iter().zip(on_cpu.iter()).enumerate() {
+            assert_eq!(g.device(), lazy);
+            assert_close(
+                &format!("lazy case {k}"),
                 &g.to_vec().unwrap(),
                 &c.to_vec().unwrap(),
                 1e-5,
