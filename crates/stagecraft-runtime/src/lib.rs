@@ -24,6 +24,7 @@ mod op_handler;
 pub mod profile;
 mod runtime;
 pub mod tracing;
+mod transfer;
 
 pub use async_value::{AsyncValue, Chain};
 pub use context::{
@@ -45,3 +46,7 @@ pub use runtime::{
 /// name, submission counts).
 #[cfg(feature = "wgpu")]
 pub use stagecraft_wgpu;
+pub use transfer::{
+    count_explicit_copy, current_transfer_guard, implicit_copy, implicit_read, take_transfer_log,
+    transfer_guard, transfer_stats, TransferGuard, TransferStats,
+};

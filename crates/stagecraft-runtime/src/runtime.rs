@@ -8,8 +8,7 @@ use crate::handle::TensorHandle;
 use crate::op_handler::{Args, InputMetas, OpInvocation, Results};
 use stagecraft_ops::{Effect, OpAttrsRef, OpDef};
 use stagecraft_tensor::{
-    DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, Shape, TensorMetadata,
-    TensorValue,
+    DType, DenseHostTensor, Error, HostTensor, Location, Result, Shape, TensorMetadata, TensorValue,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -218,7 +217,9 @@ fn error_results(
 /// one handle per output at once. Thread-safe.
 ///
 /// In order: a cancelled runtime gives cancellation errors; an argument on
-/// another device is an error (copies are explicit); an argument that is
+/// another device is copied to the op's (a `CopyToDevice` op, counted,
+/// under this thread's [`crate::TransferGuard`], which may log or refuse
+/// it); an argument that is
 /// already an error is propagated to every output without running anything;
 /// the op's metadata function validates inputs and attributes and computes
 /// the output metadata (its error is tagged with the op and `location`,
@@ -228,7 +229,7 @@ pub fn execute(
     op: &'static OpDef,
     device: Device,
     location: Location,
-    args: Args,
+    mut args: Args,
     attrs: OpAttrsRef<'_>,
 ) -> Results {
     bump(&OPS_EXECUTED, &OPS_EXECUTED_HERE);
@@ -237,20 +238,19 @@ pub fn execute(
         return error_results(op, device, None, &err);
     }
     let foreign_ok = device.handler().captures_foreign_args();
-    for arg in &args {
-        if arg.device() != device && !foreign_ok {
-            let err = Error::new(
-                ErrorKind::Device,
-                format!(
-                    "an argument lives on {} but the op runs on {device}; copy it explicitly with to_device",
-                    arg.device()
-                ),
-            )
-            .with_op(op.name)
-            .at(location);
-            report_error(&err);
-            return error_results(op, device, None, &err);
+    for k in 0..args.len() {
+        let from = args[k].device();
+        if from != device && !foreign_ok && args[k].resolved_error().is_none() {
+            let meta = args[k].metadata().clone();
+            if let Err(err) = crate::transfer::implicit_copy(op.name, from, device, &meta, location)
+            {
+                report_error(&err);
+                return error_results(op, device, None, &err);
+            }
+            args[k] = copy_to_device(&args[k], device, location);
         }
+    }
+    for arg in &args {
         if let Some(err) = arg.resolved_error() {
             let err = err.clone();
             let metas = op.infer(&input_metas(&args), &attrs).ok();

@@ -44,12 +44,25 @@ pub use ops::{
     ConvTranspose2dOptions, CrossEntropyOptions, CumsumOptions, Pool2dOptions, Reduction,
 };
 pub use random::Rng;
-pub use stage::{
-    __stage, current_transfer_guard, host_call, host_call_with, staged_graphs, take_transfer_log,
-    transfer_guard, transfer_stats, TransferGuard, TransferStats,
-};
+pub use stage::{__stage, host_call, host_call_with, staged_graphs};
 pub use stagecraft_macros::{stage, TensorGroup};
 pub use stagecraft_ops::{BinaryOp, UnaryOp};
+/// Transfer guards: what implicit copies between devices do on this thread
+/// (reads of device values, and eager ops' arguments copied to the device
+/// the op runs on).
+///
+/// ```
+/// use stagecraft::{transfer_guard, Device, Tensor, TransferGuard};
+/// let x = Tensor::<f32>::ones(&[2], &Device::cpu());
+/// transfer_guard(TransferGuard::Disallow, || {
+///     assert!(x.to_vec().is_err());                              // implicit: refused
+///     assert_eq!(x.to_host().to_vec().unwrap(), vec![1.0, 1.0]); // explicit
+/// });
+/// ```
+pub use stagecraft_runtime::{
+    current_transfer_guard, take_transfer_log, transfer_guard, transfer_stats, TransferGuard,
+    TransferStats,
+};
 pub use staging::{cond, function, while_loop, StagedFunction, TensorGroup};
 pub use tensor::Tensor;
 

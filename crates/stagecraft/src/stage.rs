@@ -1,7 +1,7 @@
 //! What `#[stage]` code runs on: host calls from staged code
-//! ([`host_call`]), transfer guards ([`transfer_guard`]), the graph text of
-//! staged functions ([`staged_graphs`]), and the hidden traits the macro's
-//! output calls ([`__stage`]).
+//! ([`host_call`]), the graph text of staged functions ([`staged_graphs`]),
+//! and the hidden traits the macro's output calls ([`__stage`]). Its
+//! transfer guards (`stagecraft::transfer_guard`) live in the runtime.
 //!
 //! The macro decides nothing about tensors itself: it rewrites every `if`
 //! and `while` into a call of a trait method on the condition's value, and
@@ -15,10 +15,9 @@ use crate::{Device, Element, Error, Location, Result, Tensor};
 use stagecraft_graph::Function;
 use stagecraft_ops::{FuncId, OpAttrs};
 use stagecraft_runtime::{self as runtime, tracing, Args, TensorHandle};
-use stagecraft_tensor::{DenseHostTensor, ErrorKind, TensorMetadata};
+use stagecraft_tensor::{DenseHostTensor, TensorMetadata};
 use std::any::Any;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 // ---------------------------------------------------------------------------
@@ -63,7 +62,7 @@ pub fn host_call_with<T: Element, U: Element>(
     let location = Location::caller();
     let out_meta = TensorMetadata::new(U::DTYPE, dims);
     let callback = move |input: DenseHostTensor| -> Result<DenseHostTensor> {
-        TRANSFERS.explicit.fetch_add(1, Ordering::Relaxed);
+        runtime::count_explicit_copy();
         let values = input.to_vec::<T>()?;
         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(values)))
             .map_err(|_| Error::invalid("the host closure panicked"))?;
@@ -105,160 +104,6 @@ pub fn host_call_with<T: Element, U: Element>(
             location,
         )
     })
-}
-
-// ---------------------------------------------------------------------------
-// Transfer guards
-
-/// What an implicit device-to-host copy does on this thread.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum TransferGuard {
-    /// Copy (and count) silently.
-    #[default]
-    Allow,
-    /// Copy, and log the copy with its source location to standard error
-    /// and to this thread's [`take_transfer_log`].
-    Log,
-    /// Refuse: the read returns an error naming the copy and its location.
-    Disallow,
-}
-
-thread_local! {
-    static GUARDS: RefCell<Vec<TransferGuard>> = const { RefCell::new(Vec::new()) };
-    static LOG: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Runs `f` with `guard` deciding what implicit device-to-host copies do on
-/// this thread: reading a device tensor's values with `to_vec`, `item` or
-/// `Display` (also inside staged code). Explicit copies — `to_host()`,
-/// `to_device(&d)`, [`host_call`] — always pass. Guards nest; the previous
-/// one returns afterwards, even if `f` panics.
-///
-/// ```
-/// use stagecraft::{transfer_guard, Device, Tensor, TransferGuard};
-/// let x = Tensor::<f32>::ones(&[2], &Device::cpu());
-/// transfer_guard(TransferGuard::Disallow, || {
-///     assert!(x.to_vec().is_err());                          // implicit: refused
-///     assert_eq!(x.to_host().to_vec().unwrap(), vec![1.0, 1.0]); // explicit
-/// });
-/// ```
-pub fn transfer_guard<R>(guard: TransferGuard, f: impl FnOnce() -> R) -> R {
-    struct Pop;
-    impl Drop for Pop {
-        fn drop(&mut self) {
-            GUARDS.with(|g| g.borrow_mut().pop());
-        }
-    }
-    GUARDS.with(|g| g.borrow_mut().push(guard));
-    let _pop = Pop;
-    f()
-}
-
-/// This thread's current guard.
-pub fn current_transfer_guard() -> TransferGuard {
-    GUARDS.with(|g| g.borrow().last().copied().unwrap_or_default())
-}
-
-/// Takes the lines this thread logged under [`TransferGuard::Log`].
-pub fn take_transfer_log() -> Vec<String> {
-    LOG.with(|l| std::mem::take(&mut *l.borrow_mut()))
-}
-
-/// Device-to-host copies since process start, over all threads.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TransferStats {
-    /// Implicit copies that happened (allowed or logged).
-    pub implicit: u64,
-    /// Implicit copies refused by [`TransferGuard::Disallow`].
-    pub refused: u64,
-    /// Of `implicit`, those logged.
-    pub logged: u64,
-    /// Explicit copies: `to_host`, `to_device`, and values handed to host
-    /// closures by [`host_call`].
-    pub explicit: u64,
-}
-
-struct Counters {
-    implicit: AtomicU64,
-    refused: AtomicU64,
-    logged: AtomicU64,
-    explicit: AtomicU64,
-}
-
-static TRANSFERS: Counters = Counters {
-    implicit: AtomicU64::new(0),
-    refused: AtomicU64::new(0),
-    logged: AtomicU64::new(0),
-    explicit: AtomicU64::new(0),
-};
-
-/// The transfer counters.
-pub fn transfer_stats() -> TransferStats {
-    TransferStats {
-        implicit: TRANSFERS.implicit.load(Ordering::Relaxed),
-        refused: TRANSFERS.refused.load(Ordering::Relaxed),
-        logged: TRANSFERS.logged.load(Ordering::Relaxed),
-        explicit: TRANSFERS.explicit.load(Ordering::Relaxed),
-    }
-}
-
-pub(crate) fn count_explicit_copy() {
-    TRANSFERS.explicit.fetch_add(1, Ordering::Relaxed);
-}
-
-/// Applies this thread's guard to an implicit copy of a `meta` value
-/// living on `device`, read by `what` at `location` (`None` where Rust
-/// gives no caller, as in `Display`). Values already on the host device
-/// are not copies.
-pub(crate) fn implicit_copy(
-    what: &str,
-    device: Device,
-    meta: &TensorMetadata,
-    location: Option<Location>,
-) -> Result<()> {
-    if device.kind() == runtime::DeviceKind::Host {
-        return Ok(());
-    }
-    let place = match location {
-        Some(l) => format!(" at {l}"),
-        None => String::new(),
-    };
-    let staged = if tracing::is_tracing() {
-        " inside staged code"
-    } else {
-        ""
-    };
-    match current_transfer_guard() {
-        TransferGuard::Allow => {
-            TRANSFERS.implicit.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        }
-        TransferGuard::Log => {
-            TRANSFERS.implicit.fetch_add(1, Ordering::Relaxed);
-            TRANSFERS.logged.fetch_add(1, Ordering::Relaxed);
-            let line = format!(
-                "implicit device-to-host copy of {meta} from {device} by {what}{staged}{place}"
-            );
-            eprintln!("stagecraft: {line}");
-            LOG.with(|l| l.borrow_mut().push(line));
-            Ok(())
-        }
-        TransferGuard::Disallow => {
-            TRANSFERS.refused.fetch_add(1, Ordering::Relaxed);
-            let err = Error::new(
-                ErrorKind::Device,
-                format!(
-                    "implicit device-to-host copy of {meta} from {device} by {what}{staged} is \
-                     disallowed by the transfer guard; copy explicitly with .to_host()"
-                ),
-            )
-            .with_op(what.to_string());
-            Err(match location {
-                Some(l) => err.at(l),
-                None => err,
-            })
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------

@@ -227,7 +227,7 @@ impl<T: Element> Tensor<T> {
     /// unless the tensor is on the host device, so the thread's transfer
     /// guard may log or refuse it.
     fn host_value(&self, what: &str, location: Option<Location>) -> Result<HostTensor> {
-        crate::stage::implicit_copy(what, self.device(), self.handle.metadata(), location)?;
+        stagecraft_runtime::implicit_read(what, self.device(), self.handle.metadata(), location)?;
         runtime::count_host_read();
         let span = runtime::profile::begin();
         let value = runtime::read_to_host(&self.handle);
@@ -302,7 +302,7 @@ impl<T: Element> Tensor<T> {
     #[track_caller]
     pub fn to_device(&self, device: &Device) -> Tensor<T> {
         if self.device() != *device {
-            crate::stage::count_explicit_copy();
+            stagecraft_runtime::count_explicit_copy();
         }
         Tensor::from_handle(runtime::copy_to_device(
             &self.handle,

@@ -105,16 +105,42 @@ fn device_scopes_are_per_thread_and_nest() {
 }
 
 #[test]
-fn placement_follows_inputs_and_copies_are_explicit() {
+fn placement_follows_inputs_and_other_devices_arguments_are_copied_under_the_guard() {
+    use stagecraft::{take_transfer_log, transfer_guard, transfer_stats, TransferGuard};
     let cpu0 = Device::cpu();
     let cpu1 = Device::parse("cpu:1").unwrap();
     let a = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2], &cpu1).unwrap();
     let b = (&a * 2.0).exp();
     assert_eq!(b.device(), cpu1, "placed on the inputs' device");
     let c = Tensor::<f32>::ones(&[2], &cpu0);
+    // The op runs on its first input's device; `c` is copied there, one
+    // counted implicit copy.
+    let (copies, implicit) = (rt::stats().device_copies, transfer_stats().implicit);
     let mixed = &a + &c;
-    let err = mixed.check().unwrap_err();
-    assert!(err.to_string().contains("to_device"), "{err}");
+    assert_eq!(mixed.device(), cpu1);
+    assert_eq!(mixed.to_vec().unwrap(), vec![2.0, 3.0]);
+    assert_eq!(rt::stats().device_copies - copies, 1);
+    assert!(transfer_stats().implicit > implicit);
+    // A scope places the op; both arguments move to it.
+    let scoped = stagecraft::with_device(&cpu0, || &a * &a);
+    assert_eq!(scoped.device(), cpu0);
+    assert_eq!(scoped.to_vec().unwrap(), vec![1.0, 4.0]);
+    // The guard logs the copy with its line, or refuses it.
+    let line = line!() + 1;
+    let logged = transfer_guard(TransferGuard::Log, || &a + &c);
+    assert_eq!(logged.to_vec().unwrap(), vec![2.0, 3.0]);
+    let log = take_transfer_log();
+    assert!(
+        log.iter().any(|l| l.contains("from cpu:0 to cpu:1 for Add")
+            && l.contains(&format!("execution.rs:{line}"))),
+        "{log:?}"
+    );
+    let line = line!() + 1;
+    let refused = transfer_guard(TransferGuard::Disallow, || &a + &c);
+    let err = refused.check().unwrap_err();
+    assert_eq!(err.kind(), stagecraft::ErrorKind::Device, "{err}");
+    assert!(err.to_string().contains(".to_device(&cpu:1)"), "{err}");
+    assert_eq!(err.location().unwrap().line(), line, "{err}");
 
     let before = rt::stats().device_copies;
     let moved = a.to_device(&cpu0);

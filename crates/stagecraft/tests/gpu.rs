@@ -829,9 +829,16 @@ mod on_the_gpu {
         let (gpu, _turn) = gpu();
         let g = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &gpu).unwrap();
         let c = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &cpu()).unwrap();
-        let line = line!() + 1;
+        // A CPU argument of a GPU op is copied up (counted), unless the
+        // transfer guard refuses, naming the op and the line.
+        let copies = rt::stats().device_copies;
         let sum = &g + &c;
-        let err = sum.to_vec().unwrap_err();
+        assert_eq!(sum.device(), gpu);
+        assert_eq!(rt::stats().device_copies - copies, 1);
+        assert_eq!(sum.to_vec().unwrap(), vec![2.0, 4.0]);
+        let line = line!() + 1;
+        let sum = stagecraft::transfer_guard(stagecraft::TransferGuard::Disallow, || &g + &c);
+        let err = sum.check().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Device);
         let text = err.to_string();
         assert!(text.contains("Add") && text.contains("to_device"), "{text}");

@@ -78,20 +78,27 @@ impl DeviceProgram {
         rendezvous: &Rendezvous,
         locations: &[Location],
     ) -> Result<Vec<HostTensor>> {
-        let args: Vec<TensorHandle> = args
+        let args = args
             .into_iter()
             .map(|v| TensorHandle::available(self.device, v))
             .collect();
+        self.run_batched(args, locations, Some(rendezvous))?
+            .iter()
+            .map(crate::runtime::read_to_host)
+            .collect()
+    }
+
+    /// Interprets the program inside one batch of the device's work.
+    fn run_batched(
+        &self,
+        args: Vec<TensorHandle>,
+        locations: &[Location],
+        rendezvous: Option<&Rendezvous>,
+    ) -> Result<Vec<TensorHandle>> {
         let batch = Batch::begin(self.device);
-        let results = interpret_with(
-            &self.function,
-            &args,
-            self.device,
-            locations,
-            Some(rendezvous),
-        );
+        let results = interpret_with(&self.function, &args, self.device, locations, rendezvous);
         batch.end()?;
-        results?.iter().map(crate::runtime::read_to_host).collect()
+        results
     }
 
     /// The optimized function.
@@ -112,14 +119,11 @@ impl DeviceProgram {
         args: Vec<TensorValue>,
         locations: &[Location],
     ) -> Result<Vec<TensorValue>> {
-        let args: Vec<TensorHandle> = args
+        let args = args
             .into_iter()
             .map(|v| TensorHandle::placed(self.device, v))
             .collect();
-        let batch = Batch::begin(self.device);
-        let results = interpret(&self.function, &args, self.device, locations);
-        batch.end()?;
-        results?
+        self.run_batched(args, locations, None)?
             .into_iter()
             .map(|h| h.into_tensor_value())
             .collect()
