@@ -77,6 +77,18 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
         };
         table.push(kernel(op, AllF32, launch));
     }
+    for op in I32_ELEMENTWISE {
+        let (accepts, launch): (&'static [DType], Launch) = match op.kind {
+            OpKind::Unary(_) => (&[I32], unary_i32_entry),
+            _ => (&[I32, I32], binary_i32_entry),
+        };
+        table.push(kernel(op, Exactly(accepts), launch));
+    }
+    for &op in stagecraft_ops::all_ops() {
+        if let OpKind::Compare(_) = op.kind {
+            table.push(kernel(op, Exactly(&[I32, I32]), compare_i32_entry));
+        }
+    }
     table.extend([
         kernel(&defs::RESHAPE, Rule(rules::any), share_launch),
         kernel(
@@ -212,6 +224,81 @@ fn binary_entry(
     single_f32(outputs, |out| match binary.wgsl() {
         Some(expression) => broadcast_launch(gpu, &shader::binary(expression), inputs, out, false),
         None => Ok(None),
+    })
+}
+
+/// The elementwise ops whose own `wgsl:` expression reads the same over
+/// i32 (operators, `abs`, and the NaN guards, which the integer prelude
+/// makes no-ops) and whose CPU integer kernels wrap as WGSL's i32 does.
+/// The others run on the CPU: `Div` (the CPU reports a zero divisor),
+/// and `Sign`, `Relu` and the roundings, whose expressions are written
+/// with float literals.
+const I32_ELEMENTWISE: [&OpDef; 8] = [
+    &defs::NEG,
+    &defs::ABS,
+    &defs::SQUARE,
+    &defs::ADD,
+    &defs::SUB,
+    &defs::MUL,
+    &defs::MAXIMUM,
+    &defs::MINIMUM,
+];
+
+/// A unary op over i32 from its WGSL expression.
+fn unary_i32_entry(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let (OpKind::Unary(unary), [out]) = (op.kind, outputs) else {
+        return Ok(None);
+    };
+    let (Some(expression), DType::I32) = (unary.wgsl(), out.dtype) else {
+        return Ok(None);
+    };
+    let Some(count) = small(out.shape.numel()) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::unary_i32(expression))?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
+    let params = [count, gx * WORKGROUP];
+    launch(gpu, &pipeline, &[inputs[0], &y], &params, (gx, gy, 1))?;
+    Ok(Some(one(y)))
+}
+
+/// A binary op over broadcast i32s from its WGSL expression.
+fn binary_i32_entry(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let (OpKind::Binary(binary), [out]) = (op.kind, outputs) else {
+        return Ok(None);
+    };
+    let (Some(expression), DType::I32) = (binary.wgsl(), out.dtype) else {
+        return Ok(None);
+    };
+    broadcast_launch(gpu, &shader::binary_i32(expression), inputs, out, false)
+}
+
+/// A comparison of i32s into bools.
+fn compare_i32_entry(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let OpKind::Compare(compare) = op.kind else {
+        return Ok(None);
+    };
+    single(outputs, |out| {
+        broadcast_launch(gpu, &shader::compare_i32(compare.wgsl()), inputs, out, true)
     })
 }
 
@@ -1190,9 +1277,19 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
             sources.push((op.def().name, shader::binary(expression)));
         }
     }
-    for compare in [defs::EQUAL.kind, defs::LESS.kind] {
-        if let OpKind::Compare(c) = compare {
-            sources.push(("compare", shader::compare(c.wgsl())));
+    for op in I32_ELEMENTWISE {
+        match op.kind {
+            OpKind::Unary(u) => sources.push((op.name, shader::unary_i32(u.wgsl().unwrap_or("")))),
+            OpKind::Binary(b) => {
+                sources.push((op.name, shader::binary_i32(b.wgsl().unwrap_or(""))))
+            }
+            _ => {}
+        }
+    }
+    for &op in stagecraft_ops::all_ops() {
+        if let OpKind::Compare(c) = op.kind {
+            sources.push((op.name, shader::compare(c.wgsl())));
+            sources.push((op.name, shader::compare_i32(c.wgsl())));
         }
     }
     let types = [CastType::F32, CastType::I32, CastType::Bool];

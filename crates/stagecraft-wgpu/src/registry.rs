@@ -247,7 +247,13 @@ mod tests {
         assert!(lookup(&defs::CROSS_ENTROPY, &[F32, F32]).is_none());
         assert!(lookup(&defs::CROSS_ENTROPY_GRAD, &[F32, I32, F32, F32]).is_some());
         assert!(lookup(&defs::EQUAL, &[F32, F32]).is_some());
-        assert!(lookup(&defs::EQUAL, &[I32, I32]).is_none());
+        assert!(lookup(&defs::EQUAL, &[I32, I32]).is_some());
+        assert!(lookup(&defs::EQUAL, &[DType::I64, DType::I64]).is_none());
+        assert!(lookup(&defs::ADD, &[I32, I32]).is_some());
+        assert!(lookup(&defs::NEG, &[I32]).is_some());
+        // The CPU reports an integer zero divisor; the GPU leaves it there.
+        assert!(lookup(&defs::DIV, &[I32, I32]).is_none());
+        assert!(lookup(&defs::SIGN, &[I32]).is_none());
         assert!(lookup(&defs::SUM, &[F32]).is_some());
         assert!(lookup(&defs::EMBEDDING, &[F32, I32]).is_some());
         assert!(lookup(&defs::EMBEDDING, &[F32, DType::I64]).is_some());

@@ -147,6 +147,34 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     )
 }
 
+/// The helpers an op's `wgsl:` expression may call, for i32 operands: no
+/// i32 is NaN, so an expression written for f32 that guards its NaNs
+/// with `sc_isnan`/`sc_nan` reads the same over integers.
+const INT_PRELUDE: &str = r#"
+fn sc_isnan(x: i32) -> bool { return false; }
+fn sc_nan() -> i32 { return 0; }
+"#;
+
+/// [`unary`] over i32: the op's own expression, over integers (which
+/// wrap, as the CPU's integer kernels do).
+pub(crate) fn unary_i32(expression: &str) -> String {
+    format!(
+        r#"{INT_PRELUDE}
+@group(0) @binding(0) var<storage, read> input: array<i32>;
+@group(0) @binding(1) var<storage, read_write> output: array<i32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+
+fn op(x: i32) -> i32 {{ return {expression}; }}
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i < params[0]) {{ output[i] = op(input[i]); }}
+}}
+"#
+    )
+}
+
 /// `fn offsets(i: u32) -> array<u32, inputs>`: the offset of output
 /// element `i` in each of `inputs` broadcast operands, from the launch's
 /// `params`: `[count, row_width, rank, 0, dims[MAX_RANK], then MAX_RANK
@@ -178,14 +206,23 @@ fn offsets(i: u32) -> array<u32, {inputs}> {{
 /// `params`: `[count, row_width, rank, 0, dims[MAX_RANK],
 /// a_strides[MAX_RANK], b_strides[MAX_RANK]]`.
 pub(crate) fn binary(expression: &str) -> String {
+    binary_over(PRELUDE, "f32", expression)
+}
+
+/// [`binary`] over i32: the op's own expression, over integers.
+pub(crate) fn binary_i32(expression: &str) -> String {
+    binary_over(INT_PRELUDE, "i32", expression)
+}
+
+fn binary_over(prelude: &str, ty: &str, expression: &str) -> String {
     format!(
-        r#"{PRELUDE}
-@group(0) @binding(0) var<storage, read> lhs: array<f32>;
-@group(0) @binding(1) var<storage, read> rhs: array<f32>;
-@group(0) @binding(2) var<storage, read_write> output: array<f32>;
+        r#"{prelude}
+@group(0) @binding(0) var<storage, read> lhs: array<{ty}>;
+@group(0) @binding(1) var<storage, read> rhs: array<{ty}>;
+@group(0) @binding(2) var<storage, read_write> output: array<{ty}>;
 @group(0) @binding(3) var<storage, read> params: array<u32>;
 
-fn op(a: f32, b: f32) -> f32 {{ return {expression}; }}
+fn op(a: {ty}, b: {ty}) -> {ty} {{ return {expression}; }}
 {offsets}
 @compute @workgroup_size({WORKGROUP})
 fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
@@ -531,14 +568,23 @@ fn bool_at(e: u32) -> bool { return ((cond[e >> 2u] >> ((e & 3u) * 8u)) & 0xffu)
 /// A comparison of two broadcast f32 tensors into a bool tensor: each
 /// thread writes one word, four results. `params` as [`binary`]'s.
 pub(crate) fn compare(expression: &str) -> String {
+    compare_over(PRELUDE, "f32", expression)
+}
+
+/// [`compare`] of i32s.
+pub(crate) fn compare_i32(expression: &str) -> String {
+    compare_over(INT_PRELUDE, "i32", expression)
+}
+
+fn compare_over(prelude: &str, ty: &str, expression: &str) -> String {
     format!(
-        r#"{PRELUDE}
-@group(0) @binding(0) var<storage, read> lhs: array<f32>;
-@group(0) @binding(1) var<storage, read> rhs: array<f32>;
+        r#"{prelude}
+@group(0) @binding(0) var<storage, read> lhs: array<{ty}>;
+@group(0) @binding(1) var<storage, read> rhs: array<{ty}>;
 @group(0) @binding(2) var<storage, read_write> output: array<u32>;
 @group(0) @binding(3) var<storage, read> params: array<u32>;
 
-fn op(a: f32, b: f32) -> bool {{ return {expression}; }}
+fn op(a: {ty}, b: {ty}) -> bool {{ return {expression}; }}
 {offsets}
 fn holds(i: u32) -> bool {{
     let at = offsets(i);

@@ -938,4 +938,45 @@ mod on_the_gpu {
         // h and w down, the tail's result up, the result read: four.
         assert_eq!(rt::stats().device_copies - before, 4);
     }
+
+    /// i32 arithmetic and comparisons run on the GPU with the CPU's
+    /// wrapping results, broadcasting included; i32 division stays on the
+    /// CPU, which reports a zero divisor.
+    #[test]
+    fn integer_arithmetic_and_comparisons_match_the_cpu_and_wrap() {
+        let (gpu, _turn) = gpu();
+        let a: Vec<i32> = vec![i32::MAX, i32::MIN, -7, 0, 5, 123_456, -1, 2];
+        let b: Vec<i32> = vec![1, -1, 3, 0, -5, 654_321];
+        let run = |d: &Device| {
+            let x = Tensor::<i32>::from_vec(a.clone(), &[2, 4], d).unwrap();
+            let y = Tensor::<i32>::from_vec(b[..4].to_vec(), &[4], d).unwrap();
+            let ints = [
+                &x + &y,
+                &x - &y,
+                &x * &y,
+                x.neg(),
+                x.abs(),
+                x.square(),
+                x.maximum(&y),
+                x.minimum(&y),
+            ];
+            let bools = [x.lt(&y), x.eq(&y), x.ge(&y)];
+            (ints, bools)
+        };
+        let copies = rt::stats().device_copies;
+        let (ints, bools) = run(&gpu);
+        // Nothing fell back to the CPU.
+        assert_eq!(rt::stats().device_copies, copies);
+        let (want_ints, want_bools) = run(&cpu());
+        for (k, (g, w)) in ints.iter().zip(&want_ints).enumerate() {
+            assert_eq!(g.to_vec().unwrap(), w.to_vec().unwrap(), "op {k}");
+        }
+        for (k, (g, w)) in bools.iter().zip(&want_bools).enumerate() {
+            assert_eq!(g.to_vec().unwrap(), w.to_vec().unwrap(), "comparison {k}");
+        }
+        let x = Tensor::<i32>::from_vec(vec![4, 5], &[2], &gpu).unwrap();
+        let zero = Tensor::<i32>::from_vec(vec![2, 0], &[2], &gpu).unwrap();
+        let err = (&x / &zero).to_vec().unwrap_err();
+        assert_eq!(err.op(), Some("Div"), "{err}");
+    }
 }
