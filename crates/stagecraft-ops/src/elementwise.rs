@@ -110,10 +110,13 @@ pub trait BinaryVisitor {
 /// }
 /// ```
 ///
-/// `wgsl` is the op's meaning for GPU kernels: a WGSL expression of type
-/// `f32` over `x: f32`, which may call the helper functions of
-/// `stagecraft-wgpu`'s prelude (`sc_erf`, `sc_tanh`, ...). An op without
-/// one runs on the CPU when placed on a GPU.
+/// `wgsl` is the op's meaning for GPU kernels: a WGSL expression over `x`
+/// of the class's WGSL type: `f32` for float and numeric ops (which may
+/// call the helper functions of `stagecraft-wgpu`'s prelude: `sc_erf`,
+/// `sc_tanh`, ...; a numeric op's expression also runs over `i32` where
+/// it reads the same there), `i32` for integer ops, and for bool ops
+/// `i32` holding 0 or 1, giving 0 or 1. An op without one runs on the
+/// CPU when placed on a GPU.
 ///
 /// `grad` gets the gradient builder, the input, the output and the
 /// output's gradient; `none` means the op passes no gradient (its
@@ -180,7 +183,7 @@ macro_rules! unary_ops {
                 }
             }
 
-            /// The op's WGSL expression over `x: f32` (see [`unary_ops!`]),
+            /// The op's WGSL expression over `x` (see [`unary_ops!`]),
             /// or `None` when it has no GPU form yet.
             pub const fn wgsl(self) -> Option<&'static str> {
                 match self {
@@ -229,12 +232,14 @@ macro_rules! unary_ops {
 /// /// doc
 /// Variant => STATIC("OpName", Class) {
 ///     eval: |a, b| <expression over `a, b: T` where `T: Num`>,
-///     wgsl: "<WGSL f32 expression over `a` and `b`>",     // optional
+///     wgsl: "<WGSL expression over `a` and `b`>",         // optional
 ///     grad: |b, x, y, out, g| <Result<(G, G)>: both inputs' gradients
 ///                              at the output's shape>,   // or `grad: none`
 ///     zero_divisor_is_error: true,                        // optional
 /// }
 /// ```
+///
+/// `wgsl` is read as for [`unary_ops!`], over `a` and `b`.
 ///
 /// The gradients are reduced to each input's shape (unbroadcast) after
 /// the rule.
@@ -311,7 +316,7 @@ macro_rules! binary_ops {
                 }
             }
 
-            /// The op's WGSL expression over `a, b: f32` (see
+            /// The op's WGSL expression over `a` and `b` (see
             /// [`binary_ops!`]), or `None` when it has no GPU form yet.
             pub const fn wgsl(self) -> Option<&'static str> {
                 match self {

@@ -293,6 +293,15 @@ fn copy_of(gpu: &'static Gpu, x: &DeviceTensor, out: &TensorMetadata) -> Result<
 
 // ------------------------------------------------------------------ fused
 
+/// Whether an elementwise op of this dtype class computes over f32 (its
+/// expression's type there).
+fn float_class(class: stagecraft_ops::DTypeClass) -> bool {
+    matches!(
+        class,
+        stagecraft_ops::DTypeClass::Float | stagecraft_ops::DTypeClass::Numeric
+    )
+}
+
 /// The WGSL kernel of a `FusedElementwise` program over f32 inputs read
 /// as `modes` says (one per input): one thread per output element, the
 /// registers its local `let`s, each instruction the op's `wgsl()`
@@ -339,7 +348,9 @@ pub fn fused_shader(program: &[FusedInstr], modes: &[FusedOperand]) -> Option<St
         let call = match *instr {
             FusedInstr::Unary(op, a) => {
                 let name = format!("u_{}", op.def().name);
-                let expression = op.wgsl()?;
+                // A program over floats: integer and bool ops' expressions
+                // are over i32.
+                let expression = op.wgsl().filter(|_| float_class(op.class()))?;
                 define(
                     &name,
                     format!(
@@ -350,7 +361,7 @@ pub fn fused_shader(program: &[FusedInstr], modes: &[FusedOperand]) -> Option<St
             }
             FusedInstr::Binary(op, a, b) => {
                 let name = format!("b_{}", op.def().name);
-                let expression = op.wgsl()?;
+                let expression = op.wgsl().filter(|_| float_class(op.class()))?;
                 define(
                     &name,
                     format!("fn {name}(a: f32, b: f32) -> f32 {{ return {expression}; }}\n"),

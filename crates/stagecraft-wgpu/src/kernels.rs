@@ -9,7 +9,7 @@ use crate::context::{Gpu, Pipeline};
 use crate::registry::{self, kernel, rules, Accepts, GpuKernel, Launch};
 use crate::shader::{self, CastType, Combine, MAX_RANK, TILE, WORKGROUP};
 use smallvec::SmallVec;
-use stagecraft_ops::{defs, Attrs, Effect, OpDef, OpKind, ReduceOp};
+use stagecraft_ops::{defs, Attrs, DTypeClass, Effect, OpDef, OpKind, ReduceOp};
 use stagecraft_tensor::{DType, DeviceTensor, Error, Result, TensorMetadata};
 use std::sync::Arc;
 
@@ -69,8 +69,28 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
     use DType::{Bool, F32, I32};
     for &op in stagecraft_ops::all_ops() {
         let launch: Launch = match op.kind {
-            OpKind::Unary(unary) if unary.wgsl().is_some() => unary_entry,
-            OpKind::Binary(binary) if binary.wgsl().is_some() => binary_entry,
+            OpKind::Unary(unary) if unary.wgsl().is_some() => match unary.class() {
+                DTypeClass::Float | DTypeClass::Numeric => unary_entry,
+                DTypeClass::Int => {
+                    table.push(kernel(op, Exactly(&[I32]), unary_i32_entry));
+                    continue;
+                }
+                DTypeClass::Bool => {
+                    table.push(kernel(op, Exactly(&[Bool]), bool_entry));
+                    continue;
+                }
+            },
+            OpKind::Binary(binary) if binary.wgsl().is_some() => match binary.class() {
+                DTypeClass::Float | DTypeClass::Numeric => binary_entry,
+                DTypeClass::Int => {
+                    table.push(kernel(op, Exactly(&[I32, I32]), binary_i32_entry));
+                    continue;
+                }
+                DTypeClass::Bool => {
+                    table.push(kernel(op, Exactly(&[Bool, Bool]), bool_entry));
+                    continue;
+                }
+            },
             OpKind::Compare(_) => compare_entry,
             OpKind::Reduce(_) => reduce_entry,
             _ => continue,
@@ -286,6 +306,30 @@ fn binary_i32_entry(
     broadcast_launch(gpu, &shader::binary_i32(expression), inputs, out, false)
 }
 
+/// A logical op over bools (packed four per word) from its WGSL
+/// expression over 0/1 integers, with broadcasting.
+fn bool_entry(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let expression = match op.kind {
+        OpKind::Unary(unary) => unary.wgsl(),
+        OpKind::Binary(binary) => binary.wgsl(),
+        _ => None,
+    };
+    let (Some(expression), [out]) = (expression, outputs) else {
+        return Ok(None);
+    };
+    if out.dtype != DType::Bool {
+        return Ok(None);
+    }
+    let source = shader::bool_elementwise(expression, inputs.len());
+    broadcast_launch(gpu, &source, inputs, out, true)
+}
+
 /// A comparison of i32s into bools.
 fn compare_i32_entry(
     gpu: &'static Gpu,
@@ -360,9 +404,10 @@ fn cast_entry(
 /// fused form is pasted from its WGSL expression, so an op without one
 /// stays a node of its own (and runs on the CPU alone, not its group).
 pub fn fuses(op: &'static OpDef) -> bool {
+    let float = |class| matches!(class, DTypeClass::Float | DTypeClass::Numeric);
     match op.kind {
-        OpKind::Unary(unary) => unary.wgsl().is_some(),
-        OpKind::Binary(binary) => binary.wgsl().is_some(),
+        OpKind::Unary(unary) => unary.wgsl().is_some() && float(unary.class()),
+        OpKind::Binary(binary) => binary.wgsl().is_some() && float(binary.class()),
         _ => true,
     }
 }
@@ -1269,12 +1314,22 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
     let mut sources = Vec::new();
     for op in stagecraft_ops::UnaryOp::ALL {
         if let Some(expression) = op.wgsl() {
-            sources.push((op.def().name, shader::unary(expression)));
+            let source = match op.class() {
+                DTypeClass::Float | DTypeClass::Numeric => shader::unary(expression),
+                DTypeClass::Int => shader::unary_i32(expression),
+                DTypeClass::Bool => shader::bool_elementwise(expression, 1),
+            };
+            sources.push((op.def().name, source));
         }
     }
     for op in stagecraft_ops::BinaryOp::ALL {
         if let Some(expression) = op.wgsl() {
-            sources.push((op.def().name, shader::binary(expression)));
+            let source = match op.class() {
+                DTypeClass::Float | DTypeClass::Numeric => shader::binary(expression),
+                DTypeClass::Int => shader::binary_i32(expression),
+                DTypeClass::Bool => shader::bool_elementwise(expression, 2),
+            };
+            sources.push((op.def().name, source));
         }
     }
     for op in I32_ELEMENTWISE {

@@ -146,7 +146,7 @@ pub(crate) mod rules {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagecraft_ops::{defs, OpKind};
+    use stagecraft_ops::{defs, DTypeClass, OpKind};
     use DType::{F32, I32};
 
     /// The dtypes the tests try against rules: every dtype, alone and in
@@ -212,9 +212,10 @@ mod tests {
     fn every_elementwise_op_with_wgsl_runs_on_f32() {
         let mut covered = 0;
         for &op in stagecraft_ops::all_ops() {
+            let float = |c| matches!(c, DTypeClass::Float | DTypeClass::Numeric);
             let (wgsl, arity) = match op.kind {
-                OpKind::Unary(u) => (u.wgsl().is_some(), 1),
-                OpKind::Binary(b) => (b.wgsl().is_some(), 2),
+                OpKind::Unary(u) => (u.wgsl().is_some() && float(u.class()), 1),
+                OpKind::Binary(b) => (b.wgsl().is_some() && float(b.class()), 2),
                 _ => continue,
             };
             let found = lookup(op, &vec![F32; arity]);
@@ -225,17 +226,28 @@ mod tests {
             }
         }
         assert!(covered > 10, "only {covered} elementwise ops on the GPU");
+        // Integer and bool ops run on their own dtypes.
         for op in stagecraft_ops::UnaryOp::ALL
             .iter()
             .filter(|o| o.wgsl().is_some())
         {
-            assert!(lookup(op.def(), &[F32]).is_some(), "{:?}", op);
+            let dtype = match op.class() {
+                DTypeClass::Float | DTypeClass::Numeric => F32,
+                DTypeClass::Int => I32,
+                DTypeClass::Bool => DType::Bool,
+            };
+            assert!(lookup(op.def(), &[dtype]).is_some(), "{:?}", op);
         }
         for op in stagecraft_ops::BinaryOp::ALL
             .iter()
             .filter(|o| o.wgsl().is_some())
         {
-            assert!(lookup(op.def(), &[F32, F32]).is_some(), "{:?}", op);
+            let dtype = match op.class() {
+                DTypeClass::Float | DTypeClass::Numeric => F32,
+                DTypeClass::Int => I32,
+                DTypeClass::Bool => DType::Bool,
+            };
+            assert!(lookup(op.def(), &[dtype, dtype]).is_some(), "{:?}", op);
         }
     }
 

@@ -608,6 +608,54 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     )
 }
 
+/// A logical op over bools packed four per word (one byte each, 0 or 1),
+/// with `arity` broadcast inputs: each thread writes one output word. The
+/// op's expression reads its operands (`x`, or `a` and `b`) as `i32` 0/1
+/// and gives 0 or 1. `params` as [`binary`]'s.
+pub(crate) fn bool_elementwise(expression: &str, arity: usize) -> String {
+    let (signature, call) = match arity {
+        1 => ("x: i32", "op(byte(0u, at[0]))"),
+        _ => ("a: i32, b: i32", "op(byte(0u, at[0]), byte(1u, at[1]))"),
+    };
+    let inputs: String = (0..arity)
+        .map(|k| format!("@group(0) @binding({k}) var<storage, read> in{k}: array<u32>;\n"))
+        .collect();
+    let reads: String = (0..arity)
+        .map(|k| format!("    if (k == {k}u) {{ word = in{k}[at >> 2u]; }}\n"))
+        .collect();
+    format!(
+        r#"{INT_PRELUDE}
+{inputs}@group(0) @binding({arity}) var<storage, read_write> output: array<u32>;
+@group(0) @binding({params}) var<storage, read> params: array<u32>;
+
+fn op({signature}) -> i32 {{ return {expression}; }}
+{offsets}
+fn byte(k: u32, at: u32) -> i32 {{
+    var word = 0u;
+{reads}    return i32((word >> ((at & 3u) * 8u)) & 0xffu);
+}}
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    let w = id.x + id.y * params[1];
+    let count = params[0];
+    if (w * 4u >= count) {{ return; }}
+    var word = 0u;
+    for (var j = 0u; j < 4u; j = j + 1u) {{
+        let i = w * 4u + j;
+        if (i < count) {{
+            let at = offsets(i);
+            if ({call} != 0) {{ word = word | (1u << (8u * j)); }}
+        }}
+    }}
+    output[w] = word;
+}}
+"#,
+        params = arity + 1,
+        offsets = broadcast_offsets(arity)
+    )
+}
+
 /// `cond ? a : b` over three broadcast tensors (a bool condition, 4-byte
 /// values). `params`: `[count, row_width, rank, 0, dims[MAX_RANK],
 /// cond_strides, a_strides, b_strides]`.

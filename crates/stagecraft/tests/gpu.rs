@@ -979,4 +979,42 @@ mod on_the_gpu {
         let err = (&x / &zero).to_vec().unwrap_err();
         assert_eq!(err.op(), Some("Div"), "{err}");
     }
+
+    /// Logical ops over packed bools and bitwise ops over i32 run on the
+    /// GPU from their ops' own expressions, broadcasting included.
+    #[test]
+    fn logical_and_bitwise_ops_match_the_cpu() {
+        let (gpu, _turn) = gpu();
+        // 2×5 and 5: odd sizes, so packed words end part-full.
+        let p = vec![
+            true, false, true, true, false, false, true, false, false, true,
+        ];
+        let q = vec![true, true, false, false, true];
+        let m: Vec<i32> = vec![0x0f0f, -1, i32::MIN, 12345, 0, 7, -8, 1 << 30, 3, 5];
+        let n: Vec<i32> = vec![0x00ff, 6, -1, 0, i32::MAX];
+        let run = |d: &Device| {
+            let a = Tensor::<bool>::from_vec(p.clone(), &[2, 5], d).unwrap();
+            let b = Tensor::<bool>::from_vec(q.clone(), &[5], d).unwrap();
+            let x = Tensor::<i32>::from_vec(m.clone(), &[2, 5], d).unwrap();
+            let y = Tensor::<i32>::from_vec(n.clone(), &[5], d).unwrap();
+            let bools = [a.and(&b), a.or(&b), a.not(), b.and(&a).not()];
+            let ints = [
+                x.bitwise_and(&y),
+                x.bitwise_or(&y),
+                x.bitwise_xor(&y),
+                x.bitwise_not(),
+            ];
+            (bools, ints)
+        };
+        let copies = rt::stats().device_copies;
+        let (bools, ints) = run(&gpu);
+        assert_eq!(rt::stats().device_copies, copies, "nothing fell back");
+        let (want_bools, want_ints) = run(&cpu());
+        for (k, (g, w)) in bools.iter().zip(&want_bools).enumerate() {
+            assert_eq!(g.to_vec().unwrap(), w.to_vec().unwrap(), "logical op {k}");
+        }
+        for (k, (g, w)) in ints.iter().zip(&want_ints).enumerate() {
+            assert_eq!(g.to_vec().unwrap(), w.to_vec().unwrap(), "bitwise op {k}");
+        }
+    }
 }

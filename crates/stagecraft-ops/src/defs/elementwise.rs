@@ -283,6 +283,7 @@ crate::unary_ops! {
     /// Logical not of a bool tensor.
     Not => LOGICAL_NOT("LogicalNot", Bool) {
         eval: |x| if x == T::ZERO { T::ONE } else { T::ZERO },
+        wgsl: "select(0, 1, x == 0)",
         grad: none,
     }
     /// The largest integer not above `x` (integers are their own floor).
@@ -411,6 +412,7 @@ crate::unary_ops! {
     /// Bitwise not of an integer tensor (every bit flipped).
     BitNot => BITWISE_NOT("BitwiseNot", Int) {
         eval: |x| x.bit_not(),
+        wgsl: "~x",
         grad: none,
     }
 }
@@ -515,26 +517,31 @@ crate::binary_ops! {
     /// Logical and of bool tensors.
     And => LOGICAL_AND("LogicalAnd", Bool) {
         eval: |a, b| if a != T::ZERO && b != T::ZERO { T::ONE } else { T::ZERO },
+        wgsl: "select(0, 1, a != 0 && b != 0)",
         grad: none,
     }
     /// Logical or of bool tensors.
     Or => LOGICAL_OR("LogicalOr", Bool) {
         eval: |a, b| if a != T::ZERO || b != T::ZERO { T::ONE } else { T::ZERO },
+        wgsl: "select(0, 1, a != 0 || b != 0)",
         grad: none,
     }
     /// Bitwise and of integer tensors.
     BitAnd => BITWISE_AND("BitwiseAnd", Int) {
         eval: |a, b| a.bit_and(b),
+        wgsl: "a & b",
         grad: none,
     }
     /// Bitwise or of integer tensors.
     BitOr => BITWISE_OR("BitwiseOr", Int) {
         eval: |a, b| a.bit_or(b),
+        wgsl: "a | b",
         grad: none,
     }
     /// Bitwise exclusive or of integer tensors.
     BitXor => BITWISE_XOR("BitwiseXor", Int) {
         eval: |a, b| a.bit_xor(b),
+        wgsl: "a ^ b",
         grad: none,
     }
     /// `a << b` on integer tensors; an amount outside `0..bits` (the
