@@ -16,7 +16,7 @@
 use crate::context::Gpu;
 use crate::kernels::{grid, launch, one, single, small, strides_of, too_large, Outputs};
 use crate::registry::{kernel, rules, Accepts, GpuKernel};
-use crate::shader::{MAX_RANK, PRELUDE, WORKGROUP};
+use crate::shader::{Element, MAX_RANK, PRELUDE, WORKGROUP};
 use stagecraft_ops::{decode_fused, defs, fused_operand, Attrs, FusedInstr, FusedOperand};
 use stagecraft_tensor::{normalize_axis, DType, DeviceTensor, Result, TensorMetadata};
 
@@ -293,15 +293,6 @@ fn copy_of(gpu: &'static Gpu, x: &DeviceTensor, out: &TensorMetadata) -> Result<
 
 // ------------------------------------------------------------------ fused
 
-/// Whether an elementwise op of this dtype class computes over f32 (its
-/// expression's type there).
-fn float_class(class: stagecraft_ops::DTypeClass) -> bool {
-    matches!(
-        class,
-        stagecraft_ops::DTypeClass::Float | stagecraft_ops::DTypeClass::Numeric
-    )
-}
-
 /// The WGSL kernel of a `FusedElementwise` program over f32 inputs read
 /// as `modes` says (one per input): one thread per output element, the
 /// registers its local `let`s, each instruction the op's `wgsl()`
@@ -350,7 +341,9 @@ pub fn fused_shader(program: &[FusedInstr], modes: &[FusedOperand]) -> Option<St
                 let name = format!("u_{}", op.def().name);
                 // A program over floats: integer and bool ops' expressions
                 // are over i32.
-                let expression = op.wgsl().filter(|_| float_class(op.class()))?;
+                let expression = op
+                    .wgsl()
+                    .filter(|_| Element::of(op.class()) == Element::F32)?;
                 define(
                     &name,
                     format!(
@@ -361,7 +354,9 @@ pub fn fused_shader(program: &[FusedInstr], modes: &[FusedOperand]) -> Option<St
             }
             FusedInstr::Binary(op, a, b) => {
                 let name = format!("b_{}", op.def().name);
-                let expression = op.wgsl().filter(|_| float_class(op.class()))?;
+                let expression = op
+                    .wgsl()
+                    .filter(|_| Element::of(op.class()) == Element::F32)?;
                 define(
                     &name,
                     format!("fn {name}(a: f32, b: f32) -> f32 {{ return {expression}; }}\n"),

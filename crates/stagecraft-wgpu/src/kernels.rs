@@ -7,9 +7,9 @@
 use crate::buffer::GpuBuffer;
 use crate::context::{Gpu, Pipeline};
 use crate::registry::{self, kernel, rules, Accepts, GpuKernel, Launch};
-use crate::shader::{self, CastType, Combine, MAX_RANK, TILE, WORKGROUP};
+use crate::shader::{self, CastType, Combine, Element, MAX_RANK, TILE, WORKGROUP};
 use smallvec::SmallVec;
-use stagecraft_ops::{defs, Attrs, DTypeClass, Effect, OpDef, OpKind, ReduceOp};
+use stagecraft_ops::{defs, Attrs, Effect, OpDef, OpKind, ReduceOp};
 use stagecraft_tensor::{DType, DeviceTensor, Error, Result, TensorMetadata};
 use std::sync::Arc;
 
@@ -69,28 +69,30 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
     use DType::{Bool, F32, I32};
     for &op in stagecraft_ops::all_ops() {
         let launch: Launch = match op.kind {
-            OpKind::Unary(unary) if unary.wgsl().is_some() => match unary.class() {
-                DTypeClass::Float | DTypeClass::Numeric => unary_entry,
-                DTypeClass::Int => {
+            OpKind::Unary(unary) if unary.wgsl().is_some() => match Element::of(unary.class()) {
+                Element::F32 => unary_entry,
+                Element::I32 => {
                     table.push(kernel(op, Exactly(&[I32]), unary_i32_entry));
                     continue;
                 }
-                DTypeClass::Bool => {
+                Element::PackedBool => {
                     table.push(kernel(op, Exactly(&[Bool]), bool_entry));
                     continue;
                 }
             },
-            OpKind::Binary(binary) if binary.wgsl().is_some() => match binary.class() {
-                DTypeClass::Float | DTypeClass::Numeric => binary_entry,
-                DTypeClass::Int => {
-                    table.push(kernel(op, Exactly(&[I32, I32]), binary_i32_entry));
-                    continue;
+            OpKind::Binary(binary) if binary.wgsl().is_some() => {
+                match Element::of(binary.class()) {
+                    Element::F32 => binary_entry,
+                    Element::I32 => {
+                        table.push(kernel(op, Exactly(&[I32, I32]), binary_i32_entry));
+                        continue;
+                    }
+                    Element::PackedBool => {
+                        table.push(kernel(op, Exactly(&[Bool, Bool]), bool_entry));
+                        continue;
+                    }
                 }
-                DTypeClass::Bool => {
-                    table.push(kernel(op, Exactly(&[Bool, Bool]), bool_entry));
-                    continue;
-                }
-            },
+            }
             OpKind::Compare(_) => compare_entry,
             OpKind::Reduce(_) => reduce_entry,
             _ => continue,
@@ -106,7 +108,7 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
     }
     for &op in stagecraft_ops::all_ops() {
         if let OpKind::Compare(_) = op.kind {
-            table.push(kernel(op, Exactly(&[I32, I32]), compare_i32_entry));
+            table.push(kernel(op, Exactly(&[I32, I32]), compare_entry));
         }
     }
     table.extend([
@@ -225,7 +227,7 @@ fn unary_entry(
         return Ok(None);
     };
     single_f32(outputs, |out| match unary.wgsl() {
-        Some(expression) => unary_launch(gpu, expression, inputs[0], out).map(Some),
+        Some(expression) => unary_launch(gpu, &shader::unary(expression), inputs[0], out),
         None => Ok(None),
     })
 }
@@ -278,15 +280,7 @@ fn unary_i32_entry(
     let (Some(expression), DType::I32) = (unary.wgsl(), out.dtype) else {
         return Ok(None);
     };
-    let Some(count) = small(out.shape.numel()) else {
-        return Err(too_large(out));
-    };
-    let pipeline = gpu.pipeline(&shader::unary_i32(expression))?;
-    let y = gpu.alloc(out.clone())?;
-    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
-    let params = [count, gx * WORKGROUP];
-    launch(gpu, &pipeline, &[inputs[0], &y], &params, (gx, gy, 1))?;
-    Ok(Some(one(y)))
+    unary_launch(gpu, &shader::unary_i32(expression), inputs[0], out)
 }
 
 /// A binary op over broadcast i32s from its WGSL expression.
@@ -330,23 +324,8 @@ fn bool_entry(
     broadcast_launch(gpu, &source, inputs, out, true)
 }
 
-/// A comparison of i32s into bools.
-fn compare_i32_entry(
-    gpu: &'static Gpu,
-    op: &'static OpDef,
-    _: &Attrs<'_>,
-    inputs: &[&DeviceTensor],
-    outputs: &[TensorMetadata],
-) -> Result<Option<Outputs>> {
-    let OpKind::Compare(compare) = op.kind else {
-        return Ok(None);
-    };
-    single(outputs, |out| {
-        broadcast_launch(gpu, &shader::compare_i32(compare.wgsl()), inputs, out, true)
-    })
-}
-
-/// A comparison of f32s into bools.
+/// A comparison of f32s or i32s (the table's entries say which) into
+/// bools.
 fn compare_entry(
     gpu: &'static Gpu,
     op: &'static OpDef,
@@ -357,8 +336,12 @@ fn compare_entry(
     let OpKind::Compare(compare) = op.kind else {
         return Ok(None);
     };
+    let source = match inputs[0].metadata().dtype {
+        DType::I32 => shader::compare_i32(compare.wgsl()),
+        _ => shader::compare(compare.wgsl()),
+    };
     single(outputs, |out| {
-        broadcast_launch(gpu, &shader::compare(compare.wgsl()), inputs, out, true)
+        broadcast_launch(gpu, &source, inputs, out, true)
     })
 }
 
@@ -404,7 +387,7 @@ fn cast_entry(
 /// fused form is pasted from its WGSL expression, so an op without one
 /// stays a node of its own (and runs on the CPU alone, not its group).
 pub fn fuses(op: &'static OpDef) -> bool {
-    let float = |class| matches!(class, DTypeClass::Float | DTypeClass::Numeric);
+    let float = |class| Element::of(class) == Element::F32;
     match op.kind {
         OpKind::Unary(unary) => unary.wgsl().is_some() && float(unary.class()),
         OpKind::Binary(binary) => binary.wgsl().is_some() && float(binary.class()),
@@ -474,14 +457,14 @@ pub(crate) fn launch(
 
 fn unary_launch(
     gpu: &'static Gpu,
-    expression: &str,
+    source: &str,
     x: &DeviceTensor,
     out: &TensorMetadata,
-) -> Result<Outputs> {
+) -> Result<Option<Outputs>> {
     let Some(count) = small(out.shape.numel()) else {
         return Err(too_large(out));
     };
-    let pipeline = gpu.pipeline(&shader::unary(expression))?;
+    let pipeline = gpu.pipeline(source)?;
     let y = gpu.alloc(out.clone())?;
     let (gx, gy) = grid(count.div_ceil(WORKGROUP));
     launch(
@@ -491,7 +474,7 @@ fn unary_launch(
         &[count, gx * WORKGROUP],
         (gx, gy, 1),
     )?;
-    Ok(one(y))
+    Ok(Some(one(y)))
 }
 
 pub(crate) fn too_large(meta: &TensorMetadata) -> Error {
@@ -1314,21 +1297,13 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
     let mut sources = Vec::new();
     for op in stagecraft_ops::UnaryOp::ALL {
         if let Some(expression) = op.wgsl() {
-            let source = match op.class() {
-                DTypeClass::Float | DTypeClass::Numeric => shader::unary(expression),
-                DTypeClass::Int => shader::unary_i32(expression),
-                DTypeClass::Bool => shader::bool_elementwise(expression, 1),
-            };
+            let source = shader::elementwise(expression, Element::of(op.class()), 1);
             sources.push((op.def().name, source));
         }
     }
     for op in stagecraft_ops::BinaryOp::ALL {
         if let Some(expression) = op.wgsl() {
-            let source = match op.class() {
-                DTypeClass::Float | DTypeClass::Numeric => shader::binary(expression),
-                DTypeClass::Int => shader::binary_i32(expression),
-                DTypeClass::Bool => shader::bool_elementwise(expression, 2),
-            };
+            let source = shader::elementwise(expression, Element::of(op.class()), 2);
             sources.push((op.def().name, source));
         }
     }

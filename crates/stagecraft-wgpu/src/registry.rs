@@ -146,7 +146,8 @@ pub(crate) mod rules {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagecraft_ops::{defs, DTypeClass, OpKind};
+    use crate::shader::Element;
+    use stagecraft_ops::{defs, OpKind};
     use DType::{F32, I32};
 
     /// The dtypes the tests try against rules: every dtype, alone and in
@@ -212,7 +213,7 @@ mod tests {
     fn every_elementwise_op_with_wgsl_runs_on_f32() {
         let mut covered = 0;
         for &op in stagecraft_ops::all_ops() {
-            let float = |c| matches!(c, DTypeClass::Float | DTypeClass::Numeric);
+            let float = |c| Element::of(c) == Element::F32;
             let (wgsl, arity) = match op.kind {
                 OpKind::Unary(u) => (u.wgsl().is_some() && float(u.class()), 1),
                 OpKind::Binary(b) => (b.wgsl().is_some() && float(b.class()), 2),
@@ -227,26 +228,23 @@ mod tests {
         }
         assert!(covered > 10, "only {covered} elementwise ops on the GPU");
         // Integer and bool ops run on their own dtypes.
+        let dtype_of = |class| match Element::of(class) {
+            Element::F32 => F32,
+            Element::I32 => I32,
+            Element::PackedBool => DType::Bool,
+        };
         for op in stagecraft_ops::UnaryOp::ALL
             .iter()
             .filter(|o| o.wgsl().is_some())
         {
-            let dtype = match op.class() {
-                DTypeClass::Float | DTypeClass::Numeric => F32,
-                DTypeClass::Int => I32,
-                DTypeClass::Bool => DType::Bool,
-            };
+            let dtype = dtype_of(op.class());
             assert!(lookup(op.def(), &[dtype]).is_some(), "{:?}", op);
         }
         for op in stagecraft_ops::BinaryOp::ALL
             .iter()
             .filter(|o| o.wgsl().is_some())
         {
-            let dtype = match op.class() {
-                DTypeClass::Float | DTypeClass::Numeric => F32,
-                DTypeClass::Int => I32,
-                DTypeClass::Bool => DType::Bool,
-            };
+            let dtype = dtype_of(op.class());
             assert!(lookup(op.def(), &[dtype, dtype]).is_some(), "{:?}", op);
         }
     }

@@ -155,6 +155,42 @@ fn sc_isnan(x: i32) -> bool { return false; }
 fn sc_nan() -> i32 { return 0; }
 "#;
 
+/// What an elementwise op's `wgsl:` expression computes over, by its
+/// dtype class (see `stagecraft_ops::unary_ops!`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Element {
+    /// f32: float and numeric ops.
+    F32,
+    /// i32: integer ops.
+    I32,
+    /// Bools packed four per word, read as i32 0/1: logical ops.
+    PackedBool,
+}
+
+impl Element {
+    /// The type the expressions of `class`'s ops compute over.
+    pub(crate) fn of(class: stagecraft_ops::DTypeClass) -> Element {
+        use stagecraft_ops::DTypeClass;
+        match class {
+            DTypeClass::Float | DTypeClass::Numeric => Element::F32,
+            DTypeClass::Int => Element::I32,
+            DTypeClass::Bool => Element::PackedBool,
+        }
+    }
+}
+
+/// The shader of an elementwise op with `arity` inputs (1 or 2), its
+/// expression computing over `element`.
+pub(crate) fn elementwise(expression: &str, element: Element, arity: usize) -> String {
+    match (element, arity) {
+        (Element::F32, 1) => unary(expression),
+        (Element::F32, _) => binary(expression),
+        (Element::I32, 1) => unary_i32(expression),
+        (Element::I32, _) => binary_i32(expression),
+        (Element::PackedBool, _) => bool_elementwise(expression, arity),
+    }
+}
+
 /// [`unary`] over i32: the op's own expression, over integers (which
 /// wrap, as the CPU's integer kernels do).
 pub(crate) fn unary_i32(expression: &str) -> String {
@@ -591,6 +627,18 @@ fn holds(i: u32) -> bool {{
     return op(lhs[at[0]], rhs[at[1]]);
 }}
 
+{packed_main}"#,
+        packed_main = packed_main(),
+        offsets = broadcast_offsets(2)
+    )
+}
+
+/// The `main` of a kernel writing bools packed four per word (one byte
+/// each, 0 or 1) from `fn holds(i: u32) -> bool`: each thread writes one
+/// output word. `params`: `[count, row_width, ...]`.
+fn packed_main() -> String {
+    format!(
+        r#"
 @compute @workgroup_size({WORKGROUP})
 fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     let w = id.x + id.y * params[1];
@@ -603,11 +651,9 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     }}
     output[w] = word;
 }}
-"#,
-        offsets = broadcast_offsets(2)
+"#
     )
 }
-
 /// A logical op over bools packed four per word (one byte each, 0 or 1),
 /// with `arity` broadcast inputs: each thread writes one output word. The
 /// op's expression reads its operands (`x`, or `a` and `b`) as `i32` 0/1
@@ -635,22 +681,12 @@ fn byte(k: u32, at: u32) -> i32 {{
 {reads}    return i32((word >> ((at & 3u) * 8u)) & 0xffu);
 }}
 
-@compute @workgroup_size({WORKGROUP})
-fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
-    let w = id.x + id.y * params[1];
-    let count = params[0];
-    if (w * 4u >= count) {{ return; }}
-    var word = 0u;
-    for (var j = 0u; j < 4u; j = j + 1u) {{
-        let i = w * 4u + j;
-        if (i < count) {{
-            let at = offsets(i);
-            if ({call} != 0) {{ word = word | (1u << (8u * j)); }}
-        }}
-    }}
-    output[w] = word;
+fn holds(i: u32) -> bool {{
+    let at = offsets(i);
+    return {call} != 0;
 }}
-"#,
+{packed_main}"#,
+        packed_main = packed_main(),
         params = arity + 1,
         offsets = broadcast_offsets(arity)
     )
