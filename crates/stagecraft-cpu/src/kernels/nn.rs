@@ -150,13 +150,79 @@ fn pixel_block(patch: usize, pixels: usize) -> usize {
     fit.next_multiple_of(64).clamp(64, 1024).min(pixels.max(1))
 }
 
-fn conv2d_typed<T: GemmElement + Send + Sync>(
+/// One output channel of a depthwise convolution (each group reads one
+/// input channel): `out = Σ w[ki, kj] · x[oy·s + ki·d - p, ox·s + kj·d - p]`
+/// with the taps added in (ki, kj) order from zero, padding read as zeros
+/// (so an infinite or NaN weight over the padding gives NaN, as it does in
+/// the im2col product). Row by row and tap by tap, so that the inner loop
+/// runs over contiguous pixels.
+///
+/// A depthwise layer as im2col products is one product per channel with a
+/// single filter row: hundreds of tiny products per image, each with its
+/// own column buffer, run one after another (ShuffleNet spent most of its
+/// time there).
+/// Output channels per input channel up to which a convolution with one
+/// input channel per group runs as [`depthwise_plane`]s. With more (a
+/// first layer over a grey image: 1 channel in, 32 out) the im2col product
+/// has enough filter rows to run at the GEMM's vector speed.
+const DEPTHWISE_MAX_MULTIPLIER: usize = 4;
+
+fn depthwise_plane<T>(plane: &[T], w: &[T], g: &ConvGeometry, out: &mut [T])
+where
+    T: Element + std::ops::Add<Output = T> + std::ops::Mul<Output = T>,
+{
+    let win = &g.win;
+    let (kh, kw) = (win.kernel[0], win.kernel[1]);
+    let zero = T::default();
+    out.fill(zero);
+    for (oy, row) in out.chunks_exact_mut(g.ow).enumerate() {
+        for ki in 0..kh {
+            let iy = (oy * win.stride[0] + ki * win.dilation[0]) as isize - win.padding[0] as isize;
+            let src = (iy >= 0 && iy < g.h as isize).then(|| &plane[iy as usize * g.w..][..g.w]);
+            for kj in 0..kw {
+                let tap = w[ki * kw + kj];
+                let Some(src) = src else {
+                    row.iter_mut().for_each(|v| *v = *v + tap * zero);
+                    continue;
+                };
+                let dx = (kj * win.dilation[1]) as isize - win.padding[1] as isize;
+                let s = win.stride[1];
+                // The output pixels whose tap lands inside the row:
+                // 0 <= ox·s + dx < w.
+                let lo = ((-dx).max(0) as usize).div_ceil(s).min(g.ow);
+                let hi = if (g.w as isize) <= dx {
+                    lo
+                } else {
+                    ((g.w as isize - dx) as usize).div_ceil(s).clamp(lo, g.ow)
+                };
+                row[..lo].iter_mut().for_each(|v| *v = *v + tap * zero);
+                row[hi..].iter_mut().for_each(|v| *v = *v + tap * zero);
+                let first = (lo * s) as isize + dx;
+                if s == 1 {
+                    let src = &src[first as usize..][..hi - lo];
+                    for (v, &x) in row[lo..hi].iter_mut().zip(src) {
+                        *v = *v + tap * x;
+                    }
+                } else {
+                    for (i, v) in row[lo..hi].iter_mut().enumerate() {
+                        *v = *v + tap * src[first as usize + i * s];
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn conv2d_typed<T>(
     x: &DenseHostTensor,
     w: &DenseHostTensor,
     meta: &TensorMetadata,
     win: Window2d,
     groups: usize,
-) -> Result<DenseHostTensor> {
+) -> Result<DenseHostTensor>
+where
+    T: GemmElement + Send + Sync + std::ops::Add<Output = T> + std::ops::Mul<Output = T>,
+{
     let xs = x.shape();
     let g = ConvGeometry {
         n: xs[0],
@@ -181,6 +247,24 @@ fn conv2d_typed<T: GemmElement + Send + Sync>(
     }
     if patch == 0 {
         out.as_mut_slice::<T>()?.fill(T::default());
+        return Ok(out);
+    }
+    if cg == 1 && og <= DEPTHWISE_MAX_MULTIPLIER {
+        // Depthwise: each output channel is its own small job, whatever
+        // the thread count, so the bits do not depend on it.
+        let (plane_in, patch_w) = (g.h * g.w, win.kernel[0] * win.kernel[1]);
+        let channel = |index: usize, plane: &mut [T]| {
+            let (image, oc) = (index / g.o, index % g.o);
+            let input = &xv[(image * g.c + oc / og) * plane_in..][..plane_in];
+            depthwise_plane(input, &wv[oc * patch_w..][..patch_w], &g, plane);
+        };
+        if g.n * image_out * patch >= crate::PARALLEL_THRESHOLD {
+            crate::pool::for_each_chunk(out.as_mut_slice::<T>()?, pixels, channel);
+        } else {
+            for (index, plane) in out.as_mut_slice::<T>()?.chunks_mut(pixels).enumerate() {
+                channel(index, plane);
+            }
+        }
         return Ok(out);
     }
     // A 1×1 window with unit stride and no padding reads each pixel once
@@ -1103,6 +1187,44 @@ mod tests {
         check_conv(2, 5, 6, 6, 4, [1, 1], [1, 1], [0, 0], [1, 1], 1);
         check_conv(3, 8, 28, 28, 16, [5, 5], [1, 1], [2, 2], [1, 1], 1);
         check_conv(0, 2, 4, 4, 2, [3, 3], [1, 1], [0, 0], [1, 1], 1);
+    }
+
+    #[test]
+    fn depthwise_convolutions_match_reference() {
+        // One input channel per group, one and two output channels each.
+        check_conv(2, 6, 9, 11, 6, [3, 3], [1, 1], [1, 1], [1, 1], 6);
+        check_conv(1, 4, 10, 13, 8, [3, 5], [2, 3], [2, 4], [2, 2], 4);
+        // Padding wider than the image: rows and columns of taps that
+        // read only padding, on both sides.
+        check_conv(1, 3, 3, 4, 3, [5, 5], [1, 2], [4, 6], [1, 1], 3);
+        check_conv(1, 2, 4, 3, 2, [2, 2], [3, 1], [0, 5], [1, 3], 2);
+        // A single channel is a group of one too.
+        check_conv(2, 1, 7, 5, 1, [3, 3], [1, 1], [1, 1], [1, 1], 1);
+        // ShuffleNet's stride-2 layer, large enough to split across threads.
+        check_conv(1, 120, 28, 28, 120, [3, 3], [2, 2], [1, 1], [1, 1], 120);
+    }
+
+    #[test]
+    fn depthwise_weights_over_padding_multiply_zeros() {
+        // An infinite weight times the padding's zero is NaN, as in the
+        // im2col product: only the centre's window lies inside the image.
+        let got = run(
+            &stagecraft_ops::CONV2D,
+            &[
+                DenseHostTensor::from_slice(&[1.0f32; 9], [1, 1, 3, 3]).unwrap(),
+                DenseHostTensor::from_slice(&[f32::INFINITY; 9], [1, 1, 3, 3]).unwrap(),
+            ],
+            OpAttrs::new().set_dims("padding", &[1, 1]),
+        )
+        .unwrap();
+        let got = got.as_slice::<f32>().unwrap();
+        for (i, v) in got.iter().enumerate() {
+            if i == 4 {
+                assert_eq!(*v, f32::INFINITY);
+            } else {
+                assert!(v.is_nan(), "pixel {i}: {v}");
+            }
+        }
     }
 
     #[test]
