@@ -195,6 +195,9 @@ impl Scalar {
 
     /// The value as f64 (exact for every dtype but i64 and u64 beyond
     /// 2^53).
+    // Inline: `Element::to_f64` goes through here, and kernels call it per
+    // element (average pooling's f64 sums); inlined, the match folds away.
+    #[inline]
     pub fn to_f64(self) -> f64 {
         match self {
             Scalar::Bool(v) => v as u8 as f64,
