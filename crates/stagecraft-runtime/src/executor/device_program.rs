@@ -133,6 +133,8 @@ impl DeviceProgram {
 /// Runs `function`'s nodes in order on `device` through `execute`, as
 /// eager ops; constants are copied to the device. Errors stay in the
 /// handles, as they would eagerly; the first one in a result is returned.
+/// (The GPU's handler runs control flow's functions this way.)
+#[cfg(feature = "wgpu")]
 pub(crate) fn interpret(
     function: &Function,
     args: &[TensorHandle],
