@@ -156,8 +156,8 @@ fn pixel_block(patch: usize, pixels: usize) -> usize {
 /// as zeros (so an infinite or NaN weight over the padding gives NaN, as
 /// in the im2col product).
 ///
-/// The plane is first copied into `padded`, bordered with the padding's
-/// zeros, so that every tap reads without a bounds test. Then each output
+/// It reads the input plane from `padded` ([`pad_plane`]), bordered with
+/// the padding's zeros, so that every tap reads without a bounds test. Then each output
 /// row is computed [`DEPTHWISE_LANES`] pixels at a time, every tap added
 /// into an array of accumulators that stays in vector registers: the
 /// output is written once, and the taps' loop has a fixed length to
@@ -167,7 +167,7 @@ fn pixel_block(patch: usize, pixels: usize) -> usize {
 /// single filter row: hundreds of tiny products per image, each with its
 /// own column buffer, run one after another (ShuffleNet spent most of its
 /// time there).
-fn depthwise_plane<T>(plane: &[T], w: &[T], g: &ConvGeometry, padded: &mut Vec<T>, out: &mut [T])
+fn depthwise_plane<T>(padded: &[T], w: &[T], g: &ConvGeometry, out: &mut [T])
 where
     T: Element + std::ops::Add<Output = T> + std::ops::Mul<Output = T>,
 {
@@ -176,17 +176,8 @@ where
     let (kh, kw) = (win.kernel[0], win.kernel[1]);
     let [sy, sx] = win.stride;
     let [dy, dx] = win.dilation;
-    let [py, px] = win.padding;
-    let wide = g.w + 2 * px;
+    let wide = g.w + 2 * win.padding[1];
     let zero = T::default();
-    padded.clear();
-    // Slack after the last row: the last pixels of a row are computed as a
-    // whole group of LANES too, reading past the row's end (into the next
-    // row, or this slack) for lanes that are then dropped.
-    padded.resize((g.h + 2 * py) * wide + LANES * sx, zero);
-    for (y, src) in plane.chunks_exact(g.w).enumerate() {
-        padded[(y + py) * wide + px..][..g.w].copy_from_slice(src);
-    }
     for (oy, row) in out.chunks_exact_mut(g.ow).enumerate() {
         for first in (0..g.ow).step_by(LANES) {
             let width = LANES.min(g.ow - first);
@@ -214,6 +205,24 @@ where
             }
             row[first..first + width].copy_from_slice(&acc[..width]);
         }
+    }
+}
+
+/// `plane` (one input channel) into `padded`, bordered with the padding's
+/// zeros, as [`depthwise_plane`] reads it.
+fn pad_plane<T: Element>(plane: &[T], g: &ConvGeometry, padded: &mut Vec<T>) {
+    let [py, px] = g.win.padding;
+    let wide = g.w + 2 * px;
+    padded.clear();
+    // Slack after the last row: the last pixels of a row are computed as a
+    // whole group of lanes too, reading past the row's end (into the next
+    // row, or this slack) for lanes that are then dropped.
+    padded.resize(
+        (g.h + 2 * py) * wide + DEPTHWISE_LANES * g.win.stride[1],
+        T::default(),
+    );
+    for (y, src) in plane.chunks_exact(g.w).enumerate() {
+        padded[(y + py) * wide + px..][..g.w].copy_from_slice(src);
     }
 }
 
@@ -267,19 +276,24 @@ where
     if cg == 1 && og <= DEPTHWISE_MAX_MULTIPLIER {
         // Depthwise: each output channel is its own small job, whatever
         // the thread count, so the bits do not depend on it.
+        // A job is one input channel (padded once) and its `og` outputs.
         let (plane_in, patch_w) = (g.h * g.w, win.kernel[0] * win.kernel[1]);
-        let channel = |padded: &mut Vec<T>, index: usize, plane: &mut [T]| {
-            let (image, oc) = (index / g.o, index % g.o);
-            let input = &xv[(image * g.c + oc / og) * plane_in..][..plane_in];
-            depthwise_plane(input, &wv[oc * patch_w..][..patch_w], &g, padded, plane);
+        let channel = |padded: &mut Vec<T>, index: usize, planes: &mut [T]| {
+            // `index` counts (image, group) pairs, which are the input's planes.
+            pad_plane(&xv[index * plane_in..][..plane_in], &g, padded);
+            let first_filter = (index % groups) * og;
+            for (j, plane) in planes.chunks_exact_mut(pixels).enumerate() {
+                let filter = &wv[(first_filter + j) * patch_w..][..patch_w];
+                depthwise_plane(padded, filter, &g, plane);
+            }
         };
         let y = out.as_mut_slice::<T>()?;
         if g.n * image_out * patch >= crate::PARALLEL_THRESHOLD {
-            crate::pool::for_each_chunk_init(y, pixels, Vec::new, channel);
+            crate::pool::for_each_chunk_init(y, og * pixels, Vec::new, channel);
         } else {
             let mut padded = Vec::new();
-            for (index, plane) in y.chunks_mut(pixels).enumerate() {
-                channel(&mut padded, index, plane);
+            for (index, planes) in y.chunks_mut(og * pixels).enumerate() {
+                channel(&mut padded, index, planes);
             }
         }
         return Ok(out);
