@@ -1,5 +1,6 @@
 //! Convolution (im2col + GEMM) and pooling on NCHW images.
 
+use crate::isa::IsaLevel;
 use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
 use crate::kernels::linalg::{gemm_into, no_epilogue, GemmElement, Layout};
 use crate::Inputs;
@@ -58,6 +59,43 @@ fn via_f32(
             out.shape.clone(),
         ),
     }
+}
+
+/// Defines `$name(level, args...)`, which runs `$body(args...)` with its
+/// loops compiled for `level`. The build targets baseline x86-64, whose
+/// SSE2 has four f32 lanes and no select: a plane loop that keeps 16
+/// accumulators in registers (a max pooling's NaN-aware maximum, a
+/// depthwise convolution's taps) ran there one element at a time, or four.
+/// Each lane's operations are the same IEEE operations in the same order
+/// at every level (no contraction into FMA), so the bits do not change.
+macro_rules! multiversioned_plane {
+    ($(#[$doc:meta])* fn $name:ident<T: [$($bound:tt)*] $(, const $c:ident)?>(
+        $($arg:ident: $ty:ty),* $(,)?
+    ) => $body:ident) => {
+        $(#[$doc])*
+        fn $name<T: $($bound)* $(, const $c: usize)?>(level: IsaLevel, $($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2")]
+            fn avx2<T: $($bound)* $(, const $c: usize)?>($($arg: $ty),*) {
+                $body::<T $(, $c)?>($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            fn avx512<T: $($bound)* $(, const $c: usize)?>($($arg: $ty),*) {
+                $body::<T $(, $c)?>($($arg),*)
+            }
+            match level {
+                // SAFETY: `crate::isa::level` reports AVX2 only on a CPU
+                // that has it, which is all `avx2` is compiled to use.
+                #[cfg(target_arch = "x86_64")]
+                IsaLevel::Avx2 => unsafe { avx2::<T $(, $c)?>($($arg),*) },
+                // SAFETY: as above, for AVX-512F.
+                #[cfg(target_arch = "x86_64")]
+                IsaLevel::Avx512 => unsafe { avx512::<T $(, $c)?>($($arg),*) },
+                _ => $body::<T $(, $c)?>($($arg),*),
+            }
+        }
+    };
 }
 
 struct ConvGeometry {
@@ -156,8 +194,9 @@ fn pixel_block(patch: usize, pixels: usize) -> usize {
 /// as zeros (so an infinite or NaN weight over the padding gives NaN, as
 /// in the im2col product).
 ///
-/// It reads the input plane from `padded` ([`pad_plane`]), bordered with
-/// the padding's zeros, so that every tap reads without a bounds test. Then each output
+/// It reads the input plane from `padded` ([`PaddedPlane`]), bordered
+/// with the padding's zeros and split into column phases, so that every
+/// tap reads a contiguous run without a bounds test. Then each output
 /// row is computed [`DEPTHWISE_LANES`] pixels at a time, every tap added
 /// into an array of accumulators that stays in vector registers: the
 /// output is written once, and the taps' loop has a fixed length to
@@ -167,39 +206,25 @@ fn pixel_block(patch: usize, pixels: usize) -> usize {
 /// single filter row: hundreds of tiny products per image, each with its
 /// own column buffer, run one after another (ShuffleNet spent most of its
 /// time there).
-fn depthwise_plane<T>(padded: &[T], w: &[T], g: &ConvGeometry, out: &mut [T])
+#[inline(always)]
+fn depthwise_plane<T>(padded: &PaddedPlane<T>, w: &[T], g: &ConvGeometry, out: &mut [T])
 where
     T: Element + std::ops::Add<Output = T> + std::ops::Mul<Output = T>,
 {
     const LANES: usize = DEPTHWISE_LANES;
     let win = &g.win;
     let (kh, kw) = (win.kernel[0], win.kernel[1]);
-    let [sy, sx] = win.stride;
-    let [dy, dx] = win.dilation;
-    let wide = g.w + 2 * win.padding[1];
     let zero = T::default();
     for (oy, row) in out.chunks_exact_mut(g.ow).enumerate() {
         for first in (0..g.ow).step_by(LANES) {
             let width = LANES.min(g.ow - first);
             let mut acc = [zero; LANES];
             for ki in 0..kh {
-                // The shape rule sized the output so that every tap of
-                // every output pixel lies inside the padded plane.
-                let src = &padded[(oy * sy + ki * dy) * wide..];
+                let y = oy * win.stride[0] + ki * win.dilation[0];
                 for (kj, &tap) in w[ki * kw..][..kw].iter().enumerate() {
-                    let start = first * sx + kj * dx;
-                    if sx == 1 {
-                        let taps: &[T; LANES] = src[start..start + LANES]
-                            .try_into()
-                            .expect("a slice of LANES values");
-                        for (a, &x) in acc.iter_mut().zip(taps) {
-                            *a = *a + tap * x;
-                        }
-                    } else {
-                        let taps = &src[start..][..(LANES - 1) * sx + 1];
-                        for (i, a) in acc.iter_mut().enumerate() {
-                            *a = *a + tap * taps[i * sx];
-                        }
+                    let taps = padded.taps::<LANES>(y, first, kj * win.dilation[1]);
+                    for (a, &x) in acc.iter_mut().zip(taps) {
+                        *a = *a + tap * x;
                     }
                 }
             }
@@ -208,21 +233,129 @@ where
     }
 }
 
-/// `plane` (one input channel) into `padded`, bordered with the padding's
-/// zeros, as [`depthwise_plane`] reads it.
-fn pad_plane<T: Element>(plane: &[T], g: &ConvGeometry, padded: &mut Vec<T>) {
-    let [py, px] = g.win.padding;
-    let wide = g.w + 2 * px;
-    padded.clear();
-    // Slack after the last row: the last pixels of a row are computed as a
-    // whole group of lanes too, reading past the row's end (into the next
-    // row, or this slack) for lanes that are then dropped.
-    padded.resize(
-        (g.h + 2 * py) * wide + DEPTHWISE_LANES * g.win.stride[1],
-        T::default(),
-    );
-    for (y, src) in plane.chunks_exact(g.w).enumerate() {
-        padded[(y + py) * wide + px..][..g.w].copy_from_slice(src);
+/// One input channel of a depthwise convolution: `plane` padded into
+/// `padded`, then one [`depthwise_plane`] per filter of `filters` (each
+/// `kh·kw` weights) into the output planes of `out`.
+#[inline(always)]
+fn depthwise_channel<T>(
+    padded: &mut PaddedPlane<T>,
+    plane: &[T],
+    filters: &[T],
+    g: &ConvGeometry,
+    out: &mut [T],
+) where
+    T: Element + std::ops::Add<Output = T> + std::ops::Mul<Output = T>,
+{
+    padded.fill(plane, (g.h, g.w), g.win, T::default());
+    let taps = g.win.kernel[0] * g.win.kernel[1];
+    for (filter, plane) in filters
+        .chunks_exact(taps)
+        .zip(out.chunks_exact_mut(g.oh * g.ow))
+    {
+        depthwise_plane(padded, filter, g, plane);
+    }
+}
+
+multiversioned_plane! {
+    /// [`depthwise_channel`] with its loops compiled for `level`.
+    fn depthwise_channel_on<T: [Element + std::ops::Add<Output = T> + std::ops::Mul<Output = T>]>(
+        padded: &mut PaddedPlane<T>,
+        plane: &[T],
+        filters: &[T],
+        g: &ConvGeometry,
+        out: &mut [T]
+    ) => depthwise_channel
+}
+
+/// One input plane as the window loops read it: bordered by the window's
+/// padding and split into column phases by the column stride `s`. Phase
+/// `q` of a row holds the padded row's columns `q, q + s, q + 2s, …`, so
+/// the tap at column offset `t` of the outputs `ox .. ox + n` is the
+/// contiguous run `ox + t / s ..` of phase `t % s`: a vector load, not a
+/// gather, at every stride. Each phase has [`PLANE_SLACK`] values of slack
+/// after it: a row's last outputs are computed as a whole group of lanes
+/// too, reading past the phase's end for lanes that are then dropped.
+#[derive(Default)]
+struct PaddedPlane<T> {
+    values: Vec<T>,
+    /// Values from one padded row to the next.
+    row: usize,
+    /// Values from one phase of a row to the next.
+    phase: usize,
+    /// The column stride, the number of phases.
+    stride: usize,
+}
+
+/// Lanes of slack after each phase of a [`PaddedPlane`]: the widest group
+/// of lanes a plane loop computes at once.
+const PLANE_SLACK: usize = if DEPTHWISE_LANES > POOL_LANES {
+    DEPTHWISE_LANES
+} else {
+    POOL_LANES
+};
+
+impl<T: Element> PaddedPlane<T> {
+    /// Fills the plane from `plane` (`h × w` values), bordered by `win`'s
+    /// padding filled with `fill`; the buffer is kept for the next plane.
+    #[inline(always)]
+    fn fill(&mut self, plane: &[T], (h, w): (usize, usize), win: Window2d, fill: T) {
+        let [py, px] = win.padding;
+        let stride = win.stride[1].max(1);
+        let wide = w + 2 * px;
+        self.stride = stride;
+        self.phase = wide.div_ceil(stride) + PLANE_SLACK;
+        self.row = stride * self.phase;
+        self.values.clear();
+        self.values.resize((h + 2 * py) * self.row, fill);
+        for (y, src) in plane.chunks_exact(w).enumerate() {
+            let dst = &mut self.values[(y + py) * self.row..][..self.row];
+            match stride {
+                1 => dst[px..px + w].copy_from_slice(src),
+                2 => split_row::<T, 2>(src, dst, self.phase, px),
+                3 => split_row::<T, 3>(src, dst, self.phase, px),
+                _ => {
+                    for (x, &v) in src.iter().enumerate() {
+                        let column = x + px;
+                        dst[(column % stride) * self.phase + column / stride] = v;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The padded values at row `y`, columns `first·s + offset + i·s` for
+    /// `i < N` (see the type's description).
+    #[inline(always)]
+    fn taps<const N: usize>(&self, y: usize, first: usize, offset: usize) -> &[T; N] {
+        let start =
+            y * self.row + (offset % self.stride) * self.phase + first + offset / self.stride;
+        self.values[start..start + N]
+            .try_into()
+            .expect("a run of N values")
+    }
+}
+
+/// One input row into the `S` phases of a padded row (`phase` values
+/// apart), its first value at padded column `px`: the row in groups of
+/// `S`, value `j` of each group going to the same phase, so that each
+/// phase is written by a loop the compiler turns into vector shuffles.
+#[inline(always)]
+fn split_row<T: Copy, const S: usize>(src: &[T], dst: &mut [T], phase: usize, px: usize) {
+    let whole = src.len() / S;
+    let rest = &src[whole * S..];
+    for j in 0..S {
+        let column = px + j;
+        let start = (column % S) * phase + column / S;
+        for (d, group) in dst[start..start + whole]
+            .iter_mut()
+            .zip(src.chunks_exact(S))
+        {
+            *d = group[j];
+        }
+    }
+    for (j, &v) in rest.iter().enumerate() {
+        let column = px + whole * S + j;
+        dst[(column % S) * phase + column / S] = v;
     }
 }
 
@@ -278,20 +411,18 @@ where
         // the thread count, so the bits do not depend on it.
         // A job is one input channel (padded once) and its `og` outputs.
         let (plane_in, patch_w) = (g.h * g.w, win.kernel[0] * win.kernel[1]);
-        let channel = |padded: &mut Vec<T>, index: usize, planes: &mut [T]| {
+        let level = crate::isa::level();
+        let channel = |padded: &mut PaddedPlane<T>, index: usize, planes: &mut [T]| {
             // `index` counts (image, group) pairs, which are the input's planes.
-            pad_plane(&xv[index * plane_in..][..plane_in], &g, padded);
-            let first_filter = (index % groups) * og;
-            for (j, plane) in planes.chunks_exact_mut(pixels).enumerate() {
-                let filter = &wv[(first_filter + j) * patch_w..][..patch_w];
-                depthwise_plane(padded, filter, &g, plane);
-            }
+            let plane = &xv[index * plane_in..][..plane_in];
+            let filters = &wv[(index % groups) * og * patch_w..][..og * patch_w];
+            depthwise_channel_on(level, padded, plane, filters, &g, planes);
         };
         let y = out.as_mut_slice::<T>()?;
         if g.n * image_out * patch >= crate::PARALLEL_THRESHOLD {
-            crate::pool::for_each_chunk_init(y, og * pixels, Vec::new, channel);
+            crate::pool::for_each_chunk_init(y, og * pixels, PaddedPlane::default, channel);
         } else {
-            let mut padded = Vec::new();
+            let mut padded = PaddedPlane::default();
             for (index, planes) in y.chunks_mut(og * pixels).enumerate() {
                 channel(&mut padded, index, planes);
             }
@@ -431,84 +562,32 @@ fn window_span(o: usize, axis: usize, size: usize, win: Window2d) -> (usize, usi
     (start.max(0) as usize, end.max(0) as usize)
 }
 
-/// Applies `reduce` to every pooling window of every (image, channel)
-/// plane; `reduce(window values, count of in-bounds taps)`.
-/// A pooling of `x` into `meta`: each output is `finish(acc, count)` of
-/// the window's in-bounds taps folded into `acc` (starting from `init`) in
-/// row-major order, `count` the number of those taps.
-///
-/// The taps are folded one output row at a time: for each window row and
-/// each column offset, across the whole row of outputs, so the inner loop
-/// is a strided sweep without per-output bounds (outputs whose window
-/// crosses the left or right edge are done one by one).
-fn pool<T: Element + Send + Sync, A: Copy + Send + Sync>(
+/// Pools every (image, channel) plane of `x` into `meta`'s shape with
+/// `plane_job(padded buffer, input plane, output plane)`, planes in
+/// parallel when the work is large enough.
+fn pool_planes<T: Element + Send + Sync>(
     x: &DenseHostTensor,
     meta: &TensorMetadata,
     win: Window2d,
-    init: A,
-    step: impl Fn(A, T) -> A + Sync,
-    finish: impl Fn(A, usize) -> T + Sync,
+    plane_job: impl Fn(&mut PaddedPlane<T>, &[T], &mut [T]) + Sync,
 ) -> Result<DenseHostTensor> {
-    let xs = x.shape();
-    let (h, w) = (xs[2], xs[3]);
+    let (h, w) = (x.shape()[2], x.shape()[3]);
     let (oh, ow) = (meta.shape[2], meta.shape[3]);
     let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
     let xv = x.as_slice::<T>()?;
     if oh * ow == 0 {
         return Ok(out);
     }
-    let (kw, sw, pw) = (win.kernel[1], win.stride[1], win.padding[1]);
-    // Outputs whose window lies inside the row: `ox·sw ≥ pw` and
-    // `ox·sw - pw + kw ≤ w`.
-    let inner_start = pw.div_ceil(sw).min(ow);
-    let inner_end = if w + pw >= kw {
-        ((w + pw - kw) / sw + 1).clamp(inner_start, ow)
-    } else {
-        inner_start
-    };
-    let plane_job = |p: usize, y: &mut [T], acc: &mut Vec<A>| {
-        let plane = &xv[p * h * w..][..h * w];
-        for (oy, y_row) in y.chunks_exact_mut(ow).enumerate() {
-            let (ys, ye) = window_span(oy, 0, h, win);
-            acc.clear();
-            acc.resize(ow, init);
-            for iy in ys..ye {
-                let src = &plane[iy * w..][..w];
-                for ox in (0..inner_start).chain(inner_end..ow) {
-                    let (xs_, xe) = window_span(ox, 1, w, win);
-                    for &v in &src[xs_..xe] {
-                        acc[ox] = step(acc[ox], v);
-                    }
-                }
-                for kx in (0..kw).filter(|_| inner_start < inner_end) {
-                    let first = inner_start * sw + kx - pw;
-                    let taps = src[first..].iter().step_by(sw);
-                    for (a, &v) in acc[inner_start..inner_end].iter_mut().zip(taps) {
-                        *a = step(*a, v);
-                    }
-                }
-            }
-            let rows = ye.saturating_sub(ys);
-            for (ox, (out, &a)) in y_row.iter_mut().zip(acc.iter()).enumerate() {
-                let count = if (inner_start..inner_end).contains(&ox) {
-                    rows * kw
-                } else {
-                    let (xs_, xe) = window_span(ox, 1, w, win);
-                    rows * xe.saturating_sub(xs_)
-                };
-                *out = finish(a, count);
-            }
-        }
+    let job = |padded: &mut PaddedPlane<T>, p: usize, y: &mut [T]| {
+        plane_job(padded, &xv[p * h * w..][..h * w], y)
     };
     let y = out.as_mut_slice::<T>()?;
-    if y.len() >= crate::PARALLEL_THRESHOLD {
-        crate::pool::for_each_chunk_init(y, oh * ow, Vec::new, |acc, i, plane| {
-            plane_job(i, plane, acc)
-        });
+    if y.len() * win.kernel[0] * win.kernel[1] >= crate::PARALLEL_THRESHOLD {
+        crate::pool::for_each_chunk_init(y, oh * ow, PaddedPlane::default, job);
     } else {
-        let mut acc = Vec::new();
-        for (i, plane) in y.chunks_mut(oh * ow).enumerate() {
-            plane_job(i, plane, &mut acc);
+        let mut padded = PaddedPlane::default();
+        for (p, plane) in y.chunks_mut(oh * ow).enumerate() {
+            job(&mut padded, p, plane);
         }
     }
     Ok(out)
@@ -519,10 +598,66 @@ fn max_pool_typed<T: Element + Send + Sync + num_like::Float>(
     meta: &TensorMetadata,
     win: Window2d,
 ) -> Result<DenseHostTensor> {
-    // NaN wins, as in the Max reduction: once the running maximum is NaN
-    // no comparison replaces it.
-    let step = |m: T, v: T| if v.is_nan() || v > m { v } else { m };
-    pool::<T, T>(x, meta, win, T::NEG_INF, step, |m, _| m)
+    let (dims, ow) = ((x.shape()[2], x.shape()[3]), meta.shape[3]);
+    let level = crate::isa::level();
+    pool_planes::<T>(x, meta, win, |padded, plane, y| {
+        max_pool_plane_on(level, padded, plane, dims, win, ow, y)
+    })
+}
+
+multiversioned_plane! {
+    /// [`max_pool_plane`] with its loops compiled for `level`.
+    fn max_pool_plane_on<T: [Element + num_like::Float]>(
+        padded: &mut PaddedPlane<T>,
+        plane: &[T],
+        dims: (usize, usize),
+        win: Window2d,
+        ow: usize,
+        out: &mut [T]
+    ) => max_pool_plane
+}
+
+/// Output pixels a max pooling computes at once (see [`max_pool_plane`]).
+const POOL_LANES: usize = 16;
+
+/// One plane of a max pooling: `plane` (`dims` values) padded into
+/// `padded`, bordered with `-inf`, then pooled into `out`. Each output row is computed [`POOL_LANES`]
+/// pixels at a time in an array of running maxima that stays in vector
+/// registers, every window tap folded in without a bounds test: the
+/// padding's `-inf` never wins.
+///
+/// NaN wins, as in the Max reduction: once the running maximum is NaN no
+/// comparison replaces it.
+#[inline(always)]
+fn max_pool_plane<T: Element + num_like::Float>(
+    padded: &mut PaddedPlane<T>,
+    plane: &[T],
+    dims: (usize, usize),
+    win: Window2d,
+    ow: usize,
+    out: &mut [T],
+) {
+    const LANES: usize = POOL_LANES;
+    padded.fill(plane, dims, win, T::NEG_INF);
+    let (kh, kw) = (win.kernel[0], win.kernel[1]);
+    for (oy, row) in out.chunks_exact_mut(ow).enumerate() {
+        for first in (0..ow).step_by(LANES) {
+            let width = LANES.min(ow - first);
+            let mut acc = [T::NEG_INF; LANES];
+            for ki in 0..kh {
+                // The shape rule sized the output so that every tap of
+                // every output pixel lies inside the padded plane.
+                let y = oy * win.stride[0] + ki;
+                for kj in 0..kw {
+                    let taps = padded.taps::<LANES>(y, first, kj);
+                    for (m, &v) in acc.iter_mut().zip(taps) {
+                        *m = if v.is_nan() || v > *m { v } else { *m };
+                    }
+                }
+            }
+            row[first..first + width].copy_from_slice(&acc[..width]);
+        }
+    }
 }
 
 fn avg_pool_typed<T: Element + Send + Sync + num_like::Float>(
@@ -531,20 +666,69 @@ fn avg_pool_typed<T: Element + Send + Sync + num_like::Float>(
     win: Window2d,
     include_pad: bool,
 ) -> Result<DenseHostTensor> {
-    let full = win.kernel[0] * win.kernel[1];
-    pool::<T, f64>(
-        x,
-        meta,
-        win,
-        0.0,
-        |sum, v| sum + v.to_f64(),
-        |sum, count| {
-            // Windows never pass the padded edge (no ceil mode), so
-            // counting padding means dividing by the whole window.
-            let divisor = if include_pad { full } else { count.max(1) };
-            <T as num_like::Float>::from_f64(sum / divisor as f64)
-        },
-    )
+    let (dims, ow) = ((x.shape()[2], x.shape()[3]), meta.shape[3]);
+    let level = crate::isa::level();
+    pool_planes::<T>(x, meta, win, |padded, plane, y| {
+        avg_pool_plane_on(level, padded, plane, dims, (win, include_pad), ow, y)
+    })
+}
+
+multiversioned_plane! {
+    /// [`avg_pool_plane`] with its loops compiled for `level`.
+    fn avg_pool_plane_on<T: [Element + num_like::Float]>(
+        padded: &mut PaddedPlane<T>,
+        plane: &[T],
+        dims: (usize, usize),
+        window: (Window2d, bool),
+        ow: usize,
+        out: &mut [T]
+    ) => avg_pool_plane
+}
+
+/// One plane of an average pooling, as [`max_pool_plane`] with zeros for
+/// padding: each window's in-bounds taps summed in f64 in row-major order
+/// (the padding's zeros change no sum), divided by the whole window when
+/// `include_pad`, else by its in-bounds taps, and rounded once.
+#[inline(always)]
+fn avg_pool_plane<T: Element + num_like::Float>(
+    padded: &mut PaddedPlane<T>,
+    plane: &[T],
+    (h, w): (usize, usize),
+    (win, include_pad): (Window2d, bool),
+    ow: usize,
+    out: &mut [T],
+) {
+    const LANES: usize = POOL_LANES;
+    padded.fill(plane, (h, w), win, T::default());
+    let (kh, kw) = (win.kernel[0], win.kernel[1]);
+    for (oy, row) in out.chunks_exact_mut(ow).enumerate() {
+        let (ys, ye) = window_span(oy, 0, h, win);
+        let rows = ye.saturating_sub(ys);
+        for first in (0..ow).step_by(LANES) {
+            let width = LANES.min(ow - first);
+            let mut acc = [0f64; LANES];
+            for ki in 0..kh {
+                let y = oy * win.stride[0] + ki;
+                for kj in 0..kw {
+                    let taps = padded.taps::<LANES>(y, first, kj);
+                    for (a, &v) in acc.iter_mut().zip(taps) {
+                        *a += num_like::Float::to_f64(v);
+                    }
+                }
+            }
+            for (i, (out, &sum)) in row[first..first + width].iter_mut().zip(&acc).enumerate() {
+                // Windows never pass the padded edge (no ceil mode), so
+                // counting padding means dividing by the whole window.
+                let divisor = if include_pad {
+                    kh * kw
+                } else {
+                    let (xs, xe) = window_span(first + i, 1, w, win);
+                    (rows * xe.saturating_sub(xs)).max(1)
+                };
+                *out = T::from_f64(sum / divisor as f64);
+            }
+        }
+    }
 }
 
 /// The few float operations pooling needs, for f32 and f64.
@@ -553,6 +737,7 @@ mod num_like {
         const NEG_INF: Self;
         fn is_nan(self) -> bool;
         fn from_f64(v: f64) -> Self;
+        fn to_f64(self) -> f64;
     }
     impl Float for f32 {
         const NEG_INF: f32 = f32::NEG_INFINITY;
@@ -562,6 +747,10 @@ mod num_like {
         fn from_f64(v: f64) -> f32 {
             v as f32
         }
+        #[inline(always)]
+        fn to_f64(self) -> f64 {
+            self as f64
+        }
     }
     impl Float for f64 {
         const NEG_INF: f64 = f64::NEG_INFINITY;
@@ -570,6 +759,10 @@ mod num_like {
         }
         fn from_f64(v: f64) -> f64 {
             v
+        }
+        #[inline(always)]
+        fn to_f64(self) -> f64 {
+            self
         }
     }
 }
@@ -1235,6 +1428,65 @@ mod tests {
         check_conv(1, 120, 28, 28, 120, [3, 3], [2, 2], [1, 1], [1, 1], 120);
     }
 
+    /// The plane loops give the same bits at every instruction set this
+    /// CPU has (baseline only under Miri), NaNs included.
+    #[test]
+    fn plane_loops_give_the_same_bits_at_every_level() {
+        let levels: Vec<IsaLevel> = [IsaLevel::Baseline, IsaLevel::Avx2, IsaLevel::Avx512]
+            .into_iter()
+            .filter(|&l| l <= crate::isa::detected())
+            .collect();
+        let (h, w) = (7, 37);
+        let mut plane: Vec<f32> = values(h * w, 4).iter().map(|&v| v as f32).collect();
+        plane[40] = f32::NAN;
+        let filter: Vec<f32> = values(9, 5).iter().map(|&v| v as f32).collect();
+        for stride in [1, 2, 3] {
+            let win = Window2d {
+                kernel: [3, 3],
+                stride: [stride, stride],
+                padding: [1, 1],
+                dilation: [1, 1],
+            };
+            let (oh, ow) = ((h + 2 - 3) / stride + 1, (w + 2 - 3) / stride + 1);
+            let g = ConvGeometry {
+                n: 1,
+                c: 1,
+                h,
+                w,
+                o: 1,
+                oh,
+                ow,
+                groups: 1,
+                win,
+            };
+            let run = |level: IsaLevel| {
+                let mut padded = PaddedPlane::default();
+                let mut pooled = vec![0f32; oh * ow];
+                max_pool_plane_on(level, &mut padded, &plane, (h, w), win, ow, &mut pooled);
+                let mut averaged = vec![0f32; oh * ow];
+                let window = (win, false);
+                avg_pool_plane_on(
+                    level,
+                    &mut padded,
+                    &plane,
+                    (h, w),
+                    window,
+                    ow,
+                    &mut averaged,
+                );
+                let mut convolved = vec![0f32; oh * ow];
+                depthwise_channel_on(level, &mut padded, &plane, &filter, &g, &mut convolved);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                (bits(&pooled), bits(&averaged), bits(&convolved))
+            };
+            let baseline = run(IsaLevel::Baseline);
+            assert!(baseline.0.iter().any(|&b| f32::from_bits(b).is_nan()));
+            for &level in &levels {
+                assert_eq!(run(level), baseline, "{level:?}, stride {stride}");
+            }
+        }
+    }
+
     #[test]
     fn depthwise_weights_over_padding_multiply_zeros() {
         // An infinite weight times the padding's zero is NaN, as in the
@@ -1293,6 +1545,20 @@ mod tests {
             &reference::max_pool2d(&xv, dims, kernel, stride, pad),
             0.0,
         );
+        // f32 takes the vector path of its own lane width; its values are
+        // exact in f64, so the reference over them is exact too.
+        let narrow: Vec<f32> = xv.iter().map(|&v| v as f32).collect();
+        let x32 = DenseHostTensor::from_slice(&narrow, dims).unwrap();
+        let got = run(&stagecraft_ops::MAX_POOL2D, &[x32], &attrs).unwrap();
+        let wide: Vec<f64> = narrow.iter().map(|&v| v as f64).collect();
+        let want = reference::max_pool2d(&wide, dims, kernel, stride, pad);
+        let got: Vec<f64> = got
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        close(&got, &want, 0.0);
         for include in [true, false] {
             attrs.set_bool("count_include_pad", include);
             let got = run(
@@ -1306,6 +1572,16 @@ mod tests {
                 &reference::avg_pool2d(&xv, dims, kernel, stride, pad, include),
                 1e-12,
             );
+            let x32 = DenseHostTensor::from_slice(&narrow, dims).unwrap();
+            let got = run(&stagecraft_ops::AVG_POOL2D, &[x32], &attrs).unwrap();
+            let want = reference::avg_pool2d(&wide, dims, kernel, stride, pad, include);
+            let got: Vec<f64> = got
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            close(&got, &want, 1e-6);
         }
     }
 
@@ -1320,6 +1596,12 @@ mod tests {
         check_pool([1, 2, 3, 2], [3, 3], [1, 1], [1, 1]);
         check_pool([1, 1, 4, 9], [2, 5], [1, 3], [0, 2]);
         check_pool([1, 3, 8, 13], [3, 3], [2, 2], [1, 1]);
+        // Rows of several lane groups, the last one partial, at strides 1,
+        // 2 and 3 (each has its own loop).
+        check_pool([1, 2, 9, 37], [3, 3], [2, 2], [1, 1]);
+        check_pool([1, 1, 20, 33], [3, 3], [1, 1], [1, 1]);
+        check_pool([2, 2, 11, 40], [2, 2], [2, 2], [0, 0]);
+        check_pool([1, 2, 10, 70], [3, 4], [3, 3], [1, 2]);
     }
 
     #[test]
