@@ -163,13 +163,22 @@ fn im2col_columns<T: Element>(
                         out[hi..].fill(T::default());
                         continue;
                     }
-                    for (i, v) in out.iter_mut().enumerate() {
-                        let ix = ((ox0 + i) * g.win.stride[1]) as isize + dx;
-                        *v = if ix < 0 || ix >= g.w as isize {
-                            T::default()
-                        } else {
-                            src[ix as usize]
-                        };
+                    // Strided taps: the outputs whose tap lies in the row,
+                    // `lo..hi`, copied without testing each one's column.
+                    let stride = g.win.stride[1];
+                    let first = (ox0 * stride) as isize + dx;
+                    let lo = ((-first).max(0) as usize).div_ceil(stride).min(run);
+                    let hi = ((g.w as isize - first).max(0) as usize)
+                        .div_ceil(stride)
+                        .clamp(lo, run);
+                    out[..lo].fill(T::default());
+                    out[hi..].fill(T::default());
+                    if lo < hi {
+                        let start = (first + (lo * stride) as isize) as usize;
+                        let taps = &src[start..][..(hi - lo - 1) * stride + 1];
+                        for (v, &x) in out[lo..hi].iter_mut().zip(taps.iter().step_by(stride)) {
+                            *v = x;
+                        }
                     }
                 }
             }

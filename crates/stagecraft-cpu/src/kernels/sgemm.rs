@@ -36,6 +36,14 @@ const MC_PANELS: usize = 8;
 /// is packed: read in place, a panel's rows would compete for a few L1
 /// sets.
 const ALIASING_STRIDE: usize = 1024;
+/// The widest product whose A is read in place even when its rows are
+/// [`ALIASING_STRIDE`] apart: packing a panel is paid once for all of a
+/// block's columns, and with few columns it costs more than the aliasing.
+/// ResNet-50's last 1×1 convolutions (512×49 by 1024 or 2048 deep) ran
+/// at 79–82 GFLOP/s packed, 109–112 in place; 256×196×1024 at 118 and
+/// 131; no shape measured up to 1024 columns was slower in place
+/// (1024³: 149 packed, 153 in place; one Xeon core, AVX-512, 2026-11-29).
+const ALIASING_MAX_COLUMNS: usize = 1024;
 /// The widest row-major B read without packing (floats; see `sgemm`).
 const DIRECT_B_MAX_STRIDE: usize = 512;
 /// Columns of B packed at a time: `KC × NC` floats is 1 MiB, half a core's
@@ -143,12 +151,15 @@ pub(crate) fn sgemm(m: usize, n: usize, k: usize, a: Matrix<'_>, b: Matrix<'_>, 
                     block.run(all_panels, a_block, (b_block, b_step), nc, c);
                     continue;
                 }
-                if a.col_stride == 1 && !a.row_stride.is_multiple_of(ALIASING_STRIDE) {
+                let aliased =
+                    a.row_stride.is_multiple_of(ALIASING_STRIDE) && n > ALIASING_MAX_COLUMNS;
+                if a.col_stride == 1 && !aliased {
                     // Row-major, read where it lies: a broadcast from any
                     // row costs the same as from a packed panel, and
                     // packing cost 3–6 % of a product with 256 columns.
-                    // Rows a multiple of 4 KiB apart would share the
-                    // same few L1 sets, so those are packed.
+                    // Rows a multiple of 4 KiB apart share the same few L1
+                    // sets, but packing them costs more than that unless
+                    // the product is wide (see `ALIASING_MAX_COLUMNS`).
                     let a_block = ABlock::Rows(&a.values[p0..], a.row_stride);
                     block.run(all_panels, a_block, (b_block, b_step), nc, c);
                     continue;
