@@ -174,18 +174,5 @@ fn main() {
         println!("{:<16} {s:>9.1} {r:>9.1} {o:>9.1} {orow:>9.1} {cb:>9.1} {fp:>9.1} {g:>9.1}", case.name);
     }
 }
-/// The one item of `stagecraft-cpu`'s `isa` module that `sgemm.rs` reads.
-mod isa {
-    #[derive(PartialEq)]
-    pub enum IsaLevel {
-        Avx512,
-        Below,
-    }
-    pub fn level() -> IsaLevel {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            IsaLevel::Avx512
-        } else {
-            IsaLevel::Below
-        }
-    }
-}
+#[path = "isa_shim.rs"]
+mod isa;

@@ -1211,6 +1211,15 @@ mod tests {
             .collect()
     }
 
+    /// An f32 result's values as f64 (exact), to compare with a reference.
+    fn widened(t: &DenseHostTensor) -> Vec<f64> {
+        t.as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&v| v as f64)
+            .collect()
+    }
+
     fn close(got: &[f64], want: &[f64], tol: f64) {
         assert_eq!(got.len(), want.len());
         for (g, w) in got.iter().zip(want) {
@@ -1268,12 +1277,7 @@ mod tests {
             &attrs,
         )
         .unwrap();
-        let got: Vec<f64> = got
-            .as_slice::<f32>()
-            .unwrap()
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
+        let got = widened(&got);
         close(&got, &want, 1e-4);
     }
 
@@ -1561,12 +1565,7 @@ mod tests {
         let got = run(&stagecraft_ops::MAX_POOL2D, &[x32], &attrs).unwrap();
         let wide: Vec<f64> = narrow.iter().map(|&v| v as f64).collect();
         let want = reference::max_pool2d(&wide, dims, kernel, stride, pad);
-        let got: Vec<f64> = got
-            .as_slice::<f32>()
-            .unwrap()
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
+        let got = widened(&got);
         close(&got, &want, 0.0);
         for include in [true, false] {
             attrs.set_bool("count_include_pad", include);
@@ -1584,12 +1583,7 @@ mod tests {
             let x32 = DenseHostTensor::from_slice(&narrow, dims).unwrap();
             let got = run(&stagecraft_ops::AVG_POOL2D, &[x32], &attrs).unwrap();
             let want = reference::avg_pool2d(&wide, dims, kernel, stride, pad, include);
-            let got: Vec<f64> = got
-                .as_slice::<f32>()
-                .unwrap()
-                .iter()
-                .map(|&v| v as f64)
-                .collect();
+            let got = widened(&got);
             close(&got, &want, 1e-6);
         }
     }
@@ -1673,12 +1667,7 @@ mod tests {
             &attrs,
         )
         .unwrap();
-        let got: Vec<f64> = got
-            .as_slice::<f32>()
-            .unwrap()
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
+        let got = widened(&got);
         close(&got, &want, 1e-4);
     }
 

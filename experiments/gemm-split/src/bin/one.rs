@@ -23,18 +23,5 @@ fn main() {
     }
     println!("{m}x{n}x{k} {layout}: {:.1} GFLOP/s, {:.2} us", 2.0 * (m * n * k) as f64 / best / 1e9, best * 1e6);
 }
-/// The one item of `stagecraft-cpu`'s `isa` module that `sgemm.rs` reads.
-mod isa {
-    #[derive(PartialEq)]
-    pub enum IsaLevel {
-        Avx512,
-        Below,
-    }
-    pub fn level() -> IsaLevel {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            IsaLevel::Avx512
-        } else {
-            IsaLevel::Below
-        }
-    }
-}
+#[path = "../isa_shim.rs"]
+mod isa;
