@@ -206,7 +206,7 @@ fn pixel_block(patch: usize, pixels: usize) -> usize {
 /// It reads the input plane from `padded` ([`PaddedPlane`]), bordered
 /// with the padding's zeros and split into column phases, so that every
 /// tap reads a contiguous run without a bounds test. Then each output
-/// row is computed [`DEPTHWISE_LANES`] pixels at a time, every tap added
+/// row is computed [`PLANE_LANES`] pixels at a time, every tap added
 /// into an array of accumulators that stays in vector registers: the
 /// output is written once, and the taps' loop has a fixed length to
 /// vectorize, the row's last group included (its extra lanes are dropped).
@@ -220,7 +220,7 @@ fn depthwise_plane<T>(padded: &PaddedPlane<T>, w: &[T], g: &ConvGeometry, out: &
 where
     T: Element + std::ops::Add<Output = T> + std::ops::Mul<Output = T>,
 {
-    const LANES: usize = DEPTHWISE_LANES;
+    const LANES: usize = PLANE_LANES;
     let win = &g.win;
     let (kh, kw) = (win.kernel[0], win.kernel[1]);
     let zero = T::default();
@@ -281,7 +281,7 @@ multiversioned_plane! {
 /// `q` of a row holds the padded row's columns `q, q + s, q + 2s, …`, so
 /// the tap at column offset `t` of the outputs `ox .. ox + n` is the
 /// contiguous run `ox + t / s ..` of phase `t % s`: a vector load, not a
-/// gather, at every stride. Each phase has [`PLANE_SLACK`] values of slack
+/// gather, at every stride. Each phase has [`PLANE_LANES`] values of slack
 /// after it: a row's last outputs are computed as a whole group of lanes
 /// too, reading past the phase's end for lanes that are then dropped.
 #[derive(Default)]
@@ -295,14 +295,6 @@ struct PaddedPlane<T> {
     stride: usize,
 }
 
-/// Lanes of slack after each phase of a [`PaddedPlane`]: the widest group
-/// of lanes a plane loop computes at once.
-const PLANE_SLACK: usize = if DEPTHWISE_LANES > POOL_LANES {
-    DEPTHWISE_LANES
-} else {
-    POOL_LANES
-};
-
 impl<T: Element> PaddedPlane<T> {
     /// Fills the plane from `plane` (`h × w` values), bordered by `win`'s
     /// padding filled with `fill`; the buffer is kept for the next plane.
@@ -312,7 +304,7 @@ impl<T: Element> PaddedPlane<T> {
         let stride = win.stride[1].max(1);
         let wide = w + 2 * px;
         self.stride = stride;
-        self.phase = wide.div_ceil(stride) + PLANE_SLACK;
+        self.phase = wide.div_ceil(stride) + PLANE_LANES;
         self.row = stride * self.phase;
         self.values.clear();
         self.values.resize((h + 2 * py) * self.row, fill);
@@ -374,10 +366,10 @@ fn split_row<T: Copy, const S: usize>(src: &[T], dst: &mut [T], phase: usize, px
 /// has enough filter rows to run at the GEMM's vector speed.
 const DEPTHWISE_MAX_MULTIPLIER: usize = 4;
 
-/// Output pixels a depthwise convolution computes at once (see
-/// [`depthwise_plane`]): a whole 512-bit vector of f32, or four 128-bit
-/// ones.
-const DEPTHWISE_LANES: usize = 16;
+/// Output pixels a plane loop (depthwise convolution, pooling) computes at
+/// once: a whole 512-bit vector of f32, or four 128-bit ones. It is also
+/// each [`PaddedPlane`] phase's slack.
+const PLANE_LANES: usize = 16;
 
 fn conv2d_typed<T>(
     x: &DenseHostTensor,
@@ -626,14 +618,9 @@ multiversioned_plane! {
     ) => max_pool_plane
 }
 
-/// Output pixels a max pooling computes at once (see [`max_pool_plane`]).
-const POOL_LANES: usize = 16;
-
 /// One plane of a max pooling: `plane` (`dims` values) padded into
-/// `padded`, bordered with `-inf`, then pooled into `out`. Each output row is computed [`POOL_LANES`]
-/// pixels at a time in an array of running maxima that stays in vector
-/// registers, every window tap folded in without a bounds test: the
-/// padding's `-inf` never wins.
+/// `padded`, bordered with `-inf` (which never wins), then pooled into
+/// `out` by [`fold_windows`].
 ///
 /// NaN wins, as in the Max reduction: once the running maximum is NaN no
 /// comparison replaces it.
@@ -646,25 +633,47 @@ fn max_pool_plane<T: Element + num_like::Float>(
     ow: usize,
     out: &mut [T],
 ) {
-    const LANES: usize = POOL_LANES;
     padded.fill(plane, dims, win, T::NEG_INF);
+    let step = |m: T, v: T| if v.is_nan() || v > m { v } else { m };
+    fold_windows(padded, win, out, ow, T::NEG_INF, step, |m, _, _| m);
+}
+
+/// Every pooling window of a padded plane folded into `out` (`ow` values
+/// a row): each output is `finish(acc, oy, ox)` of its window's taps
+/// folded into `acc` from `init` in row-major order, the padding's
+/// included. Each output row is computed [`PLANE_LANES`] pixels at a time
+/// in an array of accumulators that stays in vector registers, every tap
+/// read without a bounds test.
+#[inline(always)]
+fn fold_windows<T: Element, A: Copy>(
+    padded: &PaddedPlane<T>,
+    win: Window2d,
+    out: &mut [T],
+    ow: usize,
+    init: A,
+    step: impl Fn(A, T) -> A,
+    finish: impl Fn(A, usize, usize) -> T,
+) {
+    const LANES: usize = PLANE_LANES;
     let (kh, kw) = (win.kernel[0], win.kernel[1]);
     for (oy, row) in out.chunks_exact_mut(ow).enumerate() {
         for first in (0..ow).step_by(LANES) {
             let width = LANES.min(ow - first);
-            let mut acc = [T::NEG_INF; LANES];
+            let mut acc = [init; LANES];
             for ki in 0..kh {
                 // The shape rule sized the output so that every tap of
                 // every output pixel lies inside the padded plane.
                 let y = oy * win.stride[0] + ki;
                 for kj in 0..kw {
                     let taps = padded.taps::<LANES>(y, first, kj);
-                    for (m, &v) in acc.iter_mut().zip(taps) {
-                        *m = if v.is_nan() || v > *m { v } else { *m };
+                    for (a, &v) in acc.iter_mut().zip(taps) {
+                        *a = step(*a, v);
                     }
                 }
             }
-            row[first..first + width].copy_from_slice(&acc[..width]);
+            for (i, (out, &a)) in row[first..first + width].iter_mut().zip(&acc).enumerate() {
+                *out = finish(a, oy, first + i);
+            }
         }
     }
 }
@@ -695,8 +704,8 @@ multiversioned_plane! {
 }
 
 /// One plane of an average pooling, as [`max_pool_plane`] with zeros for
-/// padding: each window's in-bounds taps summed in f64 in row-major order
-/// (the padding's zeros change no sum), divided by the whole window when
+/// padding: each window's taps summed in f64 in row-major order (the
+/// padding's zeros change no sum), divided by the whole window when
 /// `include_pad`, else by its in-bounds taps, and rounded once.
 #[inline(always)]
 fn avg_pool_plane<T: Element + num_like::Float>(
@@ -707,37 +716,21 @@ fn avg_pool_plane<T: Element + num_like::Float>(
     ow: usize,
     out: &mut [T],
 ) {
-    const LANES: usize = POOL_LANES;
     padded.fill(plane, (h, w), win, T::default());
-    let (kh, kw) = (win.kernel[0], win.kernel[1]);
-    for (oy, row) in out.chunks_exact_mut(ow).enumerate() {
-        let (ys, ye) = window_span(oy, 0, h, win);
-        let rows = ye.saturating_sub(ys);
-        for first in (0..ow).step_by(LANES) {
-            let width = LANES.min(ow - first);
-            let mut acc = [0f64; LANES];
-            for ki in 0..kh {
-                let y = oy * win.stride[0] + ki;
-                for kj in 0..kw {
-                    let taps = padded.taps::<LANES>(y, first, kj);
-                    for (a, &v) in acc.iter_mut().zip(taps) {
-                        *a += num_like::Float::to_f64(v);
-                    }
-                }
-            }
-            for (i, (out, &sum)) in row[first..first + width].iter_mut().zip(&acc).enumerate() {
-                // Windows never pass the padded edge (no ceil mode), so
-                // counting padding means dividing by the whole window.
-                let divisor = if include_pad {
-                    kh * kw
-                } else {
-                    let (xs, xe) = window_span(first + i, 1, w, win);
-                    (rows * xe.saturating_sub(xs)).max(1)
-                };
-                *out = T::from_f64(sum / divisor as f64);
-            }
-        }
-    }
+    let step = |sum: f64, v: T| sum + num_like::Float::to_f64(v);
+    let finish = |sum: f64, oy: usize, ox: usize| {
+        // Windows never pass the padded edge (no ceil mode), so counting
+        // padding means dividing by the whole window.
+        let divisor = if include_pad {
+            win.kernel[0] * win.kernel[1]
+        } else {
+            let (ys, ye) = window_span(oy, 0, h, win);
+            let (xs, xe) = window_span(ox, 1, w, win);
+            (ye.saturating_sub(ys) * xe.saturating_sub(xs)).max(1)
+        };
+        T::from_f64(sum / divisor as f64)
+    };
+    fold_windows(padded, win, out, ow, 0.0, step, finish);
 }
 
 /// The few float operations pooling needs, for f32 and f64.
