@@ -247,7 +247,9 @@ pub fn execute(
                 report_error(&err);
                 return error_results(op, device, None, &err);
             }
-            args[k] = copy_to_device(&args[k], device, location);
+            // The copy is the runtime's, not the user's: its error names
+            // the op that needed it.
+            args[k] = copy_for(&args[k], device, location, op.name);
         }
     }
     for arg in &args {
@@ -294,11 +296,29 @@ fn input_metas(args: &Args) -> InputMetas {
 /// a device's own memory (upload), out of it (download), or between two
 /// devices through the host.
 pub fn copy_to_device(handle: &TensorHandle, target: Device, location: Location) -> TensorHandle {
+    copy_for(handle, target, location, "CopyToDevice")
+}
+
+/// [`copy_to_device`], with its error naming `op`.
+fn copy_for(
+    handle: &TensorHandle,
+    target: Device,
+    location: Location,
+    op: &'static str,
+) -> TensorHandle {
     if handle.device() == target {
         return handle.clone();
     }
     let meta = handle.metadata().clone();
     let copied = target.ensure_in_this_process().and_then(|()| {
+        // A fill stays one value between host devices: densifying it could
+        // need more memory than any machine has, and nothing is gained.
+        if let (TensorValue::Host(HostTensor::Scalar(fill)), None) =
+            (handle.wait_value()?, target.handler().memory())
+        {
+            count_device_copy(fill.metadata().dtype.size_in_bytes());
+            return Ok(TensorHandle::available(target, fill.clone().into()));
+        }
         let (host, fresh) = host_copy_of(handle)?;
         count_device_copy(host.buffer().len());
         match target.handler().memory() {
@@ -313,7 +333,7 @@ pub fn copy_to_device(handle: &TensorHandle, target: Device, location: Location)
     });
     match copied {
         Ok(handle) => handle,
-        Err(e) => TensorHandle::error(target, meta, e.with_op("CopyToDevice").at(location)),
+        Err(e) => TensorHandle::error(target, meta, e.with_op(op).at(location)),
     }
 }
 

@@ -101,6 +101,40 @@ fn ops_on_an_overflowing_fill_pass_its_error_on() {
     }
 }
 
+/// A fill whose values need more bytes than an address space holds is
+/// still one value: copied to another device it stays a fill, and an op
+/// that would make it dense fails naming that op, not the runtime's copy
+/// (the copy used to densify the fill and name `CopyToDevice`).
+#[test]
+fn a_huge_fill_crosses_devices_as_one_value() {
+    use stagecraft::{Device, Tensor};
+    let cpu = Device::cpu();
+    let lazy = Device::lazy(&cpu);
+    for (from, to) in [(lazy, cpu), (cpu, lazy)] {
+        let fill = Tensor::<i64>::full(&[usize::MAX, 1], 3, &from);
+        let moved = fill.to_device(&to);
+        assert_eq!(moved.dims(), &[usize::MAX, 1]);
+        assert!(moved.check().is_ok());
+        let line = line!() + 1;
+        let flat = moved.reshape(&[usize::MAX]);
+        let err = flat.to_vec().unwrap_err();
+        assert_eq!(
+            (err.op(), err.location().unwrap().line()),
+            (Some("Reshape"), line)
+        );
+
+        let cond = Tensor::<bool>::scalar(true, &to);
+        let zero = Tensor::<i64>::scalar(0, &to);
+        let line = line!() + 1;
+        let picked = cond.select(&fill, &zero);
+        let err = picked.to_vec().unwrap_err();
+        assert_eq!(
+            (err.op(), err.location().unwrap().line()),
+            (Some("Select"), line)
+        );
+    }
+}
+
 /// On the lazy device `nonzero` (whose shape depends on the values) used
 /// to be recorded with a placeholder shape, so later ops inferred wrong
 /// metadata and failed with an internal error naming no op.
