@@ -113,10 +113,13 @@ pub trait BinaryVisitor {
 /// `wgsl` is the op's meaning for GPU kernels: a WGSL expression over `x`
 /// of the class's WGSL type: `f32` for float and numeric ops (which may
 /// call the helper functions of `stagecraft-wgpu`'s prelude: `sc_erf`,
-/// `sc_tanh`, ...; a numeric op's expression also runs over `i32` where
-/// it reads the same there), `i32` for integer ops, and for bool ops
-/// `i32` holding 0 or 1, giving 0 or 1. An op without one runs on the
-/// CPU when placed on a GPU.
+/// `sc_tanh`, ...), `i32` for integer ops, and for bool ops `i32` holding
+/// 0 or 1, giving 0 or 1. A numeric op's expression also runs over `i32`,
+/// so it is written to read the same over both: integer literals (which
+/// WGSL converts to `f32` where an `f32` is wanted), and the prelude's
+/// helpers that both types have (`sc_isnan`, `sc_floor`, ...) in place
+/// of float-only builtins. An op without one runs on the CPU when placed
+/// on a GPU.
 ///
 /// `grad` gets the gradient builder, the input, the output and the
 /// output's gradient; `none` means the op passes no gradient (its

@@ -9,7 +9,7 @@ use crate::context::{Gpu, Pipeline};
 use crate::registry::{self, kernel, rules, Accepts, GpuKernel, Launch};
 use crate::shader::{self, CastType, Combine, Element, MAX_RANK, TILE, WORKGROUP};
 use smallvec::SmallVec;
-use stagecraft_ops::{defs, Attrs, Effect, OpDef, OpKind, ReduceOp};
+use stagecraft_ops::{defs, Attrs, DTypeClass, Effect, OpDef, OpKind, ReduceOp};
 use stagecraft_tensor::{DType, DeviceTensor, Error, Result, TensorMetadata};
 use std::sync::Arc;
 
@@ -68,6 +68,13 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
     use Accepts::{AllF32, Exactly, Rule};
     use DType::{Bool, F32, I32};
     for &op in stagecraft_ops::all_ops() {
+        if let Some(launch) = numeric_i32_launch(op) {
+            let accepts: &'static [DType] = match op.kind {
+                OpKind::Unary(_) => &[I32],
+                _ => &[I32, I32],
+            };
+            table.push(kernel(op, Exactly(accepts), launch));
+        }
         let launch: Launch = match op.kind {
             OpKind::Unary(unary) if unary.wgsl().is_some() => match Element::of(unary.class()) {
                 Element::F32 => unary_entry,
@@ -98,13 +105,6 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
             _ => continue,
         };
         table.push(kernel(op, AllF32, launch));
-    }
-    for op in I32_ELEMENTWISE {
-        let (accepts, launch): (&'static [DType], Launch) = match op.kind {
-            OpKind::Unary(_) => (&[I32], unary_i32_entry),
-            _ => (&[I32, I32], binary_i32_entry),
-        };
-        table.push(kernel(op, Exactly(accepts), launch));
     }
     for &op in stagecraft_ops::all_ops() {
         if let OpKind::Compare(_) = op.kind {
@@ -249,22 +249,43 @@ fn binary_entry(
     })
 }
 
-/// The elementwise ops whose own `wgsl:` expression reads the same over
-/// i32 (operators, `abs`, and the NaN guards, which the integer prelude
-/// makes no-ops) and whose CPU integer kernels wrap as WGSL's i32 does.
-/// The others run on the CPU: `Div` (the CPU reports a zero divisor),
-/// and `Sign`, `Relu` and the roundings, whose expressions are written
-/// with float literals.
-const I32_ELEMENTWISE: [&OpDef; 8] = [
-    &defs::NEG,
-    &defs::ABS,
-    &defs::SQUARE,
-    &defs::ADD,
-    &defs::SUB,
-    &defs::MUL,
-    &defs::MAXIMUM,
-    &defs::MINIMUM,
-];
+/// The i32 launch of a numeric elementwise op (one of both float and
+/// integer dtypes): its `wgsl:` expression is written to read the same
+/// over i32 (see `stagecraft_ops::unary_ops!`), and WGSL's i32 wraps as
+/// the CPU's integer kernels do. `None` for other ops.
+fn numeric_i32_launch(op: &'static OpDef) -> Option<Launch> {
+    match op.kind {
+        OpKind::Unary(unary) if unary.class() == DTypeClass::Numeric => {
+            unary.wgsl().map(|_| unary_i32_entry as Launch)
+        }
+        OpKind::Binary(binary) if binary.class() == DTypeClass::Numeric => {
+            binary.wgsl()?;
+            Some(match std::ptr::eq(op, &defs::DIV) {
+                true => divide_i32_entry,
+                false => binary_i32_entry,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// i32 division, where WGSL defines `a / 0` as `a` but the CPU reports a
+/// zero divisor: the divisors are read on the host first (a download,
+/// which waits for the queue, as indices are), and a zero sends the op to
+/// the CPU, whose kernel gives the error.
+fn divide_i32_entry(
+    gpu: &'static Gpu,
+    op: &'static OpDef,
+    attrs: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let divisors = gpu.download(inputs[1])?;
+    if divisors.as_slice::<i32>()?.contains(&0) {
+        return Ok(None);
+    }
+    binary_i32_entry(gpu, op, attrs, inputs, outputs)
+}
 
 /// A unary op over i32 from its WGSL expression.
 fn unary_i32_entry(
@@ -1307,7 +1328,10 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
             sources.push((op.def().name, source));
         }
     }
-    for op in I32_ELEMENTWISE {
+    for &op in stagecraft_ops::all_ops() {
+        if numeric_i32_launch(op).is_none() {
+            continue;
+        }
         match op.kind {
             OpKind::Unary(u) => sources.push((op.name, shader::unary_i32(u.wgsl().unwrap_or("")))),
             OpKind::Binary(b) => {

@@ -261,9 +261,13 @@ mod tests {
         assert!(lookup(&defs::EQUAL, &[DType::I64, DType::I64]).is_none());
         assert!(lookup(&defs::ADD, &[I32, I32]).is_some());
         assert!(lookup(&defs::NEG, &[I32]).is_some());
-        // The CPU reports an integer zero divisor; the GPU leaves it there.
-        assert!(lookup(&defs::DIV, &[I32, I32]).is_none());
-        assert!(lookup(&defs::SIGN, &[I32]).is_none());
+        // Every numeric op over i32 (Div's launch checks its divisors),
+        // and the shifts.
+        assert!(lookup(&defs::DIV, &[I32, I32]).is_some());
+        assert!(lookup(&defs::SIGN, &[I32]).is_some());
+        assert!(lookup(&defs::ROUND, &[I32]).is_some());
+        assert!(lookup(&defs::SHIFT_RIGHT, &[I32, I32]).is_some());
+        assert!(lookup(&defs::SHIFT_RIGHT, &[DType::I64, DType::I64]).is_none());
         assert!(lookup(&defs::SUM, &[F32]).is_some());
         assert!(lookup(&defs::EMBEDDING, &[F32, I32]).is_some());
         assert!(lookup(&defs::EMBEDDING, &[F32, DType::I64]).is_some());

@@ -25,6 +25,12 @@ fn sc_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f80000
 fn sc_nan() -> f32 { return bitcast<f32>(0x7fc00000u); }
 fn sc_inf() -> f32 { return bitcast<f32>(0x7f800000u); }
 
+// The roundings by names the integer prelude also has, so that a numeric
+// op's expression reads the same over i32 (where they are the identity).
+fn sc_floor(x: f32) -> f32 { return floor(x); }
+fn sc_ceil(x: f32) -> f32 { return ceil(x); }
+fn sc_round(x: f32) -> f32 { return round(x); }
+
 // e^x - 1 without cancellation near 0 (Kahan's correction).
 fn sc_expm1(x: f32) -> f32 {
     let u = exp(x);
@@ -149,10 +155,14 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 
 /// The helpers an op's `wgsl:` expression may call, for i32 operands: no
 /// i32 is NaN, so an expression written for f32 that guards its NaNs
-/// with `sc_isnan`/`sc_nan` reads the same over integers.
+/// with `sc_isnan`/`sc_nan` reads the same over integers, and every i32
+/// is its own rounding.
 const INT_PRELUDE: &str = r#"
 fn sc_isnan(x: i32) -> bool { return false; }
 fn sc_nan() -> i32 { return 0; }
+fn sc_floor(x: i32) -> i32 { return x; }
+fn sc_ceil(x: i32) -> i32 { return x; }
+fn sc_round(x: i32) -> i32 { return x; }
 "#;
 
 /// What an elementwise op's `wgsl:` expression computes over, by its

@@ -939,17 +939,18 @@ mod on_the_gpu {
         assert_eq!(rt::stats().device_copies - before, 4);
     }
 
-    /// i32 arithmetic and comparisons run on the GPU with the CPU's
-    /// wrapping results, broadcasting included; i32 division stays on the
-    /// CPU, which reports a zero divisor.
+    /// i32 arithmetic, roundings and comparisons run on the GPU with the
+    /// CPU's wrapping results, broadcasting included; a division by zero
+    /// goes to the CPU, which reports it.
     #[test]
     fn integer_arithmetic_and_comparisons_match_the_cpu_and_wrap() {
         let (gpu, _turn) = gpu();
         let a: Vec<i32> = vec![i32::MAX, i32::MIN, -7, 0, 5, 123_456, -1, 2];
-        let b: Vec<i32> = vec![1, -1, 3, 0, -5, 654_321];
+        // -1 divides MIN (wrapping to MIN) and 3 divides -7 (truncating).
+        let b: Vec<i32> = vec![1, -1, 3, 7];
         let run = |d: &Device| {
             let x = Tensor::<i32>::from_vec(a.clone(), &[2, 4], d).unwrap();
-            let y = Tensor::<i32>::from_vec(b[..4].to_vec(), &[4], d).unwrap();
+            let y = Tensor::<i32>::from_vec(b.clone(), &[4], d).unwrap();
             let ints = [
                 &x + &y,
                 &x - &y,
@@ -959,6 +960,12 @@ mod on_the_gpu {
                 x.square(),
                 x.maximum(&y),
                 x.minimum(&y),
+                &x / &y,
+                x.relu(),
+                x.sign(),
+                x.floor(),
+                x.ceil(),
+                x.round(),
             ];
             let bools = [x.lt(&y), x.eq(&y), x.ge(&y)];
             (ints, bools)
@@ -976,12 +983,15 @@ mod on_the_gpu {
         }
         let x = Tensor::<i32>::from_vec(vec![4, 5], &[2], &gpu).unwrap();
         let zero = Tensor::<i32>::from_vec(vec![2, 0], &[2], &gpu).unwrap();
+        let line = line!() + 1;
         let err = (&x / &zero).to_vec().unwrap_err();
         assert_eq!(err.op(), Some("Div"), "{err}");
+        assert_eq!(err.location().unwrap().line(), line, "{err}");
     }
 
-    /// Logical ops over packed bools and bitwise ops over i32 run on the
-    /// GPU from their ops' own expressions, broadcasting included.
+    /// Logical ops over packed bools and bitwise ops and shifts over i32
+    /// run on the GPU from their ops' own expressions, broadcasting
+    /// included.
     #[test]
     fn logical_and_bitwise_ops_match_the_cpu() {
         let (gpu, _turn) = gpu();
@@ -998,11 +1008,16 @@ mod on_the_gpu {
             let x = Tensor::<i32>::from_vec(m.clone(), &[2, 5], d).unwrap();
             let y = Tensor::<i32>::from_vec(n.clone(), &[5], d).unwrap();
             let bools = [a.and(&b), a.or(&b), a.not(), b.and(&a).not()];
+            // Shift amounts in and out of 0..32, negative ones too.
+            let amounts = Tensor::<i32>::from_vec(vec![0, 31, 32, -1, 5], &[5], d).unwrap();
             let ints = [
                 x.bitwise_and(&y),
                 x.bitwise_or(&y),
                 x.bitwise_xor(&y),
                 x.bitwise_not(),
+                x.shift_left(&amounts),
+                x.shift_right(&amounts),
+                amounts.shift_left(&x),
             ];
             (bools, ints)
         };

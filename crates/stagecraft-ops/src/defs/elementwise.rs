@@ -188,7 +188,7 @@ crate::unary_ops! {
         // Reading the output instead of the input leaves the relu its
         // input's only user, so a staged relu joins its producer's kernel
         // (a matmul's epilogue) and the input is never kept for backward.
-        wgsl: "select(0.0, x, x > 0.0 || sc_isnan(x))",
+        wgsl: "select(0, x, x > 0 || sc_isnan(x))",
         grad: |b, x, y, g| {
             let dtype = b.meta(x).dtype;
             let zero = b.scalar(0.0, dtype)?;
@@ -277,7 +277,7 @@ crate::unary_ops! {
                 T::ZERO
             }
         },
-        wgsl: "select(select(x, -1.0, x < 0.0), 1.0, x > 0.0)",
+        wgsl: "select(select(x, -1, x < 0), 1, x > 0)",
         grad: none,
     }
     /// Logical not of a bool tensor.
@@ -289,19 +289,19 @@ crate::unary_ops! {
     /// The largest integer not above `x` (integers are their own floor).
     Floor => FLOOR("Floor", Numeric) {
         eval: |x| if T::FLOAT { x.via_f64(f64::floor) } else { x },
-        wgsl: "floor(x)",
+        wgsl: "sc_floor(x)",
         grad: none,
     }
     /// The smallest integer not below `x`.
     Ceil => CEIL("Ceil", Numeric) {
         eval: |x| if T::FLOAT { x.via_f64(f64::ceil) } else { x },
-        wgsl: "ceil(x)",
+        wgsl: "sc_ceil(x)",
         grad: none,
     }
     /// The nearest integer, halves to even (as NumPy and PyTorch round).
     Round => ROUND("Round", Numeric) {
         eval: |x| if T::FLOAT { x.via_f64(f64::round_ties_even) } else { x },
-        wgsl: "round(x)",
+        wgsl: "sc_round(x)",
         grad: none,
     }
     /// The error function.
@@ -548,6 +548,9 @@ crate::binary_ops! {
     /// dtype's width) gives 0.
     ShiftLeft => SHIFT_LEFT("ShiftLeft", Int) {
         eval: |a, b| a.shift_left(b),
+        // WGSL takes a shift amount modulo 32: out of range is chosen
+        // here. (A GPU kernel runs this over i32 only.)
+        wgsl: "select(0, a << u32(b), b >= 0 && b < 32)",
         grad: none,
     }
     /// `a >> b` on integer tensors: arithmetic for signed dtypes, logical
@@ -555,6 +558,8 @@ crate::binary_ops! {
     /// (0, or -1 for a negative signed value).
     ShiftRight => SHIFT_RIGHT("ShiftRight", Int) {
         eval: |a, b| a.shift_right(b),
+        // `a >> 31u` is what every bit shifted out leaves of the sign.
+        wgsl: "select(a >> 31u, a >> u32(b), b >= 0 && b < 32)",
         grad: none,
     }
 }
