@@ -17,6 +17,7 @@ mod context;
 mod conv;
 mod indexing;
 mod kernels;
+mod random;
 mod registry;
 mod shader;
 mod transformer;

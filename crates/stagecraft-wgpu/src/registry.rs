@@ -91,6 +91,7 @@ pub fn kernels() -> &'static [GpuKernel] {
         crate::conv::register(&mut table);
         crate::transformer::register(&mut table);
         crate::indexing::register(&mut table);
+        crate::random::register(&mut table);
         table
     })
 }
@@ -285,6 +286,8 @@ mod tests {
         assert!(lookup(&defs::TRILU, &[DType::Bool]).is_some());
         assert!(lookup(&defs::CONV2D, &[F32, F32]).is_some());
         assert!(lookup(&defs::RMS_NORM, &[DType::F64]).is_none());
+        assert!(lookup(&defs::DROPOUT, &[F32, DType::I64]).is_some());
+        assert!(lookup(&defs::DROPOUT, &[DType::F64, DType::I64]).is_none());
         // An op no kernel runs.
         assert!(lookup(&defs::PRINT, &[F32]).is_none());
     }

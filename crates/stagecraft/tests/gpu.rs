@@ -989,6 +989,59 @@ mod on_the_gpu {
         assert_eq!(err.location().unwrap().line(), line, "{err}");
     }
 
+    /// Dropout runs on the GPU and drops the elements the CPU drops (the
+    /// same Philox stream, also where the counter carries into its second
+    /// word); the survivors' scaling is within one ulp of the CPU's, and
+    /// the gradient is the same dropout of the incoming gradient.
+    #[test]
+    fn dropout_drops_what_the_cpu_drops() {
+        let (gpu, _turn) = gpu();
+        let xv = values(1003, 17, -3.0, 3.0);
+        for (p, far) in [(0.1, false), (0.5, true), (0.9, false), (1.0, false)] {
+            let run = |d: &Device| {
+                let mut rng = Rng::new(2024);
+                if far {
+                    // A draw with p = 0 moves the stream without running
+                    // anything: the next draw's blocks cross 2^32.
+                    let skipped = Tensor::<f32>::zeros(&[(1usize << 32) - 40], &cpu());
+                    let _ = skipped.dropout(0.0, &mut rng);
+                }
+                let x = Tensor::<f32>::from_vec(xv.clone(), &[17, 59], d).unwrap();
+                let (y, grad) = value_and_grad(|x: &Tensor<f32>| {
+                    x.dropout(p, &mut rng.clone()).square().sum(&[], false)
+                })(&x);
+                (y.item().unwrap(), grad.to_vec().unwrap())
+            };
+            let mut rng = Rng::new(2024);
+            if far {
+                let _ = Tensor::<f32>::zeros(&[(1usize << 32) - 40], &cpu()).dropout(0.0, &mut rng);
+            }
+            let mask = |d: &Device, rng: &mut Rng| {
+                let x = Tensor::<f32>::from_vec(xv.clone(), &[17, 59], d).unwrap();
+                x.dropout(p, rng).to_vec().unwrap()
+            };
+            let got = mask(&gpu, &mut rng.clone());
+            let want = mask(&cpu(), &mut rng);
+            for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                let ulp = (w.abs() * f32::EPSILON).max(f32::MIN_POSITIVE);
+                assert!(
+                    (*g == 0.0) == (*w == 0.0) && (g - w).abs() <= ulp,
+                    "p = {p}, element {k}: {g} on the GPU, {w} on the CPU"
+                );
+            }
+            let dropped = want.iter().filter(|&&v| v == 0.0).count() as f64 / 1003.0;
+            assert!((dropped - p).abs() < 0.06, "p = {p}: dropped {dropped}");
+            let ((gy, gg), (wy, wg)) = (run(&gpu), run(&cpu()));
+            assert!((gy - wy).abs() <= 1e-4 * (1.0 + wy.abs()), "{gy} vs {wy}");
+            assert_close("dropout's gradient", &gg, &wg, 1e-5, 1e-6);
+        }
+        let fallbacks = rt::cpu_fallbacks();
+        assert!(
+            !fallbacks.iter().any(|f| f.starts_with("Dropout[")),
+            "{fallbacks:?}"
+        );
+    }
+
     /// Logical ops over packed bools and bitwise ops and shifts over i32
     /// run on the GPU from their ops' own expressions, broadcasting
     /// included.

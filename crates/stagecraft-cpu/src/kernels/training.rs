@@ -49,7 +49,7 @@ pub(crate) struct KeepRule {
 impl KeepRule {
     pub(crate) fn new(p: f64) -> KeepRule {
         KeepRule {
-            threshold: (p * (1u64 << 24) as f64).ceil() as u32,
+            threshold: stagecraft_ops::dropout_threshold(p),
             scale: 1.0 / (1.0 - p),
         }
     }

@@ -35,6 +35,14 @@ pub static DROPOUT: OpDef = OpDef {
     grad: Some(dropout_grad),
 };
 
+/// The threshold of dropout's mask: element `i` survives when its 24-bit
+/// uniform, as an integer (`word >> 8`), is at least this (`⌈p·2²⁴⌉`,
+/// which no 24-bit integer reaches when `p = 1`). Every device's kernel
+/// draws the mask with it.
+pub fn dropout_threshold(p: f64) -> u32 {
+    (p * (1u64 << 24) as f64).ceil() as u32
+}
+
 fn dropout_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
     let (x, key) = (&inputs[0], &inputs[1]);
     require_float("x", x)?;
