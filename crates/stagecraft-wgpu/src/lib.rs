@@ -20,6 +20,7 @@ mod kernels;
 mod random;
 mod registry;
 mod shader;
+mod sort;
 mod transformer;
 
 pub use buffer::GpuBuffer;

@@ -92,6 +92,7 @@ pub fn kernels() -> &'static [GpuKernel] {
         crate::transformer::register(&mut table);
         crate::indexing::register(&mut table);
         crate::random::register(&mut table);
+        crate::sort::register(&mut table);
         table
     })
 }

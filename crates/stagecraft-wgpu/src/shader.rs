@@ -157,7 +157,7 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 /// i32 is NaN, so an expression written for f32 that guards its NaNs
 /// with `sc_isnan`/`sc_nan` reads the same over integers, and every i32
 /// is its own rounding.
-const INT_PRELUDE: &str = r#"
+pub(crate) const INT_PRELUDE: &str = r#"
 fn sc_isnan(x: i32) -> bool { return false; }
 fn sc_nan() -> i32 { return 0; }
 fn sc_floor(x: i32) -> i32 { return x; }

@@ -476,16 +476,17 @@ mod on_the_gpu {
     #[test]
     fn ops_without_a_gpu_kernel_run_on_the_cpu_and_say_so() {
         let (gpu, _turn) = gpu();
-        let x = Tensor::from_vec(vec![3.0f32, 1.0, 2.0], &[3], &gpu).unwrap();
-        let (sorted, _) = x.sort(0, false);
-        assert_eq!(sorted.device(), gpu);
-        assert_eq!(sorted.to_vec().unwrap(), vec![1.0, 2.0, 3.0]);
+        // WGSL has no 64-bit integers: i64 arithmetic runs on the CPU.
+        let x = Tensor::from_vec(vec![3i64, 1, 2], &[3], &gpu).unwrap();
+        let doubled = &x + &x;
+        assert_eq!(doubled.device(), gpu);
+        assert_eq!(doubled.to_vec().unwrap(), vec![6, 2, 4]);
         let idx = x.argmax(0, false);
         assert_eq!(idx.device(), gpu);
         assert_eq!(idx.item().unwrap(), 0);
         let fallbacks = rt::cpu_fallbacks();
         assert!(
-            fallbacks.iter().any(|f| f.starts_with("Sort[")),
+            fallbacks.iter().any(|f| f.starts_with("Add[I64")),
             "{fallbacks:?}"
         );
     }
@@ -1040,6 +1041,96 @@ mod on_the_gpu {
             !fallbacks.iter().any(|f| f.starts_with("Dropout[")),
             "{fallbacks:?}"
         );
+    }
+
+    /// Sort and top-k run on the GPU with the CPU's answer bit for bit:
+    /// NaN after every number (first when descending), -0 equal to 0,
+    /// ties by position, along any axis, f32 and i32; a row longer than
+    /// the GPU sorts (2,048) goes to the CPU.
+    #[test]
+    fn sort_and_top_k_match_the_cpu() {
+        let (gpu, _turn) = gpu();
+        // Few distinct values, so ties are everywhere.
+        let mut xv: Vec<f32> = values(6 * 37 * 5, 23, -4.0, 4.0)
+            .iter()
+            .map(|v| v.round() / 2.0)
+            .collect();
+        for (k, special) in [
+            f32::NAN,
+            -0.0,
+            0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            xv[k * 31 + 7] = special;
+        }
+        let iv: Vec<i32> = xv
+            .iter()
+            .map(|&v| {
+                if v.is_nan() {
+                    7
+                } else {
+                    (v * 2.0).clamp(-9.0, 9.0) as i32
+                }
+            })
+            .collect();
+        let long = values(2048 * 2, 29, -1.0, 1.0);
+        type Answer = (Vec<f32>, Vec<i32>, Vec<i64>);
+        let run = |d: &Device| -> Vec<Answer> {
+            let x = Tensor::<f32>::from_vec(xv.clone(), &[6, 37, 5], d).unwrap();
+            let xi = Tensor::<i32>::from_vec(iv.clone(), &[6, 37, 5], d).unwrap();
+            let mut answers = Vec::new();
+            for axis in [0, 1, -1] {
+                for flag in [false, true] {
+                    let (v, p) = x.sort(axis, flag);
+                    let (vi, pi) = xi.sort(axis, flag);
+                    answers.push((
+                        v.to_vec().unwrap(),
+                        vi.to_vec().unwrap(),
+                        p.to_vec().unwrap(),
+                    ));
+                    answers.push((vec![], vec![], pi.to_vec().unwrap()));
+                    for sorted in [true, false] {
+                        let (v, p) = x.topk(3, axis, flag, sorted);
+                        let (vi, pi) = xi.topk(2, axis, flag, sorted);
+                        answers.push((
+                            v.to_vec().unwrap(),
+                            vi.to_vec().unwrap(),
+                            p.to_vec().unwrap(),
+                        ));
+                        answers.push((vec![], vec![], pi.to_vec().unwrap()));
+                    }
+                }
+            }
+            let l = Tensor::<f32>::from_vec(long.clone(), &[2, 2048], d).unwrap();
+            let (v, p) = l.sort(-1, true);
+            answers.push((v.to_vec().unwrap(), vec![], p.to_vec().unwrap()));
+            answers
+        };
+        let got = run(&gpu);
+        let fallbacks = rt::cpu_fallbacks();
+        assert!(
+            !fallbacks
+                .iter()
+                .any(|f| f.starts_with("Sort[") || f.starts_with("TopK[")),
+            "{fallbacks:?}"
+        );
+        let want = run(&cpu());
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&g.0), bits(&w.0), "case {k}: values");
+            assert_eq!((&g.1, &g.2), (&w.1, &w.2), "case {k}");
+        }
+        // One value past the longest row: the CPU sorts it, and says so.
+        let x = Tensor::<f32>::from_vec(values(2049, 3, -1.0, 1.0), &[2049], &gpu).unwrap();
+        let (v, _) = x.sort(0, false);
+        let v = v.to_vec().unwrap();
+        assert!(v.windows(2).all(|w| w[0] <= w[1]));
+        assert!(rt::cpu_fallbacks().iter().any(|f| f.starts_with("Sort[")));
     }
 
     /// Logical ops over packed bools and bitwise ops and shifts over i32
