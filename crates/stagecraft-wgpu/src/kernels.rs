@@ -153,6 +153,7 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
         kernel(&defs::CAST, Exactly(&[F32]), cast_entry),
         kernel(&defs::CAST, Exactly(&[I32]), cast_entry),
         kernel(&defs::CAST, Exactly(&[Bool]), cast_entry),
+        kernel(&defs::CAST, Exactly(&[DType::I64]), cast_entry),
         kernel(&defs::SELECT, Rule(select_dtypes), |g, _, _, i, o| {
             single(o, |out| select_launch(g, i, out))
         }),
@@ -393,7 +394,7 @@ fn pad_entry(
     single(outputs, |out| pad_launch(gpu, attrs, inputs[0], out))
 }
 
-/// Casts among f32, i32 and bool.
+/// Casts among f32, i32, bool and i64.
 fn cast_entry(
     gpu: &'static Gpu,
     _: &'static OpDef,
@@ -754,6 +755,7 @@ fn cast_launch(
         DType::F32 => Some(CastType::F32),
         DType::I32 => Some(CastType::I32),
         DType::Bool => Some(CastType::Bool),
+        DType::I64 => Some(CastType::I64),
         _ => None,
     };
     let (Some(from), Some(to)) = (kind(x.metadata().dtype), kind(out.dtype)) else {
@@ -1346,7 +1348,7 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
             sources.push((op.name, shader::compare_i32(c.wgsl())));
         }
     }
-    let types = [CastType::F32, CastType::I32, CastType::Bool];
+    let types = [CastType::F32, CastType::I32, CastType::Bool, CastType::I64];
     for from in types {
         for to in types {
             if from != to {

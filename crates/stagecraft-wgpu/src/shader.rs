@@ -732,6 +732,8 @@ pub(crate) enum CastType {
     F32,
     I32,
     Bool,
+    /// Held as (low, high) word pairs: WGSL has no 64-bit integers.
+    I64,
 }
 
 /// Converts contiguous elements as the CPU's `Cast` does: floats to
@@ -739,10 +741,15 @@ pub(crate) enum CastType {
 /// A bool output is written a word (four results) per thread. `params`:
 /// `[count, row_width]`.
 pub(crate) fn cast(from: CastType, to: CastType) -> String {
+    if from == CastType::I64 || to == CastType::I64 {
+        return cast_i64(from, to);
+    }
     let (input_type, read) = match from {
         CastType::F32 => ("f32", "input[i]"),
         CastType::I32 => ("i32", "input[i]"),
-        CastType::Bool => ("u32", "f32((input[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu)"),
+        CastType::Bool | CastType::I64 => {
+            ("u32", "f32((input[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu)")
+        }
     };
     // Every source converts through an f32 value `v`, exact for bool and
     // for i32 below 2^24.
@@ -794,7 +801,7 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 }}
 "#
         ),
-        CastType::I32 => {
+        CastType::I32 | CastType::I64 => {
             let value = if from == CastType::F32 {
                 "select(select(select(i32(v), 2147483647, v >= 2147483648.0), \
                  i32(-2147483648), v <= -2147483648.0), 0, sc_isnan(v))"
@@ -816,6 +823,127 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
             )
         }
     }
+}
+
+/// i64 as words: the conversions between a (low, high) pair and the
+/// other cast types, as Rust's `as` converts. An f32 is truncated and
+/// saturated (NaN to 0) into a pair; a pair rounds to the nearest f32,
+/// ties to even, on the bits (WGSL lets an inexact integer-to-float
+/// conversion round either way).
+const I64_WORDS: &str = r#"
+fn negate64(w: vec2<u32>) -> vec2<u32> {
+    return vec2<u32>(~w.x + 1u, ~w.y + select(0u, 1u, w.x == 0u));
+}
+
+fn f32_to_i64(v: f32) -> vec2<u32> {
+    if (sc_isnan(v)) { return vec2<u32>(0u, 0u); }
+    if (v >= 9223372036854775808.0) { return vec2<u32>(0xffffffffu, 0x7fffffffu); }
+    if (v <= -9223372036854775808.0) { return vec2<u32>(0u, 0x80000000u); }
+    // Exact: an integral f32 below 2^63 splits into its words exactly.
+    let m = trunc(abs(v));
+    let high = floor(m / 4294967296.0);
+    let w = vec2<u32>(u32(m - high * 4294967296.0), u32(high));
+    return select(w, negate64(w), v < 0.0);
+}
+
+// Bit k of the word pair.
+fn bit64(w: vec2<u32>, k: u32) -> bool {
+    if (k >= 32u) { return ((w.y >> (k - 32u)) & 1u) != 0u; }
+    return ((w.x >> k) & 1u) != 0u;
+}
+
+// Whether any of bits 0..k is set.
+fn any_below64(w: vec2<u32>, k: u32) -> bool {
+    if (k == 0u) { return false; }
+    if (k > 32u) { return w.x != 0u || (w.y & ((1u << (k - 32u)) - 1u)) != 0u; }
+    if (k == 32u) { return w.x != 0u; }
+    return (w.x & ((1u << k) - 1u)) != 0u;
+}
+
+fn i64_to_f32(w: vec2<u32>) -> f32 {
+    let negative = (w.y & 0x80000000u) != 0u;
+    let m = select(w, negate64(w), negative);
+    let sign = select(0u, 0x80000000u, negative);
+    if (m.y == 0u && m.x < 16777216u) {
+        return bitcast<f32>(bitcast<u32>(f32(m.x)) | sign);
+    }
+    // The leading bit and the 24 bits from it, rounded to nearest even.
+    let top = select(31u - countLeadingZeros(m.x), 63u - countLeadingZeros(m.y), m.y != 0u);
+    let shift = top - 23u;
+    var mantissa = select((m.x >> shift) | (m.y << (32u - shift)), m.y >> (shift - 32u), shift >= 32u);
+    let half = bit64(m, shift - 1u);
+    if (half && (any_below64(m, shift - 1u) || (mantissa & 1u) == 1u)) {
+        mantissa = mantissa + 1u;
+    }
+    var exponent = top + 127u;
+    if (mantissa == 16777216u) {
+        mantissa = 8388608u;
+        exponent = exponent + 1u;
+    }
+    return bitcast<f32>(sign | (exponent << 23u) | (mantissa & 0x7fffffu));
+}
+"#;
+
+/// [`cast`] where either side is i64. `params`: `[count, row_width]`.
+fn cast_i64(from: CastType, to: CastType) -> String {
+    let (input_type, pair) = match from {
+        CastType::F32 => ("f32", "f32_to_i64(input[i])"),
+        CastType::I32 => (
+            "i32",
+            "vec2<u32>(bitcast<u32>(input[i]), select(0u, 0xffffffffu, input[i] < 0))",
+        ),
+        CastType::Bool => (
+            "u32",
+            "vec2<u32>((input[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu, 0u)",
+        ),
+        CastType::I64 => ("u32", "vec2<u32>(input[2u * i], input[2u * i + 1u])"),
+    };
+    let head = format!(
+        r#"{PRELUDE}{I64_WORDS}
+@group(0) @binding(0) var<storage, read> input: array<{input_type}>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+fn pair(i: u32) -> vec2<u32> {{ return {pair}; }}
+"#
+    );
+    let (output_type, store) = match to {
+        CastType::I64 => (
+            "u32",
+            "let w = pair(i); output[2u * i] = w.x; output[2u * i + 1u] = w.y;",
+        ),
+        CastType::I32 => ("i32", "output[i] = bitcast<i32>(pair(i).x);"),
+        CastType::F32 => ("f32", "output[i] = i64_to_f32(pair(i));"),
+        CastType::Bool => {
+            return format!(
+                r#"{head}
+@group(0) @binding(1) var<storage, read_write> output: array<u32>;
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    let w = id.x + id.y * params[1];
+    if (w * 4u >= params[0]) {{ return; }}
+    var word = 0u;
+    for (var j = 0u; j < 4u; j = j + 1u) {{
+        let i = w * 4u + j;
+        if (i < params[0]) {{
+            let v = pair(i);
+            if ((v.x | v.y) != 0u) {{ word = word | (1u << (8u * j)); }}
+        }}
+    }}
+    output[w] = word;
+}}
+"#
+            );
+        }
+    };
+    format!(
+        r#"{head}
+@group(0) @binding(1) var<storage, read_write> output: array<{output_type}>;
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i < params[0]) {{ {store} }}
+}}
+"#
+    )
 }
 
 /// Fills words with one bit pattern. `params`: `[words, row_width, bits]`.

@@ -1133,6 +1133,100 @@ mod on_the_gpu {
         assert!(rt::cpu_fallbacks().iter().any(|f| f.starts_with("Sort[")));
     }
 
+    /// Casts to and from i64 (word pairs on the GPU) give the CPU's bits:
+    /// i64 to f32 rounds to nearest even (ties and carries into the next
+    /// power of two included), f32 to i64 truncates and saturates (NaN to
+    /// 0), i64 to i32 keeps the low word.
+    #[test]
+    fn casts_to_and_from_i64_match_the_cpu() {
+        let (gpu, _turn) = gpu();
+        let mut longs: Vec<i64> = vec![
+            0,
+            1,
+            -1,
+            (1 << 24) + 1,
+            (1 << 24) + 3,
+            (1 << 25) + 2,
+            (1 << 25) + 6,
+            (1 << 40) + (1 << 16),
+            (1 << 40) + (1 << 16) + 1,
+            (1 << 53) - 1,
+            -(1 << 53) - 1,
+            (1 << 32) - 1,
+            1 << 32,
+            -(1 << 32),
+            0x7fff_ff80_0000_0000,
+            i64::MAX,
+            i64::MIN,
+            i64::MIN + 1,
+            i64::from(i32::MAX) + 1,
+            i64::from(i32::MIN) - 1,
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..300 {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // Every magnitude: shift the random bits down by a random amount.
+            longs.push((state >> (state % 61)) as i64 * if state & 1 == 0 { 1 } else { -1 });
+        }
+        let mut floats: Vec<f32> = vec![
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            9.223_372e18,
+            -9.223_372e18,
+            1e19,
+            -1e19,
+            3.7,
+            -3.7,
+            -0.5,
+            4_294_967_296.0,
+            -4_294_967_296.0,
+            1.0995116e12,
+            -2_147_483_648.0,
+        ];
+        floats.extend(values(200, 31, -3e12, 3e12));
+        let ints: Vec<i32> = vec![0, 1, -1, i32::MAX, i32::MIN, 12345, -98765];
+        let bools = vec![true, false, false, true, true];
+        type Casts = (Vec<u32>, Vec<i32>, Vec<bool>, [Vec<i64>; 4]);
+        let run = |d: &Device| -> Casts {
+            let l = Tensor::<i64>::from_vec(longs.clone(), &[longs.len()], d).unwrap();
+            let f = Tensor::<f32>::from_vec(floats.clone(), &[floats.len()], d).unwrap();
+            let i = Tensor::<i32>::from_vec(ints.clone(), &[ints.len()], d).unwrap();
+            let b = Tensor::<bool>::from_vec(bools.clone(), &[bools.len()], d).unwrap();
+            let to_f32 = l.cast::<f32>().to_vec().unwrap();
+            (
+                to_f32.iter().map(|v| v.to_bits()).collect(),
+                l.cast::<i32>().to_vec().unwrap(),
+                l.cast::<bool>().to_vec().unwrap(),
+                [
+                    f.cast::<i64>().to_vec().unwrap(),
+                    i.cast::<i64>().to_vec().unwrap(),
+                    b.cast::<i64>().to_vec().unwrap(),
+                    l.cast::<i64>().to_vec().unwrap(),
+                ],
+            )
+        };
+        let got = run(&gpu);
+        let fallbacks = rt::cpu_fallbacks();
+        assert!(
+            !fallbacks.iter().any(|f| f.starts_with("Cast[")),
+            "{fallbacks:?}"
+        );
+        let want = run(&cpu());
+        for (k, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
+            let v = longs[k];
+            assert_eq!(g, w, "{v} as f32: {} on the GPU", f32::from_bits(*g));
+        }
+        assert_eq!(got.1, want.1);
+        assert_eq!(got.2, want.2);
+        for (k, (g, w)) in got.3[0].iter().zip(&want.3[0]).enumerate() {
+            assert_eq!(g, w, "{} as i64", floats[k]);
+        }
+        assert_eq!(got.3, want.3);
+    }
+
     /// Logical ops over packed bools and bitwise ops and shifts over i32
     /// run on the GPU from their ops' own expressions, broadcasting
     /// included.
