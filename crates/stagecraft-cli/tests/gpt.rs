@@ -95,7 +95,8 @@ fn eager_and_lazy_training_agree_and_the_lazy_run_is_one_trace() {
 }
 
 /// The GPT trains on the GPU, op by op and lazily (one cached trace per
-/// step), with the CPU's losses. Needs `gpu:0` in a build with the `wgpu`
+/// step), with the CPU's losses, dropout included, and no op of a step
+/// falls back to the CPU. Needs `gpu:0` in a build with the `wgpu`
 /// feature (the test command's); elsewhere the device's error is checked.
 #[test]
 fn the_gpt_trains_on_the_gpu_eagerly_and_lazily_with_the_cpus_losses() {
@@ -109,7 +110,9 @@ fn the_gpt_trains_on_the_gpu_eagerly_and_lazily_with_the_cpus_losses() {
         }
     };
     let corpus = corpus();
-    let options = options(&corpus, 6);
+    let mut options = options(&corpus, 6);
+    // Dropout draws the same masks on both devices.
+    options.config.dropout = 0.1;
     let (_, cpu) = train(&corpus, &options, &Device::cpu());
     for device in [gpu, Device::lazy(&gpu)] {
         lazy::reset_metrics();
@@ -124,6 +127,15 @@ fn the_gpt_trains_on_the_gpu_eagerly_and_lazily_with_the_cpus_losses() {
             assert!(lazy::metrics().cache_hits >= 3, "{:?}", lazy::metrics());
         }
     }
+    // Every op of a training step has a GPU kernel: only the weights'
+    // random initialization ran on the CPU.
+    let fallbacks = stagecraft::layers::runtime::cpu_fallbacks();
+    assert!(
+        fallbacks
+            .iter()
+            .all(|f| f == "RandomNormal[]" || f == "RandomUniform[]"),
+        "{fallbacks:?}"
+    );
 }
 
 #[test]

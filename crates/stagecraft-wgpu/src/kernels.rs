@@ -148,6 +148,9 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
         kernel(&defs::FILL, Exactly(&[]), |g, _, a, _, o| {
             single(o, |out| fill_launch(g, a, out))
         }),
+        kernel(&defs::ARANGE, Exactly(&[]), |g, _, a, _, o| {
+            single(o, |out| arange_launch(g, a, out))
+        }),
         kernel(&defs::PAD, Exactly(&[F32]), pad_entry),
         kernel(&defs::PAD, Exactly(&[I32]), pad_entry),
         kernel(&defs::CAST, Exactly(&[F32]), cast_entry),
@@ -392,6 +395,44 @@ fn pad_entry(
     outputs: &[TensorMetadata],
 ) -> Result<Option<Outputs>> {
     single(outputs, |out| pad_launch(gpu, attrs, inputs[0], out))
+}
+
+/// `Arange` of f32 or i32 where every value is an integer of at most
+/// 2^24 in magnitude: computed in i32 there, each is exact in f32 too, as
+/// the CPU's value (computed in f64, rounded once) is. Other ranges run
+/// on the CPU.
+fn arange_launch(
+    gpu: &'static Gpu,
+    attrs: &Attrs<'_>,
+    out: &TensorMetadata,
+) -> Result<Option<Outputs>> {
+    let ty = match out.dtype {
+        DType::F32 => "f32",
+        DType::I32 => "i32",
+        _ => return Ok(None),
+    };
+    let (start, step) = (attrs.float("start")?, attrs.float("step")?);
+    let last = start + out.shape.numel().saturating_sub(1) as f64 * step;
+    let exact = |v: f64| v.fract() == 0.0 && v.abs() <= f64::from(1u32 << 24);
+    // -0.0 + 0·step is -0.0 on the CPU for a negative step; i32 has no -0.
+    let signed_zero = start == 0.0 && start.is_sign_negative() && step < 0.0;
+    if !(exact(start) && exact(step) && exact(last)) || signed_zero {
+        return Ok(None);
+    }
+    let Some(count) = small(out.shape.numel()) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::arange(ty))?;
+    let y = gpu.alloc(out.clone())?;
+    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
+    let params = [
+        count,
+        gx * WORKGROUP,
+        start as i32 as u32,
+        step as i32 as u32,
+    ];
+    launch(gpu, &pipeline, &[&y], &params, (gx, gy, 1))?;
+    Ok(Some(one(y)))
 }
 
 /// Casts among f32, i32, bool and i64.

@@ -946,6 +946,25 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     )
 }
 
+/// `start + i·step` in i32, written as `ty`. `params`: `[count,
+/// row_width, start, step]` (i32 bits).
+pub(crate) fn arange(ty: &str) -> String {
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read_write> output: array<{ty}>;
+@group(0) @binding(1) var<storage, read> params: array<u32>;
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i < params[0]) {{
+        output[i] = {ty}(bitcast<i32>(params[2]) + i32(i) * bitcast<i32>(params[3]));
+    }}
+}}
+"#
+    )
+}
+
 /// Fills words with one bit pattern. `params`: `[words, row_width, bits]`.
 pub(crate) fn fill() -> String {
     format!(

@@ -1227,6 +1227,42 @@ mod on_the_gpu {
         assert_eq!(got.3, want.3);
     }
 
+    /// Integral aranges (a causal mask's positions) run on the GPU with
+    /// the CPU's bits; others, whose values the CPU rounds from f64, run
+    /// there.
+    #[test]
+    fn aranges_match_the_cpu() {
+        let (gpu, _turn) = gpu();
+        let integral = [
+            (0.0, 10.0, 1.0),
+            (5.0, -7.0, -3.0),
+            (-0.0, 4.0, 2.0),
+            (-20.0, 20.0, 7.0),
+        ];
+        let fractional = [(0.0, 1.0, 0.1), (-0.0, -3.0, -1.0), (0.0, 3e7, 1e6)];
+        let run = |d: &Device, ranges: &[(f64, f64, f64)]| {
+            let mut got = Vec::new();
+            for &(start, stop, step) in ranges {
+                let f = Tensor::<f32>::arange(start, stop, step, d)
+                    .to_vec()
+                    .unwrap();
+                got.push(f.iter().map(|v| v.to_bits() as i64).collect::<Vec<_>>());
+                let i = Tensor::<i32>::arange(start, stop, step, d)
+                    .to_vec()
+                    .unwrap();
+                got.push(i.iter().map(|&v| i64::from(v)).collect());
+            }
+            got
+        };
+        assert_eq!(run(&gpu, &integral), run(&cpu(), &integral));
+        let fallbacks = rt::cpu_fallbacks();
+        assert!(
+            !fallbacks.iter().any(|f| f.starts_with("Arange[")),
+            "{fallbacks:?}"
+        );
+        assert_eq!(run(&gpu, &fractional), run(&cpu(), &fractional));
+    }
+
     /// Logical ops over packed bools and bitwise ops and shifts over i32
     /// run on the GPU from their ops' own expressions, broadcasting
     /// included.
