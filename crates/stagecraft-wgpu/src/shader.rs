@@ -771,25 +771,7 @@ pub(crate) fn cast(from: CastType, to: CastType) -> String {
             } else {
                 "v != 0.0 || sc_isnan(v)"
             };
-            format!(
-                r#"{head}
-@group(0) @binding(1) var<storage, read_write> output: array<u32>;
-@compute @workgroup_size({WORKGROUP})
-fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
-    let w = id.x + id.y * params[1];
-    if (w * 4u >= params[0]) {{ return; }}
-    var word = 0u;
-    for (var j = 0u; j < 4u; j = j + 1u) {{
-        let i = w * 4u + j;
-        if (i < params[0]) {{
-            let v = {convert};
-            if ({nonzero}) {{ word = word | (1u << (8u * j)); }}
-        }}
-    }}
-    output[w] = word;
-}}
-"#
-            )
+            cast_to_bool(&head, convert, nonzero)
         }
         CastType::F32 => format!(
             r#"{head}
@@ -823,6 +805,30 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
             )
         }
     }
+}
+
+/// A cast into bools, a word (four results) per thread: `value` is
+/// element `i`'s source value, bound to `v` for the `nonzero` test.
+fn cast_to_bool(head: &str, value: &str, nonzero: &str) -> String {
+    format!(
+        r#"{head}
+@group(0) @binding(1) var<storage, read_write> output: array<u32>;
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    let w = id.x + id.y * params[1];
+    if (w * 4u >= params[0]) {{ return; }}
+    var word = 0u;
+    for (var j = 0u; j < 4u; j = j + 1u) {{
+        let i = w * 4u + j;
+        if (i < params[0]) {{
+            let v = {value};
+            if ({nonzero}) {{ word = word | (1u << (8u * j)); }}
+        }}
+    }}
+    output[w] = word;
+}}
+"#
+    )
 }
 
 /// i64 as words: the conversions between a (low, high) pair and the
@@ -912,27 +918,7 @@ fn pair(i: u32) -> vec2<u32> {{ return {pair}; }}
         ),
         CastType::I32 => ("i32", "output[i] = bitcast<i32>(pair(i).x);"),
         CastType::F32 => ("f32", "output[i] = i64_to_f32(pair(i));"),
-        CastType::Bool => {
-            return format!(
-                r#"{head}
-@group(0) @binding(1) var<storage, read_write> output: array<u32>;
-@compute @workgroup_size({WORKGROUP})
-fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
-    let w = id.x + id.y * params[1];
-    if (w * 4u >= params[0]) {{ return; }}
-    var word = 0u;
-    for (var j = 0u; j < 4u; j = j + 1u) {{
-        let i = w * 4u + j;
-        if (i < params[0]) {{
-            let v = pair(i);
-            if ((v.x | v.y) != 0u) {{ word = word | (1u << (8u * j)); }}
-        }}
-    }}
-    output[w] = word;
-}}
-"#
-            );
-        }
+        CastType::Bool => return cast_to_bool(&head, "pair(i)", "(v.x | v.y) != 0u"),
     };
     format!(
         r#"{head}
