@@ -101,7 +101,12 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
                 }
             }
             OpKind::Compare(_) => compare_entry,
-            OpKind::Reduce(_) => reduce_entry,
+            OpKind::Reduce(reduce) => {
+                if reduce != ReduceOp::Mean {
+                    table.push(kernel(op, Exactly(&[I32]), reduce_entry));
+                }
+                reduce_entry
+            }
             _ => continue,
         };
         table.push(kernel(op, AllF32, launch));
@@ -381,7 +386,7 @@ fn reduce_entry(
     let OpKind::Reduce(reduce) = op.kind else {
         return Ok(None);
     };
-    single_f32(outputs, |out| {
+    single(outputs, |out| {
         reduce_launch(gpu, reduce, attrs, inputs[0], out)
     })
 }
@@ -880,33 +885,66 @@ fn reduce_over(
     let (Some(count), Some(outputs)) = (small(count), small(outputs)) else {
         return Err(too_large(out));
     };
-    let combine = match reduce {
-        ReduceOp::Sum => Combine {
+    let combine = match (x.metadata().dtype, reduce) {
+        (DType::F32, ReduceOp::Sum) => Combine {
+            ty: "f32",
             init: "0.0",
             step: "return acc + x;",
             finish: "acc",
         },
-        ReduceOp::Mean => Combine {
+        (DType::F32, ReduceOp::Mean) => Combine {
+            ty: "f32",
             init: "0.0",
             step: "return acc + x;",
             finish: "acc / n",
         },
-        ReduceOp::Prod => Combine {
+        (DType::F32, ReduceOp::Prod) => Combine {
+            ty: "f32",
             init: "1.0",
             step: "return acc * x;",
             finish: "acc",
         },
-        ReduceOp::Max => Combine {
+        (DType::F32, ReduceOp::Max) => Combine {
+            ty: "f32",
             init: "-sc_inf()",
             // A NaN on either side wins, as on the CPU.
             step: "return select(select(x, acc, acc > x), sc_nan(), sc_isnan(acc) || sc_isnan(x));",
             finish: "acc",
         },
-        ReduceOp::Min => Combine {
+        (DType::F32, ReduceOp::Min) => Combine {
+            ty: "f32",
             init: "sc_inf()",
             step: "return select(select(x, acc, acc < x), sc_nan(), sc_isnan(acc) || sc_isnan(x));",
             finish: "acc",
         },
+        // i32 sums and products wrap, as the CPU's do; in modular
+        // arithmetic any order of the tree gives the same bits.
+        (DType::I32, ReduceOp::Sum) => Combine {
+            ty: "i32",
+            init: "0",
+            step: "return acc + x;",
+            finish: "acc",
+        },
+        (DType::I32, ReduceOp::Prod) => Combine {
+            ty: "i32",
+            init: "1",
+            step: "return acc * x;",
+            finish: "acc",
+        },
+        (DType::I32, ReduceOp::Max) => Combine {
+            ty: "i32",
+            init: "i32(-2147483648)",
+            step: "return max(acc, x);",
+            finish: "acc",
+        },
+        (DType::I32, ReduceOp::Min) => Combine {
+            ty: "i32",
+            init: "2147483647",
+            step: "return min(acc, x);",
+            finish: "acc",
+        },
+        // The CPU has no integer mean: its error is the op's.
+        _ => return Ok(None),
     };
     // Long reductions share a workgroup per output; short ones take a
     // thread each.

@@ -271,6 +271,8 @@ mod tests {
         assert!(lookup(&defs::SHIFT_RIGHT, &[I32, I32]).is_some());
         assert!(lookup(&defs::SHIFT_RIGHT, &[DType::I64, DType::I64]).is_none());
         assert!(lookup(&defs::SUM, &[F32]).is_some());
+        assert!(lookup(&defs::SUM, &[I32]).is_some());
+        assert!(lookup(&defs::MEAN, &[I32]).is_none());
         assert!(lookup(&defs::EMBEDDING, &[F32, I32]).is_some());
         assert!(lookup(&defs::EMBEDDING, &[F32, DType::I64]).is_some());
         assert!(lookup(&defs::EMBEDDING, &[F32, F32]).is_none());

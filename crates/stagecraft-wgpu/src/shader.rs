@@ -284,9 +284,11 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 
 /// How a reduction combines values.
 pub(crate) struct Combine {
-    /// The identity, a WGSL f32 expression.
+    /// The element type, `f32` or `i32`.
+    pub(crate) ty: &'static str,
+    /// The identity, a WGSL expression of the element type.
     pub(crate) init: &'static str,
-    /// `fn combine(acc: f32, x: f32) -> f32`'s body.
+    /// `fn combine(acc: T, x: T) -> T`'s body.
     pub(crate) step: &'static str,
     /// The result from the combined value `acc` and the count `n` (an f32).
     pub(crate) finish: &'static str,
@@ -297,16 +299,17 @@ pub(crate) struct Combine {
 /// kept_dims[MAX_RANK], kept_strides[MAX_RANK], reduced_dims[MAX_RANK],
 /// reduced_strides[MAX_RANK]]`.
 fn reduce_prelude(combine: &Combine) -> String {
-    let (init, step) = (combine.init, combine.step);
+    let (ty, init, step) = (combine.ty, combine.init, combine.step);
+    let prelude = if ty == "f32" { PRELUDE } else { INT_PRELUDE };
     let r = MAX_RANK;
     format!(
-        r#"{PRELUDE}
-@group(0) @binding(0) var<storage, read> input: array<f32>;
-@group(0) @binding(1) var<storage, read_write> output: array<f32>;
+        r#"{prelude}
+@group(0) @binding(0) var<storage, read> input: array<{ty}>;
+@group(0) @binding(1) var<storage, read_write> output: array<{ty}>;
 @group(0) @binding(2) var<storage, read> params: array<u32>;
 
-fn combine(acc: f32, x: f32) -> f32 {{ {step} }}
-fn identity() -> f32 {{ return {init}; }}
+fn combine(acc: {ty}, x: {ty}) -> {ty} {{ {step} }}
+fn identity() -> {ty} {{ return {init}; }}
 
 // The input offset of output element `o` (its kept coordinates).
 fn kept_offset(o: u32) -> u32 {{
@@ -372,7 +375,7 @@ pub(crate) fn reduce_per_workgroup(combine: &Combine) -> String {
     format!(
         r#"{prelude}
 const LANES: u32 = 64u;
-var<workgroup> partial: array<f32, 64>;
+var<workgroup> partial: array<{ty}, 64>;
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) group: vec3<u32>,
@@ -402,7 +405,8 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     }}
 }}
 "#,
-        prelude = reduce_prelude(combine)
+        prelude = reduce_prelude(combine),
+        ty = combine.ty
     )
 }
 

@@ -1263,6 +1263,43 @@ mod on_the_gpu {
         assert_eq!(run(&gpu, &fractional), run(&cpu(), &fractional));
     }
 
+    /// i32 sums, products, maxima and minima run on the GPU with the
+    /// CPU's wrapping results, short rows a thread each and long ones a
+    /// workgroup each.
+    #[test]
+    fn integer_reductions_match_the_cpu_and_wrap() {
+        let (gpu, _turn) = gpu();
+        let mut iv: Vec<i32> = values(7 * 150, 41, -3e9, 3e9)
+            .iter()
+            .map(|&v| v as i32)
+            .collect();
+        iv[5] = i32::MIN;
+        iv[700] = i32::MAX;
+        let small: Vec<i32> = iv.iter().map(|v| v % 5).collect();
+        let run = |d: &Device| {
+            let x = Tensor::<i32>::from_vec(iv.clone(), &[7, 150], d).unwrap();
+            let s = Tensor::<i32>::from_vec(small.clone(), &[7, 150], d).unwrap();
+            let mut got = Vec::new();
+            for axes in [&[0][..], &[1], &[]] {
+                got.push(x.sum(axes, false).to_vec().unwrap());
+                got.push(x.max(axes, true).to_vec().unwrap());
+                got.push(x.min(axes, false).to_vec().unwrap());
+                got.push(s.prod(axes, false).to_vec().unwrap());
+            }
+            got
+        };
+        let got = run(&gpu);
+        let fallbacks = rt::cpu_fallbacks();
+        assert!(
+            !fallbacks.iter().any(|f| f.ends_with("[I32]")
+                && ["Sum", "Max", "Min", "Prod"]
+                    .iter()
+                    .any(|op| f.starts_with(op))),
+            "{fallbacks:?}"
+        );
+        assert_eq!(got, run(&cpu()));
+    }
+
     /// Logical ops over packed bools and bitwise ops and shifts over i32
     /// run on the GPU from their ops' own expressions, broadcasting
     /// included.
