@@ -885,66 +885,40 @@ fn reduce_over(
     let (Some(count), Some(outputs)) = (small(count), small(outputs)) else {
         return Err(too_large(out));
     };
-    let combine = match (x.metadata().dtype, reduce) {
-        (DType::F32, ReduceOp::Sum) => Combine {
-            ty: "f32",
-            init: "0.0",
-            step: "return acc + x;",
-            finish: "acc",
-        },
-        (DType::F32, ReduceOp::Mean) => Combine {
-            ty: "f32",
-            init: "0.0",
-            step: "return acc + x;",
-            finish: "acc / n",
-        },
-        (DType::F32, ReduceOp::Prod) => Combine {
-            ty: "f32",
-            init: "1.0",
-            step: "return acc * x;",
-            finish: "acc",
-        },
-        (DType::F32, ReduceOp::Max) => Combine {
-            ty: "f32",
-            init: "-sc_inf()",
-            // A NaN on either side wins, as on the CPU.
-            step: "return select(select(x, acc, acc > x), sc_nan(), sc_isnan(acc) || sc_isnan(x));",
-            finish: "acc",
-        },
-        (DType::F32, ReduceOp::Min) => Combine {
-            ty: "f32",
-            init: "sc_inf()",
-            step: "return select(select(x, acc, acc < x), sc_nan(), sc_isnan(acc) || sc_isnan(x));",
-            finish: "acc",
-        },
-        // i32 sums and products wrap, as the CPU's do; in modular
-        // arithmetic any order of the tree gives the same bits.
-        (DType::I32, ReduceOp::Sum) => Combine {
-            ty: "i32",
-            init: "0",
-            step: "return acc + x;",
-            finish: "acc",
-        },
-        (DType::I32, ReduceOp::Prod) => Combine {
-            ty: "i32",
-            init: "1",
-            step: "return acc * x;",
-            finish: "acc",
-        },
-        (DType::I32, ReduceOp::Max) => Combine {
-            ty: "i32",
-            init: "i32(-2147483648)",
-            step: "return max(acc, x);",
-            finish: "acc",
-        },
-        (DType::I32, ReduceOp::Min) => Combine {
-            ty: "i32",
-            init: "2147483647",
-            step: "return min(acc, x);",
-            finish: "acc",
-        },
-        // The CPU has no integer mean: its error is the op's.
+    let ty = match x.metadata().dtype {
+        DType::F32 => "f32",
+        DType::I32 => "i32",
         _ => return Ok(None),
+    };
+    let float = ty == "f32";
+    // Integer literals read as either type. i32 sums and products wrap,
+    // as the CPU's do, and in modular arithmetic any order of the tree
+    // gives the same bits.
+    let (init, step, finish) = match reduce {
+        ReduceOp::Sum => ("0", "return acc + x;", "acc"),
+        ReduceOp::Mean if float => ("0", "return acc + x;", "acc / n"),
+        ReduceOp::Prod => ("1", "return acc * x;", "acc"),
+        // A NaN on either side wins, as on the CPU.
+        ReduceOp::Max if float => (
+            "-sc_inf()",
+            "return select(select(x, acc, acc > x), sc_nan(), sc_isnan(acc) || sc_isnan(x));",
+            "acc",
+        ),
+        ReduceOp::Min if float => (
+            "sc_inf()",
+            "return select(select(x, acc, acc < x), sc_nan(), sc_isnan(acc) || sc_isnan(x));",
+            "acc",
+        ),
+        ReduceOp::Max => ("i32(-2147483648)", "return max(acc, x);", "acc"),
+        ReduceOp::Min => ("2147483647", "return min(acc, x);", "acc"),
+        // The CPU has no integer mean: its error is the op's.
+        ReduceOp::Mean => return Ok(None),
+    };
+    let combine = Combine {
+        ty,
+        init,
+        step,
+        finish,
     };
     // Long reductions share a workgroup per output; short ones take a
     // thread each.

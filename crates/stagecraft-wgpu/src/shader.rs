@@ -745,15 +745,11 @@ pub(crate) enum CastType {
 /// A bool output is written a word (four results) per thread. `params`:
 /// `[count, row_width]`.
 pub(crate) fn cast(from: CastType, to: CastType) -> String {
-    if from == CastType::I64 || to == CastType::I64 {
-        return cast_i64(from, to);
-    }
     let (input_type, read) = match from {
         CastType::F32 => ("f32", "input[i]"),
         CastType::I32 => ("i32", "input[i]"),
-        CastType::Bool | CastType::I64 => {
-            ("u32", "f32((input[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu)")
-        }
+        CastType::Bool => ("u32", "f32((input[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu)"),
+        CastType::I64 => return cast_i64(from, to),
     };
     // Every source converts through an f32 value `v`, exact for bool and
     // for i32 below 2^24.
@@ -787,7 +783,8 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 }}
 "#
         ),
-        CastType::I32 | CastType::I64 => {
+        CastType::I64 => cast_i64(from, to),
+        CastType::I32 => {
             let value = if from == CastType::F32 {
                 "select(select(select(i32(v), 2147483647, v >= 2147483648.0), \
                  i32(-2147483648), v <= -2147483648.0), 0, sc_isnan(v))"
