@@ -157,13 +157,22 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
 /// i32 is NaN, so an expression written for f32 that guards its NaNs
 /// with `sc_isnan`/`sc_nan` reads the same over integers, and every i32
 /// is its own rounding.
-pub(crate) const INT_PRELUDE: &str = r#"
+const INT_PRELUDE: &str = r#"
 fn sc_isnan(x: i32) -> bool { return false; }
 fn sc_nan() -> i32 { return 0; }
 fn sc_floor(x: i32) -> i32 { return x; }
 fn sc_ceil(x: i32) -> i32 { return x; }
 fn sc_round(x: i32) -> i32 { return x; }
 "#;
+
+/// The helpers for kernels over `ty` (`f32` or `i32`).
+pub(crate) fn prelude_of(ty: &str) -> &'static str {
+    if ty == "f32" {
+        PRELUDE
+    } else {
+        INT_PRELUDE
+    }
+}
 
 /// What an elementwise op's `wgsl:` expression computes over, by its
 /// dtype class (see `stagecraft_ops::unary_ops!`).
@@ -300,7 +309,7 @@ pub(crate) struct Combine {
 /// reduced_strides[MAX_RANK]]`.
 fn reduce_prelude(combine: &Combine) -> String {
     let (ty, init, step) = (combine.ty, combine.init, combine.step);
-    let prelude = if ty == "f32" { PRELUDE } else { INT_PRELUDE };
+    let prelude = prelude_of(ty);
     let r = MAX_RANK;
     format!(
         r#"{prelude}

@@ -10,7 +10,7 @@
 use crate::context::Gpu;
 use crate::kernels::{grid, launch, small, too_large, Outputs};
 use crate::registry::{kernel, Accepts, GpuKernel};
-use crate::shader::{INT_PRELUDE, PRELUDE, WORKGROUP};
+use crate::shader::{prelude_of, WORKGROUP};
 use stagecraft_ops::{defs, Attrs};
 use stagecraft_tensor::{normalize_axis, DType, DeviceTensor, Result, TensorMetadata};
 
@@ -39,7 +39,7 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
 /// descending, sorted, row_width]`; a row's values lie `inner` apart, and
 /// with `sorted = 0` the `k` kept are written in their original order.
 fn sort_source(ty: &str, size: usize) -> String {
-    let prelude = if ty == "f32" { PRELUDE } else { INT_PRELUDE };
+    let prelude = prelude_of(ty);
     format!(
         r#"{prelude}
 @group(0) @binding(0) var<storage, read> input: array<{ty}>;
