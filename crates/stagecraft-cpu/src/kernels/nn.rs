@@ -5,7 +5,7 @@ use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
 use crate::kernels::linalg::{gemm_into, no_epilogue, GemmElement, Layout};
 use crate::Inputs;
 use half::{bf16, f16};
-use smallvec::smallvec;
+use smallvec::{smallvec, SmallVec};
 use stagecraft_ops::{conv2d_window, pool_window, Attrs, Window2d};
 use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, TensorMetadata};
 use std::sync::Arc;
@@ -224,14 +224,15 @@ where
     let win = &g.win;
     let (kh, kw) = (win.kernel[0], win.kernel[1]);
     let zero = T::default();
+    let columns = padded.tap_columns(kw, win.dilation[1]);
     for (oy, row) in out.chunks_exact_mut(g.ow).enumerate() {
         for first in (0..g.ow).step_by(LANES) {
             let width = LANES.min(g.ow - first);
             let mut acc = [zero; LANES];
             for ki in 0..kh {
                 let y = oy * win.stride[0] + ki * win.dilation[0];
-                for (kj, &tap) in w[ki * kw..][..kw].iter().enumerate() {
-                    let taps = padded.taps::<LANES>(y, first, kj * win.dilation[1]);
+                for (&tap, &column) in w[ki * kw..][..kw].iter().zip(&columns) {
+                    let taps = padded.taps::<LANES>(y, first, column);
                     for (a, &x) in acc.iter_mut().zip(taps) {
                         *a = *a + tap * x;
                     }
@@ -293,6 +294,10 @@ struct PaddedPlane<T> {
     phase: usize,
     /// The column stride, the number of phases.
     stride: usize,
+    /// The plane size, padding and padding value the border was last
+    /// filled for: the next plane of the same layout overwrites the same
+    /// interior positions and leaves the border as it is.
+    filled_for: Option<((usize, usize), [usize; 2], T)>,
 }
 
 impl<T: Element> PaddedPlane<T> {
@@ -303,11 +308,15 @@ impl<T: Element> PaddedPlane<T> {
         let [py, px] = win.padding;
         let stride = win.stride[1].max(1);
         let wide = w + 2 * px;
-        self.stride = stride;
-        self.phase = wide.div_ceil(stride) + PLANE_LANES;
-        self.row = stride * self.phase;
-        self.values.clear();
-        self.values.resize((h + 2 * py) * self.row, fill);
+        let layout = ((h, w), [py, px], fill);
+        if self.stride != stride || self.filled_for != Some(layout) {
+            self.stride = stride;
+            self.phase = wide.div_ceil(stride) + PLANE_LANES;
+            self.row = stride * self.phase;
+            self.values.clear();
+            self.values.resize((h + 2 * py) * self.row, fill);
+            self.filled_for = Some(layout);
+        }
         if w == 0 {
             // Rows of no values: the plane is all padding.
             return;
@@ -328,12 +337,25 @@ impl<T: Element> PaddedPlane<T> {
         }
     }
 
+    /// Where the taps at column offset `offset` start within a padded
+    /// row: phase `offset % s`, shifted by `offset / s`. Computed once per
+    /// plane and offset, not per tap (a division each).
+    fn tap_column(&self, offset: usize) -> usize {
+        (offset % self.stride) * self.phase + offset / self.stride
+    }
+
+    /// The window's tap columns ([`Self::tap_column`]) for offsets
+    /// `0, step, 2·step, …` (`count` of them).
+    fn tap_columns(&self, count: usize, step: usize) -> SmallVec<[usize; 16]> {
+        (0..count).map(|k| self.tap_column(k * step)).collect()
+    }
+
     /// The padded values at row `y`, columns `first·s + offset + i·s` for
-    /// `i < N` (see the type's description).
+    /// `i < N`, where `column` is `offset`'s [`Self::tap_column`] (see the
+    /// type's description).
     #[inline(always)]
-    fn taps<const N: usize>(&self, y: usize, first: usize, offset: usize) -> &[T; N] {
-        let start =
-            y * self.row + (offset % self.stride) * self.phase + first + offset / self.stride;
+    fn taps<const N: usize>(&self, y: usize, first: usize, column: usize) -> &[T; N] {
+        let start = y * self.row + column + first;
         self.values[start..start + N]
             .try_into()
             .expect("a run of N values")
@@ -660,6 +682,7 @@ fn fold_windows<T: Element, A: Copy>(
 ) {
     const LANES: usize = PLANE_LANES;
     let (kh, kw) = (win.kernel[0], win.kernel[1]);
+    let columns = padded.tap_columns(kw, 1);
     for (oy, row) in out.chunks_exact_mut(ow).enumerate() {
         for first in (0..ow).step_by(LANES) {
             let width = LANES.min(ow - first);
@@ -668,8 +691,8 @@ fn fold_windows<T: Element, A: Copy>(
                 // The shape rule sized the output so that every tap of
                 // every output pixel lies inside the padded plane.
                 let y = oy * win.stride[0] + ki;
-                for kj in 0..kw {
-                    let taps = padded.taps::<LANES>(y, first, kj);
+                for &column in &columns {
+                    let taps = padded.taps::<LANES>(y, first, column);
                     for (a, &v) in acc.iter_mut().zip(taps) {
                         *a = step(*a, v);
                     }

@@ -46,6 +46,17 @@ const ALIASING_STRIDE: usize = 1024;
 const ALIASING_MAX_COLUMNS: usize = 1024;
 /// The widest row-major B read without packing (floats; see `sgemm`).
 const DIRECT_B_MAX_STRIDE: usize = 512;
+/// Products with at most this many rows read a row-major B in place
+/// whatever its row stride, as long as a block's rows span at most
+/// [`DIRECT_B_MAX_SPAN`] floats: packing B costs its size once per
+/// product, which few rows of A do not earn back. Measured on one Xeon
+/// core (AVX-512, 2026-11-29), packed against in place, GFLOP/s:
+/// 16×3025×96 77 → 118, 32×729×256 55 → 131, 64×3025×16 110 → 117,
+/// 64×729×256 131 → 140; wider spans lost (48×3136×256 116 → 94,
+/// 32×12321×147 106 → 75), and so did more rows (256×3136×64 146 → 135).
+const DIRECT_B_MAX_ROWS: usize = 64;
+/// See [`DIRECT_B_MAX_ROWS`]: 2 MiB of B's rows.
+const DIRECT_B_MAX_SPAN: usize = 1 << 19;
 /// Columns of B packed at a time: `KC × NC` floats is 1 MiB, half a core's
 /// L2.
 const NC: usize = 1024;
@@ -127,7 +138,15 @@ pub(crate) fn sgemm(m: usize, n: usize, k: usize, a: Matrix<'_>, b: Matrix<'_>, 
                 // Farther apart the core's stride prefetcher loses them,
                 // and B stored transposed has no row to read, so those are
                 // packed.
-                let direct = b.col_stride == 1 && b.row_stride <= DIRECT_B_MAX_STRIDE;
+                //
+                // A product with few rows reuses a packed B for few panels
+                // of A, so rows farther apart are read in place too while
+                // the block's rows span little enough memory for the
+                // core's TLB and L2 (the squeeze layers of SqueezeNet,
+                // 16 or 32 rows by 3,025 or 729 columns).
+                let direct = b.col_stride == 1
+                    && (b.row_stride <= DIRECT_B_MAX_STRIDE
+                        || (m <= DIRECT_B_MAX_ROWS && kc * b.row_stride <= DIRECT_B_MAX_SPAN));
                 let (b_block, b_step) = if direct {
                     let first = p0 * b.row_stride + j0;
                     (&b.values[first..], b.row_stride)
@@ -1073,8 +1092,9 @@ mod tests {
         // Single elements; tile edges (14 rows, 32 columns, 16-lane
         // transposes); depths past one block (256) with uneven blocks;
         // widths past one packed block of B (1024) and row strides past
-        // the direct-read limit (512); rows of A 4 KiB apart (packed, not
-        // read in place); the MLP's thin products.
+        // the direct-read limit (512), read in place with few rows of A
+        // and packed with more rows or a wider span; rows of A 4 KiB apart
+        // (packed, not read in place); the MLP's thin products.
         for (m, n, k) in [
             (1, 1, 1),
             (3, 5, 7),
@@ -1086,6 +1106,8 @@ mod tests {
             (20, 64, 1024),
             (13, 1030, 20),
             (20, 600, 30),
+            (70, 600, 30),
+            (20, 5000, 256),
             (128, 10, 256),
             (128, 256, 10),
         ] {

@@ -430,12 +430,16 @@ fn concat<T: Element>(inputs: Inputs, ctx: &KernelContext<'_>) -> Result<DenseHo
             .next()
             .ok_or_else(|| Error::internal("Concat lost its input"));
     }
-    let mut out = DenseHostTensor::zeros(TensorMetadata::new(first.dtype(), out_shape.clone()))?;
+    // Every element is written below.
+    let mut out =
+        DenseHostTensor::for_overwrite(TensorMetadata::new(first.dtype(), out_shape.clone()))?;
     if out.numel() == 0 {
         return Ok(out);
     }
     // Each output row (one index of the axes before `axis`) is the inputs'
-    // matching rows, one after the other.
+    // matching rows, one after the other. The output is cut into chunks
+    // whatever its rows, so that a concatenation of one row (channels of a
+    // single image) is copied on every thread too.
     let outer: usize = out_shape.dims()[..axis].iter().product();
     let widths: SmallVec<[usize; 4]> = inputs.iter().map(|t| t.numel() / outer).collect();
     let srcs = inputs
@@ -443,13 +447,34 @@ fn concat<T: Element>(inputs: Inputs, ctx: &KernelContext<'_>) -> Result<DenseHo
         .map(|t| t.as_slice::<T>())
         .collect::<Result<SmallVec<[&[T]; 4]>>>()?;
     let row_len: usize = widths.iter().sum();
-    fill_rows(out.as_mut_slice::<T>()?, row_len, |chunk, first_row| {
-        for (r, row) in chunk.chunks_exact_mut(row_len).enumerate() {
-            let o = first_row + r;
-            let mut at = 0;
-            for (src, &w) in srcs.iter().zip(&widths) {
-                row[at..at + w].copy_from_slice(&src[o * w..(o + 1) * w]);
-                at += w;
+    fill_chunks(out.as_mut_slice::<T>()?, |chunk, first| {
+        // The input and the position in its row where `chunk` starts.
+        let (mut row, mut column) = (first / row_len, first % row_len);
+        let mut input = 0;
+        while column >= widths[input] {
+            column -= widths[input];
+            input += 1;
+        }
+        let mut rest = chunk;
+        while !rest.is_empty() {
+            let w = widths[input];
+            let n = (w - column).min(rest.len());
+            let (head, tail) = rest.split_at_mut(n);
+            head.copy_from_slice(&srcs[input][row * w + column..][..n]);
+            rest = tail;
+            column += n;
+            // On to the next input with values left in this row, or the
+            // first of the next row.
+            while column == widths[input] {
+                column = 0;
+                input += 1;
+                if input == widths.len() {
+                    input = 0;
+                    row += 1;
+                    if rest.is_empty() {
+                        break;
+                    }
+                }
             }
         }
     });
@@ -1017,6 +1042,17 @@ mod tests {
         check_concat(DType::F32, &[vec![200, 100], vec![200, 70]], 1);
         check_concat(DType::I32, &[vec![300, 100], vec![20, 100]], 0);
         check_concat(DType::F16, &[vec![40000, 1], vec![40000, 2]], 1);
+        // One row (an image's channels), cut into chunks for the threads:
+        // chunk edges fall inside inputs, on their borders and around
+        // empty ones.
+        let one_row = [
+            vec![1, 20000, 2],
+            vec![1, 0, 2],
+            vec![1, 8192, 2],
+            vec![1, 5, 2],
+        ];
+        check_concat(DType::F32, &one_row, 1);
+        check_concat(DType::I64, &[vec![3, 16384], vec![3, 0], vec![3, 16384]], 1);
     }
 
     fn check_slice(dtype: DType, dims: &[usize], starts: &[i64], ends: &[i64], steps: &[i64]) {
