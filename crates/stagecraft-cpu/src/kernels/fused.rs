@@ -83,6 +83,13 @@ impl<'a, T: Copy> Input<'a, T> {
         'a: 's,
         T: Default,
     {
+        if let Input::Repeat(v, run) = *self {
+            // A block inside one run (a channel's bias over a plane of
+            // pixels) reads one value: nothing to spread.
+            if run > 0 && start % run + n <= run {
+                return Src::Scalar(v[start / run]);
+            }
+        }
         if matches!(self, Input::Tile(_) | Input::Repeat(..)) && scratch.len() < n {
             scratch.resize(n, T::default());
         }
@@ -1061,10 +1068,18 @@ mod tests {
     }
 
     /// A bias over rows (tile) and a value per row (repeat) are spread
-    /// correctly across block boundaries that do not line up with rows.
+    /// correctly across block boundaries that do not line up with rows,
+    /// and a row longer than a block gives blocks inside one row (read as
+    /// one value) and blocks across two.
     #[test]
     fn broadcast_inputs_are_spread_per_block() {
-        let (rows, cols) = (37, 53); // 1961 elements: two blocks, misaligned
+        // 1961 elements: two blocks, misaligned; then rows of 1500.
+        for (rows, cols) in [(37, 53), (3, 1500)] {
+            check_broadcast_inputs(rows, cols);
+        }
+    }
+
+    fn check_broadcast_inputs(rows: usize, cols: usize) {
         let x: Vec<f64> = (0..rows * cols).map(|i| i as f64 * 0.5).collect();
         let bias: Vec<f64> = (0..cols).map(|j| j as f64 * 100.0).collect();
         let per_row: Vec<f64> = (0..rows).map(|r| r as f64 * 10_000.0).collect();
