@@ -209,8 +209,8 @@ fn copy_run<T: Copy>(dst: &mut [T], at: usize, src: &[T], from: usize, len: usiz
     }
 }
 
-/// `out[i] = src[i · stride]`, where `src` holds `(out.len() − 1) · stride
-/// + 1` values. Strides 2 and 4 (ResNet's strided 1×1 and 7×7 layers,
+/// `out[i] = src[i · stride]`, where `src` holds
+/// `(out.len() − 1) · stride + 1` values. Strides 2 and 4 (ResNet's strided 1×1 and 7×7 layers,
 /// AlexNet's first) take every `S`-th value of fixed-size groups, which
 /// the compiler turns into vector shuffles; an iterator's `step_by` moved
 /// one value at a time and was most of ResNet-50's im2col time.
