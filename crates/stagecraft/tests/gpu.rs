@@ -999,7 +999,7 @@ mod on_the_gpu {
         let (gpu, _turn) = gpu();
         let xv = values(1003, 17, -3.0, 3.0);
         for (p, far) in [(0.1, false), (0.5, true), (0.9, false), (1.0, false)] {
-            let run = |d: &Device| {
+            let stream = || {
                 let mut rng = Rng::new(2024);
                 if far {
                     // A draw with p = 0 moves the stream without running
@@ -1007,16 +1007,17 @@ mod on_the_gpu {
                     let skipped = Tensor::<f32>::zeros(&[(1usize << 32) - 40], &cpu());
                     let _ = skipped.dropout(0.0, &mut rng);
                 }
+                rng
+            };
+            let run = |d: &Device| {
+                let rng = stream();
                 let x = Tensor::<f32>::from_vec(xv.clone(), &[17, 59], d).unwrap();
                 let (y, grad) = value_and_grad(|x: &Tensor<f32>| {
                     x.dropout(p, &mut rng.clone()).square().sum(&[], false)
                 })(&x);
                 (y.item().unwrap(), grad.to_vec().unwrap())
             };
-            let mut rng = Rng::new(2024);
-            if far {
-                let _ = Tensor::<f32>::zeros(&[(1usize << 32) - 40], &cpu()).dropout(0.0, &mut rng);
-            }
+            let mut rng = stream();
             let mask = |d: &Device, rng: &mut Rng| {
                 let x = Tensor::<f32>::from_vec(xv.clone(), &[17, 59], d).unwrap();
                 x.dropout(p, rng).to_vec().unwrap()

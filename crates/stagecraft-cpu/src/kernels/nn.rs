@@ -220,9 +220,7 @@ fn copy_strided<T: Copy>(out: &mut [T], src: &[T], stride: usize) {
         let Some((last, head)) = out.split_last_mut() else {
             return;
         };
-        for (v, group) in head.iter_mut().zip(src.chunks_exact(S)) {
-            *v = group[0];
-        }
+        take_every::<T, S>(head, src, 0);
         *last = src[head.len() * S];
     }
     match stride {
@@ -233,6 +231,15 @@ fn copy_strided<T: Copy>(out: &mut [T], src: &[T], stride: usize) {
                 *v = x;
             }
         }
+    }
+}
+
+/// `dst[i] = src[i · S + j]` for every whole group of `S` in `src`: a loop
+/// over fixed-size groups, which the compiler turns into vector shuffles.
+#[inline(always)]
+fn take_every<T: Copy, const S: usize>(dst: &mut [T], src: &[T], j: usize) {
+    for (d, group) in dst.iter_mut().zip(src.chunks_exact(S)) {
+        *d = group[j];
     }
 }
 
@@ -327,6 +334,10 @@ multiversioned_plane! {
     ) => depthwise_channel
 }
 
+/// A padded plane's layout: plane size, padding, column stride and
+/// padding value.
+type PlaneLayout<T> = ((usize, usize), [usize; 2], usize, T);
+
 /// One input plane as the window loops read it: bordered by the window's
 /// padding and split into column phases by the column stride `s`. Phase
 /// `q` of a row holds the padded row's columns `q, q + s, q + 2s, …`, so
@@ -344,10 +355,11 @@ struct PaddedPlane<T> {
     phase: usize,
     /// The column stride, the number of phases.
     stride: usize,
-    /// The plane size, padding and padding value the border was last
-    /// filled for: the next plane of the same layout overwrites the same
-    /// interior positions and leaves the border as it is.
-    filled_for: Option<((usize, usize), [usize; 2], T)>,
+    /// The plane size, padding, column stride and padding value the
+    /// border was last filled for: the next plane of the same layout
+    /// overwrites the same interior positions and leaves the border as it
+    /// is.
+    filled_for: Option<PlaneLayout<T>>,
 }
 
 impl<T: Element> PaddedPlane<T> {
@@ -358,8 +370,8 @@ impl<T: Element> PaddedPlane<T> {
         let [py, px] = win.padding;
         let stride = win.stride[1].max(1);
         let wide = w + 2 * px;
-        let layout = ((h, w), [py, px], fill);
-        if self.stride != stride || self.filled_for != Some(layout) {
+        let layout = ((h, w), [py, px], stride, fill);
+        if self.filled_for != Some(layout) {
             self.stride = stride;
             self.phase = wide.div_ceil(stride) + PLANE_LANES;
             self.row = stride * self.phase;
@@ -423,12 +435,7 @@ fn split_row<T: Copy, const S: usize>(src: &[T], dst: &mut [T], phase: usize, px
     for j in 0..S {
         let column = px + j;
         let start = (column % S) * phase + column / S;
-        for (d, group) in dst[start..start + whole]
-            .iter_mut()
-            .zip(src.chunks_exact(S))
-        {
-            *d = group[j];
-        }
+        take_every::<T, S>(&mut dst[start..start + whole], src, j);
     }
     for (j, &v) in rest.iter().enumerate() {
         let column = px + whole * S + j;
