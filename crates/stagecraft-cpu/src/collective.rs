@@ -76,6 +76,13 @@ impl fmt::Display for Collective {
 pub trait PendingCollective: Send {
     /// The result, once every process has taken part.
     fn wait(self: Box<Self>) -> Result<DenseHostTensor>;
+
+    /// Tells the transport that nobody will wait for this collective for
+    /// a while, so it must keep it moving meanwhile. A transport whose
+    /// transfers move only while someone waits (as Open MPI's do) hands
+    /// them to a thread of its own; a synchronous collective, waited for
+    /// at once, saves that thread's wake-up.
+    fn continue_in_background(&self) {}
 }
 
 /// A collective that completed when it started.
@@ -207,6 +214,7 @@ fn in_flight() -> &'static Mutex<HashMap<u64, Box<dyn PendingCollective>>> {
 
 /// Parks a started collective and returns its ticket.
 pub(crate) fn park(pending: Box<dyn PendingCollective>) -> u64 {
+    pending.continue_in_background();
     static NEXT: AtomicU64 = AtomicU64::new(1);
     let ticket = NEXT.fetch_add(1, Ordering::Relaxed);
     in_flight()

@@ -10,7 +10,8 @@
 //! itself under `mpirun -np 2`. Every process must run the same number of
 //! collectives, so iteration counts are fixed per size rather than chosen
 //! adaptively per process (as criterion and divan would): each row is the
-//! median of 5 rounds, the three contenders interleaved round by round.
+//! median of 5 rounds, the contenders interleaved round by round.
+//! `STAGECRAFT_ALLREDUCE_SIZES="4 KiB,1 MiB"` runs only the sizes named.
 
 mod common;
 use common::host;
@@ -55,7 +56,15 @@ fn main() {
             "comm/Irsmpi"
         );
     }
+    // `STAGECRAFT_ALLREDUCE_SIZES="4 KiB"` runs only the sizes named.
+    let only = std::env::var("STAGECRAFT_ALLREDUCE_SIZES").ok();
     for (bytes, label, iterations) in SIZES {
+        if only
+            .as_ref()
+            .is_some_and(|only| !only.split(',').any(|s| s.trim() == label))
+        {
+            continue;
+        }
         let n = bytes / 4;
         let host_values = vec![1.0f32; n];
         let mut received = vec![0.0f32; n];

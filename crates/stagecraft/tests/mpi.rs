@@ -76,6 +76,17 @@ fn launcher() {
         ),
         ("three ranks", || expect_success("collectives", 3)),
         (
+            "all-reduces of every size agree bit for bit on 2 ranks",
+            || expect_success("all_reduce_sizes", 2),
+        ),
+        ("... on 1 rank", || expect_success("all_reduce_sizes", 1)),
+        ("... on 3 ranks (one folded in)", || {
+            expect_success("all_reduce_sizes", 3)
+        }),
+        ("... on 4 ranks (two rounds)", || {
+            expect_success("all_reduce_sizes", 4)
+        }),
+        (
             "a model split across two ranks gives the single-process result",
             || expect_success("pipeline", 2),
         ),
@@ -92,6 +103,10 @@ fn launcher() {
             pipeline_mismatch,
         ),
         ("a shape mismatch is reported on every rank", mismatch),
+        (
+            "an all-reduce against a broadcast is reported on every rank",
+            mismatched_kinds,
+        ),
         ("a hung rank is named within 10 s", hang),
         ("a dead rank stops the job within 10 s", death),
         ("Ctrl-C on mpirun leaves no process behind", interrupt),
@@ -133,6 +148,22 @@ fn mismatch() -> Result<(), String> {
     let reported = run
         .output
         .matches("differs between processes: rank 0 ran AllReduce AllReduce(sum) f32[3]; rank 1 ran AllReduce AllReduce(sum) f32[4]")
+        .count();
+    if reported == 2 && run.took < Duration::from_secs(10) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected both ranks to report the mismatch ({:?}):\n{}",
+            run.took, run.output
+        ))
+    }
+}
+
+fn mismatched_kinds() -> Result<(), String> {
+    let run = mpirun("mismatched_kinds", 2, &[]);
+    let reported = run
+        .output
+        .matches("differs between processes: rank 0 ran AllReduce AllReduce(sum) f32[3]; rank 1 ran Broadcast Broadcast(root 0) f32[3]")
         .count();
     if reported == 2 && run.took < Duration::from_secs(10) {
         Ok(())
@@ -322,9 +353,18 @@ fn worker(scenario: &str) {
         "pipeline" => pipeline(),
         "pipeline_failure" => pipeline_failure_worker(rank),
         "pipeline_silence" | "pipeline_mismatch" => pipeline_fault(scenario, rank),
-        "mismatch" => {
-            let x = Tensor::<f32>::ones(&[3 + rank], &Device::cpu());
-            let y = distributed::all_reduce(&x, Reduction::Sum);
+        "all_reduce_sizes" => all_reduce_sizes(rank, group.size()),
+        "mismatch" | "mismatched_kinds" => {
+            let y = if scenario == "mismatch" {
+                let x = Tensor::<f32>::ones(&[3 + rank], &Device::cpu());
+                distributed::all_reduce(&x, Reduction::Sum)
+            } else {
+                let x = Tensor::<f32>::ones(&[3], &Device::cpu());
+                match rank {
+                    0 => distributed::all_reduce(&x, Reduction::Sum),
+                    _ => distributed::broadcast(&x, 0),
+                }
+            };
             match y.to_vec() {
                 Ok(v) => Err(format!("a mismatched all-reduce returned {v:?}")),
                 Err(e) => {
@@ -468,6 +508,85 @@ fn collectives(rank: usize, n: usize) -> Result<(), String> {
         .unwrap();
     if sum.iter().any(|&s| s != total) {
         return Err("a 4 MiB all-reduce gave a wrong element".into());
+    }
+    Ok(())
+}
+
+/// Sizes around each split of the all-reduce's schedule (fewer elements
+/// than processes, odd halves, the eager limit, many MiB), in every dtype
+/// the schedule reduces itself: every rank must get the reduction, and
+/// float sums (whose bits depend on the order of their terms) must agree
+/// bit for bit across ranks.
+fn all_reduce_sizes(rank: usize, n: usize) -> Result<(), String> {
+    let cpu = Device::cpu();
+    for len in [0usize, 1, 2, 3, 7, 1023, 1024, 1025, 70_001, 3 << 20] {
+        // Values whose sum depends on the order of its terms.
+        let values: Vec<f32> = (0..len)
+            .map(|i| ((i * 7919 + rank * 104_729) % 1000) as f32 / 7.0 + rank as f32 * 0.1)
+            .collect();
+        let x = Tensor::<f32>::from_vec(values, &[len], &cpu).unwrap();
+        let sum = distributed::all_reduce(&x, Reduction::Sum);
+        let all = distributed::all_gather(&sum.reshape(&[1, len]))
+            .to_vec()
+            .map_err(|e| e.to_string())?;
+        let mine = sum.to_vec().map_err(|e| e.to_string())?;
+        for (r, theirs) in all
+            .chunks(len.max(1))
+            .enumerate()
+            .take(if len == 0 { 0 } else { n })
+        {
+            if theirs
+                .iter()
+                .zip(&mine)
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                return Err(format!(
+                    "{len} values: rank {r}'s sum differs from rank {rank}'s"
+                ));
+            }
+        }
+        for (i, &s) in mine.iter().enumerate() {
+            let want: f64 = (0..n)
+                .map(|r| ((i * 7919 + r * 104_729) % 1000) as f64 / 7.0 + r as f64 * 0.1)
+                .sum();
+            if (s as f64 - want).abs() > 1e-4 * want.abs().max(1.0) {
+                return Err(format!("{len} values: element {i} sums to {s}, not {want}"));
+            }
+        }
+        let ints: Vec<i32> = (0..len).map(|i| (i as i32) * (rank as i32 + 1)).collect();
+        let x = Tensor::<i32>::from_vec(ints, &[len], &cpu).unwrap();
+        let triangle = (n * (n + 1) / 2) as i32;
+        let got = distributed::all_reduce(&x, Reduction::Sum)
+            .to_vec()
+            .map_err(|e| e.to_string())?;
+        if got
+            .iter()
+            .enumerate()
+            .any(|(i, &v)| v != i as i32 * triangle)
+        {
+            return Err(format!("{len} i32 values: a wrong sum"));
+        }
+        let wide = Tensor::<f64>::full(&[len], rank as f64 - 0.5, &cpu);
+        let (max, min) = (
+            distributed::all_reduce(&wide, Reduction::Max).to_vec(),
+            distributed::all_reduce(&wide, Reduction::Min).to_vec(),
+        );
+        let (max, min) = (
+            max.map_err(|e| e.to_string())?,
+            min.map_err(|e| e.to_string())?,
+        );
+        if max.iter().any(|&v| v != n as f64 - 1.5) || min.iter().any(|&v| v != -0.5) {
+            return Err(format!("{len} f64 values: max {max:?}, min {min:?}"));
+        }
+        let mean = distributed::all_reduce(
+            &Tensor::<f64>::full(&[len], rank as f64, &cpu),
+            Reduction::Mean,
+        )
+        .to_vec()
+        .map_err(|e| e.to_string())?;
+        if mean.iter().any(|&v| v != (n - 1) as f64 / 2.0) {
+            return Err(format!("{len} f64 values: mean {mean:?}"));
+        }
     }
     Ok(())
 }

@@ -24,6 +24,8 @@
 //! mismatch, or a process that dies or hangs, fails the collective with an
 //! error naming the process instead of deadlocking (see [`init`]).
 
+#[cfg(any(feature = "mpi", test))]
+mod butterfly;
 mod data_parallel;
 #[cfg(feature = "mpi")]
 mod mpi;

@@ -1,20 +1,26 @@
-//! The MPI transport: collectives as non-blocking MPI calls with a
+//! The MPI transport: collectives on non-blocking MPI calls with a
 //! watchdog, and a progress thread that drives them while the caller
 //! computes.
 //!
 //! MPI runs in `MPI_THREAD_SERIALIZED` mode: any thread may call it, one
 //! at a time, so every call happens under the `state` lock. Collectives
-//! are issued by the thread that starts them (no hand-off, so a small
-//! synchronous all-reduce costs what MPI's does), in the order they are
-//! started, which is the program order chains give side-effecting ops.
-//! Open MPI only moves a non-blocking collective forward inside MPI calls;
-//! the progress thread tests every collective in flight while the caller
-//! is busy elsewhere (backward, while gradient buckets travel).
+//! are issued by the thread that starts them (no hand-off), in the order
+//! they are started, which is the program order chains give
+//! side-effecting ops. Open MPI only moves a non-blocking transfer forward
+//! inside MPI calls: a caller waiting for a collective tests it back to
+//! back, and the progress thread tests those started in the background
+//! ([`PendingCollective::continue_in_background`]: gradient buckets that
+//! travel while backward runs).
 //!
-//! Each collective travels with a header all-reduced (max) on a second
-//! communicator: `[h, -h]` for a fingerprint `h` of (sequence number, op,
-//! dtype, shape), so `max(h) == -max(-h)` exactly when every process ran
-//! the same collective. A mismatch or a watchdog timeout fails the group:
+//! Every collective runs an *exchange* on a second communicator: the
+//! [`butterfly`] schedule's messages between pairs of processes, each
+//! headed by the sender's fingerprint of (sequence number, op, dtype,
+//! shape) and by whether it has seen a different one. After the halving
+//! rounds every process knows whether all ran the same collective. An
+//! all-reduce of f32, f64, i32 or i64 values is that exchange itself
+//! (reduce-scatter by halving, all-gather by doubling); the other
+//! collectives run MPI's non-blocking ones on a first communicator beside
+//! a data-less exchange. A mismatch or a watchdog timeout fails the group:
 //! the failing collective returns an error naming the ranks at fault, and
 //! every later one fails at once with the same error.
 //!
@@ -26,7 +32,11 @@
 //! the message, so it learns its size before taking it and can tell a
 //! failure, a stale run or a mismatched edge from the value it waits for.
 
+mod exchange;
+
+use super::butterfly;
 use crate::{Error, Result};
+use exchange::{exchange_reduces, Exchange, Reducing, TAGS_PER_COLLECTIVE};
 use mpi::ffi;
 use stagecraft_cpu::collective::{
     distributed_error, Collective, Communicator, Edge, PendingCollective, PointToPoint,
@@ -34,6 +44,7 @@ use stagecraft_cpu::collective::{
 use stagecraft_ops::Reduction;
 use stagecraft_tensor::{Buffer, DType, DenseHostTensor, TensorMetadata};
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::os::raw::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -76,10 +87,10 @@ struct Raw<T>(T);
 unsafe impl<T> Send for Raw<T> {}
 
 struct Comms {
-    /// The collectives' data.
+    /// The data of MPI's own collectives.
     data: Raw<ffi::MPI_Comm>,
-    /// Their headers, so headers always pair up in order even when the
-    /// data of a mismatched collective does not.
+    /// The exchanges, apart from MPI's collectives, so that their messages
+    /// pair up in order even when a mismatched collective's data does not.
     check: Raw<ffi::MPI_Comm>,
     /// Point-to-point notes and reports after a failure.
     control: Raw<ffi::MPI_Comm>,
@@ -109,16 +120,16 @@ struct SendFlight {
 }
 
 /// One collective in flight. It owns every buffer MPI reads or writes
-/// until both requests complete.
+/// until its requests complete.
 struct Flight {
-    what: String,
+    what: What,
     started: Instant,
     timeout: Duration,
-    header: Box<[i64; 2]>,
-    header_out: Box<[i64; 2]>,
-    header_request: Option<Raw<ffi::MPI_Request>>,
+    /// The check, and the all-reduce's data when the schedule carries it.
+    exchange: Exchange,
+    /// MPI's own collective, for the data the schedule does not carry.
     data_request: Option<Raw<ffi::MPI_Request>>,
-    _input: Option<DenseHostTensor>,
+    input: DenseHostTensor,
     output: Option<(TensorMetadata, Buffer)>,
     divide_by: Option<usize>,
     outcome: Option<Result<DenseHostTensor>>,
@@ -126,14 +137,21 @@ struct Flight {
 
 impl Flight {
     fn complete(&self) -> bool {
-        self.header_request.is_none() && self.data_request.is_none()
+        self.exchange.idle() && self.data_request.is_none()
+    }
+
+    /// Moves the exchange on; `Ok(true)` once it has run every step.
+    fn advance(&mut self, comm: ffi::MPI_Comm) -> Result<bool> {
+        let out = self.output.as_mut().map(|(_, buffer)| buffer);
+        self.exchange.advance(comm, &self.input, out, &self.what)
     }
 }
 
 struct State {
     comms: Comms,
     next_seq: u64,
-    flights: HashMap<u64, Flight>,
+    /// By sequence number, so that they progress in the order they started.
+    flights: BTreeMap<u64, Flight>,
     /// Set by the first failure: the group cannot go on.
     failed: Option<Error>,
     /// Point-to-point sends in flight, by number.
@@ -149,6 +167,9 @@ struct Shared {
     rank: usize,
     size: usize,
     library: String,
+    /// How many collectives' exchanges have tags of their own: the
+    /// collective numbered `seq` uses block `seq % collective_tags`.
+    collective_tags: u64,
     timeout_ms: AtomicU64,
     state: Mutex<State>,
     work: Condvar,
@@ -173,7 +194,7 @@ pub(super) struct MpiGroup {
 }
 
 /// Turns an MPI return code into an error.
-fn check(rc: c_int, what: &str) -> Result<()> {
+fn check(rc: c_int, what: impl fmt::Display) -> Result<()> {
     if rc == 0 {
         return Ok(());
     }
@@ -224,7 +245,7 @@ fn mpi_op(reduction: Reduction) -> ffi::MPI_Op {
     }
 }
 
-fn count(n: usize, what: &str) -> Result<c_int> {
+fn count(n: usize, what: impl fmt::Display) -> Result<c_int> {
     c_int::try_from(n).map_err(|_| {
         Error::invalid(format!(
             "{what} of {n} elements is more than one MPI call carries (2^31 - 1); split it"
@@ -232,12 +253,33 @@ fn count(n: usize, what: &str) -> Result<c_int> {
     })
 }
 
-/// The fingerprint every process must agree on, in 62 bits so that its
-/// negation is exact.
-fn fingerprint(seq: u64, what: &str) -> i64 {
+/// The fingerprint every process must agree on.
+fn fingerprint(seq: u64, what: &What) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (seq, what).hash(&mut h);
-    (h.finish() >> 2) as i64
+    (
+        seq,
+        what.label,
+        what.op,
+        what.meta.dtype,
+        what.meta.shape.dims(),
+    )
+        .hash(&mut h);
+    h.finish()
+}
+
+/// What a collective is, for its fingerprint and for errors: formatted
+/// only when an error needs it.
+#[derive(Clone)]
+struct What {
+    label: &'static str,
+    op: Collective,
+    meta: TensorMetadata,
+}
+
+impl fmt::Display for What {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {} {}", self.label, self.op, self.meta)
+    }
 }
 
 impl MpiGroup {
@@ -283,7 +325,7 @@ impl MpiGroup {
         }
         let comms = Comms {
             data: dup("duplicating the data communicator")?,
-            check: dup("duplicating the header communicator")?,
+            check: dup("duplicating the exchange communicator")?,
             control: dup("duplicating the control communicator")?,
             transfers: dup("duplicating the point-to-point communicator")?,
         };
@@ -296,11 +338,12 @@ impl MpiGroup {
             rank: rank as usize,
             size: size as usize,
             library: library_version(),
+            collective_tags: tag_upper_bound() / TAGS_PER_COLLECTIVE as u64,
             timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
             state: Mutex::new(State {
                 comms,
                 next_seq: 0,
-                flights: HashMap::new(),
+                flights: BTreeMap::new(),
                 failed: None,
                 sends: HashMap::new(),
                 next_send: 0,
@@ -405,6 +448,30 @@ impl Drop for MpiGroup {
         // Finalizes MPI.
         drop(self.universe.take());
     }
+}
+
+/// The largest tag plus one: MPI_TAG_UB, which MPI guarantees is at
+/// least 32767 (Open MPI's is 2^31 - 1).
+fn tag_upper_bound() -> u64 {
+    let mut value: *mut c_int = std::ptr::null_mut();
+    let mut flag: c_int = 0;
+    // SAFETY: MPI is initialized; for MPI_TAG_UB it stores a pointer to an
+    // int it owns into `value`, and sets `flag` when it did.
+    let rc = unsafe {
+        ffi::MPI_Comm_get_attr(
+            ffi::RSMPI_COMM_WORLD,
+            ffi::MPI_TAG_UB as c_int,
+            (&mut value as *mut *mut c_int).cast(),
+            &mut flag,
+        )
+    };
+    let bound = if rc == 0 && flag != 0 && !value.is_null() {
+        // SAFETY: MPI set `value` to its attribute, an int it keeps alive.
+        unsafe { *value }
+    } else {
+        32767
+    };
+    u64::try_from(bound).unwrap_or(32767).max(32767) + 1
 }
 
 fn library_version() -> String {
@@ -652,11 +719,16 @@ impl PointToPoint for MpiCommunicator {
 
 /// Waits between tests of a transfer that started at `since`. Open MPI
 /// moves a transfer on only inside MPI calls, so a waiting thread tests
-/// back to back (yielding its core to any thread with work, as MPI_Wait's
-/// busy polling would not) for the first 100 ms, which covers every
-/// message up to tens of MiB; longer waits sleep between tests.
+/// back to back: spinning for the first 50 µs, which covers a small
+/// message's round trip (a yield is a system call, and costs as much);
+/// then yielding its core to any thread with work, as MPI_Wait's busy
+/// polling would not, up to 100 ms, which covers every message up to
+/// tens of MiB; longer waits sleep between tests.
 fn back_off(since: Instant) {
-    if since.elapsed() < Duration::from_millis(100) {
+    let waited = since.elapsed();
+    if waited < Duration::from_micros(50) {
+        std::hint::spin_loop();
+    } else if waited < Duration::from_millis(100) {
         std::thread::yield_now();
     } else {
         std::thread::sleep(Duration::from_micros(100));
@@ -772,17 +844,22 @@ fn progress_sends(state: &mut State) {
     });
 }
 
-/// Issues `op`'s header and data requests and records the flight.
+/// Posts `op`'s first exchange step and, for data the exchange does not
+/// carry, MPI's own collective; records the flight.
 fn start(
     shared: &Arc<Shared>,
     op: Collective,
     input: DenseHostTensor,
     output: &TensorMetadata,
     timeout: Option<Duration>,
-    label: &str,
+    label: &'static str,
 ) -> Result<Box<dyn PendingCollective>> {
     let n = shared.size;
-    let what = format!("{label} {op} {}", input.metadata());
+    let what = What {
+        label,
+        op,
+        meta: input.metadata().clone(),
+    };
     let dtype = datatype(input.dtype())?;
     let in_count = count(input.numel(), &what)?;
     let out_count = count(output.shape.numel(), &what)?;
@@ -810,105 +887,110 @@ fn start(
         } if root == shared.rank => Some(n),
         _ => None,
     };
+    let reduces = exchange_reduces(op, input.dtype());
+    if reduces && n == 1 {
+        // A group of one: the reduction is the input.
+        buffer = Buffer::copy_of(input.buffer().bytes());
+    }
+    let recv: *mut c_void = buffer
+        .typed_mut::<u8>()
+        .map_err(|_| Error::internal("a fresh buffer is shared"))?
+        .as_mut_ptr()
+        .cast();
+    let data = match op {
+        Collective::AllReduce(reduction) if reduces => {
+            Some(Reducing::new(reduction, input.dtype(), recv.cast()))
+        }
+        _ => None,
+    };
     let mut state = shared.lock();
     if let Some(e) = &state.failed {
         return Err(e.clone());
     }
     let seq = state.next_seq;
     state.next_seq += 1;
-    let h = fingerprint(seq, &what);
+    let elements = if reduces { input.numel() } else { 0 };
     let mut flight = Flight {
-        what,
         started: Instant::now(),
         timeout: timeout.unwrap_or_else(|| shared.timeout()),
-        header: Box::new([h, -h]),
-        header_out: Box::new([0, 0]),
-        header_request: None,
+        exchange: Exchange::new(
+            butterfly::schedule(shared.rank, n, elements, reduces),
+            butterfly::rounds(n),
+            (seq % shared.collective_tags) as c_int * TAGS_PER_COLLECTIVE,
+            fingerprint(seq, &what),
+            data,
+        ),
+        what,
         data_request: None,
-        _input: None,
+        input,
         output: None,
         divide_by,
         outcome: None,
     };
-    let send: *const c_void = input.buffer().bytes().as_ptr().cast();
-    let recv: *mut c_void = buffer
-        .typed_mut::<u8>()
-        .map_err(|_| Error::internal("a fresh buffer is shared"))?
-        .as_mut_ptr()
-        .cast();
     let (data, check_comm) = (state.comms.data.0, state.comms.check.0);
-    // SAFETY: the header arrays, the input (kept in the flight) and the
-    // output buffer (kept in the flight; its heap block does not move when
-    // the `Buffer` handle does) outlive the requests, which the flight
-    // holds until they complete or, after a failure, forever (wreckage).
-    // Counts match the buffers: `in_count` elements of the input's dtype;
-    // `out_count` of the output's, which the shape rule sized from the
-    // input and the group size. All calls happen under the state lock.
-    unsafe {
-        let mut request: ffi::MPI_Request = ffi::RSMPI_REQUEST_NULL;
-        let rc = ffi::MPI_Iallreduce(
-            flight.header.as_ptr().cast(),
-            flight.header_out.as_mut_ptr().cast(),
-            2,
-            ffi::RSMPI_INT64_T,
-            ffi::RSMPI_MAX,
-            check_comm,
-            &mut request,
-        );
-        check(rc, &flight.what)?;
-        flight.header_request = Some(Raw(request));
-        let mut request: ffi::MPI_Request = ffi::RSMPI_REQUEST_NULL;
-        let rc = match op {
-            Collective::AllReduce(r) => {
-                ffi::MPI_Iallreduce(send, recv, in_count, dtype, mpi_op(r), data, &mut request)
-            }
-            Collective::ReduceToRoot { reduction, root } => ffi::MPI_Ireduce(
-                send,
-                recv,
-                in_count,
-                dtype,
-                mpi_op(reduction),
-                root as c_int,
-                data,
-                &mut request,
-            ),
-            Collective::Broadcast { root } => {
-                ffi::MPI_Ibcast(recv, in_count, dtype, root as c_int, data, &mut request)
-            }
-            Collective::AllGather => ffi::MPI_Iallgather(
-                send,
-                in_count,
-                dtype,
-                recv,
-                in_count,
-                dtype,
-                data,
-                &mut request,
-            ),
-            Collective::ReduceScatter(r) => ffi::MPI_Ireduce_scatter_block(
-                send,
-                recv,
-                out_count,
-                dtype,
-                mpi_op(r),
-                data,
-                &mut request,
-            ),
-        };
-        if let Err(e) = check(rc, &flight.what) {
-            // The header is in flight: keep its buffers.
-            flight._input = Some(input);
-            state.wreckage.push(flight);
-            state.failed = Some(e.clone());
-            return Err(e);
+    let send: *const c_void = flight.input.buffer().bytes().as_ptr().cast();
+    let posted = if reduces {
+        Ok(())
+    } else {
+        // SAFETY: the input (kept in the flight) and the output buffer
+        // (kept in the flight; its heap block does not move when the
+        // `Buffer` handle does) outlive the request, which the flight holds
+        // until it completes or, after a failure, forever (wreckage).
+        // Counts match the buffers: `in_count` elements of the input's
+        // dtype; `out_count` of the output's, which the shape rule sized
+        // from the input and the group size. Called under the state lock.
+        unsafe {
+            let mut request: ffi::MPI_Request = ffi::RSMPI_REQUEST_NULL;
+            let rc = match op {
+                Collective::AllReduce(r) => {
+                    ffi::MPI_Iallreduce(send, recv, in_count, dtype, mpi_op(r), data, &mut request)
+                }
+                Collective::ReduceToRoot { reduction, root } => ffi::MPI_Ireduce(
+                    send,
+                    recv,
+                    in_count,
+                    dtype,
+                    mpi_op(reduction),
+                    root as c_int,
+                    data,
+                    &mut request,
+                ),
+                Collective::Broadcast { root } => {
+                    ffi::MPI_Ibcast(recv, in_count, dtype, root as c_int, data, &mut request)
+                }
+                Collective::AllGather => ffi::MPI_Iallgather(
+                    send,
+                    in_count,
+                    dtype,
+                    recv,
+                    in_count,
+                    dtype,
+                    data,
+                    &mut request,
+                ),
+                Collective::ReduceScatter(r) => ffi::MPI_Ireduce_scatter_block(
+                    send,
+                    recv,
+                    out_count,
+                    dtype,
+                    mpi_op(r),
+                    data,
+                    &mut request,
+                ),
+            };
+            check(rc, &flight.what).map(|()| flight.data_request = Some(Raw(request)))
         }
-        flight.data_request = Some(Raw(request));
-    }
-    flight._input = Some(input);
+    };
     flight.output = Some((output.clone(), buffer));
+    // The first step goes out now, so a process that computes before
+    // waiting does not hold up the others.
+    let first = posted.and_then(|()| flight.advance(check_comm).map(|_| ()));
+    if let Err(e) = first {
+        state.wreckage.push(flight);
+        state.failed = Some(e.clone());
+        return Err(e);
+    }
     state.flights.insert(seq, flight);
-    drop(state);
-    shared.work.notify_one();
     Ok(Box::new(MpiPending {
         shared: Arc::clone(shared),
         seq,
@@ -921,39 +1003,56 @@ struct MpiPending {
 }
 
 impl PendingCollective for MpiPending {
+    fn continue_in_background(&self) {
+        self.shared.work.notify_one();
+    }
+
     fn wait(self: Box<Self>) -> Result<DenseHostTensor> {
         let waiting = Instant::now();
-        loop {
+        for polls in 0u64.. {
             let mut state = self.shared.lock();
-            progress(&self.shared, &mut state);
-            let done = state
-                .flights
-                .get(&self.seq)
-                .is_some_and(|f| f.outcome.is_some());
-            if done {
-                let mut flight = state
-                    .flights
-                    .remove(&self.seq)
-                    .expect("the flight was just found");
-                let outcome = flight.outcome.take().expect("the outcome was just found");
-                if !flight.complete() {
-                    state.wreckage.push(flight);
-                }
-                return outcome;
+            // A small collective completes within a few microseconds, so
+            // most polls test this flight alone; every 64th one also runs
+            // the watchdog and moves the others on.
+            if polls % POLLS_PER_ROUND == 0 {
+                progress(&self.shared, &mut state);
+            } else if state.failed.is_none() {
+                progress_flight(&self.shared, &mut state, self.seq, false);
             }
-            if !state.flights.contains_key(&self.seq) {
-                return Err(Error::internal(format!(
-                    "collective #{} was waited for twice",
-                    self.seq
-                )));
+            match state.flights.get(&self.seq).map(|f| f.outcome.is_some()) {
+                Some(true) => {
+                    let mut flight = state
+                        .flights
+                        .remove(&self.seq)
+                        .expect("the flight was just found");
+                    let outcome = flight.outcome.take().expect("the outcome was just found");
+                    if !flight.complete() {
+                        state.wreckage.push(flight);
+                    }
+                    return outcome;
+                }
+                Some(false) => {}
+                None => {
+                    return Err(Error::internal(format!(
+                        "collective #{} was waited for twice",
+                        self.seq
+                    )))
+                }
             }
             drop(state);
-            // Small collectives complete within microseconds: test again
-            // at once a few times before sleeping between tests.
-            back_off(waiting);
+            if polls % POLLS_PER_ROUND == POLLS_PER_ROUND - 1 {
+                back_off(waiting);
+            } else {
+                std::hint::spin_loop();
+            }
         }
+        unreachable!("a wait polls until its flight has an outcome")
     }
 }
+
+/// How many polls of a waiting collective test it alone before one runs
+/// the whole [`progress`] (watchdog included) and backs off.
+const POLLS_PER_ROUND: u64 = 64;
 
 fn progress_loop(shared: &Shared) {
     loop {
@@ -981,7 +1080,7 @@ fn progress_loop(shared: &Shared) {
 }
 
 /// Tests one request; `Ok(true)` once it has completed.
-fn test(request: &mut Option<Raw<ffi::MPI_Request>>, what: &str) -> Result<bool> {
+fn test(request: &mut Option<Raw<ffi::MPI_Request>>, what: impl fmt::Display) -> Result<bool> {
     let Some(Raw(mut raw)) = *request else {
         return Ok(true);
     };
@@ -989,7 +1088,7 @@ fn test(request: &mut Option<Raw<ffi::MPI_Request>>, what: &str) -> Result<bool>
     // SAFETY: `raw` is an active request of a live flight, tested under the
     // state lock; MPI sets it to MPI_REQUEST_NULL when it completes.
     let rc = unsafe { ffi::MPI_Test(&mut raw, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
-    check(rc, what)?;
+    check(rc, &what)?;
     if flag != 0 {
         *request = None;
         Ok(true)
@@ -999,7 +1098,7 @@ fn test(request: &mut Option<Raw<ffi::MPI_Request>>, what: &str) -> Result<bool>
     }
 }
 
-/// Moves every flight forward: completes, checks headers, enforces the
+/// Moves every flight forward: completes, checks, enforces the
 /// watchdog. A failure fails the group and every flight.
 fn progress(shared: &Shared, state: &mut State) {
     progress_sends(state);
@@ -1007,50 +1106,64 @@ fn progress(shared: &Shared, state: &mut State) {
         fail_all(state);
         return;
     }
-    let mut seqs: Vec<u64> = state
+    let seqs: Vec<u64> = state
         .flights
         .iter()
         .filter(|(_, f)| f.outcome.is_none())
         .map(|(s, _)| *s)
         .collect();
-    seqs.sort_unstable();
     for seq in seqs {
-        let flight = state.flights.get_mut(&seq).expect("listed above");
-        let header_was_pending = flight.header_request.is_some();
-        let mut tested = test(&mut flight.header_request, &flight.what)
-            .and_then(|h| Ok((h, test(&mut flight.data_request, &flight.what)?)));
-        if tested.is_err() {
-            // The data of mismatched collectives can fail (truncated)
-            // before their header arrives: the header says why.
-            let deadline = Instant::now() + GRACE;
-            while let Ok(false) = test(&mut flight.header_request, &flight.what) {
-                if Instant::now() > deadline {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            if flight.header_request.is_none() && flight.header_out[0] != -flight.header_out[1] {
-                tested = Ok((true, false));
-            }
-        }
-        let agreed = flight.header_out[0] == -flight.header_out[1];
-        let late = flight.started.elapsed() > flight.timeout;
-        let error = match tested {
-            Err(e) => Some(e),
-            Ok((true, _)) if header_was_pending && !agreed => Some(mismatch(shared, state, seq)),
-            Ok((true, true)) => {
-                let flight = state.flights.get_mut(&seq).expect("listed above");
-                flight.outcome = Some(finish(flight));
-                None
-            }
-            Ok((header_done, _)) if late => Some(timed_out(shared, state, seq, header_done)),
-            Ok(_) => None,
-        };
-        if let Some(e) = error {
-            state.failed = Some(e);
-            fail_all(state);
+        if !progress_flight(shared, state, seq, true) {
             return;
         }
+    }
+}
+
+/// Moves flight `seq` forward (and, with `watch`, enforces its watchdog);
+/// `false` when that failed the group.
+fn progress_flight(shared: &Shared, state: &mut State, seq: u64, watch: bool) -> bool {
+    let check_comm = state.comms.check.0;
+    let Some(flight) = state.flights.get_mut(&seq).filter(|f| f.outcome.is_none()) else {
+        return true;
+    };
+    let exchanged = flight.advance(check_comm);
+    let data = test(&mut flight.data_request, &flight.what);
+    let mut tested = exchanged.and_then(|e| Ok((e, data.clone()?)));
+    if data.is_err() {
+        // The data of mismatched collectives can fail (truncated)
+        // before their check completes: the check says why.
+        let deadline = Instant::now() + GRACE;
+        while let Ok(false) = flight.advance(check_comm) {
+            if Instant::now() > deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if flight.exchange.done() && flight.exchange.mismatched() {
+            tested = Ok((true, false));
+        }
+    }
+    let agreed = !flight.exchange.mismatched();
+    let late = watch && flight.started.elapsed() > flight.timeout;
+    let known = flight.exchange.agreement_known();
+    let error = match tested {
+        Err(e) => Some(e),
+        Ok((true, _)) if !agreed => Some(mismatch(shared, state, seq)),
+        Ok((true, true)) => {
+            let flight = state.flights.get_mut(&seq).expect("found above");
+            flight.outcome = Some(finish(flight));
+            None
+        }
+        Ok(_) if late => Some(timed_out(shared, state, seq, known)),
+        Ok(_) => None,
+    };
+    match error {
+        Some(e) => {
+            state.failed = Some(e);
+            fail_all(state);
+            false
+        }
+        None => true,
     }
 }
 
@@ -1104,6 +1217,7 @@ fn finish(flight: &mut Flight) -> Result<DenseHostTensor> {
 fn mismatch(shared: &Shared, state: &mut State, seq: u64) -> Error {
     let what = state.flights[&seq].what.clone();
     let mut mine = vec![0u8; DESCRIPTION_BYTES];
+    let what = what.to_string();
     let text = what.as_bytes();
     let len = text.len().min(DESCRIPTION_BYTES);
     mine[..len].copy_from_slice(&text[..len]);
