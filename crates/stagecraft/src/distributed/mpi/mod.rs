@@ -717,6 +717,9 @@ impl PointToPoint for MpiCommunicator {
     }
 }
 
+/// How long a waiting thread spins before it yields its core.
+const SPIN: Duration = Duration::from_micros(50);
+
 /// Waits between tests of a transfer that started at `since`. Open MPI
 /// moves a transfer on only inside MPI calls, so a waiting thread tests
 /// back to back: spinning for the first 50 µs, which covers a small
@@ -726,7 +729,7 @@ impl PointToPoint for MpiCommunicator {
 /// tens of MiB; longer waits sleep between tests.
 fn back_off(since: Instant) {
     let waited = since.elapsed();
-    if waited < Duration::from_micros(50) {
+    if waited < SPIN {
         std::hint::spin_loop();
     } else if waited < Duration::from_millis(100) {
         std::thread::yield_now();
@@ -1009,6 +1012,7 @@ impl PendingCollective for MpiPending {
 
     fn wait(self: Box<Self>) -> Result<DenseHostTensor> {
         let waiting = Instant::now();
+        let mut patient = false;
         for polls in 0u64.. {
             let mut state = self.shared.lock();
             // A small collective completes within a few microseconds, so
@@ -1040,7 +1044,13 @@ impl PendingCollective for MpiPending {
                 }
             }
             drop(state);
-            if polls % POLLS_PER_ROUND == POLLS_PER_ROUND - 1 {
+            // Spinning reads no clock; the clock is read once a round until
+            // the wait outlasts a spin, and from then on it backs off at
+            // every poll.
+            if !patient && polls % POLLS_PER_ROUND == POLLS_PER_ROUND - 1 {
+                patient = waiting.elapsed() >= SPIN;
+            }
+            if patient {
                 back_off(waiting);
             } else {
                 std::hint::spin_loop();
@@ -1051,7 +1061,7 @@ impl PendingCollective for MpiPending {
 }
 
 /// How many polls of a waiting collective test it alone before one runs
-/// the whole [`progress`] (watchdog included) and backs off.
+/// the whole [`progress`] (watchdog included).
 const POLLS_PER_ROUND: u64 = 64;
 
 fn progress_loop(shared: &Shared) {
