@@ -144,28 +144,25 @@ fn expect_success(scenario: &str, ranks: usize) -> Result<(), String> {
 }
 
 fn mismatch() -> Result<(), String> {
-    let run = mpirun("mismatch", 2, &[]);
-    let reported = run
-        .output
-        .matches("differs between processes: rank 0 ran AllReduce AllReduce(sum) f32[3]; rank 1 ran AllReduce AllReduce(sum) f32[4]")
-        .count();
-    if reported == 2 && run.took < Duration::from_secs(10) {
-        Ok(())
-    } else {
-        Err(format!(
-            "expected both ranks to report the mismatch ({:?}):\n{}",
-            run.took, run.output
-        ))
-    }
+    expect_mismatch(
+        "mismatch",
+        "rank 0 ran AllReduce AllReduce(sum) f32[3]; rank 1 ran AllReduce AllReduce(sum) f32[4]",
+    )
 }
 
 fn mismatched_kinds() -> Result<(), String> {
-    let run = mpirun("mismatched_kinds", 2, &[]);
-    let reported = run
-        .output
-        .matches("differs between processes: rank 0 ran AllReduce AllReduce(sum) f32[3]; rank 1 ran Broadcast Broadcast(root 0) f32[3]")
-        .count();
-    if reported == 2 && run.took < Duration::from_secs(10) {
+    expect_mismatch(
+        "mismatched_kinds",
+        "rank 0 ran AllReduce AllReduce(sum) f32[3]; rank 1 ran Broadcast Broadcast(root 0) f32[3]",
+    )
+}
+
+/// Both ranks of `scenario` must report, within 10 s, that the
+/// collective differs between them, saying `what_each_ran`.
+fn expect_mismatch(scenario: &str, what_each_ran: &str) -> Result<(), String> {
+    let run = mpirun(scenario, 2, &[]);
+    let report = format!("differs between processes: {what_each_ran}");
+    if run.output.matches(&report).count() == 2 && run.took < Duration::from_secs(10) {
         Ok(())
     } else {
         Err(format!(

@@ -56,6 +56,66 @@ pub(super) struct Exchange {
     data: Option<Reducing>,
 }
 
+/// Where a step's messages go.
+struct Route {
+    peer: c_int,
+    tag: c_int,
+    comm: ffi::MPI_Comm,
+}
+
+impl Route {
+    /// Starts sending `len` bytes from `bytes`; MPI's return code and the
+    /// request.
+    ///
+    /// # Safety
+    /// `bytes` stays valid for reads of `len` bytes, and is not written,
+    /// until the request completes; called under the transport's lock.
+    unsafe fn send(&self, bytes: *const u8, len: c_int) -> (c_int, ffi::MPI_Request) {
+        // SAFETY: reading a constant MPI initialized.
+        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: the caller keeps `bytes` alive and unwritten until the
+        // request completes; `comm` is a live communicator.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                bytes.cast(),
+                len,
+                ffi::RSMPI_UINT8_T,
+                self.peer,
+                self.tag,
+                self.comm,
+                &mut request,
+            )
+        };
+        (rc, request)
+    }
+
+    /// Starts receiving up to `len` bytes into `bytes`; MPI's return code
+    /// and the request.
+    ///
+    /// # Safety
+    /// `bytes` stays valid for writes of `len` bytes, and is neither read
+    /// nor written otherwise, until the request completes; called under
+    /// the transport's lock.
+    unsafe fn recv(&self, bytes: *mut u8, len: c_int) -> (c_int, ffi::MPI_Request) {
+        // SAFETY: reading a constant MPI initialized.
+        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: the caller keeps `bytes` alive and to MPI alone until the
+        // request completes; `comm` is a live communicator.
+        let rc = unsafe {
+            ffi::MPI_Irecv(
+                bytes.cast(),
+                len,
+                ffi::RSMPI_UINT8_T,
+                self.peer,
+                self.tag,
+                self.comm,
+                &mut request,
+            )
+        };
+        (rc, request)
+    }
+}
+
 impl Reducing {
     /// An all-reduce of `dtype` values into the output at `out`.
     pub(super) fn new(reduction: Reduction, dtype: DType, out: *mut u8) -> Reducing {
@@ -191,21 +251,21 @@ impl Exchange {
         };
         let whole = 0..current.len() / size.max(1);
         let bytes = |r: &std::ops::Range<usize>| r.start * size..r.end * size;
-        let peer = step.peer() as c_int;
-        let tag = self.tag_base + step.tag(self.rounds) as c_int;
+        let route = Route {
+            peer: step.peer() as c_int,
+            tag: self.tag_base + step.tag(self.rounds) as c_int,
+            comm,
+        };
         match step {
-            Step::FoldOut { .. } => {
-                self.send_checked(&current[bytes(&whole)], peer, tag, comm, what)
+            Step::FoldOut { .. } | Step::UnfoldOut { .. } => {
+                self.send_checked(&current[bytes(&whole)], &route, what)
             }
             Step::FoldIn { .. } | Step::UnfoldIn { .. } => {
-                self.recv_checked(whole.len() * size, peer, tag, comm, what)
+                self.recv_checked(whole.len() * size, &route, what)
             }
             Step::Halve { keep, give, .. } => {
-                self.recv_checked(keep.len() * size, peer, tag, comm, what)?;
-                self.send_checked(&current[bytes(give)], peer, tag, comm, what)
-            }
-            Step::UnfoldOut { .. } => {
-                self.send_checked(&current[bytes(&whole)], peer, tag, comm, what)
+                self.recv_checked(keep.len() * size, &route, what)?;
+                self.send_checked(&current[bytes(give)], &route, what)
             }
             Step::Double { mine, theirs, .. } => {
                 let base = self
@@ -216,59 +276,27 @@ impl Exchange {
                     .0;
                 let (mine, theirs) = (bytes(mine), bytes(theirs));
                 let (mine_len, theirs_len) = (count(mine.len(), what)?, count(theirs.len(), what)?);
-                // SAFETY: reading constants MPI initialized.
-                let (mut rr, mut sr) =
-                    unsafe { (ffi::RSMPI_REQUEST_NULL, ffi::RSMPI_REQUEST_NULL) };
                 // SAFETY: `base` points at the output buffer's bytes, which
                 // the flight keeps (in its wreckage after a failure) until
                 // these requests complete; `mine` and `theirs` are disjoint
                 // byte ranges inside it, and no Rust reference to the
                 // buffer is held while they are in flight (the next step
-                // is posted only once both complete). Called under the
-                // state lock.
-                unsafe {
-                    check(
-                        ffi::MPI_Irecv(
-                            base.add(theirs.start).cast(),
-                            theirs_len,
-                            ffi::RSMPI_UINT8_T,
-                            peer,
-                            tag,
-                            comm,
-                            &mut rr,
-                        ),
-                        what,
-                    )?;
-                    self.recv = Some(Raw(rr));
-                    self.incoming = Some((theirs.len(), None));
-                    check(
-                        ffi::MPI_Isend(
-                            base.add(mine.start).cast_const().cast(),
-                            mine_len,
-                            ffi::RSMPI_UINT8_T,
-                            peer,
-                            tag,
-                            comm,
-                            &mut sr,
-                        ),
-                        what,
-                    )?;
-                }
-                self.send = Some(Raw(sr));
+                // is posted only once both complete).
+                let (rc, request) = unsafe { route.recv(base.add(theirs.start), theirs_len) };
+                self.incoming = Some((theirs.len(), None));
+                check(rc, what)?;
+                self.recv = Some(Raw(request));
+                // SAFETY: as for the receive.
+                let (rc, request) = unsafe { route.send(base.add(mine.start), mine_len) };
+                check(rc, what)?;
+                self.send = Some(Raw(request));
                 Ok(())
             }
         }
     }
 
     /// Sends the check followed by `payload`.
-    fn send_checked(
-        &mut self,
-        payload: &[u8],
-        peer: c_int,
-        tag: c_int,
-        comm: ffi::MPI_Comm,
-        what: &What,
-    ) -> Result<()> {
+    fn send_checked(&mut self, payload: &[u8], route: &Route, what: &What) -> Result<()> {
         let mut message = Buffer::for_overwrite(CHECK_BYTES + payload.len());
         {
             let bytes = message.typed_mut::<u8>()?;
@@ -277,22 +305,10 @@ impl Exchange {
             bytes[CHECK_BYTES..].copy_from_slice(payload);
         }
         let len = count(message.len(), what)?;
-        // SAFETY: reading a constant MPI initialized.
-        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: `message` is kept in `outgoing` (its heap block does not
-        // move with the handle) until the request completes; `len` is its
-        // length in bytes. Called under the state lock.
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                message.bytes().as_ptr().cast(),
-                len,
-                ffi::RSMPI_UINT8_T,
-                peer,
-                tag,
-                comm,
-                &mut request,
-            )
-        };
+        // move with the handle) until the request completes, and only read
+        // meanwhile; `len` is its length in bytes.
+        let (rc, request) = unsafe { route.send(message.bytes().as_ptr(), len) };
         self.outgoing = Some(message);
         check(rc, what)?;
         self.send = Some(Raw(request));
@@ -300,34 +316,14 @@ impl Exchange {
     }
 
     /// Receives a check followed by `payload_bytes`.
-    fn recv_checked(
-        &mut self,
-        payload_bytes: usize,
-        peer: c_int,
-        tag: c_int,
-        comm: ffi::MPI_Comm,
-        what: &What,
-    ) -> Result<()> {
+    fn recv_checked(&mut self, payload_bytes: usize, route: &Route, what: &What) -> Result<()> {
         let expected = CHECK_BYTES + payload_bytes;
         let mut buffer = Buffer::for_overwrite(expected);
         let len = count(expected, what)?;
         let target = buffer.typed_mut::<u8>()?.as_mut_ptr();
-        // SAFETY: reading a constant MPI initialized.
-        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: `buffer` has room for `len` bytes and is kept in
-        // `incoming` until the request completes. Called under the state
-        // lock.
-        let rc = unsafe {
-            ffi::MPI_Irecv(
-                target.cast(),
-                len,
-                ffi::RSMPI_UINT8_T,
-                peer,
-                tag,
-                comm,
-                &mut request,
-            )
-        };
+        // `incoming`, untouched, until the request completes.
+        let (rc, request) = unsafe { route.recv(target, len) };
         self.incoming = Some((expected, Some(buffer)));
         check(rc, what)?;
         self.recv = Some(Raw(request));
