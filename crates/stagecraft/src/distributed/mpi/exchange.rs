@@ -249,7 +249,8 @@ impl Exchange {
             (Some(d), Some(out)) if d.begun => out.bytes(),
             _ => input.buffer().bytes(),
         };
-        let whole = 0..current.len() / size.max(1);
+        // A check without data carries no values.
+        let whole = 0..self.data.as_ref().map_or(0, |_| input.numel());
         let bytes = |r: &std::ops::Range<usize>| r.start * size..r.end * size;
         let route = Route {
             peer: step.peer() as c_int,
@@ -420,7 +421,7 @@ fn reduce_step<T: stagecraft_tensor::Element + butterfly::Reducible>(
     let input = input.as_slice::<T>()?;
     let r = data.reduction;
     match step {
-        Step::FoldIn { .. } if data.begun => butterfly::reduce_in_place(r, out, theirs, true),
+        // Always the first step: the input holds this process's values.
         Step::FoldIn { .. } => butterfly::reduce(r, input, theirs, out),
         Step::Halve { keep, first, .. } => {
             let acc = &mut out[keep.clone()];
