@@ -104,6 +104,21 @@ fn launcher() {
         ),
         ("a shape mismatch is reported on every rank", mismatch),
         (
+            "... when the ranks send different numbers of fragments",
+            || {
+                expect_mismatch(
+                    "mismatch_fragments",
+                    "rank 0 ran AllReduce AllReduce(sum) f32[3]; rank 1 ran AllReduce AllReduce(sum) f32[3000]",
+                )
+            },
+        ),
+        ("... when one rank's schedule is split in halves", || {
+            expect_mismatch(
+                "mismatch_split",
+                "rank 0 ran AllReduce AllReduce(sum) f32[1000]; rank 1 ran AllReduce AllReduce(sum) f32[20000]",
+            )
+        }),
+        (
             "an all-reduce against a broadcast is reported on every rank",
             mismatched_kinds,
         ),
@@ -351,9 +366,16 @@ fn worker(scenario: &str) {
         "pipeline_failure" => pipeline_failure_worker(rank),
         "pipeline_silence" | "pipeline_mismatch" => pipeline_fault(scenario, rank),
         "all_reduce_sizes" => all_reduce_sizes(rank, group.size()),
-        "mismatch" | "mismatched_kinds" => {
-            let y = if scenario == "mismatch" {
-                let x = Tensor::<f32>::ones(&[3 + rank], &Device::cpu());
+        "mismatch" | "mismatch_fragments" | "mismatch_split" | "mismatched_kinds" => {
+            // Each rank's length: one more value; one fragment against
+            // three; two fragments against a split schedule's halves.
+            let lengths = match scenario {
+                "mismatch" => [3, 4],
+                "mismatch_fragments" => [3, 3000],
+                _ => [1000, 20000],
+            };
+            let y = if scenario != "mismatched_kinds" {
+                let x = Tensor::<f32>::ones(&[lengths[rank]], &Device::cpu());
                 distributed::all_reduce(&x, Reduction::Sum)
             } else {
                 let x = Tensor::<f32>::ones(&[3], &Device::cpu());

@@ -1,8 +1,10 @@
 //! The schedule of stagecraft's all-reduce over point-to-point messages:
 //! a reduce-scatter by recursive halving, then an all-gather by recursive
-//! doubling (Rabenseifner's algorithm). Processes past the largest power
-//! of two first fold their values into a partner, and get the result from
-//! it last.
+//! doubling (Rabenseifner's algorithm); or, for small tensors, whose
+//! rounds cost latency rather than bandwidth, half as many rounds that
+//! each exchange every value (recursive doubling). Processes past the
+//! largest power of two first fold their values into a partner, and get
+//! the result from it last.
 //!
 //! Why not MPI's own all-reduce: stagecraft's collectives must not block
 //! (a watchdog gives up on a hung one, and gradient buckets travel while
@@ -12,9 +14,11 @@
 //! from 4 KiB to 64 MiB on 2 processes over shared memory
 //! (`experiments/allreduce-p2p`).
 //!
-//! Every process ends with the same bits: each element is reduced by one
-//! process only, partials in the order of their ranks, and then copied to
-//! the others.
+//! Every process ends with the same bits. Split in halves, each element is
+//! reduced by one process only, partials in the order of their ranks, and
+//! then copied to the others. Whole, both partners of a round reduce the
+//! same two partials in the same order (the lower-ranked side's first),
+//! and by induction hold the same bits after every round.
 //!
 //! Without data, the same schedule is the check every collective runs:
 //! its messages carry each process's fingerprint of the collective, and a
@@ -85,6 +89,18 @@ impl Step {
     }
 }
 
+/// How the halving rounds divide the values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Split {
+    /// Each round keeps half of what the last one kept, and the doubling
+    /// rounds gather the halves back: every value crosses each link about
+    /// twice in all, whatever the group's size.
+    Halves,
+    /// Each round exchanges every value, and nothing is gathered: half
+    /// the rounds, each moving the whole tensor.
+    Whole,
+}
+
 /// The number of halving (and doubling) rounds of a group of `size`:
 /// log2 of its largest power of two.
 pub(super) fn rounds(size: usize) -> usize {
@@ -95,10 +111,16 @@ pub(super) fn rounds(size: usize) -> usize {
     }
 }
 
-/// `rank`'s steps in an all-reduce of `n` elements over `size` processes;
-/// without `gather`, the doubling rounds are left out (a check carries no
-/// data to gather).
-pub(super) fn schedule(rank: usize, size: usize, n: usize, gather: bool) -> Vec<Step> {
+/// `rank`'s steps in an all-reduce of `n` elements over `size` processes,
+/// split as `split` says; without `gather`, the doubling rounds are left
+/// out (a check carries no data to gather).
+pub(super) fn schedule(
+    rank: usize,
+    size: usize,
+    n: usize,
+    split: Split,
+    gather: bool,
+) -> Vec<Step> {
     let rounds = rounds(size);
     let core = 1usize << rounds;
     if size <= 1 {
@@ -119,6 +141,17 @@ pub(super) fn schedule(rank: usize, size: usize, n: usize, gather: bool) -> Vec<
     for round in 0..rounds {
         let distance = core >> (round + 1);
         let peer = rank ^ distance;
+        let first = rank < peer;
+        if split == Split::Whole {
+            steps.push(Step::Halve {
+                peer,
+                round,
+                keep: 0..n,
+                give: 0..n,
+                first,
+            });
+            continue;
+        }
         let mid = segment.start + segment.len() / 2;
         let (low, high) = (segment.start..mid, mid..segment.end);
         let upper = rank & distance != 0;
@@ -132,7 +165,7 @@ pub(super) fn schedule(rank: usize, size: usize, n: usize, gather: bool) -> Vec<
             round,
             keep: keep.clone(),
             give,
-            first: rank < peer,
+            first,
         });
         halvings.push((peer, low, high, upper));
         segment = keep;
@@ -248,12 +281,15 @@ mod tests {
     /// returns each process's result.
     fn simulate<T: Reducible + Default + std::fmt::Debug>(
         reduction: Reduction,
+        split: Split,
         inputs: &[Vec<T>],
     ) -> Vec<Vec<T>> {
         let size = inputs.len();
         let n = inputs[0].len();
         let rounds = rounds(size);
-        let schedules: Vec<Vec<Step>> = (0..size).map(|r| schedule(r, size, n, true)).collect();
+        let schedules: Vec<Vec<Step>> = (0..size)
+            .map(|r| schedule(r, size, n, split, true))
+            .collect();
         // (from, to, tag) -> values
         let mut mail: HashMap<(usize, usize, usize), Vec<T>> = HashMap::new();
         let mut current: Vec<Vec<T>> = inputs.to_vec();
@@ -332,8 +368,14 @@ mod tests {
                     (Reduction::Max, reduce_all(i64::max)),
                     (Reduction::Min, reduce_all(i64::min)),
                 ] {
-                    for (rank, got) in simulate(reduction, &inputs).into_iter().enumerate() {
-                        assert_eq!(got, want, "{reduction:?} of {n} on rank {rank} of {size}");
+                    for split in [Split::Halves, Split::Whole] {
+                        let results = simulate(reduction, split, &inputs);
+                        for (rank, got) in results.into_iter().enumerate() {
+                            assert_eq!(
+                                got, want,
+                                "{reduction:?} of {n} split in {split:?} on rank {rank} of {size}"
+                            );
+                        }
                     }
                 }
             }
@@ -342,23 +384,33 @@ mod tests {
 
     #[test]
     fn tags_stay_below_64_and_pair_up() {
-        for size in [2usize, 3, 6, 64, 100, 1 << 20] {
-            let r = rounds(size);
-            for rank in [0, 1, size / 2, size - 1] {
-                for step in schedule(rank, size, 10, true) {
-                    assert!(step.tag(r) < 64);
-                    let peer_steps = schedule(step.peer(), size, 10, true);
-                    assert!(
-                        peer_steps
-                            .iter()
-                            .any(|s| s.tag(r) == step.tag(r) && s.peer() == rank),
-                        "{step:?} of rank {rank} has no partner step"
-                    );
+        for split in [Split::Halves, Split::Whole] {
+            for size in [2usize, 3, 6, 64, 100, 1 << 20] {
+                let r = rounds(size);
+                for rank in [0, 1, size / 2, size - 1] {
+                    for step in schedule(rank, size, 10, split, true) {
+                        assert!(step.tag(r) < 64);
+                        let peer_steps = schedule(step.peer(), size, 10, split, true);
+                        assert!(
+                            peer_steps
+                                .iter()
+                                .any(|s| s.tag(r) == step.tag(r) && s.peer() == rank),
+                            "{step:?} of rank {rank} has no partner step"
+                        );
+                    }
                 }
             }
         }
+        // A whole split has no doubling rounds.
+        assert_eq!(
+            schedule(1, 6, 10, Split::Whole, true)
+                .iter()
+                .map(|s| s.tag(2))
+                .collect::<Vec<_>>(),
+            vec![0, 1, 2, 5]
+        );
         // Without data, only the checks' steps remain, with the same tags.
-        let checks = schedule(0, 6, 0, false);
+        let checks = schedule(0, 6, 0, Split::Halves, false);
         assert_eq!(
             checks.iter().map(|s| s.tag(2)).collect::<Vec<_>>(),
             vec![0, 1, 2, 5]
@@ -382,12 +434,14 @@ mod tests {
         fn every_process_ends_with_the_same_bits(
             size in 1usize..8,
             values in prop::collection::vec(-1e6f32..1e6, 0..40),
+            whole in any::<bool>(),
         ) {
+            let split = if whole { Split::Whole } else { Split::Halves };
             let n = values.len();
             let inputs: Vec<Vec<f32>> = (0..size)
                 .map(|r| values.iter().map(|v| v * (r as f32 + 0.37)).collect())
                 .collect();
-            let results = simulate(Reduction::Sum, &inputs);
+            let results = simulate(Reduction::Sum, split, &inputs);
             for got in &results[1..] {
                 let same = got.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits());
                 prop_assert!(same, "{got:?} against {:?}", results[0]);

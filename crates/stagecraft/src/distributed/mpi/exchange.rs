@@ -5,6 +5,7 @@
 use super::{butterfly, check, count, test, Raw, What};
 use crate::{Error, Result};
 use mpi::ffi;
+use smallvec::SmallVec;
 use stagecraft_cpu::collective::{distributed_error, Collective};
 use stagecraft_ops::Reduction;
 use stagecraft_tensor::{Buffer, DType, DenseHostTensor};
@@ -14,9 +15,100 @@ use std::os::raw::c_int;
 /// fingerprint of the collective, and whether it has seen another.
 const CHECK_BYTES: usize = 16;
 
+/// All-reduces of at most this many bytes exchange every value in each
+/// round ([`butterfly::Split::Whole`]): half the rounds of the split
+/// schedule, each moving twice as much. On 2 processes over shared memory
+/// this wins up to 16 KiB (`experiments/allreduce-p2p`), where a round's
+/// latency outweighs its bytes.
+const WHOLE_MAX_BYTES: usize = 16 << 10;
+
+/// Open MPI's shared-memory transport sends a message of up to 4 KiB (its
+/// own header included) at once, and MPI copies it into the receive
+/// buffer no further than that buffer's end. A longer message waits for
+/// the receiver (a rendezvous, one more round trip), and Open MPI 4.1
+/// copies it whole even into a shorter receive buffer, past its end. So
+/// the first fragment of every checked message stays under this size:
+/// a process running another collective can send nothing longer into a
+/// receive posted before the checks agree.
+const FRAGMENT_BYTES: usize = 4000;
+
 /// Tags of one collective's exchange messages: each step's tag within it
 /// ([`butterfly::Step::tag`]) is below this.
 pub(super) const TAGS_PER_COLLECTIVE: c_int = 64;
+
+/// How an all-reduce of `bytes` splits its values.
+pub(super) fn split_for(bytes: usize) -> butterfly::Split {
+    if bytes <= WHOLE_MAX_BYTES {
+        butterfly::Split::Whole
+    } else {
+        butterfly::Split::Halves
+    }
+}
+
+/// How a checked message is cut into fragments, each headed by the check,
+/// and laid out one after the other in a buffer. The first fragment
+/// carries at most [`FRAGMENT_BYTES`]; the rest are received once its
+/// check agrees. A payload of at most [`WHOLE_MAX_BYTES`] is cut into
+/// fragments of that size, which travel without a rendezvous; a longer
+/// one into the first fragment and all the rest. Both ends of a message
+/// compute the same cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Cut {
+    payload: usize,
+    /// Payload bytes of the first fragment.
+    first: usize,
+    /// Payload bytes of each later fragment (the last may have fewer).
+    rest: usize,
+    fragments: usize,
+}
+
+impl Cut {
+    /// The cut of `payload` bytes of values `element` bytes wide.
+    fn new(payload: usize, element: usize) -> Cut {
+        let element = element.max(1);
+        let chunk = (FRAGMENT_BYTES - CHECK_BYTES) / element * element;
+        if payload <= chunk {
+            return Cut {
+                payload,
+                first: payload,
+                rest: 0,
+                fragments: 1,
+            };
+        }
+        let rest = if payload <= WHOLE_MAX_BYTES {
+            chunk
+        } else {
+            payload - chunk
+        };
+        Cut {
+            payload,
+            first: chunk,
+            rest,
+            fragments: 1 + (payload - chunk).div_ceil(rest),
+        }
+    }
+
+    /// The payload bytes fragment `f` carries.
+    fn carries(&self, f: usize) -> std::ops::Range<usize> {
+        if f == 0 {
+            return 0..self.first;
+        }
+        let start = self.first + (f - 1) * self.rest;
+        start..(start + self.rest).min(self.payload)
+    }
+
+    /// Where fragment `f` starts in the buffer, and its length, check
+    /// included.
+    fn place(&self, f: usize) -> (usize, usize) {
+        let carries = self.carries(f);
+        (f * CHECK_BYTES + carries.start, CHECK_BYTES + carries.len())
+    }
+
+    /// Bytes of the buffer that holds every fragment.
+    fn buffer_bytes(&self) -> usize {
+        self.fragments * CHECK_BYTES + self.payload
+    }
+}
 
 /// The all-reduce that rides on an exchange.
 pub(super) struct Reducing {
@@ -28,6 +120,25 @@ pub(super) struct Reducing {
     /// The output holds the values reduced so far (before the first
     /// reduction, the input does).
     begun: bool,
+}
+
+/// One receive of a step: a fragment of a checked message, or a doubling
+/// round's values.
+struct Receive {
+    /// Where the fragment starts in the step's incoming buffer.
+    offset: usize,
+    /// The bytes it should have, check included.
+    expected: usize,
+    state: Receiving,
+}
+
+enum Receiving {
+    /// Posted once the first fragment's check agrees.
+    Later,
+    Posted(Raw<ffi::MPI_Request>),
+    /// Complete, with the bytes received (`None`: more than expected, so
+    /// truncated).
+    Done(Option<usize>),
 }
 
 /// One process's part of a collective's [`butterfly`] schedule on the
@@ -44,19 +155,27 @@ pub(super) struct Exchange {
     /// The step in flight (or next to post).
     next: usize,
     posted: bool,
-    send: Option<Raw<ffi::MPI_Request>>,
-    recv: Option<Raw<ffi::MPI_Request>>,
-    /// The message being sent, kept until MPI is done with it.
+    /// The step's sends still in flight.
+    sends: SmallVec<[Raw<ffi::MPI_Request>; 4]>,
+    /// The step's receives.
+    receives: SmallVec<[Receive; 4]>,
+    /// The step's outgoing fragments, kept until MPI is done with them.
     outgoing: Option<Buffer>,
-    /// The bytes the message being received should have, and the buffer
-    /// it goes to (`None`: straight into the output, in doubling rounds).
-    incoming: Option<(usize, Option<Buffer>)>,
-    /// Bytes received (`None`: more than expected, so truncated).
-    received: Option<Option<usize>>,
+    /// The buffer the step's fragments arrive in (`None`: straight into
+    /// the output, in doubling rounds).
+    incoming: Option<Buffer>,
+    /// Where the step's later fragments come from.
+    route: Option<Raw<Route>>,
+    /// Requests given up once the group is known to disagree, and the
+    /// buffers they use: kept until the process ends (a failed group
+    /// aborts rather than finalize).
+    abandoned: Vec<Raw<ffi::MPI_Request>>,
+    kept: Vec<Buffer>,
     data: Option<Reducing>,
 }
 
 /// Where a step's messages go.
+#[derive(Clone, Copy)]
 struct Route {
     peer: c_int,
     tag: c_int,
@@ -147,11 +266,13 @@ impl Exchange {
             mismatch: false,
             next: 0,
             posted: false,
-            send: None,
-            recv: None,
+            sends: SmallVec::new(),
+            receives: SmallVec::new(),
             outgoing: None,
             incoming: None,
-            received: None,
+            route: None,
+            abandoned: Vec::new(),
+            kept: Vec::new(),
             data,
         }
     }
@@ -163,7 +284,8 @@ impl Exchange {
 
     /// No request of this exchange is in flight.
     pub(super) fn idle(&self) -> bool {
-        self.send.is_none() && self.recv.is_none()
+        let posted = |r: &Receive| matches!(r.state, Receiving::Posted(_));
+        self.sends.is_empty() && !self.receives.iter().any(posted) && self.abandoned.is_empty()
     }
 
     /// Every step has run.
@@ -207,34 +329,57 @@ impl Exchange {
                 self.post(&step, comm, input, out.as_deref(), what)?;
                 self.posted = true;
             }
-            if !self.test_recv(what)? || !test(&mut self.send, what)? {
+            let received = self.test_receives(what)?;
+            if self.mismatch {
+                // This step's checks went out when it was posted, and this
+                // process knows the group disagrees: what is still to come
+                // is of no use, and may never come (a process running
+                // another collective can send fewer fragments).
+                self.abandon();
+            } else if !received || !self.test_sends(what)? {
                 return Ok(false);
-            }
-            self.outgoing = None;
-            let received = self.received.take().flatten();
-            match self.incoming.take() {
-                Some((expected, Some(message))) => {
-                    self.read_check(&message, received, expected);
-                    if let (false, Some(out)) = (self.mismatch, out.as_deref_mut()) {
-                        self.reduce(&step, input, out, &message)?;
+            } else if let Some(message) = self.incoming.take() {
+                if let Some(out) = out.as_deref_mut() {
+                    self.reduce(&step, input, out, &message)?;
+                }
+            } else {
+                // A doubling round: it runs only once the group agreed, so
+                // the sizes match.
+                for r in &self.receives {
+                    if !matches!(r.state, Receiving::Done(Some(n)) if n == r.expected) {
+                        return Err(distributed_error(format!(
+                            "{what}: rank {} sent another number of bytes than the {} due",
+                            step.peer(),
+                            r.expected
+                        )));
                     }
                 }
-                // Doubling rounds run only once the group agreed, so the
-                // sizes match.
-                Some((expected, None)) if received != Some(expected) => {
-                    return Err(distributed_error(format!(
-                        "{what}: rank {} sent {received:?} bytes where {expected} were due",
-                        step.peer()
-                    )));
-                }
-                _ => {}
             }
+            self.outgoing = None;
+            self.incoming = None;
+            self.receives.clear();
             self.next += 1;
             self.posted = false;
         }
     }
 
-    /// Issues `step`'s send and receive.
+    /// Gives up the step's requests still in flight: they and the step's
+    /// buffers are kept, untouched, for good.
+    fn abandon(&mut self) {
+        let before = self.abandoned.len();
+        self.abandoned.extend(self.sends.drain(..));
+        for r in &mut self.receives {
+            if let Receiving::Posted(request) = std::mem::replace(&mut r.state, Receiving::Later) {
+                self.abandoned.push(request);
+            }
+        }
+        if self.abandoned.len() > before {
+            self.kept.extend(self.outgoing.take());
+            self.kept.extend(self.incoming.take());
+        }
+    }
+
+    /// Issues `step`'s sends and receives.
     fn post(
         &mut self,
         step: &butterfly::Step,
@@ -284,101 +429,165 @@ impl Exchange {
                 // buffer is held while they are in flight (the next step
                 // is posted only once both complete).
                 let (rc, request) = unsafe { route.recv(base.add(theirs.start), theirs_len) };
-                self.incoming = Some((theirs.len(), None));
                 check(rc, what)?;
-                self.recv = Some(Raw(request));
+                self.receives.push(Receive {
+                    offset: theirs.start,
+                    expected: theirs.len(),
+                    state: Receiving::Posted(Raw(request)),
+                });
                 // SAFETY: as for the receive.
                 let (rc, request) = unsafe { route.send(base.add(mine.start), mine_len) };
                 check(rc, what)?;
-                self.send = Some(Raw(request));
+                self.sends.push(Raw(request));
                 Ok(())
             }
         }
     }
 
-    /// Sends the check followed by `payload`.
+    /// Sends `payload` in fragments ([`Cut`]), each headed by the check.
     fn send_checked(&mut self, payload: &[u8], route: &Route, what: &What) -> Result<()> {
-        let mut message = Buffer::for_overwrite(CHECK_BYTES + payload.len());
+        let cut = Cut::new(payload.len(), self.element_bytes());
+        let mut message = Buffer::for_overwrite(cut.buffer_bytes());
         {
             let bytes = message.typed_mut::<u8>()?;
-            bytes[..8].copy_from_slice(&self.fingerprint.to_le_bytes());
-            bytes[8..16].copy_from_slice(&u64::from(self.mismatch).to_le_bytes());
-            bytes[CHECK_BYTES..].copy_from_slice(payload);
-        }
-        let len = count(message.len(), what)?;
-        // SAFETY: `message` is kept in `outgoing` (its heap block does not
-        // move with the handle) until the request completes, and only read
-        // meanwhile; `len` is its length in bytes.
-        let (rc, request) = unsafe { route.send(message.bytes().as_ptr(), len) };
-        self.outgoing = Some(message);
-        check(rc, what)?;
-        self.send = Some(Raw(request));
-        Ok(())
-    }
-
-    /// Receives a check followed by `payload_bytes`.
-    fn recv_checked(&mut self, payload_bytes: usize, route: &Route, what: &What) -> Result<()> {
-        let expected = CHECK_BYTES + payload_bytes;
-        let mut buffer = Buffer::for_overwrite(expected);
-        let len = count(expected, what)?;
-        let target = buffer.typed_mut::<u8>()?.as_mut_ptr();
-        // SAFETY: `buffer` has room for `len` bytes and is kept in
-        // `incoming`, untouched, until the request completes.
-        let (rc, request) = unsafe { route.recv(target, len) };
-        self.incoming = Some((expected, Some(buffer)));
-        check(rc, what)?;
-        self.recv = Some(Raw(request));
-        Ok(())
-    }
-
-    /// Tests the receive; `Ok(true)` once it has completed. A message
-    /// longer than the receive buffer (a process running another
-    /// collective) completes it as truncated.
-    fn test_recv(&mut self, what: &What) -> Result<bool> {
-        let Some(Raw(mut raw)) = self.recv else {
-            return Ok(true);
-        };
-        let mut flag: c_int = 0;
-        // SAFETY: an all-zero MPI_Status is a valid value to be overwritten.
-        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        // SAFETY: `raw` is an active request whose buffer the exchange
-        // keeps; tested under the state lock.
-        let rc = unsafe { ffi::MPI_Test(&mut raw, &mut flag, &mut status) };
-        if rc != 0 {
-            let mut class: c_int = 0;
-            // SAFETY: `rc` is an error code MPI returned.
-            unsafe { ffi::MPI_Error_class(rc, &mut class) };
-            if class == ffi::MPI_ERR_TRUNCATE as c_int {
-                // A failed request is freed as it completes.
-                self.recv = None;
-                self.received = Some(None);
-                return Ok(true);
+            for f in 0..cut.fragments {
+                let (at, len) = cut.place(f);
+                let fragment = &mut bytes[at..at + len];
+                fragment[..8].copy_from_slice(&self.fingerprint.to_le_bytes());
+                fragment[8..16].copy_from_slice(&u64::from(self.mismatch).to_le_bytes());
+                fragment[CHECK_BYTES..].copy_from_slice(&payload[cut.carries(f)]);
             }
-            return check(rc, what).map(|_| false);
         }
-        if flag == 0 {
-            self.recv = Some(Raw(raw));
-            return Ok(false);
+        let base = message.bytes().as_ptr();
+        self.outgoing = Some(message);
+        for f in 0..cut.fragments {
+            let (at, len) = cut.place(f);
+            let len = count(len, what)?;
+            // SAFETY: the message is kept in `outgoing` (its heap block
+            // does not move with the handle), or among the abandoned, until
+            // the request completes, and only read meanwhile; the fragment
+            // lies inside it.
+            let (rc, request) = unsafe { route.send(base.add(at), len) };
+            check(rc, what)?;
+            self.sends.push(Raw(request));
         }
-        self.recv = None;
-        let mut bytes: c_int = 0;
-        // SAFETY: `status` describes the completed receive.
-        let rc = unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut bytes) };
-        check(rc, what)?;
-        self.received = Some(usize::try_from(bytes).ok());
-        Ok(true)
+        Ok(())
     }
 
-    /// Reads the check at the head of a received message.
-    fn read_check(&mut self, message: &Buffer, received: Option<usize>, expected: usize) {
-        let bytes = message.bytes();
-        let word = |i: usize| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8"));
-        let agrees = received == Some(expected) && word(0) == self.fingerprint && word(1) == 0;
-        self.mismatch |= !agrees;
+    /// Receives a checked message of `payload_bytes` in fragments
+    /// ([`Cut`]): the first now, the others once its check agrees.
+    fn recv_checked(&mut self, payload_bytes: usize, route: &Route, what: &What) -> Result<()> {
+        let cut = Cut::new(payload_bytes, self.element_bytes());
+        self.incoming = Some(Buffer::for_overwrite(cut.buffer_bytes()));
+        self.route = Some(Raw(*route));
+        self.receives.extend((0..cut.fragments).map(|f| {
+            let (offset, expected) = cut.place(f);
+            Receive {
+                offset,
+                expected,
+                state: Receiving::Later,
+            }
+        }));
+        self.post_receive(0, what)
+    }
+
+    /// Posts receive `i` of a checked message into its place in the
+    /// incoming buffer.
+    fn post_receive(&mut self, i: usize, what: &What) -> Result<()> {
+        let route = self.route.as_ref().map(|r| r.0);
+        let (Some(buffer), Some(route)) = (self.incoming.as_mut(), route) else {
+            return Err(Error::internal("a fragment without its message"));
+        };
+        let receive = &mut self.receives[i];
+        let len = count(receive.expected, what)?;
+        let target = buffer.typed_mut::<u8>()?[receive.offset..].as_mut_ptr();
+        // SAFETY: the fragment's place lies inside the buffer, which is
+        // kept in `incoming` (or among the abandoned), untouched, until the
+        // request completes; no other request writes that place.
+        let (rc, request) = unsafe { route.recv(target, len) };
+        check(rc, what)?;
+        receive.state = Receiving::Posted(Raw(request));
+        Ok(())
+    }
+
+    /// Tests the step's receives, reading the check of each that
+    /// completes and posting the later fragments once the first agrees;
+    /// `Ok(true)` once all have completed. A message longer than its
+    /// receive (a process running another collective) completes it as
+    /// truncated.
+    fn test_receives(&mut self, what: &What) -> Result<bool> {
+        let mut all = true;
+        for i in 0..self.receives.len() {
+            let Receiving::Posted(Raw(mut raw)) = self.receives[i].state else {
+                all &= matches!(self.receives[i].state, Receiving::Done(_));
+                continue;
+            };
+            let mut flag: c_int = 0;
+            // SAFETY: an all-zero MPI_Status is a valid value to be
+            // overwritten.
+            let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+            // SAFETY: `raw` is an active request whose buffer the exchange
+            // keeps; tested under the state lock.
+            let rc = unsafe { ffi::MPI_Test(&mut raw, &mut flag, &mut status) };
+            let received = if rc != 0 {
+                let mut class: c_int = 0;
+                // SAFETY: `rc` is an error code MPI returned.
+                unsafe { ffi::MPI_Error_class(rc, &mut class) };
+                if class != ffi::MPI_ERR_TRUNCATE as c_int {
+                    return check(rc, what).map(|_| false);
+                }
+                // A failed request is freed as it completes.
+                None
+            } else if flag == 0 {
+                all = false;
+                continue;
+            } else {
+                let mut bytes: c_int = 0;
+                // SAFETY: `status` describes the completed receive.
+                let rc = unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut bytes) };
+                check(rc, what)?;
+                usize::try_from(bytes).ok()
+            };
+            let receive = &mut self.receives[i];
+            receive.state = Receiving::Done(received);
+            let Some(message) = &self.incoming else {
+                continue;
+            };
+            let bytes = &message.bytes()[receive.offset..];
+            let word =
+                |i: usize| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8"));
+            let agrees =
+                received == Some(receive.expected) && word(0) == self.fingerprint && word(1) == 0;
+            self.mismatch |= !agrees;
+            if i == 0 && agrees {
+                // Tested in this same pass, below.
+                for later in 1..self.receives.len() {
+                    self.post_receive(later, what)?;
+                }
+            }
+        }
+        Ok(all)
+    }
+
+    /// Tests the step's sends; `Ok(true)` once all have completed.
+    fn test_sends(&mut self, what: &What) -> Result<bool> {
+        let mut i = 0;
+        while i < self.sends.len() {
+            let mut request = Some(Raw(self.sends[i].0));
+            test(&mut request, what)?;
+            match request {
+                None => drop(self.sends.swap_remove(i)),
+                Some(still) => {
+                    self.sends[i] = still;
+                    i += 1;
+                }
+            }
+        }
+        Ok(self.sends.is_empty())
     }
 
     /// Reduces (or, from the process that finished the reduction, takes)
-    /// the values received in `step`.
+    /// the values received in `step`, fragment by fragment.
     fn reduce(
         &mut self,
         step: &butterfly::Step,
@@ -416,26 +625,89 @@ fn reduce_step<T: stagecraft_tensor::Element + butterfly::Reducible>(
     message: &Buffer,
 ) -> Result<()> {
     use butterfly::Step;
-    let theirs = &message.typed::<T>()?[CHECK_BYTES / std::mem::size_of::<T>()..];
+    let size = std::mem::size_of::<T>();
+    let received = message.typed::<T>()?;
     let out = out.typed_mut::<T>()?;
     let input = input.as_slice::<T>()?;
     let r = data.reduction;
-    match step {
-        // Always the first step: the input holds this process's values.
-        Step::FoldIn { .. } => butterfly::reduce(r, input, theirs, out),
-        Step::Halve { keep, first, .. } => {
-            let acc = &mut out[keep.clone()];
-            if data.begun {
-                butterfly::reduce_in_place(r, acc, theirs, *first);
-            } else if *first {
-                butterfly::reduce(r, &input[keep.clone()], theirs, acc);
-            } else {
-                butterfly::reduce(r, theirs, &input[keep.clone()], acc);
-            }
-        }
-        Step::UnfoldIn { .. } => out.copy_from_slice(theirs),
+    // The step's values start at element `base` of the tensor.
+    let (base, n) = match step {
+        Step::FoldIn { .. } | Step::UnfoldIn { .. } => (0, input.len()),
+        Step::Halve { keep, .. } => (keep.start, keep.len()),
         Step::FoldOut { .. } | Step::UnfoldOut { .. } | Step::Double { .. } => return Ok(()),
+    };
+    let cut = Cut::new(n * size, size);
+    for f in 0..cut.fragments {
+        let (offset, len) = cut.place(f);
+        let theirs = &received[(offset + CHECK_BYTES) / size..(offset + len) / size];
+        let at = base + cut.carries(f).start / size;
+        let range = at..at + theirs.len();
+        match step {
+            // Always the first step: the input holds this process's values.
+            Step::FoldIn { .. } => {
+                butterfly::reduce(r, &input[range.clone()], theirs, &mut out[range])
+            }
+            Step::Halve { first, .. } => {
+                let acc = &mut out[range.clone()];
+                if data.begun {
+                    butterfly::reduce_in_place(r, acc, theirs, *first);
+                } else if *first {
+                    butterfly::reduce(r, &input[range], theirs, acc);
+                } else {
+                    butterfly::reduce(r, theirs, &input[range], acc);
+                }
+            }
+            _ => out[range].copy_from_slice(theirs),
+        }
     }
     data.begun = true;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fragments_tile_the_payload_and_the_first_never_needs_a_rendezvous() {
+        for element in [0, 1, 4, 8] {
+            for payload in [
+                0,
+                8,
+                3984,
+                3992,
+                4000,
+                7968,
+                12_000,
+                16 << 10,
+                (16 << 10) + 8,
+                1 << 20,
+            ] {
+                let cut = Cut::new(payload, element);
+                let mut next_payload = 0;
+                let mut next_place = 0;
+                for f in 0..cut.fragments {
+                    let carries = cut.carries(f);
+                    assert_eq!(carries.start, next_payload, "{cut:?}: fragment {f}");
+                    assert!(!carries.is_empty() || payload == 0, "{cut:?}: fragment {f}");
+                    assert_eq!(carries.start % element.max(1), 0, "{cut:?}: fragment {f}");
+                    let (at, len) = cut.place(f);
+                    assert_eq!((at, len), (next_place, CHECK_BYTES + carries.len()));
+                    next_payload = carries.end;
+                    next_place = at + len;
+                }
+                assert_eq!(next_payload, payload, "{cut:?}");
+                assert_eq!(next_place, cut.buffer_bytes(), "{cut:?}");
+                assert!(cut.place(0).1 <= FRAGMENT_BYTES, "{cut:?}");
+                if payload <= WHOLE_MAX_BYTES {
+                    assert!(
+                        (0..cut.fragments).all(|f| cut.place(f).1 <= FRAGMENT_BYTES),
+                        "{cut:?}"
+                    );
+                } else {
+                    assert_eq!(cut.fragments, 2, "{cut:?}");
+                }
+            }
+        }
+    }
 }

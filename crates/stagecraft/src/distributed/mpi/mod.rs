@@ -36,7 +36,7 @@ mod exchange;
 
 use super::butterfly;
 use crate::{Error, Result};
-use exchange::{exchange_reduces, Exchange, Reducing, TAGS_PER_COLLECTIVE};
+use exchange::{exchange_reduces, split_for, Exchange, Reducing, TAGS_PER_COLLECTIVE};
 use mpi::ffi;
 use stagecraft_cpu::collective::{
     distributed_error, Collective, Communicator, Edge, PendingCollective, PointToPoint,
@@ -917,7 +917,13 @@ fn start(
         started: Instant::now(),
         timeout: timeout.unwrap_or_else(|| shared.timeout()),
         exchange: Exchange::new(
-            butterfly::schedule(shared.rank, n, elements, reduces),
+            butterfly::schedule(
+                shared.rank,
+                n,
+                elements,
+                split_for(elements * input.dtype().size_in_bytes()),
+                reduces,
+            ),
             butterfly::rounds(n),
             (seq % shared.collective_tags) as c_int * TAGS_PER_COLLECTIVE,
             fingerprint(seq, &what),
