@@ -2,7 +2,7 @@
 //! schedule as non-blocking MPI messages, each headed by the check every
 //! process compares; with data, the all-reduce itself.
 
-use super::{butterfly, check, count, test, Raw, What};
+use super::{butterfly, check, count, Raw, What};
 use crate::{Error, Result};
 use mpi::ffi;
 use smallvec::SmallVec;
@@ -539,8 +539,10 @@ impl Exchange {
                 // A failed request is freed as it completes.
                 None
             } else if flag == 0 {
-                all = false;
-                continue;
+                // Fragments of one message arrive in order (MPI does not
+                // let messages of one sender and tag overtake each other),
+                // so the later ones need no test yet.
+                return Ok(false);
             } else {
                 let mut bytes: c_int = 0;
                 // SAFETY: `status` describes the completed receive.
@@ -571,19 +573,29 @@ impl Exchange {
 
     /// Tests the step's sends; `Ok(true)` once all have completed.
     fn test_sends(&mut self, what: &What) -> Result<bool> {
-        let mut i = 0;
-        while i < self.sends.len() {
-            let mut request = Some(Raw(self.sends[i].0));
-            test(&mut request, what)?;
-            match request {
-                None => drop(self.sends.swap_remove(i)),
-                Some(still) => {
-                    self.sends[i] = still;
-                    i += 1;
-                }
-            }
+        if self.sends.is_empty() {
+            return Ok(true);
         }
-        Ok(self.sends.is_empty())
+        let mut flag: c_int = 0;
+        let count = c_int::try_from(self.sends.len()).expect("a step sends a few fragments");
+        // SAFETY: `Raw` is a transparent wrapper of one request, so the
+        // sends are `count` consecutive active requests; their buffers are
+        // kept until they complete; called under the state lock. MPI sets
+        // completed ones to MPI_REQUEST_NULL, which the vector then drops.
+        let rc = unsafe {
+            ffi::MPI_Testall(
+                count,
+                self.sends.as_mut_ptr().cast(),
+                &mut flag,
+                ffi::RSMPI_STATUSES_IGNORE,
+            )
+        };
+        check(rc, what)?;
+        if flag == 0 {
+            return Ok(false);
+        }
+        self.sends.clear();
+        Ok(true)
     }
 
     /// Reduces (or, from the process that finished the reduction, takes)

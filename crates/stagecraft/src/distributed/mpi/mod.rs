@@ -79,6 +79,7 @@ pub(super) fn launched_by_mpi() -> bool {
 /// An MPI handle (communicator, request), which Open MPI represents as a
 /// pointer.
 #[derive(Clone, Copy)]
+#[repr(transparent)]
 struct Raw<T>(T);
 
 // SAFETY: MPI handles are plain identifiers that any thread may pass to
@@ -1017,9 +1018,11 @@ impl PendingCollective for MpiPending {
     }
 
     fn wait(self: Box<Self>) -> Result<DenseHostTensor> {
-        let waiting = Instant::now();
+        // Set at the first full round: a small collective completes
+        // before, and reads no clock.
+        let mut waiting: Option<Instant> = None;
         let mut patient = false;
-        for polls in 0u64.. {
+        for polls in 1u64.. {
             let mut state = self.shared.lock();
             // A small collective completes within a few microseconds, so
             // most polls test this flight alone; every 64th one also runs
@@ -1053,13 +1056,12 @@ impl PendingCollective for MpiPending {
             // Spinning reads no clock; the clock is read once a round until
             // the wait outlasts a spin, and from then on it backs off at
             // every poll.
-            if !patient && polls % POLLS_PER_ROUND == POLLS_PER_ROUND - 1 {
-                patient = waiting.elapsed() >= SPIN;
+            if !patient && polls % POLLS_PER_ROUND == 0 {
+                patient = waiting.get_or_insert_with(Instant::now).elapsed() >= SPIN;
             }
-            if patient {
-                back_off(waiting);
-            } else {
-                std::hint::spin_loop();
+            match waiting {
+                Some(since) if patient => back_off(since),
+                _ => std::hint::spin_loop(),
             }
         }
         unreachable!("a wait polls until its flight has an outcome")
