@@ -45,13 +45,14 @@ pub(super) fn split_for(bytes: usize) -> butterfly::Split {
     }
 }
 
-/// How a checked message is cut into fragments, each headed by the check,
-/// and laid out one after the other in a buffer. The first fragment
+/// How a checked message is cut into fragments, laid out one after the
+/// other in a buffer. The first fragment is headed by the check and
 /// carries at most [`FRAGMENT_BYTES`]; the rest are received once its
 /// check agrees. A payload of at most [`WHOLE_MAX_BYTES`] is cut into
-/// fragments of that size, which travel without a rendezvous; a longer
-/// one into the first fragment and all the rest. Both ends of a message
-/// compute the same cut.
+/// fragments of that size, each headed by the check, which travel without
+/// a rendezvous; the rest of a longer one travels as one message without
+/// a check, straight from the values (no copy) into the buffer. Both ends
+/// of a message compute the same cut.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Cut {
     payload: usize,
@@ -60,6 +61,8 @@ struct Cut {
     /// Payload bytes of each later fragment (the last may have fewer).
     rest: usize,
     fragments: usize,
+    /// Later fragments are headed by the check too.
+    headed: bool,
 }
 
 impl Cut {
@@ -67,24 +70,24 @@ impl Cut {
     fn new(payload: usize, element: usize) -> Cut {
         let element = element.max(1);
         let chunk = (FRAGMENT_BYTES - CHECK_BYTES) / element * element;
-        if payload <= chunk {
-            return Cut {
-                payload,
-                first: payload,
-                rest: 0,
-                fragments: 1,
-            };
-        }
-        let rest = if payload <= WHOLE_MAX_BYTES {
-            chunk
+        let (rest, headed) = if payload <= chunk {
+            (0, true)
+        } else if payload <= WHOLE_MAX_BYTES {
+            (chunk, true)
         } else {
-            payload - chunk
+            (payload - chunk, false)
+        };
+        let first = payload.min(chunk);
+        let fragments = match rest {
+            0 => 1,
+            rest => 1 + (payload - first).div_ceil(rest),
         };
         Cut {
             payload,
-            first: chunk,
+            first,
             rest,
-            fragments: 1 + (payload - chunk).div_ceil(rest),
+            fragments,
+            headed,
         }
     }
 
@@ -97,16 +100,36 @@ impl Cut {
         start..(start + self.rest).min(self.payload)
     }
 
+    /// Bytes of fragment `f`'s check: none for the unheaded rest.
+    fn head(&self, f: usize) -> usize {
+        if f == 0 || self.headed {
+            CHECK_BYTES
+        } else {
+            0
+        }
+    }
+
     /// Where fragment `f` starts in the buffer, and its length, check
     /// included.
     fn place(&self, f: usize) -> (usize, usize) {
         let carries = self.carries(f);
-        (f * CHECK_BYTES + carries.start, CHECK_BYTES + carries.len())
+        let heads = if self.headed { f } else { f.min(1) };
+        (
+            heads * CHECK_BYTES + carries.start,
+            self.head(f) + carries.len(),
+        )
+    }
+
+    /// Where fragment `f`'s values lie in the buffer.
+    fn values(&self, f: usize) -> std::ops::Range<usize> {
+        let (at, len) = self.place(f);
+        at + self.head(f)..at + len
     }
 
     /// Bytes of the buffer that holds every fragment.
     fn buffer_bytes(&self) -> usize {
-        self.fragments * CHECK_BYTES + self.payload
+        let (at, len) = self.place(self.fragments - 1);
+        at + len
     }
 }
 
@@ -127,6 +150,8 @@ pub(super) struct Reducing {
 struct Receive {
     /// Where the fragment starts in the step's incoming buffer.
     offset: usize,
+    /// It starts with a check.
+    checked: bool,
     /// The bytes it should have, check included.
     expected: usize,
     state: Receiving,
@@ -402,16 +427,22 @@ impl Exchange {
             tag: self.tag_base + step.tag(self.rounds) as c_int,
             comm,
         };
+        // SAFETY (the sends below): `current` is the flight's input or
+        // output, which the flight keeps (in its wreckage after a failure)
+        // until these requests complete; the step is done, and the output
+        // written again, only once they have, and an abandoned step's
+        // output is never written again.
         match step {
-            Step::FoldOut { .. } | Step::UnfoldOut { .. } => {
+            Step::FoldOut { .. } | Step::UnfoldOut { .. } => unsafe {
                 self.send_checked(&current[bytes(&whole)], &route, what)
-            }
+            },
             Step::FoldIn { .. } | Step::UnfoldIn { .. } => {
                 self.recv_checked(whole.len() * size, &route, what)
             }
             Step::Halve { keep, give, .. } => {
                 self.recv_checked(keep.len() * size, &route, what)?;
-                self.send_checked(&current[bytes(give)], &route, what)
+                // SAFETY: as above.
+                unsafe { self.send_checked(&current[bytes(give)], &route, what) }
             }
             Step::Double { mine, theirs, .. } => {
                 let base = self
@@ -432,6 +463,7 @@ impl Exchange {
                 check(rc, what)?;
                 self.receives.push(Receive {
                     offset: theirs.start,
+                    checked: false,
                     expected: theirs.len(),
                     state: Receiving::Posted(Raw(request)),
                 });
@@ -444,13 +476,21 @@ impl Exchange {
         }
     }
 
-    /// Sends `payload` in fragments ([`Cut`]), each headed by the check.
-    fn send_checked(&mut self, payload: &[u8], route: &Route, what: &What) -> Result<()> {
+    /// Sends `payload` in fragments ([`Cut`]): those headed by the check
+    /// from a copy, an unheaded rest from `payload` itself.
+    ///
+    /// # Safety
+    /// `payload` stays valid, and is not written, until the step's sends
+    /// complete or the flight is abandoned for good (it lies in the
+    /// flight's input or output).
+    unsafe fn send_checked(&mut self, payload: &[u8], route: &Route, what: &What) -> Result<()> {
         let cut = Cut::new(payload.len(), self.element_bytes());
-        let mut message = Buffer::for_overwrite(cut.buffer_bytes());
+        let copied = if cut.headed { cut.fragments } else { 1 };
+        let (last_at, last_len) = cut.place(copied - 1);
+        let mut message = Buffer::for_overwrite(last_at + last_len);
         {
             let bytes = message.typed_mut::<u8>()?;
-            for f in 0..cut.fragments {
+            for f in 0..copied {
                 let (at, len) = cut.place(f);
                 let fragment = &mut bytes[at..at + len];
                 fragment[..8].copy_from_slice(&self.fingerprint.to_le_bytes());
@@ -462,12 +502,17 @@ impl Exchange {
         self.outgoing = Some(message);
         for f in 0..cut.fragments {
             let (at, len) = cut.place(f);
-            let len = count(len, what)?;
+            let from = if f < copied {
+                // SAFETY: the fragment lies inside the message.
+                unsafe { base.add(at) }
+            } else {
+                payload[cut.carries(f)].as_ptr()
+            };
             // SAFETY: the message is kept in `outgoing` (its heap block
-            // does not move with the handle), or among the abandoned, until
-            // the request completes, and only read meanwhile; the fragment
-            // lies inside it.
-            let (rc, request) = unsafe { route.send(base.add(at), len) };
+            // does not move with the handle), or among the abandoned, and
+            // the caller keeps `payload` unwritten, until the request
+            // completes; `len` bytes from `from` lie inside either.
+            let (rc, request) = unsafe { route.send(from, count(len, what)?) };
             check(rc, what)?;
             self.sends.push(Raw(request));
         }
@@ -484,6 +529,7 @@ impl Exchange {
             let (offset, expected) = cut.place(f);
             Receive {
                 offset,
+                checked: cut.head(f) > 0,
                 expected,
                 state: Receiving::Later,
             }
@@ -558,8 +604,8 @@ impl Exchange {
             let bytes = &message.bytes()[receive.offset..];
             let word =
                 |i: usize| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8"));
-            let agrees =
-                received == Some(receive.expected) && word(0) == self.fingerprint && word(1) == 0;
+            let agrees = received == Some(receive.expected)
+                && (!receive.checked || (word(0) == self.fingerprint && word(1) == 0));
             self.mismatch |= !agrees;
             if i == 0 && agrees {
                 // Tested in this same pass, below.
@@ -650,8 +696,8 @@ fn reduce_step<T: stagecraft_tensor::Element + butterfly::Reducible>(
     };
     let cut = Cut::new(n * size, size);
     for f in 0..cut.fragments {
-        let (offset, len) = cut.place(f);
-        let theirs = &received[(offset + CHECK_BYTES) / size..(offset + len) / size];
+        let values = cut.values(f);
+        let theirs = &received[values.start / size..values.end / size];
         let at = base + cut.carries(f).start / size;
         let range = at..at + theirs.len();
         match step {
@@ -704,7 +750,8 @@ mod tests {
                     assert!(!carries.is_empty() || payload == 0, "{cut:?}: fragment {f}");
                     assert_eq!(carries.start % element.max(1), 0, "{cut:?}: fragment {f}");
                     let (at, len) = cut.place(f);
-                    assert_eq!((at, len), (next_place, CHECK_BYTES + carries.len()));
+                    assert_eq!((at, len), (next_place, cut.head(f) + carries.len()));
+                    assert_eq!(cut.values(f), at + cut.head(f)..at + len);
                     next_payload = carries.end;
                     next_place = at + len;
                 }
@@ -717,7 +764,9 @@ mod tests {
                         "{cut:?}"
                     );
                 } else {
+                    // The rest travels unchecked, straight from the values.
                     assert_eq!(cut.fragments, 2, "{cut:?}");
+                    assert_eq!((cut.head(0), cut.head(1)), (CHECK_BYTES, 0), "{cut:?}");
                 }
             }
         }
