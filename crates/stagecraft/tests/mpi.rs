@@ -74,6 +74,9 @@ fn launcher() {
             "bucketed data-parallel gradients equal full-batch ones",
             || expect_success("data_parallel", 2),
         ),
+        ("... on the lazy device, buckets in one trace", || {
+            expect_success("data_parallel_lazy", 2)
+        }),
         ("three ranks", || expect_success("collectives", 3)),
         (
             "all-reduces of every size agree bit for bit on 2 ranks",
@@ -361,7 +364,8 @@ fn worker(scenario: &str) {
         "collectives" => collectives(rank, group.size()),
         "gradients" => gradients(rank, group.size()),
         "staged" => staged(rank, group.size()),
-        "data_parallel" => data_parallel(rank, group.size()),
+        "data_parallel" => data_parallel(rank, group.size(), &Device::cpu()),
+        "data_parallel_lazy" => data_parallel(rank, group.size(), &Device::lazy(&Device::cpu())),
         "pipeline" => pipeline(),
         "pipeline_failure" => pipeline_failure_worker(rank),
         "pipeline_silence" | "pipeline_mismatch" => pipeline_fault(scenario, rank),
@@ -692,8 +696,10 @@ fn staged(rank: usize, n: usize) -> Result<(), String> {
     Ok(())
 }
 
-fn data_parallel(rank: usize, n: usize) -> Result<(), String> {
-    let cpu = Device::cpu();
+/// On the lazy device, the bucket reductions are ops of one trace, which
+/// the executor reorders to start them early and wait late.
+fn data_parallel(rank: usize, n: usize, device: &Device) -> Result<(), String> {
+    let cpu = device.clone();
     let batch = 4 * n;
     let mut rng = Rng::new(11);
     let x_all = Tensor::<f32>::from_vec(

@@ -332,7 +332,7 @@ pub(crate) fn instantiate_on(function: Arc<Function>, device: Device) -> Result<
             origin: node.origin,
         });
     }
-    let mut steps = sends_early(steps);
+    let mut steps = reductions_overlap(sends_early(steps));
     let results: Vec<Slot> = function
         .results
         .iter()
@@ -422,6 +422,138 @@ fn sends_early(steps: Vec<Step>) -> Vec<Step> {
         }
         order.push(i);
         order.extend(after.remove(&Some(i)).unwrap_or_default());
+    }
+    let mut slots: Vec<Option<Step>> = steps.into_iter().map(Some).collect();
+    order.into_iter().filter_map(|i| slots[i].take()).collect()
+}
+
+/// Orders the steps so that split all-reduces overlap the work between
+/// their start and their wait: each `AllReduceStart` runs as soon as the
+/// steps it depends on have (those of earlier starts first), and each
+/// `AllReduceDone` as late as its readers allow. A lazy trace's node order
+/// follows the graph's own passes, not the program's: without this, a
+/// data-parallel step started each gradient bucket's reduction after the
+/// whole backward and waited for it at once.
+///
+/// Other side effects (collectives run whole, sends, receives, prints)
+/// keep their order among themselves and with the starts, so every
+/// process, running the same trace, issues its collectives in the same
+/// order; a wait is local and may move past them. Otherwise steps keep
+/// their order.
+fn reductions_overlap(steps: Vec<Step>) -> Vec<Step> {
+    let def_of = |step: &Step| match &step.kind {
+        StepKind::Kernel { def, .. } => Some(*def),
+        _ => None,
+    };
+    let is = |step: &Step, op: &'static OpDef| def_of(step).is_some_and(|d| std::ptr::eq(d, op));
+    let start = |s: &Step| is(s, &stagecraft_ops::ALL_REDUCE_START);
+    if !steps.iter().any(start) {
+        return steps;
+    }
+    let done = |s: &Step| is(s, &stagecraft_ops::ALL_REDUCE_DONE);
+    let fence = |s: &Step| {
+        !done(s)
+            && match &s.kind {
+                StepKind::Kernel { def, .. } => def.effect == stagecraft_ops::Effect::SideEffecting,
+                StepKind::Send(_) | StepKind::Recv(_) => true,
+                StepKind::Const(_) => false,
+            }
+    };
+    let n = steps.len();
+    let mut producer: HashMap<Slot, usize> = HashMap::new();
+    for (i, step) in steps.iter().enumerate() {
+        for out in &step.outputs {
+            producer.insert(*out, i);
+        }
+    }
+    // Each step's predecessors: the producers of its inputs and, for a
+    // side effect, the side effects before it (starts between two others
+    // may run in any order among themselves).
+    let mut preds: Vec<SmallVec<[usize; 4]>> = steps
+        .iter()
+        .map(|s| {
+            s.inputs
+                .iter()
+                .filter_map(|i| producer.get(i).copied())
+                .collect()
+        })
+        .collect();
+    let (mut last_fence, mut starts_since) = (None, Vec::new());
+    for (i, step) in steps.iter().enumerate() {
+        if start(step) {
+            preds[i].extend(last_fence);
+            starts_since.push(i);
+        } else if fence(step) {
+            preds[i].extend(last_fence);
+            preds[i].extend(starts_since.drain(..));
+            last_fence = Some(i);
+        }
+    }
+    // Each start's cone: the steps it depends on. The start with the least
+    // work in its cone (counted as elements produced) goes first: the node
+    // order of a lazy trace says little about when a value is ready.
+    let cone = |s: usize| {
+        let mut seen = vec![false; n];
+        let mut stack = vec![s];
+        while let Some(i) = stack.pop() {
+            if !std::mem::replace(&mut seen[i], true) {
+                stack.extend(preds[i].iter().copied());
+            }
+        }
+        seen
+    };
+    let mut starts: Vec<(usize, usize, Vec<bool>)> = (0..n)
+        .filter(|&i| start(&steps[i]))
+        .map(|s| {
+            let cone = cone(s);
+            let work: usize = (0..n)
+                .filter(|&i| cone[i])
+                .flat_map(|i| steps[i].metas.iter().map(|m| m.shape.numel()))
+                .sum();
+            (work, s, cone)
+        })
+        .collect();
+    starts.sort_by_key(|&(work, s, _)| (work, s));
+    // Urgency: the rank of the first start a step leads to; then
+    // everything else; then the waits.
+    let mut class = vec![usize::MAX; n];
+    for (k, (_, _, cone)) in starts.iter().enumerate() {
+        for (i, &inside) in cone.iter().enumerate() {
+            if inside && class[i] == usize::MAX {
+                class[i] = k;
+            }
+        }
+    }
+    for (i, step) in steps.iter().enumerate() {
+        if class[i] == usize::MAX {
+            class[i] = starts.len() + usize::from(done(step));
+        }
+    }
+    let mut waiting: Vec<usize> = preds.iter().map(SmallVec::len).collect();
+    let mut succs: Vec<SmallVec<[usize; 2]>> = vec![SmallVec::new(); n];
+    for (i, ps) in preds.iter().enumerate() {
+        for &p in ps {
+            succs[p].push(i);
+        }
+    }
+    let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<(usize, usize)>> = (0..n)
+        .filter(|&i| waiting[i] == 0)
+        .map(|i| std::cmp::Reverse((class[i], i)))
+        .collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(std::cmp::Reverse((_, i))) = ready.pop() {
+        order.push(i);
+        for &next in &succs[i] {
+            waiting[next] -= 1;
+            if waiting[next] == 0 {
+                ready.push(std::cmp::Reverse((class[next], next)));
+            }
+        }
+    }
+    if order.len() != n {
+        // A cycle, which a function's node order rules out: keep that order.
+        debug_assert!(false, "the steps' dependencies form a cycle");
+        return steps;
     }
     let mut slots: Vec<Option<Step>> = steps.into_iter().map(Some).collect();
     order.into_iter().filter_map(|i| slots[i].take()).collect()
@@ -907,6 +1039,60 @@ mod tests {
 
     fn at(line: u32) -> Location {
         Location::new("recorded.rs", line, 1)
+    }
+
+    /// A split all-reduce starts as soon as its gradient is ready, before
+    /// work that comes first in the node order, and is waited for only
+    /// where its result is read; the collective run whole keeps its place
+    /// after the start.
+    #[test]
+    fn all_reduces_start_early_and_are_waited_for_late() {
+        let meta = TensorMetadata::new(DType::F32, [4]);
+        let mut f = Function::new("overlap", vec![meta.clone(), meta]);
+        let none = OpAttrs::new();
+        let mut reduce = OpAttrs::new();
+        reduce.set_int("world_size", 1).set_str("reduction", "mean");
+        let neg = &stagecraft_ops::NEG;
+        let gradient = f.add_op(neg, &none, &[Value::Param(0)], at(1)).unwrap();
+        let other = f.add_op(neg, &none, &[Value::Param(1)], at(2)).unwrap();
+        let more = f.add_op(neg, &none, &[Value::node(other)], at(3)).unwrap();
+        let start = &stagecraft_ops::ALL_REDUCE_START;
+        let ticket = f
+            .add_op(start, &reduce, &[Value::node(gradient)], at(4))
+            .unwrap();
+        let done = &stagecraft_ops::ALL_REDUCE_DONE;
+        let mut declared = OpAttrs::new();
+        declared
+            .set_dtype("dtype", DType::F32)
+            .set_dims("shape", &[4]);
+        let mean = f
+            .add_op(done, &declared, &[Value::node(ticket)], at(5))
+            .unwrap();
+        let whole = &stagecraft_ops::ALL_REDUCE;
+        let total = f
+            .add_op(whole, &reduce, &[Value::node(more)], at(6))
+            .unwrap();
+        let sum = f
+            .add_op(
+                &stagecraft_ops::MUL,
+                &none,
+                &[Value::node(mean), Value::node(total)],
+                at(7),
+            )
+            .unwrap();
+        f.results = vec![Value::node(sum)];
+        let exe = instantiate_on(Arc::new(f), Device::cpu()).unwrap();
+        let lines: Vec<u32> = exe.steps.iter().map(|s| s.location.line()).collect();
+        assert_eq!(lines, vec![1, 4, 2, 3, 6, 5, 7]);
+        let x = DenseHostTensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], [4usize]).unwrap();
+        let out = exe
+            .run(vec![HostTensor::Dense(x.clone()), HostTensor::Dense(x)])
+            .unwrap();
+        let HostTensor::Dense(out) = &out[0] else {
+            panic!("a dense sum")
+        };
+        // The mean of -x over one process, times x.
+        assert_eq!(out.as_slice::<f32>().unwrap(), &[-1.0, -4.0, -9.0, -16.0]);
     }
 
     /// A small one-value constant is dense in the step, so a run (each
