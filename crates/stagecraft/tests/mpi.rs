@@ -364,8 +364,8 @@ fn worker(scenario: &str) {
         "collectives" => collectives(rank, group.size()),
         "gradients" => gradients(rank, group.size()),
         "staged" => staged(rank, group.size()),
-        "data_parallel" => data_parallel(rank, group.size(), &Device::cpu()),
-        "data_parallel_lazy" => data_parallel(rank, group.size(), &Device::lazy(&Device::cpu())),
+        "data_parallel" => data_parallel(rank, group.size(), Device::cpu()),
+        "data_parallel_lazy" => data_parallel(rank, group.size(), Device::lazy(&Device::cpu())),
         "pipeline" => pipeline(),
         "pipeline_failure" => pipeline_failure_worker(rank),
         "pipeline_silence" | "pipeline_mismatch" => pipeline_fault(scenario, rank),
@@ -698,8 +698,8 @@ fn staged(rank: usize, n: usize) -> Result<(), String> {
 
 /// On the lazy device, the bucket reductions are ops of one trace, which
 /// the executor reorders to start them early and wait late.
-fn data_parallel(rank: usize, n: usize, device: &Device) -> Result<(), String> {
-    let cpu = device.clone();
+fn data_parallel(rank: usize, n: usize, device: Device) -> Result<(), String> {
+    let cpu = device;
     let batch = 4 * n;
     let mut rng = Rng::new(11);
     let x_all = Tensor::<f32>::from_vec(

@@ -427,15 +427,15 @@ impl Exchange {
             tag: self.tag_base + step.tag(self.rounds) as c_int,
             comm,
         };
-        // SAFETY (the sends below): `current` is the flight's input or
-        // output, which the flight keeps (in its wreckage after a failure)
-        // until these requests complete; the step is done, and the output
-        // written again, only once they have, and an abandoned step's
-        // output is never written again.
         match step {
-            Step::FoldOut { .. } | Step::UnfoldOut { .. } => unsafe {
-                self.send_checked(&current[bytes(&whole)], &route, what)
-            },
+            Step::FoldOut { .. } | Step::UnfoldOut { .. } => {
+                // SAFETY: `current` is the flight's input or output, which
+                // the flight keeps (in its wreckage after a failure) until
+                // these requests complete; the step is done, and the output
+                // written again, only once they have, and an abandoned
+                // step's output is never written again.
+                unsafe { self.send_checked(&current[bytes(&whole)], &route, what) }
+            }
             Step::FoldIn { .. } | Step::UnfoldIn { .. } => {
                 self.recv_checked(whole.len() * size, &route, what)
             }
