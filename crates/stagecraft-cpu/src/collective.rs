@@ -17,7 +17,7 @@ use stagecraft_ops::Reduction;
 use stagecraft_tensor::{DenseHostTensor, Error, ErrorKind, Result, TensorMetadata};
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 /// One collective, with what it needs besides the tensor.
@@ -189,10 +189,34 @@ impl Communicator for SingleProcess {
 
 static COMMUNICATOR: RwLock<Option<Arc<dyn Communicator>>> = RwLock::new(None);
 
+/// The installed group's size, kept beside it: every collective op asks
+/// for it, and reading an atomic takes no lock and no reference count.
+static WORLD_SIZE: AtomicUsize = AtomicUsize::new(1);
+
 /// Installs the group collectives run in (`None`: a single process).
 /// Affects every later collective kernel of every thread.
 pub fn set_communicator(communicator: Option<Arc<dyn Communicator>>) {
-    *COMMUNICATOR.write().unwrap_or_else(PoisonError::into_inner) = communicator;
+    let mut installed = COMMUNICATOR.write().unwrap_or_else(PoisonError::into_inner);
+    WORLD_SIZE.store(
+        communicator.as_ref().map_or(1, |c| c.size()),
+        Ordering::Relaxed,
+    );
+    *installed = communicator;
+}
+
+/// The number of processes in the installed group.
+pub fn world_size() -> usize {
+    WORLD_SIZE.load(Ordering::Relaxed)
+}
+
+/// Runs `f` with the group collectives run in, without taking a reference
+/// to it.
+pub fn with_communicator<R>(f: impl FnOnce(&dyn Communicator) -> R) -> R {
+    let installed = COMMUNICATOR.read().unwrap_or_else(PoisonError::into_inner);
+    match installed.as_deref() {
+        Some(communicator) => f(communicator),
+        None => f(&SingleProcess),
+    }
 }
 
 /// The group collectives run in.

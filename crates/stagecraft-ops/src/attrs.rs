@@ -340,6 +340,21 @@ impl OpAttrs {
 
 impl PartialEq for OpAttrs {
     fn eq(&self, other: &OpAttrs) -> bool {
+        // Maps built by the same code are laid out alike: equal entries and
+        // words are equal maps (floats compared by bits, as below).
+        let same_layout = |a: &Entry, b: &Entry| {
+            std::ptr::eq(a.name, b.name) && (a.kind, a.offset, a.len) == (b.kind, b.offset, b.len)
+        };
+        if self.words == other.words
+            && self.len() == other.len()
+            && self
+                .entries
+                .iter()
+                .zip(&other.entries)
+                .all(|(a, b)| same_layout(a, b))
+        {
+            return true;
+        }
         self.len() == other.len()
             && self.iter().all(|(name, v)| match other.get(name) {
                 // Compare floats by bits so that NaN attributes are equal to
@@ -370,13 +385,14 @@ fn attr_bits_eq(a: &AttrValue<'_>, b: &AttrValue<'_>) -> bool {
 
 impl Hash for OpAttrs {
     /// Order-independent, so that equal maps hash equally however they were
-    /// built.
+    /// built. Each entry is mixed by [`EntryHash`], not SipHash: the hash
+    /// only keys in-process caches, which compare the maps on a hit, and an
+    /// op's kernel lookup hashes its attributes on every call.
     fn hash<H: Hasher>(&self, state: &mut H) {
         let mut acc = 0u64;
         for e in &self.entries {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            e.name.hash(&mut h);
-            e.kind.hash(&mut h);
+            let mut h = EntryHash(e.kind as u64);
+            h.bytes(e.name.as_bytes());
             let start = e.offset as usize;
             let n_words = match e.kind {
                 AttrKind::Str => (e.len as usize).div_ceil(8),
@@ -384,11 +400,41 @@ impl Hash for OpAttrs {
                 AttrKind::Scalar => 2,
                 _ => 1,
             };
-            self.words[start..start + n_words].hash(&mut h);
+            for &word in &self.words[start..start + n_words] {
+                h.word(word);
+            }
+            h.word(e.len as u64);
             acc = acc.wrapping_add(h.finish());
         }
         state.write_u64(acc);
         state.write_usize(self.entries.len());
+    }
+}
+
+/// A multiply-rotate mix of one attribute's words (as FxHash), finished
+/// with a 64-bit avalanche so that the entries' sum stays well spread.
+struct EntryHash(u64);
+
+impl EntryHash {
+    fn word(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+
+    fn bytes(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.word(u64::from_le_bytes(word));
+        }
+        self.word(bytes.len() as u64);
+    }
+
+    fn finish(self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        x
     }
 }
 
@@ -538,6 +584,16 @@ mod tests {
         let mut n = OpAttrs::new();
         n.set_float("x", f64::NAN);
         assert_eq!(n, n.clone());
+        // Laid out alike, with another value.
+        let mut e = OpAttrs::new();
+        e.set_int("axis", 1).set_bool("keepdim", true);
+        assert_ne!(a, e);
+        // The same words, of another length.
+        let (mut short, mut long) = (OpAttrs::new(), OpAttrs::new());
+        short.set_str("s", "a");
+        long.set_str("s", "a\0");
+        assert_ne!(short, long);
+        assert_ne!(hash_of(&short), hash_of(&long));
     }
 
     #[test]

@@ -278,7 +278,10 @@ impl OpDef {
     /// Rejects unknown names, wrong kinds and missing required attributes.
     pub fn check_attrs(&self, attrs: &OpAttrs) -> Result<()> {
         for (name, value) in attrs.iter() {
-            match self.attrs.iter().find(|s| s.name == name) {
+            // Names usually come from the op's own declaration: the same
+            // string, compared by address before by content.
+            let declared = |s: &&AttrSpec| std::ptr::eq(s.name, name) || s.name == name;
+            match self.attrs.iter().find(declared) {
                 None => {
                     return Err(Error::attribute(format!(
                         "unknown attribute `{name}`; {} takes {}",

@@ -108,6 +108,16 @@ pub(crate) fn swap_chain(next: Chain) -> Chain {
         .unwrap_or_else(ready_chain)
 }
 
+/// True when every side-effecting op this thread issued has run.
+pub(crate) fn chain_resolved() -> bool {
+    CONTEXT.with(|c| {
+        c.borrow()
+            .chain
+            .as_ref()
+            .is_none_or(|chain| chain.is_resolved())
+    })
+}
+
 /// Waits until every side-effecting op this thread issued has run.
 pub fn sync_effects() {
     let chain = CONTEXT.with(|c| c.borrow().chain.clone());

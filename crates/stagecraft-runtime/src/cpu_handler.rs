@@ -419,6 +419,10 @@ impl OpHandler for CpuOpHandler {
         &self.name
     }
 
+    fn runs_inline(&self) -> bool {
+        execution_mode() == ExecutionMode::Sync
+    }
+
     fn kernel_cache_stats(&self) -> Option<KernelCacheStats> {
         Some(self.cache.stats())
     }

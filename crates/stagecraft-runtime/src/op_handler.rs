@@ -66,6 +66,13 @@ pub trait OpHandler: Send + Sync {
     /// panics.
     fn execute(&self, invocation: OpInvocation<'_>) -> Results;
 
+    /// True when the op [`OpHandler::execute`] is given now will have run
+    /// by the time it returns: a side-effecting op then needs no chain to
+    /// order it after the ones before it, once those have run.
+    fn runs_inline(&self) -> bool {
+        false
+    }
+
     /// True when the handler takes arguments from other devices (a tracer
     /// captures them as function inputs) instead of requiring explicit
     /// copies.

@@ -269,6 +269,11 @@ pub fn execute(
         }
     };
     let chain = match op.effect {
+        // Run now, after every earlier side effect has: in order without
+        // a chain (which costs an allocation and a lock per op).
+        Effect::SideEffecting if device.handler().runs_inline() && context::chain_resolved() => {
+            None
+        }
         Effect::SideEffecting => {
             let next = Arc::new(AsyncValue::unavailable());
             Some((context::swap_chain(next.clone()), next))

@@ -17,6 +17,7 @@
 mod common;
 use common::host;
 use criterion::{black_box, criterion_group, Criterion};
+use stagecraft::distributed::{self, Reduction};
 use stagecraft::layers::{cpu as kernels, ops, runtime, tensor};
 use stagecraft::{Device, Tensor};
 use std::time::{Duration, Instant};
@@ -44,6 +45,12 @@ fn rows(c: &mut Criterion) {
     let (a, b) = pair(&Device::cpu());
     let mut group = c.benchmark_group("B1_dispatch");
     group.bench_function("eager_add", |bench| bench.iter(|| black_box(&a + &b)));
+    // A collective in a group of one: an op with attributes and a side
+    // effect, whose kernel does no arithmetic (issue 24's all-reduce op
+    // pays this over its communicator).
+    group.bench_function("eager_all_reduce_one_process", |bench| {
+        bench.iter(|| black_box(distributed::all_reduce(&a, Reduction::Sum)))
+    });
     let lazy = Device::lazy(&Device::cpu());
     let (la, lb) = pair(&lazy);
     la.wait().unwrap();

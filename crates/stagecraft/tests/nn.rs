@@ -672,6 +672,15 @@ fn a_tied_weight_is_visited_once_and_gets_the_sum_of_both_gradients() {
     assert!(via_embedding.iter().any(|&g| g != 0.0) && via_head.iter().any(|&g| g != 0.0));
 }
 
+/// Removes the directory of a [`temp_path`], and the process's directory
+/// once no other test uses it: tests run at once, and one removing the
+/// shared directory while another writes in it failed that one.
+fn remove_temp(path: &std::path::Path) {
+    let own = path.parent().unwrap();
+    let _ = std::fs::remove_dir_all(own);
+    let _ = std::fs::remove_dir(own.parent().unwrap());
+}
+
 fn temp_path(name: &str) -> std::path::PathBuf {
     std::env::temp_dir()
         .join(format!("stagecraft-nn-{}", std::process::id()))
@@ -709,7 +718,7 @@ fn save_then_load_restores_parameters_and_outputs() {
     let mut third = Gpt::new(32);
     nn::load_from_bytes(&mut third, &plain, "memory").unwrap();
     assert_eq!(param_values(&source), param_values(&third));
-    let _ = std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap());
+    remove_temp(&path);
 }
 
 /// A safetensors file holding the given raw tensors.
@@ -803,7 +812,7 @@ fn load_errors_name_the_key_and_leave_the_module_unchanged() {
         err.contains("missing.safetensors") && err.contains("bias"),
         "{err}"
     );
-    let _ = std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap());
+    remove_temp(&path);
 }
 
 #[test]

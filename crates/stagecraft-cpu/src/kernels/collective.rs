@@ -4,7 +4,7 @@
 //! reduction under a ticket in between.
 
 use super::take;
-use crate::collective::{self, Collective, Communicator};
+use crate::collective::{self, Collective, PendingCollective};
 use crate::{Inputs, Kernel, KernelContext, KernelRegistry};
 use smallvec::smallvec;
 use stagecraft_ops::{Attrs, Reduction};
@@ -33,18 +33,25 @@ pub(crate) fn register(registry: &mut KernelRegistry) {
     registry.add(&stagecraft_ops::ALL_REDUCE_DONE, done_factory);
 }
 
-/// The installed group, if it has the size the op was built for.
-fn group(world_size: usize) -> Result<Arc<dyn Communicator>> {
-    let comm = collective::communicator();
-    if comm.size() != world_size {
-        return Err(Error::invalid(format!(
-            "the collective was built for a group of {world_size} processes, but this \
-             process runs in {} ({})",
-            comm.size(),
-            comm.describe()
-        )));
-    }
-    Ok(comm)
+/// Starts `op` in the installed group, if it has the size the op was
+/// built for.
+fn start_in_group(
+    world_size: usize,
+    op: Collective,
+    x: DenseHostTensor,
+    out: &TensorMetadata,
+) -> Result<Box<dyn PendingCollective>> {
+    collective::with_communicator(|comm| {
+        if comm.size() != world_size {
+            return Err(Error::invalid(format!(
+                "the collective was built for a group of {world_size} processes, but this \
+                 process runs in {} ({})",
+                comm.size(),
+                comm.describe()
+            )));
+        }
+        comm.start(op, x, out)
+    })
 }
 
 /// Starts `op` and waits for it.
@@ -53,7 +60,7 @@ fn collective_kernel(op: Collective, attrs: &Attrs<'_>) -> Result<Kernel> {
     Ok(Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
         let [x] = take(inputs)?;
         let out = super::out_meta(ctx)?;
-        let result = group(world_size)?.start(op, x, out)?.wait()?;
+        let result = start_in_group(world_size, op, x, out)?.wait()?;
         Ok(smallvec![result])
     }))
 }
@@ -64,7 +71,7 @@ fn start_factory(attrs: &Attrs<'_>, _: &[TensorMetadata]) -> Result<Kernel> {
     Ok(Arc::new(move |inputs: Inputs, _: &KernelContext<'_>| {
         let [x] = take(inputs)?;
         let out = x.metadata().clone();
-        let pending = group(world_size)?.start(op, x, &out)?;
+        let pending = start_in_group(world_size, op, x, &out)?;
         let ticket = collective::park(pending) as i64;
         let ticket = DenseHostTensor::from_slice(&[ticket], Shape::scalar())?;
         Ok(smallvec![ticket])

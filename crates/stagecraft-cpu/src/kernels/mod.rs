@@ -39,11 +39,19 @@ pub(crate) fn runs_in_this_build(dtype: stagecraft_tensor::DType, dims: &[usize]
 // ---------------------------------------------------------------------------
 // Helpers every kernel family uses.
 
-/// Moves exactly `N` inputs out of `inputs`.
+/// Moves exactly `N` inputs out of `inputs` (without the heap vector a
+/// conversion through `Vec` would allocate on every call).
 pub(crate) fn take<const N: usize>(inputs: Inputs) -> Result<[DenseHostTensor; N]> {
     let got = inputs.len();
-    <[DenseHostTensor; N]>::try_from(inputs.into_vec())
-        .map_err(|_| Error::internal(format!("the kernel expects {N} inputs, got {got}")))
+    if got != N {
+        return Err(Error::internal(format!(
+            "the kernel expects {N} inputs, got {got}"
+        )));
+    }
+    let mut inputs = inputs.into_iter();
+    Ok(std::array::from_fn(|_| {
+        inputs.next().expect("as many inputs as counted")
+    }))
 }
 
 /// The first output's metadata.

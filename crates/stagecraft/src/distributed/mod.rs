@@ -53,7 +53,7 @@ pub fn rank() -> usize {
 
 /// The number of processes in the group (1 without [`init`] or MPI).
 pub fn world_size() -> usize {
-    stagecraft_cpu::collective::communicator().size()
+    stagecraft_cpu::collective::world_size()
 }
 
 /// The membership of this process in a group: returned by [`init`], it
