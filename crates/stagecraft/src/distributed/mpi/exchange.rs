@@ -1,6 +1,6 @@
 //! A collective's exchange: one process's steps of the [`butterfly`]
-//! schedule as non-blocking MPI messages, each headed by the check every
-//! process compares; with data, the all-reduce itself.
+//! schedule as non-blocking MPI messages, each opened by a fragment headed
+//! by the check every process compares; with data, the all-reduce itself.
 
 use super::{butterfly, check, count, Raw, What};
 use crate::{Error, Result};

@@ -14,11 +14,12 @@
 //!
 //! Every collective runs an *exchange* on a second communicator: the
 //! [`butterfly`] schedule's messages between pairs of processes, each
-//! headed by the sender's fingerprint of (sequence number, op, dtype,
-//! shape) and by whether it has seen a different one. After the halving
-//! rounds every process knows whether all ran the same collective. An
-//! all-reduce of f32, f64, i32 or i64 values is that exchange itself
-//! (reduce-scatter by halving, all-gather by doubling); the other
+//! opened by a fragment headed by the sender's fingerprint of (sequence
+//! number, op, dtype, shape) and by whether it has seen a different one.
+//! After the halving rounds every process knows whether all ran the same
+//! collective. An all-reduce of f32, f64, i32 or i64 values is that
+//! exchange itself (up to 16 KiB, whole-tensor rounds; above,
+//! reduce-scatter by halving and all-gather by doubling); the other
 //! collectives run MPI's non-blocking ones on a first communicator beside
 //! a data-less exchange. A mismatch or a watchdog timeout fails the group:
 //! the failing collective returns an error naming the ranks at fault, and
