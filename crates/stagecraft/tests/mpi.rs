@@ -115,6 +115,13 @@ fn launcher() {
                 )
             },
         ),
+        ("... when the folded one of three ranks differs", || {
+            expect_mismatch_on(
+                "mismatch_folded",
+                3,
+                "rank 0 ran AllReduce AllReduce(sum) f32[3]; rank 1 ran AllReduce AllReduce(sum) f32[3]; rank 2 ran AllReduce AllReduce(sum) f32[3000]",
+            )
+        }),
         ("... when one rank's schedule is split in halves", || {
             expect_mismatch(
                 "mismatch_split",
@@ -178,9 +185,14 @@ fn mismatched_kinds() -> Result<(), String> {
 /// Both ranks of `scenario` must report, within 10 s, that the
 /// collective differs between them, saying `what_each_ran`.
 fn expect_mismatch(scenario: &str, what_each_ran: &str) -> Result<(), String> {
-    let run = mpirun(scenario, 2, &[]);
+    expect_mismatch_on(scenario, 2, what_each_ran)
+}
+
+/// [`expect_mismatch`] on `ranks` ranks, every one reporting.
+fn expect_mismatch_on(scenario: &str, ranks: usize, what_each_ran: &str) -> Result<(), String> {
+    let run = mpirun(scenario, ranks, &[]);
     let report = format!("differs between processes: {what_each_ran}");
-    if run.output.matches(&report).count() == 2 && run.took < Duration::from_secs(10) {
+    if run.output.matches(&report).count() == ranks && run.took < Duration::from_secs(10) {
         Ok(())
     } else {
         Err(format!(
@@ -370,13 +382,16 @@ fn worker(scenario: &str) {
         "pipeline_failure" => pipeline_failure_worker(rank),
         "pipeline_silence" | "pipeline_mismatch" => pipeline_fault(scenario, rank),
         "all_reduce_sizes" => all_reduce_sizes(rank, group.size()),
-        "mismatch" | "mismatch_fragments" | "mismatch_split" | "mismatched_kinds" => {
+        "mismatch" | "mismatch_fragments" | "mismatch_split" | "mismatch_folded"
+        | "mismatched_kinds" => {
             // Each rank's length: one more value; one fragment against
-            // three; two fragments against a split schedule's halves.
-            let lengths = match scenario {
-                "mismatch" => [3, 4],
-                "mismatch_fragments" => [3, 3000],
-                _ => [1000, 20000],
+            // three; two fragments against a split schedule's halves; the
+            // process folded into rank 0 (of 3) alone with three fragments.
+            let lengths: &[usize] = match scenario {
+                "mismatch" => &[3, 4],
+                "mismatch_fragments" => &[3, 3000],
+                "mismatch_folded" => &[3, 3, 3000],
+                _ => &[1000, 20000],
             };
             let y = if scenario != "mismatched_kinds" {
                 let x = Tensor::<f32>::ones(&[lengths[rank]], &Device::cpu());
