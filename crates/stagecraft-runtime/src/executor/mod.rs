@@ -429,7 +429,8 @@ fn sends_early(steps: Vec<Step>) -> Vec<Step> {
 
 /// Orders the steps so that split all-reduces overlap the work between
 /// their start and their wait: each `AllReduceStart` runs as soon as the
-/// steps it depends on have (those of earlier starts first), and each
+/// steps it depends on have (the start with the least work behind it
+/// first), and each
 /// `AllReduceDone` as late as its readers allow. A lazy trace's node order
 /// follows the graph's own passes, not the program's: without this, a
 /// data-parallel step started each gradient bucket's reduction after the

@@ -208,13 +208,18 @@ struct Route {
 }
 
 impl Route {
-    /// Starts sending `len` bytes from `bytes`; MPI's return code and the
-    /// request.
+    /// Starts sending `len` bytes from `bytes`.
     ///
     /// # Safety
     /// `bytes` stays valid for reads of `len` bytes, and is not written,
     /// until the request completes; called under the transport's lock.
-    unsafe fn send(&self, bytes: *const u8, len: c_int) -> (c_int, ffi::MPI_Request) {
+    unsafe fn send(
+        &self,
+        bytes: *const u8,
+        len: usize,
+        what: &What,
+    ) -> Result<Raw<ffi::MPI_Request>> {
+        let len = count(len, what)?;
         // SAFETY: reading a constant MPI initialized.
         let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: the caller keeps `bytes` alive and unwritten until the
@@ -230,17 +235,22 @@ impl Route {
                 &mut request,
             )
         };
-        (rc, request)
+        check(rc, what).map(|()| Raw(request))
     }
 
-    /// Starts receiving up to `len` bytes into `bytes`; MPI's return code
-    /// and the request.
+    /// Starts receiving up to `len` bytes into `bytes`.
     ///
     /// # Safety
     /// `bytes` stays valid for writes of `len` bytes, and is neither read
     /// nor written otherwise, until the request completes; called under
     /// the transport's lock.
-    unsafe fn recv(&self, bytes: *mut u8, len: c_int) -> (c_int, ffi::MPI_Request) {
+    unsafe fn recv(
+        &self,
+        bytes: *mut u8,
+        len: usize,
+        what: &What,
+    ) -> Result<Raw<ffi::MPI_Request>> {
+        let len = count(len, what)?;
         // SAFETY: reading a constant MPI initialized.
         let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: the caller keeps `bytes` alive and to MPI alone until the
@@ -256,7 +266,7 @@ impl Route {
                 &mut request,
             )
         };
-        (rc, request)
+        check(rc, what).map(|()| Raw(request))
     }
 }
 
@@ -452,25 +462,22 @@ impl Exchange {
                     .out
                     .0;
                 let (mine, theirs) = (bytes(mine), bytes(theirs));
-                let (mine_len, theirs_len) = (count(mine.len(), what)?, count(theirs.len(), what)?);
                 // SAFETY: `base` points at the output buffer's bytes, which
                 // the flight keeps (in its wreckage after a failure) until
                 // these requests complete; `mine` and `theirs` are disjoint
                 // byte ranges inside it, and no Rust reference to the
                 // buffer is held while they are in flight (the next step
                 // is posted only once both complete).
-                let (rc, request) = unsafe { route.recv(base.add(theirs.start), theirs_len) };
-                check(rc, what)?;
+                let request = unsafe { route.recv(base.add(theirs.start), theirs.len(), what)? };
                 self.receives.push(Receive {
                     offset: theirs.start,
                     checked: false,
                     expected: theirs.len(),
-                    state: Receiving::Posted(Raw(request)),
+                    state: Receiving::Posted(request),
                 });
                 // SAFETY: as for the receive.
-                let (rc, request) = unsafe { route.send(base.add(mine.start), mine_len) };
-                check(rc, what)?;
-                self.sends.push(Raw(request));
+                let request = unsafe { route.send(base.add(mine.start), mine.len(), what)? };
+                self.sends.push(request);
                 Ok(())
             }
         }
@@ -498,13 +505,13 @@ impl Exchange {
                 fragment[CHECK_BYTES..].copy_from_slice(&payload[cut.carries(f)]);
             }
         }
-        let base = message.bytes().as_ptr();
-        self.outgoing = Some(message);
+        // Kept before any send starts, so that a failing one leaves those
+        // already under way their bytes.
+        let base = self.outgoing.insert(message).bytes().as_ptr();
         for f in 0..cut.fragments {
             let (at, len) = cut.place(f);
             let from = if f < copied {
-                // SAFETY: the fragment lies inside the message.
-                unsafe { base.add(at) }
+                base.wrapping_add(at)
             } else {
                 payload[cut.carries(f)].as_ptr()
             };
@@ -512,9 +519,7 @@ impl Exchange {
             // does not move with the handle), or among the abandoned, and
             // the caller keeps `payload` unwritten, until the request
             // completes; `len` bytes from `from` lie inside either.
-            let (rc, request) = unsafe { route.send(from, count(len, what)?) };
-            check(rc, what)?;
-            self.sends.push(Raw(request));
+            self.sends.push(unsafe { route.send(from, len, what)? });
         }
         Ok(())
     }
@@ -545,14 +550,12 @@ impl Exchange {
             return Err(Error::internal("a fragment without its message"));
         };
         let receive = &mut self.receives[i];
-        let len = count(receive.expected, what)?;
         let target = buffer.typed_mut::<u8>()?[receive.offset..].as_mut_ptr();
         // SAFETY: the fragment's place lies inside the buffer, which is
         // kept in `incoming` (or among the abandoned), untouched, until the
         // request completes; no other request writes that place.
-        let (rc, request) = unsafe { route.recv(target, len) };
-        check(rc, what)?;
-        receive.state = Receiving::Posted(Raw(request));
+        let request = unsafe { route.recv(target, receive.expected, what)? };
+        receive.state = Receiving::Posted(request);
         Ok(())
     }
 
