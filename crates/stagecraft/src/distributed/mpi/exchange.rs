@@ -219,23 +219,21 @@ impl Route {
         len: usize,
         what: &What,
     ) -> Result<Raw<ffi::MPI_Request>> {
-        let len = count(len, what)?;
-        // SAFETY: reading a constant MPI initialized.
-        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
-        // SAFETY: the caller keeps `bytes` alive and unwritten until the
-        // request completes; `comm` is a live communicator.
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                bytes.cast(),
-                len,
-                ffi::RSMPI_UINT8_T,
-                self.peer,
-                self.tag,
-                self.comm,
-                &mut request,
-            )
-        };
-        check(rc, what).map(|()| Raw(request))
+        self.start(len, what, |len, request| {
+            // SAFETY: the caller keeps `bytes` alive and unwritten until
+            // the request completes; `comm` is a live communicator.
+            unsafe {
+                ffi::MPI_Isend(
+                    bytes.cast(),
+                    len,
+                    ffi::RSMPI_UINT8_T,
+                    self.peer,
+                    self.tag,
+                    self.comm,
+                    request,
+                )
+            }
+        })
     }
 
     /// Starts receiving up to `len` bytes into `bytes`.
@@ -250,23 +248,35 @@ impl Route {
         len: usize,
         what: &What,
     ) -> Result<Raw<ffi::MPI_Request>> {
+        self.start(len, what, |len, request| {
+            // SAFETY: the caller keeps `bytes` alive and to MPI alone until
+            // the request completes; `comm` is a live communicator.
+            unsafe {
+                ffi::MPI_Irecv(
+                    bytes.cast(),
+                    len,
+                    ffi::RSMPI_UINT8_T,
+                    self.peer,
+                    self.tag,
+                    self.comm,
+                    request,
+                )
+            }
+        })
+    }
+
+    /// Starts a transfer of `len` bytes with `post` (MPI's call, given the
+    /// count and where to put the request), checking MPI's return code.
+    fn start(
+        &self,
+        len: usize,
+        what: &What,
+        post: impl FnOnce(c_int, &mut ffi::MPI_Request) -> c_int,
+    ) -> Result<Raw<ffi::MPI_Request>> {
         let len = count(len, what)?;
         // SAFETY: reading a constant MPI initialized.
         let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
-        // SAFETY: the caller keeps `bytes` alive and to MPI alone until the
-        // request completes; `comm` is a live communicator.
-        let rc = unsafe {
-            ffi::MPI_Irecv(
-                bytes.cast(),
-                len,
-                ffi::RSMPI_UINT8_T,
-                self.peer,
-                self.tag,
-                self.comm,
-                &mut request,
-            )
-        };
-        check(rc, what).map(|()| Raw(request))
+        check(post(len, &mut request), what).map(|()| Raw(request))
     }
 }
 
