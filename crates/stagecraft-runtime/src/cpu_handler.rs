@@ -7,13 +7,16 @@ use crate::fxhash::{FxBuild, FxHasher};
 use crate::handle::{MetadataState, TensorHandle};
 use crate::op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
 use crate::runtime::{
-    count_kernel_launch, is_cancelled, report_error, CounterSlot, PerThreadCounter,
+    count_inline_run, count_kernel_launch, is_cancelled, report_error, CounterSlot,
+    PerThreadCounter,
 };
 use smallvec::SmallVec;
+use stagecraft_cpu::Kernel;
 use stagecraft_cpu::{settle_by_shape, AnyKernel, Inputs, KernelContext, ValueInputs};
-use stagecraft_ops::{Attrs, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
+use stagecraft_ops::{Attrs, Effect, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
 use stagecraft_tensor::{
     DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,
+    TensorValue,
 };
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -256,6 +259,40 @@ impl KernelCache {
         }
     }
 
+    /// True when this thread has prepared `op` with these attributes for
+    /// arguments of these dtypes and shapes: the next call on ready
+    /// arguments skips the metadata function and the kernel lookup (see
+    /// [`OpHandler::execute_ready`]).
+    pub fn is_prepared(&self, op: &'static OpDef, attrs: &OpAttrs, args: &[TensorHandle]) -> bool {
+        let key = prepared_key(op, attrs, args);
+        let op_id = op as *const OpDef as usize;
+        PREPARED
+            .try_with(|table| {
+                let table = table.try_borrow().ok()?;
+                let prepared = table[key as usize % PREPARED_SLOTS].as_ref()?;
+                Some(
+                    prepared.matches(self.id, key, op_id, attrs, args) && prepared.kernel.is_some(),
+                )
+            })
+            .ok()
+            .flatten()
+            .unwrap_or(false)
+    }
+
+    /// This thread's slot of the cache's hit counter.
+    fn hit_slot(&self) -> CounterSlot {
+        let kept = FRONT.try_with(|front| {
+            let mut front = front.try_borrow_mut().ok()?;
+            if let Some((_, hits)) = front.hit_slots.iter().find(|(id, _)| *id == self.id) {
+                return Some(hits.clone());
+            }
+            let hits = self.hits.slot();
+            front.hit_slots.push((self.id, hits.clone()));
+            Some(hits)
+        });
+        kept.ok().flatten().unwrap_or_else(|| self.hits.slot())
+    }
+
     /// Hit and miss counts.
     pub fn stats(&self) -> KernelCacheStats {
         KernelCacheStats {
@@ -269,6 +306,155 @@ impl KernelCache {
                 .map(|b| b.len())
                 .sum(),
         }
+    }
+}
+
+/// Slots of a thread's table of prepared ops (a power of two).
+const PREPARED_SLOTS: usize = 64;
+
+/// What a thread worked out for an op on inputs of given dtypes and
+/// shapes: the metadata function's outputs and the kernel. An eager
+/// program runs the same few ops on the same shapes again and again, so
+/// the next such call skips the metadata function, the copies of the
+/// input metadata and the invocation (the talk's "prepared op").
+///
+/// The metadata function of a pure op with static shapes depends on its
+/// inputs' metadata and attributes alone, so its answer for equal ones
+/// can be kept.
+struct Prepared {
+    cache: u64,
+    key: u64,
+    op: usize,
+    /// `None` for an op without attributes (most elementwise ops).
+    attrs: Option<FrozenOpAttrs>,
+    inputs: InputMetas,
+    outputs: OutputMetas,
+    /// `None` when this call takes the full path anyway: a kernel that
+    /// takes host values as they are, or outputs without elements (which
+    /// [`settle_by_shape`] answers).
+    kernel: Option<&'static Kernel>,
+    /// This thread's count of the kernel cache's hits.
+    hits: CounterSlot,
+}
+
+impl Prepared {
+    fn matches(
+        &self,
+        cache: u64,
+        key: u64,
+        op: usize,
+        attrs: &OpAttrs,
+        args: &[TensorHandle],
+    ) -> bool {
+        self.key == key
+            && self.op == op
+            && self.cache == cache
+            && self.inputs.len() == args.len()
+            && self
+                .inputs
+                .iter()
+                .zip(args)
+                .all(|(m, a)| *m == *a.metadata())
+            && match &self.attrs {
+                None => attrs.is_empty(),
+                Some(kept) => **kept == *attrs,
+            }
+    }
+}
+
+thread_local! {
+    /// This thread's prepared ops, direct-mapped by key.
+    static PREPARED: RefCell<Vec<Option<Prepared>>> =
+        RefCell::new((0..PREPARED_SLOTS).map(|_| None).collect());
+}
+
+/// The key of an op on these arguments: the op, its attributes, and each
+/// argument's dtype and dims.
+fn prepared_key(op: &OpDef, attrs: &OpAttrs, args: &[TensorHandle]) -> u64 {
+    let mut h = FxHasher::default();
+    h.write_usize(op as *const OpDef as usize);
+    if !attrs.is_empty() {
+        attrs.hash(&mut h);
+    }
+    for arg in args {
+        let meta = arg.metadata();
+        let dims = meta.shape.dims();
+        h.write_u64(meta.dtype as u64 | (dims.len() as u64) << 8);
+        for &d in dims {
+            h.write_usize(d);
+        }
+    }
+    h.finish()
+}
+
+/// Where a thread's table sent a call.
+enum Lookup {
+    /// Ran on the fast path.
+    Ran(Results),
+    /// Prepared, but for the full path.
+    Full(Args),
+    /// Not in the table.
+    Missed(Args),
+}
+
+/// Runs a prepared dense kernel on arguments that are all available.
+fn run_prepared(
+    op: &'static OpDef,
+    device: crate::Device,
+    location: Location,
+    args: Args,
+    attrs: &OpAttrs,
+    kernel: &Kernel,
+    outputs: &OutputMetas,
+) -> Results {
+    let raised = |e: Error| {
+        let e = failure_error(Failure::Raised(e), op, location);
+        outputs
+            .iter()
+            .map(|m| TensorHandle::error(device, m.clone(), e.clone()))
+            .collect()
+    };
+    let mut dense = Inputs::new();
+    for arg in args {
+        if let Some(HostTensor::Dense(_)) = arg.ready_host() {
+            match arg.into_ready_dense() {
+                Some(t) => dense.push(t),
+                None => return raised(Error::internal("a ready value went missing")),
+            }
+            continue;
+        }
+        let value = match arg.into_value() {
+            Ok(value) => value,
+            Err(e) => return raised(e),
+        };
+        match value {
+            HostTensor::Dense(t) => dense.push(t),
+            HostTensor::Scalar(t) => match t.to_dense() {
+                Ok(t) => dense.push(t),
+                Err(e) => return raised(e),
+            },
+            list @ HostTensor::List(_) => match list.into_dense() {
+                Ok(t) => dense.push(t),
+                Err(e) => return raised(e),
+            },
+        }
+    }
+    count_kernel_launch();
+    count_inline_run();
+    let ctx = KernelContext {
+        attrs: Attrs::new(attrs, op),
+        outputs,
+    };
+    let produced = kernel(dense, &ctx).and_then(|produced| {
+        check_produced(op, produced.iter().map(DenseHostTensor::metadata), outputs)?;
+        Ok(produced)
+    });
+    match produced {
+        Ok(produced) => produced
+            .into_iter()
+            .map(|t| TensorHandle::available_value(device, TensorValue::Host(HostTensor::Dense(t))))
+            .collect(),
+        Err(e) => raised(e),
     }
 }
 
@@ -421,6 +607,98 @@ impl OpHandler for CpuOpHandler {
 
     fn runs_inline(&self) -> bool {
         execution_mode() == ExecutionMode::Sync
+    }
+
+    fn execute_ready(
+        &self,
+        op: &'static OpDef,
+        device: crate::Device,
+        location: Location,
+        args: Args,
+        attrs: &OpAttrs,
+    ) -> std::result::Result<Results, Args> {
+        if op.effect != Effect::Pure
+            || op.shape_kind != ShapeKind::Static
+            || crate::profile::is_enabled()
+            || execution_mode() != ExecutionMode::Sync
+            || args
+                .iter()
+                .any(|a| a.device() != device || a.ready_host().is_none())
+        {
+            return Err(args);
+        }
+        let cache = &self.cache;
+        let key = prepared_key(op, attrs, &args);
+        let op_id = op as *const OpDef as usize;
+        let slot = key as usize % PREPARED_SLOTS;
+        let mut args = Some(args);
+        let looked = PREPARED.try_with(|table| {
+            let args = args.take().expect("taken once");
+            // A shared borrow while the kernel runs: a kernel that runs ops
+            // itself still finds the table, and only skips adding to it.
+            let Ok(table) = table.try_borrow() else {
+                return Lookup::Missed(args);
+            };
+            match &table[slot] {
+                Some(p) if p.matches(cache.id, key, op_id, attrs, &args) => match p.kernel {
+                    Some(kernel) => {
+                        p.hits.add(1);
+                        Lookup::Ran(run_prepared(
+                            op, device, location, args, attrs, kernel, &p.outputs,
+                        ))
+                    }
+                    None => Lookup::Full(args),
+                },
+                _ => Lookup::Missed(args),
+            }
+        });
+        let args = match looked {
+            Ok(Lookup::Ran(results)) => return Ok(results),
+            Ok(Lookup::Full(args)) | Ok(Lookup::Missed(args)) => args,
+            Err(_) => return Err(args.take().expect("the table was gone, so never taken")),
+        };
+        // A miss: what the full path would work out, kept for the next call.
+        // A failing metadata function or lookup is the full path's to report.
+        let inputs: InputMetas = args.iter().map(|a| a.metadata().clone()).collect();
+        let Ok(outputs) = op.infer(&inputs, attrs) else {
+            return Err(args);
+        };
+        let Ok(any) = cache.lookup(op, attrs, &inputs) else {
+            return Err(args);
+        };
+        let all_empty = !outputs.is_empty() && outputs.iter().all(|m| m.shape.numel() == 0);
+        let kernel = match any {
+            AnyKernel::Dense(kernel) if !all_empty => Some(kernel),
+            _ => None,
+        };
+        let prepared = Prepared {
+            cache: cache.id,
+            key,
+            op: op_id,
+            attrs: (!attrs.is_empty()).then(|| attrs.freeze()),
+            inputs,
+            outputs,
+            kernel,
+            hits: cache.hit_slot(),
+        };
+        let ran = match kernel {
+            Some(kernel) => Ok(run_prepared(
+                op,
+                device,
+                location,
+                args,
+                attrs,
+                kernel,
+                &prepared.outputs,
+            )),
+            None => Err(args),
+        };
+        let _ = PREPARED.try_with(|table| {
+            if let Ok(mut table) = table.try_borrow_mut() {
+                table[slot] = Some(prepared);
+            }
+        });
+        ran
     }
 
     fn kernel_cache_stats(&self) -> Option<KernelCacheStats> {

@@ -267,6 +267,41 @@ impl TensorHandle {
         self.0.value.is_resolved()
     }
 
+    /// The host value, if it is already there: no wait, no error, not in
+    /// a device's own memory (what an op may run on inline).
+    #[inline]
+    pub(crate) fn ready_host(&self) -> Option<&HostTensor> {
+        match self.0.value.try_get() {
+            Some(Ok(TensorValue::Host(host))) => Some(host),
+            _ => None,
+        }
+    }
+
+    /// The dense host value of a handle whose value is already there,
+    /// moved out if this is the last reference (so a kernel may reuse its
+    /// buffer), else shared; `None` for any other value.
+    #[inline]
+    pub fn into_ready_dense(self) -> Option<stagecraft_tensor::DenseHostTensor> {
+        if Arc::strong_count(&self.0) > 1 {
+            return match self.ready_host()? {
+                HostTensor::Dense(dense) => Some(dense.clone()),
+                _ => None,
+            };
+        }
+        match Arc::try_unwrap(self.0) {
+            Ok(mut inner) => {
+                match std::mem::replace(&mut inner.value, AsyncValue::unavailable()).into_inner() {
+                    Some(Ok(TensorValue::Host(HostTensor::Dense(dense)))) => Some(dense),
+                    _ => None,
+                }
+            }
+            Err(shared) => match TensorHandle(shared).ready_host()? {
+                HostTensor::Dense(dense) => Some(dense.clone()),
+                _ => None,
+            },
+        }
+    }
+
     /// The error, if the handle already resolved to one.
     #[inline]
     pub fn resolved_error(&self) -> Option<&Error> {

@@ -6,7 +6,7 @@ use crate::async_value::Chain;
 use crate::device::Device;
 use crate::handle::TensorHandle;
 use smallvec::SmallVec;
-use stagecraft_ops::{OpAttrsRef, OpDef, OutputMetas};
+use stagecraft_ops::{OpAttrs, OpAttrsRef, OpDef, OutputMetas};
 use stagecraft_tensor::{DenseHostTensor, DeviceTensor, Location, Result, TensorMetadata};
 
 /// Op arguments, owned: the runtime takes them so a kernel can reuse the
@@ -65,6 +65,25 @@ pub trait OpHandler: Send + Sync {
     /// the handles may still be pending. Failures become error handles, never
     /// panics.
     fn execute(&self, invocation: OpInvocation<'_>) -> Results;
+
+    /// Runs a pure op whose arguments are all available values on `device`
+    /// before returning, when the handler can do so more cheaply than
+    /// through [`OpHandler::execute`] (TFRT's synchronous fast path: no
+    /// pending handles, no invocation to build). The runtime has checked
+    /// cancellation only; the handler checks the rest, or gives the
+    /// arguments back and the runtime takes the full path. The default
+    /// always gives them back.
+    fn execute_ready(
+        &self,
+        op: &'static OpDef,
+        device: Device,
+        location: Location,
+        args: Args,
+        attrs: &OpAttrs,
+    ) -> std::result::Result<Results, Args> {
+        let _ = (op, device, location, attrs);
+        Err(args)
+    }
 
     /// True when the op [`OpHandler::execute`] is given now will have run
     /// by the time it returns: a side-effecting op then needs no chain to

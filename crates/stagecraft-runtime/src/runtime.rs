@@ -24,6 +24,7 @@ static DIAGNOSTIC_HANDLER: RwLock<Option<DiagnosticHandler>> = RwLock::new(None)
 
 static OPS_EXECUTED: PerThreadCounter = PerThreadCounter::new();
 static KERNEL_LAUNCHES: PerThreadCounter = PerThreadCounter::new();
+static INLINE_RUNS: PerThreadCounter = PerThreadCounter::new();
 static ERRORS_RAISED: AtomicU64 = AtomicU64::new(0);
 static DEVICE_COPIES: AtomicU64 = AtomicU64::new(0);
 static DEVICE_COPY_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -32,6 +33,7 @@ static HOST_READS: AtomicU64 = AtomicU64::new(0);
 thread_local! {
     static OPS_EXECUTED_HERE: CounterSlot = OPS_EXECUTED.slot();
     static KERNEL_LAUNCHES_HERE: CounterSlot = KERNEL_LAUNCHES.slot();
+    static INLINE_RUNS_HERE: CounterSlot = INLINE_RUNS.slot();
 }
 
 /// A value alone on its cache line (128 bytes: adjacent-line prefetchers
@@ -122,6 +124,11 @@ pub struct RuntimeStats {
     /// Kernels actually run (ops skipped by error propagation or
     /// cancellation run none).
     pub kernel_launches: u64,
+    /// Ops run on the synchronous fast path: a pure op whose inputs were
+    /// all available, run before `execute` returned with the output
+    /// metadata and kernel its thread had prepared for the same op,
+    /// attributes, dtypes and shapes (see [`crate::OpHandler::execute_ready`]).
+    pub inline_runs: u64,
     /// Errors raised by metadata functions or kernels.
     pub errors_raised: u64,
     /// Explicit copies between devices.
@@ -137,6 +144,7 @@ pub fn stats() -> RuntimeStats {
     RuntimeStats {
         ops_executed: OPS_EXECUTED.sum(),
         kernel_launches: KERNEL_LAUNCHES.sum(),
+        inline_runs: INLINE_RUNS.sum(),
         errors_raised: ERRORS_RAISED.load(Ordering::Relaxed),
         device_copies: DEVICE_COPIES.load(Ordering::Relaxed),
         device_copy_bytes: DEVICE_COPY_BYTES.load(Ordering::Relaxed),
@@ -146,6 +154,10 @@ pub fn stats() -> RuntimeStats {
 
 pub(crate) fn count_kernel_launch() {
     bump(&KERNEL_LAUNCHES, &KERNEL_LAUNCHES_HERE);
+}
+
+pub(crate) fn count_inline_run() {
+    bump(&INLINE_RUNS, &INLINE_RUNS_HERE);
 }
 
 pub(crate) fn count_device_copy(bytes: usize) {
@@ -229,7 +241,7 @@ pub fn execute(
     op: &'static OpDef,
     device: Device,
     location: Location,
-    mut args: Args,
+    args: Args,
     attrs: OpAttrsRef<'_>,
 ) -> Results {
     bump(&OPS_EXECUTED, &OPS_EXECUTED_HERE);
@@ -237,6 +249,13 @@ pub fn execute(
         let err = Error::cancelled().with_op(op.name).at(location);
         return error_results(op, device, None, &err);
     }
+    let mut args = match device
+        .handler()
+        .execute_ready(op, device, location, args, &attrs)
+    {
+        Ok(results) => return results,
+        Err(args) => args,
+    };
     let foreign_ok = device.handler().captures_foreign_args();
     for k in 0..args.len() {
         let from = args[k].device();

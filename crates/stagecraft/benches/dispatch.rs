@@ -131,8 +131,10 @@ struct Stage {
     ticks: f64,
 }
 
-/// The eager add, whole and stage by stage.
-fn eager_stages(calls: u64) -> (f64, Vec<Stage>) {
+/// The eager add, whole and stage by stage (its inputs are ready, so it
+/// takes the synchronous fast path), and what a call pays on a miss of
+/// its thread's prepared ops.
+fn eager_stages(calls: u64) -> (f64, Vec<Stage>, Vec<Stage>) {
     let device = Device::cpu();
     let (a, b) = pair(&device);
     let total = per_call(calls, || drop(black_box(&a + &b)));
@@ -176,15 +178,33 @@ fn eager_stages(calls: u64) -> (f64, Vec<Stage>) {
         }),
     );
     stage(
-        "argument checks (device, propagated error)",
+        "argument checks (device, value ready)",
         per_call(calls, || {
             for arg in black_box(&args) {
                 black_box(arg.device() != device);
-                black_box(arg.resolved_error());
+                black_box(arg.is_resolved());
             }
         }),
     );
     stage(
+        "prepared-op lookup (key, compare)",
+        per_call(calls, || {
+            black_box(cache.is_prepared(&ops::ADD, &attrs, black_box(&args)));
+        }),
+    );
+    stage(
+        "input values (shared buffers)",
+        per_call(calls, || {
+            for h in black_box(&args) {
+                drop(black_box(h.clone().into_ready_dense()));
+            }
+        }),
+    );
+    // What a call that misses its thread's prepared ops pays instead of
+    // the lookup (the first call, or after another op took the slot).
+    let mut miss = Vec::new();
+    let mut on_miss = |name, ticks| miss.push(Stage { name, ticks });
+    on_miss(
         "input metadata",
         per_call(calls, || {
             let m: runtime::InputMetas = black_box(&args)
@@ -194,24 +214,16 @@ fn eager_stages(calls: u64) -> (f64, Vec<Stage>) {
             drop(black_box(m))
         }),
     );
-    stage(
+    on_miss(
         "shape function",
         per_call(calls, || {
             drop(black_box(ops::ADD.infer(black_box(&metas), &attrs)))
         }),
     );
-    stage(
+    on_miss(
         "kernel lookup",
         per_call(calls, || {
             drop(black_box(cache.get(&ops::ADD, &attrs, black_box(&metas))))
-        }),
-    );
-    stage(
-        "input values (shared buffers)",
-        per_call(calls, || {
-            for h in black_box(&args) {
-                drop(black_box(h.clone().into_value()));
-            }
         }),
     );
     let inputs_copy = per_call(calls, || drop(black_box(values.clone())));
@@ -229,7 +241,7 @@ fn eager_stages(calls: u64) -> (f64, Vec<Stage>) {
             )))
         }) - output_copy,
     );
-    (total, stages)
+    (total, stages, miss)
 }
 
 /// The lazy add recorded, and one cached step's lookup and launch.
@@ -285,7 +297,7 @@ fn breakdown() {
     println!();
     println!("dispatch breakdown on {}", host());
     println!("time-stamp counter: {per_ns:.3} ticks/ns; medians of 9 rounds of {calls} calls");
-    let (total, stages) = eager_stages(calls);
+    let (total, stages, miss) = eager_stages(calls);
     let line = |name: &str, t: f64| {
         println!(
             "  {name:<46} {:>8.1} ticks {:>7.1} ns {:>5.1} %",
@@ -302,6 +314,10 @@ fn breakdown() {
         covered += s.ticks;
     }
     line("glue (calls, moves, counters; the rest)", total - covered);
+    println!("instead of the prepared-op lookup, on a miss:");
+    for s in &miss {
+        line(s.name, s.ticks);
+    }
     // Units the stages are made of, on this host.
     let counter = std::sync::atomic::AtomicU64::new(0);
     let atomic = per_call(calls, || {
