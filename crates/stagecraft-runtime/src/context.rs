@@ -67,13 +67,22 @@ pub fn set_default_device(device: Device) {
 /// Eager placement: the explicit scope, else the first input's device,
 /// else the default device (while tracing a function: the tracer).
 pub fn place(args: &[TensorHandle]) -> Device {
+    place_after(args.first())
+}
+
+/// [`place`] for borrowed arguments.
+pub fn place_borrowed(args: &[&TensorHandle]) -> Device {
+    place_after(args.first().copied())
+}
+
+fn place_after(first: Option<&TensorHandle>) -> Device {
     if crate::tracing::is_tracing() {
         // Inside a traced closure every op is recorded; an explicit scope
         // becomes the node's requested device.
         return crate::tracing::tracer_device();
     }
     scoped_device()
-        .or_else(|| args.first().map(|a| a.device()))
+        .or_else(|| first.map(|a| a.device()))
         .unwrap_or_else(default_device)
 }
 

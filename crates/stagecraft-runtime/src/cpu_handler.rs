@@ -5,7 +5,7 @@
 use crate::context::{execution_mode, ExecutionMode};
 use crate::fxhash::{FxBuild, FxHasher};
 use crate::handle::{MetadataState, TensorHandle};
-use crate::op_handler::{Args, InputMetas, OpHandler, OpInvocation, Results};
+use crate::op_handler::{Args, InputMetas, OpHandler, OpInvocation, ReadyArgs, Results};
 use crate::runtime::{
     count_inline_run, count_kernel_launch, is_cancelled, report_error, CounterSlot,
     PerThreadCounter,
@@ -264,14 +264,15 @@ impl KernelCache {
     /// arguments skips the metadata function and the kernel lookup (see
     /// [`OpHandler::execute_ready`]).
     pub fn is_prepared(&self, op: &'static OpDef, attrs: &OpAttrs, args: &[TensorHandle]) -> bool {
-        let key = prepared_key(op, attrs, args);
+        let key = prepared_key(op, attrs, args.iter());
         let op_id = op as *const OpDef as usize;
         PREPARED
             .try_with(|table| {
                 let table = table.try_borrow().ok()?;
                 let prepared = table[key as usize % PREPARED_SLOTS].as_ref()?;
                 Some(
-                    prepared.matches(self.id, key, op_id, attrs, args) && prepared.kernel.is_some(),
+                    prepared.matches(self.id, key, op_id, attrs, args.iter())
+                        && prepared.kernel.is_some(),
                 )
             })
             .ok()
@@ -338,23 +339,22 @@ struct Prepared {
 }
 
 impl Prepared {
-    fn matches(
+    fn matches<'h>(
         &self,
         cache: u64,
         key: u64,
         op: usize,
         attrs: &OpAttrs,
-        args: &[TensorHandle],
+        mut args: impl Iterator<Item = &'h TensorHandle>,
     ) -> bool {
         self.key == key
             && self.op == op
             && self.cache == cache
-            && self.inputs.len() == args.len()
             && self
                 .inputs
                 .iter()
-                .zip(args)
-                .all(|(m, a)| *m == *a.metadata())
+                .all(|m| args.next().is_some_and(|a| *m == *a.metadata()))
+            && args.next().is_none()
             && match &self.attrs {
                 None => attrs.is_empty(),
                 Some(kept) => **kept == *attrs,
@@ -370,7 +370,11 @@ thread_local! {
 
 /// The key of an op on these arguments: the op, its attributes, and each
 /// argument's dtype and dims.
-fn prepared_key(op: &OpDef, attrs: &OpAttrs, args: &[TensorHandle]) -> u64 {
+fn prepared_key<'h>(
+    op: &OpDef,
+    attrs: &OpAttrs,
+    args: impl Iterator<Item = &'h TensorHandle>,
+) -> u64 {
     let mut h = FxHasher::default();
     h.write_usize(op as *const OpDef as usize);
     if !attrs.is_empty() {
@@ -388,13 +392,22 @@ fn prepared_key(op: &OpDef, attrs: &OpAttrs, args: &[TensorHandle]) -> u64 {
 }
 
 /// Where a thread's table sent a call.
-enum Lookup {
+enum Lookup<'a> {
     /// Ran on the fast path.
     Ran(Results),
     /// Prepared, but for the full path.
-    Full(Args),
+    Full(ReadyArgs<'a>),
     /// Not in the table.
-    Missed(Args),
+    Missed(ReadyArgs<'a>),
+}
+
+/// A ready argument's value as a dense kernel input.
+fn dense_input(value: HostTensor) -> Result<DenseHostTensor> {
+    match value {
+        HostTensor::Dense(t) => Ok(t),
+        HostTensor::Scalar(t) => t.to_dense(),
+        list @ HostTensor::List(_) => list.into_dense(),
+    }
 }
 
 /// Runs a prepared dense kernel on arguments that are all available.
@@ -402,7 +415,7 @@ fn run_prepared(
     op: &'static OpDef,
     device: crate::Device,
     location: Location,
-    args: Args,
+    args: ReadyArgs<'_>,
     attrs: &OpAttrs,
     kernel: &Kernel,
     outputs: &OutputMetas,
@@ -414,29 +427,33 @@ fn run_prepared(
             .map(|m| TensorHandle::error(device, m.clone(), e.clone()))
             .collect()
     };
+    let missing = || Error::internal("a ready value went missing");
     let mut dense = Inputs::new();
-    for arg in args {
-        if let Some(HostTensor::Dense(_)) = arg.ready_host() {
-            match arg.into_ready_dense() {
-                Some(t) => dense.push(t),
-                None => return raised(Error::internal("a ready value went missing")),
+    match args {
+        ReadyArgs::Owned(args) => {
+            for arg in args {
+                let input = match arg.ready_host() {
+                    Some(HostTensor::Dense(_)) => arg.into_ready_dense().ok_or_else(missing),
+                    _ => arg.into_value().and_then(dense_input),
+                };
+                match input {
+                    Ok(t) => dense.push(t),
+                    Err(e) => return raised(e),
+                }
             }
-            continue;
         }
-        let value = match arg.into_value() {
-            Ok(value) => value,
-            Err(e) => return raised(e),
-        };
-        match value {
-            HostTensor::Dense(t) => dense.push(t),
-            HostTensor::Scalar(t) => match t.to_dense() {
-                Ok(t) => dense.push(t),
-                Err(e) => return raised(e),
-            },
-            list @ HostTensor::List(_) => match list.into_dense() {
-                Ok(t) => dense.push(t),
-                Err(e) => return raised(e),
-            },
+        ReadyArgs::Borrowed(args) => {
+            for arg in args {
+                let input = match arg.ready_host() {
+                    Some(HostTensor::Dense(t)) => Ok(t.clone()),
+                    Some(other) => dense_input(other.clone()),
+                    None => Err(missing()),
+                };
+                match input {
+                    Ok(t) => dense.push(t),
+                    Err(e) => return raised(e),
+                }
+            }
         }
     }
     count_kernel_launch();
@@ -609,14 +626,14 @@ impl OpHandler for CpuOpHandler {
         execution_mode() == ExecutionMode::Sync
     }
 
-    fn execute_ready(
+    fn execute_ready<'a>(
         &self,
         op: &'static OpDef,
         device: crate::Device,
         location: Location,
-        args: Args,
+        args: ReadyArgs<'a>,
         attrs: &OpAttrs,
-    ) -> std::result::Result<Results, Args> {
+    ) -> std::result::Result<Results, ReadyArgs<'a>> {
         if op.effect != Effect::Pure
             || op.shape_kind != ShapeKind::Static
             || crate::profile::is_enabled()
@@ -628,7 +645,7 @@ impl OpHandler for CpuOpHandler {
             return Err(args);
         }
         let cache = &self.cache;
-        let key = prepared_key(op, attrs, &args);
+        let key = prepared_key(op, attrs, args.iter());
         let op_id = op as *const OpDef as usize;
         let slot = key as usize % PREPARED_SLOTS;
         let mut args = Some(args);
@@ -640,7 +657,7 @@ impl OpHandler for CpuOpHandler {
                 return Lookup::Missed(args);
             };
             match &table[slot] {
-                Some(p) if p.matches(cache.id, key, op_id, attrs, &args) => match p.kernel {
+                Some(p) if p.matches(cache.id, key, op_id, attrs, args.iter()) => match p.kernel {
                     Some(kernel) => {
                         p.hits.add(1);
                         Lookup::Ran(run_prepared(
@@ -887,6 +904,50 @@ mod tests {
         });
         let stats = cache.stats();
         assert_eq!((stats.misses, stats.hits, stats.entries), (1, 30, 1));
+    }
+
+    #[test]
+    fn a_prepared_op_matches_only_its_cache_op_attributes_dtypes_and_shapes() {
+        let handle = |dtype, dims: &[usize]| {
+            let meta = TensorMetadata::new(dtype, Shape::from(dims.to_vec()));
+            let value = HostTensor::Dense(DenseHostTensor::zeros(meta).unwrap());
+            TensorHandle::available(crate::Device::cpu(), value)
+        };
+        let cache = KernelCache::default();
+        let add = &stagecraft_ops::ADD as *const OpDef as usize;
+        let none = OpAttrs::new();
+        let mut axis = OpAttrs::new();
+        axis.set_int("axis", 1);
+        let args = [handle(DType::F32, &[4]), handle(DType::F32, &[4])];
+        let key = prepared_key(&stagecraft_ops::ADD, &none, args.iter());
+        let prepared = |attrs: Option<FrozenOpAttrs>| Prepared {
+            cache: cache.id,
+            key,
+            op: add,
+            attrs,
+            inputs: args.iter().map(|a| a.metadata().clone()).collect(),
+            outputs: smallvec::smallvec![args[0].metadata().clone()],
+            kernel: None,
+            hits: cache.hit_slot(),
+        };
+        let plain = prepared(None);
+        assert!(plain.matches(cache.id, key, add, &none, args.iter()));
+        // Each difference is a miss, even under the same key (a collision).
+        let other_dims = [args[0].clone(), handle(DType::F32, &[2, 2])];
+        let other_dtype = [args[0].clone(), handle(DType::I32, &[4])];
+        let fewer = [args[0].clone()];
+        let more = [args[0].clone(), args[1].clone(), args[1].clone()];
+        for other in [&other_dims[..], &other_dtype, &fewer, &more] {
+            assert!(!plain.matches(cache.id, key, add, &none, other.iter()));
+        }
+        assert!(!plain.matches(cache.id, key, add, &axis, args.iter()));
+        assert!(!plain.matches(cache.id ^ 1, key, add, &none, args.iter()));
+        assert!(!plain.matches(cache.id, key ^ 1, add, &none, args.iter()));
+        let sub = &stagecraft_ops::SUB as *const OpDef as usize;
+        assert!(!plain.matches(cache.id, key, sub, &none, args.iter()));
+        let with_axis = prepared(Some(axis.freeze()));
+        assert!(with_axis.matches(cache.id, key, add, &axis, args.iter()));
+        assert!(!with_axis.matches(cache.id, key, add, &none, args.iter()));
     }
 
     #[test]

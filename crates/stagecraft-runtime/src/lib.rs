@@ -28,8 +28,8 @@ mod transfer;
 
 pub use async_value::{AsyncValue, Chain};
 pub use context::{
-    default_device, execution_mode, place, scoped_device, set_default_device, set_execution_mode,
-    sync_effects, with_device, with_execution_mode, ExecutionMode,
+    default_device, execution_mode, place, place_borrowed, scoped_device, set_default_device,
+    set_execution_mode, sync_effects, with_device, with_execution_mode, ExecutionMode,
 };
 pub use cpu_handler::{CpuOpHandler, KernelCache, KernelCacheStats};
 pub use device::{Device, DeviceKind};
@@ -37,10 +37,11 @@ pub use device::{Device, DeviceKind};
 pub use gpu_handler::cpu_fallbacks;
 pub use handle::{MetadataState, TensorHandle, TracedValue};
 pub use logging::{LogSink, LoggingOpHandler};
-pub use op_handler::{Args, DeviceMemory, InputMetas, OpHandler, OpInvocation, Results};
+pub use op_handler::{Args, DeviceMemory, InputMetas, OpHandler, OpInvocation, ReadyArgs, Results};
 pub use runtime::{
-    cancel_execution, copy_to_device, count_host_read, execute, is_cancelled, read_to_host,
-    report_error, restart, set_diagnostic_handler, stats, DiagnosticHandler, RuntimeStats,
+    cancel_execution, copy_to_device, count_host_read, execute, execute_borrowed, is_cancelled,
+    read_to_host, report_error, restart, set_diagnostic_handler, stats, DiagnosticHandler,
+    RuntimeStats,
 };
 /// The GPU device crate, for what the runtime does not wrap (the adapter's
 /// name, submission counts).

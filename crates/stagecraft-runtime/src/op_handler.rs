@@ -19,6 +19,46 @@ pub type InputMetas = SmallVec<[TensorMetadata; 4]>;
 /// Op results, one handle per output.
 pub type Results = SmallVec<[TensorHandle; 1]>;
 
+/// The arguments of [`OpHandler::execute_ready`].
+pub enum ReadyArgs<'a> {
+    /// Owned: a kernel may reuse the buffer of one that nobody else holds.
+    Owned(Args),
+    /// Borrowed from the caller, who keeps them: no handle is cloned.
+    Borrowed(&'a [&'a TensorHandle]),
+}
+
+impl ReadyArgs<'_> {
+    /// How many there are.
+    pub fn len(&self) -> usize {
+        match self {
+            ReadyArgs::Owned(args) => args.len(),
+            ReadyArgs::Borrowed(args) => args.len(),
+        }
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Each argument, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &TensorHandle> {
+        let (owned, borrowed) = match self {
+            ReadyArgs::Owned(args) => (&args[..], &[][..]),
+            ReadyArgs::Borrowed(args) => (&[][..], *args),
+        };
+        owned.iter().chain(borrowed.iter().copied())
+    }
+
+    /// The arguments as the full path takes them (borrowed ones cloned).
+    pub fn into_owned(self) -> Args {
+        match self {
+            ReadyArgs::Owned(args) => args,
+            ReadyArgs::Borrowed(args) => args.iter().map(|&a| a.clone()).collect(),
+        }
+    }
+}
+
 /// Everything an op handler needs to run one op. The core runtime has
 /// already checked cancellation, devices and argument errors, and run the
 /// op's metadata function.
@@ -73,14 +113,14 @@ pub trait OpHandler: Send + Sync {
     /// cancellation only; the handler checks the rest, or gives the
     /// arguments back and the runtime takes the full path. The default
     /// always gives them back.
-    fn execute_ready(
+    fn execute_ready<'a>(
         &self,
         op: &'static OpDef,
         device: Device,
         location: Location,
-        args: Args,
+        args: ReadyArgs<'a>,
         attrs: &OpAttrs,
-    ) -> std::result::Result<Results, Args> {
+    ) -> std::result::Result<Results, ReadyArgs<'a>> {
         let _ = (op, device, location, attrs);
         Err(args)
     }

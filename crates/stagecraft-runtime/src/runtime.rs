@@ -5,8 +5,8 @@ use crate::async_value::AsyncValue;
 use crate::context;
 use crate::device::Device;
 use crate::handle::TensorHandle;
-use crate::op_handler::{Args, InputMetas, OpInvocation, Results};
-use stagecraft_ops::{Effect, OpAttrsRef, OpDef};
+use crate::op_handler::{Args, InputMetas, OpInvocation, ReadyArgs, Results};
+use stagecraft_ops::{Effect, OpAttrs, OpAttrsRef, OpDef};
 use stagecraft_tensor::{
     DType, DenseHostTensor, Error, HostTensor, Location, Result, Shape, TensorMetadata, TensorValue,
 };
@@ -249,13 +249,48 @@ pub fn execute(
         let err = Error::cancelled().with_op(op.name).at(location);
         return error_results(op, device, None, &err);
     }
-    let mut args = match device
+    match device
         .handler()
-        .execute_ready(op, device, location, args, &attrs)
+        .execute_ready(op, device, location, ReadyArgs::Owned(args), &attrs)
     {
-        Ok(results) => return results,
-        Err(args) => args,
-    };
+        Ok(results) => results,
+        Err(args) => execute_full(op, device, location, args.into_owned(), attrs),
+    }
+}
+
+/// [`execute`] on borrowed arguments: an op the device runs on its fast
+/// path clones no argument handle; any other takes the full path on
+/// clones.
+pub fn execute_borrowed(
+    op: &'static OpDef,
+    device: Device,
+    location: Location,
+    args: &[&TensorHandle],
+    attrs: &OpAttrs,
+) -> Results {
+    bump(&OPS_EXECUTED, &OPS_EXECUTED_HERE);
+    if is_cancelled() {
+        let err = Error::cancelled().with_op(op.name).at(location);
+        return error_results(op, device, None, &err);
+    }
+    match device
+        .handler()
+        .execute_ready(op, device, location, ReadyArgs::Borrowed(args), attrs)
+    {
+        Ok(results) => results,
+        Err(args) => execute_full(op, device, location, args.into_owned(), attrs.into()),
+    }
+}
+
+/// [`execute`] after the cancellation check, for an op the device did not
+/// run on its fast path.
+fn execute_full(
+    op: &'static OpDef,
+    device: Device,
+    location: Location,
+    mut args: Args,
+    attrs: OpAttrsRef<'_>,
+) -> Results {
     let foreign_ok = device.handler().captures_foreign_args();
     for k in 0..args.len() {
         let from = args[k].device();

@@ -158,8 +158,17 @@ pub fn is_grad_enabled() -> bool {
 /// mode is on and an argument is a parameter or some tape tracks a tensor
 /// (the fast check on every op).
 pub(crate) fn is_recording(args: &[TensorHandle]) -> bool {
+    recording_with(args.iter().any(TensorHandle::requires_grad))
+}
+
+/// [`is_recording`] for borrowed arguments.
+pub(crate) fn is_recording_borrowed(args: &[&TensorHandle]) -> bool {
+    recording_with(args.iter().any(|a| a.requires_grad()))
+}
+
+fn recording_with(parameter_among_args: bool) -> bool {
     is_grad_enabled()
-        && (args.iter().any(TensorHandle::requires_grad)
+        && (parameter_among_args
             || TAPES.with(|t| t.borrow().iter().any(|tape| !tape.tracked.is_empty())))
 }
 

@@ -47,7 +47,7 @@ macro_rules! tensor_operator {
             type Output = Tensor<T>;
             #[track_caller]
             fn $method(self, rhs: &Tensor<T>) -> Tensor<T> {
-                binary_owned(&ops::$op, self.clone(), rhs.clone(), Location::caller())
+                self.binary(&ops::$op, rhs, Location::caller())
             }
         }
         impl<T: NumElement> $trait<T> for Tensor<T> {

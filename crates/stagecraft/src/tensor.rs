@@ -3,7 +3,6 @@
 //! [`TensorHandle`] underneath stays internal.
 
 use crate::{Device, Error};
-use smallvec::smallvec;
 use stagecraft_ops::{OpAttrs, OpDef};
 use stagecraft_runtime::{self as runtime, Args, TensorHandle};
 use stagecraft_tensor::{
@@ -325,7 +324,7 @@ impl<T: Element> Tensor<T> {
         attrs: &OpAttrs,
         location: Location,
     ) -> Tensor<U> {
-        run(op, smallvec![self.handle.clone()], attrs, location)
+        run_borrowed(op, &[&self.handle], attrs, location)
     }
 
     pub(crate) fn binary<U: Element>(
@@ -334,13 +333,31 @@ impl<T: Element> Tensor<T> {
         other: &Tensor<T>,
         location: Location,
     ) -> Tensor<U> {
-        run(
+        run_borrowed(
             op,
-            smallvec![self.handle.clone(), other.handle.clone()],
+            &[&self.handle, &other.handle],
             &OpAttrs::new(),
             location,
         )
     }
+}
+
+/// [`run`] on arguments the caller keeps: an op that runs on its device's
+/// fast path clones no handle (the autodiff tapes, which keep their
+/// arguments, take the full path).
+pub(crate) fn run_borrowed<U: Element>(
+    op: &'static OpDef,
+    args: &[&TensorHandle],
+    attrs: &OpAttrs,
+    location: Location,
+) -> Tensor<U> {
+    if crate::autodiff::is_recording_borrowed(args) {
+        let owned: Args = args.iter().map(|&a| a.clone()).collect();
+        return run(op, owned, attrs, location);
+    }
+    let device = runtime::place_borrowed(args);
+    let handle = runtime::execute_borrowed(op, device, location, args, attrs).swap_remove(0);
+    typed(op, handle)
 }
 
 /// Runs `op` on `args`, placed by the eager rules, and records it on the

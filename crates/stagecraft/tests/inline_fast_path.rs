@@ -35,6 +35,18 @@ fn ready_ops_run_inline_with_the_full_paths_answers() {
     }
     assert_eq!(since(&before), (9, 9, 0), "every ready add runs inline");
 
+    // Owned operands (the kernel may reuse a buffer nobody else holds),
+    // and a Rust scalar, which is a scalar host value rather than a dense
+    // buffer.
+    let before = stats();
+    for _ in 0..2 {
+        let doubled = &a * 2.0;
+        let shifted = doubled + &a;
+        assert_eq!(shifted.to_vec().unwrap(), [3.0, 6.0, 9.0, 12.0]);
+        assert_eq!(a.to_vec().unwrap(), [1.0, 2.0, 3.0, 4.0], "kept intact");
+    }
+    assert_eq!(since(&before), (4, 4, 0));
+
     // Attributes key them too.
     let x = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], &cpu).unwrap();
     for _ in 0..2 {
