@@ -427,6 +427,28 @@ mod tests {
         assert_eq!(i32::MAX.add(1), i32::MIN);
     }
 
+    #[test]
+    fn reducing_into_a_third_slice_keeps_the_operand_order_of_reducing_in_place() {
+        let first = [1.0f32, f32::NAN, -0.0, 3.5, 1e30];
+        let second = [2.0f32, 4.0, 0.0, f32::NAN, 1e30];
+        for r in [
+            Reduction::Sum,
+            Reduction::Mean,
+            Reduction::Max,
+            Reduction::Min,
+        ] {
+            let mut out = [0.0f32; 5];
+            reduce(r, &first, &second, &mut out);
+            let mut acc = first;
+            reduce_in_place(r, &mut acc, &second, true);
+            let mut flipped = second;
+            reduce_in_place(r, &mut flipped, &first, false);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out), bits(&acc), "{r:?}");
+            assert_eq!(bits(&out), bits(&flipped), "{r:?}");
+        }
+    }
+
     proptest! {
         /// Float sums depend on the order of their terms; every process
         /// must still end with the same bits.
