@@ -11,8 +11,7 @@ use crate::runtime::{
     PerThreadCounter,
 };
 use smallvec::SmallVec;
-use stagecraft_cpu::Kernel;
-use stagecraft_cpu::{settle_by_shape, AnyKernel, Inputs, KernelContext, ValueInputs};
+use stagecraft_cpu::{settle_by_shape, AnyKernel, Inputs, Kernel, KernelContext, ValueInputs};
 use stagecraft_ops::{Attrs, Effect, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
 use stagecraft_tensor::{
     DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,

@@ -2,6 +2,7 @@
 
 use crate::{DType, Element, Error, Location, Result};
 use std::alloc::{self, Layout};
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -123,6 +124,28 @@ mod pool {
         found
     }
 
+    /// Keeps the last reference to a small buffer (of no arena) for the
+    /// next request of its size on this thread; one the cache has no room
+    /// for is dropped, which frees its block as usual.
+    pub(super) fn stash(buffer: std::sync::Arc<super::RawBuffer>) {
+        let len = buffer.len;
+        if let Err(buffer) = local::stash(buffer) {
+            drop(buffer);
+            return;
+        }
+        LIVE_BYTES.fetch_sub(len as u64, Ordering::Relaxed);
+    }
+
+    /// A small buffer this thread dropped, of exactly `len` bytes (stale
+    /// contents), unique.
+    pub(super) fn take_whole(len: usize) -> Option<std::sync::Arc<super::RawBuffer>> {
+        let found = local::take_whole(len);
+        if found.is_some() {
+            HITS.fetch_add(1, Ordering::Relaxed);
+        }
+        found
+    }
+
     /// Offers a freed block to the pool; false when the caller must free it.
     /// Small blocks go to this thread's cache first; what it cannot keep
     /// spills to the shared pool, so a block freed on one thread (the
@@ -145,13 +168,14 @@ mod pool {
     /// frees and requests the same small sizes (biases, scalars, per-row
     /// statistics) every time, and the global allocator's lock-free fast
     /// path is about as costly as this lookup.
-    mod local {
-        use super::super::layout;
+    pub(super) mod local {
+        use super::super::{layout, RawBuffer};
         use super::Block;
         use std::cell::RefCell;
         use std::collections::HashMap;
         use std::hash::{BuildHasherDefault, Hasher};
         use std::ptr::NonNull;
+        use std::sync::Arc;
 
         /// At most this many bytes per thread, and this many blocks per size
         /// (few, so that blocks freed here keep flowing to other threads
@@ -180,11 +204,31 @@ mod pool {
         #[derive(Default)]
         struct Cache {
             free: HashMap<usize, Vec<Block>, BuildHasherDefault<LenHasher>>,
+            /// Small buffers kept whole (see `Buffer`'s `Drop`): each is
+            /// the last reference to its block.
+            whole: HashMap<usize, Vec<Arc<RawBuffer>>, BuildHasherDefault<LenHasher>>,
             bytes: usize,
         }
 
         impl Drop for Cache {
             fn drop(&mut self) {
+                for (len, buffers) in self.whole.drain() {
+                    for buffer in buffers {
+                        // Freed here rather than by the block's own `Drop`,
+                        // which would offer it to this cache again (and
+                        // count it live bytes that a kept buffer no longer
+                        // counts).
+                        let Some(raw) = Arc::into_inner(buffer) else {
+                            continue;
+                        };
+                        let raw = std::mem::ManuallyDrop::new(raw);
+                        // SAFETY: a kept buffer is the last reference to a
+                        // block allocated with `layout(len)` (small blocks
+                        // have no arena); the `RawBuffer` that owned it is
+                        // forgotten, so the block is freed once, here.
+                        unsafe { std::alloc::dealloc(raw.ptr.as_ptr(), layout(len)) }
+                    }
+                }
                 for (len, blocks) in self.free.drain() {
                     for block in blocks {
                         // SAFETY: cached blocks were allocated with
@@ -229,12 +273,56 @@ mod pool {
                 .unwrap_or(false)
         }
 
-        pub(super) fn cached_bytes() -> usize {
+        pub(super) fn stash(buffer: Arc<RawBuffer>) -> Result<(), Arc<RawBuffer>> {
+            let len = buffer.len;
+            let mut buffer = Some(buffer);
+            let _ = CACHE.try_with(|c| {
+                let Ok(mut c) = c.try_borrow_mut() else {
+                    return;
+                };
+                if c.bytes + len > MAX_BYTES {
+                    return;
+                }
+                let slot = c.whole.entry(len).or_default();
+                if slot.len() >= MAX_PER_SIZE {
+                    return;
+                }
+                slot.push(buffer.take().expect("kept once"));
+                c.bytes += len;
+            });
+            match buffer {
+                None => Ok(()),
+                Some(buffer) => Err(buffer),
+            }
+        }
+
+        pub(in crate::buffer) fn take_whole(len: usize) -> Option<Arc<RawBuffer>> {
+            CACHE
+                .try_with(|c| {
+                    let mut c = c.try_borrow_mut().ok()?;
+                    let buffer = c.whole.get_mut(&len).and_then(Vec::pop)?;
+                    c.bytes -= len;
+                    Some(buffer)
+                })
+                .ok()
+                .flatten()
+        }
+
+        /// How many buffers of `len` bytes this thread keeps whole.
+        #[cfg(test)]
+        pub(in crate::buffer) fn kept_whole(len: usize) -> usize {
+            CACHE.with(|c| c.borrow().whole.get(&len).map_or(0, Vec::len))
+        }
+
+        pub(in crate::buffer) fn cached_bytes() -> usize {
             CACHE.try_with(|c| c.borrow().bytes).unwrap_or(0)
         }
 
         pub(super) fn trim() {
-            let _ = CACHE.try_with(|c| *c.borrow_mut() = Cache::default());
+            // Dropped outside the borrow: freeing may call back into the
+            // cache.
+            let old = CACHE.try_with(|c| std::mem::take(&mut *c.borrow_mut()));
+            drop(old);
         }
     }
 
@@ -308,8 +396,28 @@ fn out_of_memory(len: usize) -> ! {
 /// A zero-initialised, aligned byte buffer (64 bytes for large buffers, 16
 /// for small ones) shared by reference counting. Cloning is cheap; writing
 /// needs the only reference.
+///
+/// A small buffer (under [`SMALL_BLOCK`] bytes) whose last reference is
+/// dropped waits whole, block and reference count together, in a cache
+/// of the dropping thread, and the next request of its size on that
+/// thread takes it back: an eager op on small tensors allocates no memory
+/// for its output.
 #[derive(Clone)]
-pub struct Buffer(Arc<RawBuffer>);
+pub struct Buffer(ManuallyDrop<Arc<RawBuffer>>);
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: the field is taken here, once, and never used again: the
+        // buffer is being dropped.
+        let mut raw = unsafe { ManuallyDrop::take(&mut self.0) };
+        let small = raw.len > 0 && raw.len < SMALL_BLOCK && raw.home.is_none();
+        // `get_mut` succeeds only for the last reference (buffers make no
+        // weak ones), so no other thread can be reading the block.
+        if small && Arc::get_mut(&mut raw).is_some() {
+            pool::stash(raw);
+        }
+    }
+}
 
 /// Buffers of fewer bytes than this are small: a freed one waits in a
 /// cache of the thread that freed it, taken back without a lock. The
@@ -382,7 +490,13 @@ impl Buffer {
                     len,
                     home: Some(arena),
                 };
-                return Some((Buffer(Arc::new(raw)), reused));
+                return Some((Buffer(ManuallyDrop::new(Arc::new(raw))), reused));
+            }
+        }
+        if len > 0 && len < pool::MIN_POOLED {
+            if let Some(whole) = pool::take_whole(len) {
+                pool::note_live(len);
+                return Some((Buffer(ManuallyDrop::new(whole)), true));
             }
         }
         let (ptr, reused) = if len == 0 {
@@ -404,7 +518,7 @@ impl Buffer {
             len,
             home: None,
         };
-        Some((Buffer(Arc::new(raw)), reused))
+        Some((Buffer(ManuallyDrop::new(Arc::new(raw))), reused))
     }
 
     /// A fresh zeroed block of `len > 0` bytes from the system, counted in
@@ -800,6 +914,50 @@ mod tests {
         assert!(c.is_unique());
         c.typed_mut::<f32>().unwrap()[0] = 1.5;
         assert_eq!(c.typed::<f32>().unwrap()[0], 1.5);
+    }
+
+    #[test]
+    fn a_small_buffer_dropped_last_is_taken_back_whole_on_its_thread() {
+        // A size no other test of this thread uses.
+        let len = 208;
+        let a = Buffer::zeroed(len);
+        let whole = Arc::as_ptr(&a.0);
+        let shared = a.clone();
+        drop(a);
+        // Not the last reference: still readable, and not kept.
+        assert!(shared.bytes().iter().all(|&b| b == 0));
+        let other = Buffer::for_overwrite(len);
+        assert_ne!(Arc::as_ptr(&other.0), whole);
+        assert_eq!(pool::local::kept_whole(len), 0);
+        drop(shared);
+        // The last one: kept, and the next request of its size takes it,
+        // block and reference count together, unique.
+        assert_eq!(pool::local::kept_whole(len), 1);
+        let mut again = Buffer::for_overwrite(len);
+        assert_eq!(Arc::as_ptr(&again.0), whole);
+        assert_eq!(pool::local::kept_whole(len), 0);
+        assert!(again.is_unique());
+        again.typed_mut::<f32>().unwrap().fill(2.0);
+        // `zeroed` clears what a kept buffer held.
+        drop(again);
+        let cleared = Buffer::zeroed(len);
+        assert_eq!(Arc::as_ptr(&cleared.0), whole);
+        assert!(cleared.bytes().iter().all(|&b| b == 0));
+        drop((cleared, other));
+        assert!(pool::local::cached_bytes() >= 2 * len);
+        // Trimming frees what the thread keeps.
+        Buffer::trim_pool();
+        assert_eq!(pool::local::cached_bytes(), 0);
+        let fresh = Buffer::for_overwrite(len);
+        assert!(fresh.is_unique());
+    }
+
+    #[test]
+    fn large_buffers_are_not_kept_whole() {
+        for len in [SMALL_BLOCK, SMALL_BLOCK + 64] {
+            drop(Buffer::zeroed(len));
+            assert_eq!(pool::local::kept_whole(len), 0, "{len}");
+        }
     }
 
     #[test]

@@ -325,7 +325,14 @@ fn breakdown() {
         black_box(&counter).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     });
     let malloc = per_call(calls, || drop(black_box(Box::new([0u64; 8]))));
+    let buffer = per_call(calls, || drop(black_box(tensor::Buffer::for_overwrite(16))));
     println!("for scale, on this host:");
+    println!(
+        "  {:<46} {:>8.1} ticks {:>7.1} ns",
+        "a 16-byte tensor buffer: take and drop",
+        buffer,
+        buffer / per_ns
+    );
     println!(
         "  {:<46} {:>8.1} ticks {:>7.1} ns",
         "one atomic add (a locked read-modify-write)",
