@@ -350,7 +350,11 @@ mod pool {
 
     pub(super) fn note_live(len: usize) {
         let live = LIVE_BYTES.fetch_add(len as u64, Ordering::Relaxed) + len as u64;
-        PEAK_BYTES.fetch_max(live, Ordering::Relaxed);
+        // A load first: `fetch_max` is a compare-and-swap loop on x86-64,
+        // and in a steady state the peak is rarely passed.
+        if live > PEAK_BYTES.load(Ordering::Relaxed) {
+            PEAK_BYTES.fetch_max(live, Ordering::Relaxed);
+        }
     }
 }
 
@@ -409,11 +413,12 @@ impl Drop for Buffer {
     fn drop(&mut self) {
         // SAFETY: the field is taken here, once, and never used again: the
         // buffer is being dropped.
-        let mut raw = unsafe { ManuallyDrop::take(&mut self.0) };
+        let raw = unsafe { ManuallyDrop::take(&mut self.0) };
         let small = raw.len > 0 && raw.len < SMALL_BLOCK && raw.home.is_none();
-        // `get_mut` succeeds only for the last reference (buffers make no
-        // weak ones), so no other thread can be reading the block.
-        if small && Arc::get_mut(&mut raw).is_some() {
+        // The last reference: no other thread can be reading the block,
+        // or take a new reference (buffers make no weak ones). A load, where
+        // `Arc::get_mut` would cost a locked compare-and-swap per drop.
+        if small && Arc::strong_count(&raw) == 1 {
             pool::stash(raw);
         }
     }

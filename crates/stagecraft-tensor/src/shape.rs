@@ -6,8 +6,26 @@ use std::fmt;
 
 /// The dimensions of a tensor; up to four are stored inline without a heap
 /// allocation.
-#[derive(PartialEq, Eq, Hash, Default)]
+#[derive(Eq, Default)]
 pub struct Shape(SmallVec<[usize; 4]>);
+
+impl std::hash::Hash for Shape {
+    /// As the dims slice hashes, consistent with `eq`.
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.dims().hash(state)
+    }
+}
+
+impl PartialEq for Shape {
+    /// Dim by dim, inline: slice equality calls `memcmp`, whose call
+    /// costs more than comparing the few dims of a shape (the eager fast
+    /// path compares every input's shape per op).
+    #[inline]
+    fn eq(&self, other: &Shape) -> bool {
+        let (a, b) = (self.dims(), other.dims());
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
+    }
+}
 
 impl Clone for Shape {
     /// A memcpy of the dims: SmallVec's own `Clone` goes through an

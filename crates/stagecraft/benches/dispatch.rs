@@ -12,7 +12,8 @@
 //! the same way into recording and the step's lookup and launch.
 //!
 //! Run with `scripts/bench.sh dispatch` for 2-thread and pinned 1-thread
-//! figures; the header names the host.
+//! figures; the header names the host. `DISPATCH_NO_BREAKDOWN=1` skips the
+//! breakdown (to profile a row alone).
 
 mod common;
 use common::host;
@@ -376,5 +377,9 @@ criterion_group!(benches, rows);
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
-    breakdown();
+    // Left out when profiling a criterion row (`--profile-time`), whose
+    // samples it would otherwise swamp.
+    if std::env::var_os("DISPATCH_NO_BREAKDOWN").is_none() {
+        breakdown();
+    }
 }
