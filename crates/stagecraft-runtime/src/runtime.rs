@@ -244,18 +244,7 @@ pub fn execute(
     args: Args,
     attrs: OpAttrsRef<'_>,
 ) -> Results {
-    bump(&OPS_EXECUTED, &OPS_EXECUTED_HERE);
-    if is_cancelled() {
-        let err = Error::cancelled().with_op(op.name).at(location);
-        return error_results(op, device, None, &err);
-    }
-    match device
-        .handler()
-        .execute_ready(op, device, location, ReadyArgs::Owned(args), &attrs)
-    {
-        Ok(results) => results,
-        Err(args) => execute_full(op, device, location, args.into_owned(), attrs),
-    }
+    execute_ready_first(op, device, location, ReadyArgs::Owned(args), attrs)
 }
 
 /// [`execute`] on borrowed arguments: an op the device runs on its fast
@@ -268,6 +257,24 @@ pub fn execute_borrowed(
     args: &[&TensorHandle],
     attrs: &OpAttrs,
 ) -> Results {
+    execute_ready_first(
+        op,
+        device,
+        location,
+        ReadyArgs::Borrowed(args),
+        attrs.into(),
+    )
+}
+
+/// Counts the op and checks cancellation, then offers the op to the
+/// device's fast path, and runs the full path if the device declines.
+fn execute_ready_first(
+    op: &'static OpDef,
+    device: Device,
+    location: Location,
+    args: ReadyArgs<'_>,
+    attrs: OpAttrsRef<'_>,
+) -> Results {
     bump(&OPS_EXECUTED, &OPS_EXECUTED_HERE);
     if is_cancelled() {
         let err = Error::cancelled().with_op(op.name).at(location);
@@ -275,10 +282,10 @@ pub fn execute_borrowed(
     }
     match device
         .handler()
-        .execute_ready(op, device, location, ReadyArgs::Borrowed(args), attrs)
+        .execute_ready(op, device, location, args, &attrs)
     {
         Ok(results) => results,
-        Err(args) => execute_full(op, device, location, args.into_owned(), attrs.into()),
+        Err(args) => execute_full(op, device, location, args.into_owned(), attrs),
     }
 }
 
