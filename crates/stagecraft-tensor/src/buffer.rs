@@ -419,6 +419,10 @@ impl Drop for Buffer {
         // or take a new reference (buffers make no weak ones). A load, where
         // `Arc::get_mut` would cost a locked compare-and-swap per drop.
         if small && Arc::strong_count(&raw) == 1 {
+            // What other threads did with the block before dropping their
+            // references happens before it is reused (as `Arc`'s own drop
+            // orders it before freeing).
+            std::sync::atomic::fence(Ordering::Acquire);
             pool::stash(raw);
         }
     }
