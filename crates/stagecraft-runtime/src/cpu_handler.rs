@@ -670,7 +670,8 @@ impl OpHandler for CpuOpHandler {
         });
         let args = match looked {
             Ok(Lookup::Ran(results)) => return Ok(results),
-            Ok(Lookup::Full(args)) | Ok(Lookup::Missed(args)) => args,
+            Ok(Lookup::Full(args)) => return Err(args),
+            Ok(Lookup::Missed(args)) => args,
             Err(_) => return Err(args.take().expect("the table was gone, so never taken")),
         };
         // A miss: what the full path would work out, kept for the next call.

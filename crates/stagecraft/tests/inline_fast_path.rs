@@ -101,6 +101,15 @@ fn ready_ops_run_inline_with_the_full_paths_answers() {
         "two scheduled kernels, none inline"
     );
 
+    // An op prepared for the full path looks its kernel up once per call,
+    // there, not also on the fast path.
+    let kernel_hits = || cpu.handler().kernel_cache_stats().unwrap().hits;
+    let before = (stats(), kernel_hits());
+    let again = &empty + &empty;
+    assert_eq!(again.dims(), [0, 3]);
+    assert_eq!(since(&before.0), (0, 1, 0));
+    assert_eq!(kernel_hits() - before.1, 1, "one lookup, on the full path");
+
     // The same ops run inline again afterwards.
     let before = stats();
     assert_eq!((&a + &a).to_vec().unwrap(), [2.0, 4.0, 6.0, 8.0]);
