@@ -81,6 +81,10 @@ fn run_while(
     mut state: Vec<HostTensor>,
 ) -> Result<Vec<HostTensor>> {
     let mut iterations: i64 = 0;
+    // The verdict and the next state in vectors kept across iterations:
+    // a small loop allocates nothing per iteration for them.
+    let mut verdict = Vec::with_capacity(1);
+    let mut next = Vec::with_capacity(state.len());
     loop {
         if should_stop() {
             return Err(Error::cancelled());
@@ -88,15 +92,17 @@ fn run_while(
         if limit >= 0 && iterations >= limit {
             return Ok(state);
         }
-        let verdict = cond.run(state.clone())?;
+        cond.run_into(state.iter().cloned(), &mut verdict)?;
         let keep_going = match verdict.as_slice() {
             [flag] => truth(flag)?,
             _ => return Err(Error::internal("a loop condition returned no single value")),
         };
+        verdict.clear();
         if !keep_going {
             return Ok(state);
         }
-        state = body.run(state)?;
+        body.run_into(state.drain(..), &mut next)?;
+        std::mem::swap(&mut state, &mut next);
         iterations += 1;
     }
 }

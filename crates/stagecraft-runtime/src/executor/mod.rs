@@ -22,7 +22,9 @@ use smallvec::SmallVec;
 use stagecraft_cpu::{settle_by_shape, AnyKernel, Inputs, KernelContext, ValueInputs};
 use stagecraft_graph::{Function, NodeOp, Value};
 use stagecraft_ops::{Attrs, FrozenOpAttrs, FuncId, OpDef, OutputMetas, ShapeKind};
-use stagecraft_tensor::{Arena, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result};
+use stagecraft_tensor::{
+    Arena, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -746,9 +748,48 @@ impl Executable {
         rendezvous: Option<&partition::Rendezvous>,
         locations: &[Location],
     ) -> Result<Vec<HostTensor>> {
+        let mut results = Vec::with_capacity(self.results.len());
+        self.run_in_order_into(args, rendezvous, locations, &mut results)?;
+        Ok(results)
+    }
+
+    /// [`run`](Self::run) with the arguments from an iterator and the
+    /// results written into `results` (cleared first): a loop that keeps
+    /// its state and its condition's verdict in vectors of its own runs
+    /// its condition and body every iteration without allocating them.
+    pub(crate) fn run_into(
+        &self,
+        args: impl ExactSizeIterator<Item = HostTensor>,
+        results: &mut Vec<HostTensor>,
+    ) -> Result<()> {
+        let simple = self.partitions.is_none()
+            && self.plan.blocks.is_empty()
+            && !self.schedule.parallel
+            && !self.schedule.splits;
+        if !simple || args.len() != self.function.params.len() {
+            let produced = self.run(args.collect())?;
+            results.clear();
+            results.extend(produced);
+            return Ok(());
+        }
+        self.run_in_order_into(args, None, &[], results)
+    }
+
+    /// [`run_in_order`](Self::run_in_order) into `results` (cleared
+    /// first).
+    fn run_in_order_into(
+        &self,
+        args: impl IntoIterator<Item = HostTensor>,
+        rendezvous: Option<&partition::Rendezvous>,
+        locations: &[Location],
+        results: &mut Vec<HostTensor>,
+    ) -> Result<()> {
         // On the stack for a small function (a loop's body or condition,
         // run once per iteration).
-        let mut slots: SmallVec<[Option<HostTensor>; 16]> = SmallVec::with_capacity(self.slots);
+        // Built in place: `with_capacity` returned the 1 KiB array by value,
+        // and a copy of it cost as much as a small kernel.
+        let mut slots: SmallVec<[Option<HostTensor>; 16]> = SmallVec::new();
+        slots.reserve(self.slots);
         slots.extend(args.into_iter().map(Some));
         slots.resize_with(self.slots, || None);
         for step in &self.steps {
@@ -775,33 +816,60 @@ impl Executable {
                 }
                 _ => {}
             }
-            let mut inputs = ValueInputs::new();
-            for (slot, last) in step.inputs.iter().zip(&step.last_use) {
-                let value = if *last {
-                    slots[*slot as usize].take()
+            let read = |slots: &mut [Option<HostTensor>], slot: Slot, last: bool| {
+                let value = if last {
+                    slots[slot as usize].take()
                 } else {
-                    slots[*slot as usize].clone()
+                    slots[slot as usize].clone()
                 };
-                let value = value.ok_or_else(|| Error::internal("an input was never computed"))?;
-                inputs.push(value);
+                value.ok_or_else(|| Error::internal("an input was never computed"))
+            };
+            // An output nobody reads is dropped now, as the buffer plan
+            // assumes.
+            let read_later = |slot: Slot| self.schedule.readers[slot as usize] > 0;
+            if let StepKind::Kernel {
+                def,
+                attrs,
+                kernel: AnyKernel::Dense(kernel),
+            } = &step.kind
+            {
+                // Dense inputs straight from their slots, dense outputs
+                // straight into theirs: each value moved once each way
+                // (a loop's small body runs this for every iteration).
+                let mut inputs = Inputs::new();
+                for (&slot, &last) in step.inputs.iter().zip(&step.last_use) {
+                    let value = read(&mut slots, slot, last)?
+                        .into_dense()
+                        .map_err(|e| step_error(def, step, locations, e))?;
+                    inputs.push(value);
+                }
+                let produced = self.execute_dense(step, def, attrs, kernel, inputs, locations)?;
+                for (&slot, value) in step.outputs.iter().zip(produced) {
+                    if read_later(slot) {
+                        slots[slot as usize] = Some(HostTensor::Dense(value));
+                    }
+                }
+                continue;
+            }
+            let mut inputs = ValueInputs::new();
+            for (&slot, &last) in step.inputs.iter().zip(&step.last_use) {
+                inputs.push(read(&mut slots, slot, last)?);
             }
             let produced = self.execute_step(step, inputs, locations)?;
-            for (slot, value) in step.outputs.iter().zip(produced) {
-                // An output nobody reads is dropped now, as the buffer plan
-                // assumes.
-                if self.schedule.readers[*slot as usize] > 0 {
-                    slots[*slot as usize] = Some(value);
+            for (&slot, value) in step.outputs.iter().zip(produced) {
+                if read_later(slot) {
+                    slots[slot as usize] = Some(value);
                 }
             }
         }
-        self.results
-            .iter()
-            .map(|slot| {
-                slots[*slot as usize]
-                    .clone()
-                    .ok_or_else(|| Error::internal("a result was never computed"))
-            })
-            .collect()
+        results.clear();
+        for slot in &self.results {
+            let value = slots[*slot as usize]
+                .clone()
+                .ok_or_else(|| Error::internal("a result was never computed"))?;
+            results.push(value);
+        }
+        Ok(())
     }
 
     /// The greedy dataflow run: each step starts as soon as its last input
@@ -963,73 +1031,124 @@ impl Executable {
                 return Err(Error::internal("a transfer step outside a partitioned run"))
             }
         };
+        match kernel {
+            AnyKernel::Dense(kernel) => {
+                // A plain loop: collecting through `Result` costs more than
+                // a tiny kernel.
+                let mut dense = Inputs::new();
+                for value in inputs {
+                    dense.push(
+                        value
+                            .into_dense()
+                            .map_err(|e| step_error(def, step, locations, e))?,
+                    );
+                }
+                let produced = self.execute_dense(step, def, attrs, kernel, dense, locations)?;
+                Ok(produced.into_iter().map(HostTensor::Dense).collect())
+            }
+            AnyKernel::Value(kernel) => {
+                count_kernel_launch();
+                let ctx = KernelContext {
+                    attrs: Attrs::new(attrs, def),
+                    outputs: &step.metas,
+                };
+                let produced = if crate::profile::is_enabled() {
+                    crate::profile::timed(crate::profile::KERNEL, def.name, || kernel(inputs, &ctx))
+                } else {
+                    kernel(inputs, &ctx)
+                };
+                let produced = produced.map_err(|e| step_error(def, step, locations, e))?;
+                check_outputs(
+                    def,
+                    step,
+                    locations,
+                    produced.iter().map(HostTensor::metadata),
+                )?;
+                Ok(produced)
+            }
+        }
+    }
+
+    /// Runs a step's dense kernel on `inputs` and checks its outputs
+    /// against the metadata the graph promised.
+    fn execute_dense(
+        &self,
+        step: &Step,
+        def: &'static OpDef,
+        attrs: &FrozenOpAttrs,
+        kernel: &stagecraft_cpu::Kernel,
+        inputs: Inputs,
+        locations: &[Location],
+    ) -> Result<stagecraft_cpu::Outputs> {
         count_kernel_launch();
         let ctx = KernelContext {
             attrs: Attrs::new(attrs, def),
             outputs: &step.metas,
         };
-        let run = move || -> Result<SmallVec<[HostTensor; 1]>> {
-            match kernel {
-                AnyKernel::Dense(kernel) => {
-                    // A plain loop: collecting through `Result` costs more
-                    // than a tiny kernel.
-                    let mut dense = Inputs::new();
-                    for value in inputs {
-                        dense.push(value.into_dense()?);
-                    }
-                    let metas = dense.iter().map(DenseHostTensor::metadata);
-                    if let Some(settled) = settle_by_shape(def, metas, &step.metas)? {
-                        return Ok(settled.into_iter().map(HostTensor::Dense).collect());
-                    }
-                    Ok(kernel(dense, &ctx)?
-                        .into_iter()
-                        .map(HostTensor::Dense)
-                        .collect())
-                }
-                AnyKernel::Value(kernel) => kernel(inputs, &ctx),
+        let metas = inputs.iter().map(DenseHostTensor::metadata);
+        let produced = match settle_by_shape(def, metas, &step.metas) {
+            Ok(Some(settled)) => Ok(settled),
+            Err(e) => Err(e),
+            Ok(None) if crate::profile::is_enabled() => {
+                crate::profile::timed(crate::profile::KERNEL, def.name, || kernel(inputs, &ctx))
             }
+            Ok(None) => kernel(inputs, &ctx),
         };
-        let produced = if crate::profile::is_enabled() {
-            crate::profile::timed(crate::profile::KERNEL, def.name, run)
-        } else {
-            run()
-        };
-        let produced = produced.map_err(|e| {
-            // An error from inside a nested function already names its op
-            // and was reported there.
-            let raised_here = e.op().is_none();
-            let e = e.with_op(def.name).at(step.location(locations));
-            if raised_here && e.kind() != ErrorKind::Cancelled {
-                report_error(&e);
-            }
-            e
-        })?;
-        if produced.len() != step.outputs.len() {
-            return Err(Error::internal(format!(
-                "{} returned {} outputs, expected {}",
-                def.name,
-                produced.len(),
-                step.outputs.len()
-            ))
-            .with_op(def.name)
-            .at(step.location(locations)));
-        }
-        if def.shape_kind == ShapeKind::Static {
-            // Checked in place: collecting the values anew moves each one.
-            for (value, meta) in produced.iter().zip(&step.metas) {
-                if value.metadata() != meta {
-                    return Err(Error::internal(format!(
-                        "{} produced {} where its metadata function promised {meta}",
-                        def.name,
-                        value.metadata()
-                    ))
-                    .with_op(def.name)
-                    .at(step.location(locations)));
-                }
-            }
-        }
+        let produced = produced.map_err(|e| step_error(def, step, locations, e))?;
+        check_outputs(
+            def,
+            step,
+            locations,
+            produced.iter().map(DenseHostTensor::metadata),
+        )?;
         Ok(produced)
     }
+}
+
+/// A step's error, naming its op and the step's source line; reported to
+/// the diagnostic handler when it was raised here.
+fn step_error(def: &OpDef, step: &Step, locations: &[Location], e: Error) -> Error {
+    // An error from inside a nested function already names its op and was
+    // reported there.
+    let raised_here = e.op().is_none();
+    let e = e.with_op(def.name).at(step.location(locations));
+    if raised_here && e.kind() != ErrorKind::Cancelled {
+        report_error(&e);
+    }
+    e
+}
+
+/// Checks a step's outputs, in place, against the metadata the graph
+/// promised (their number always; their metadata for a static-shape op).
+fn check_outputs<'m>(
+    def: &OpDef,
+    step: &Step,
+    locations: &[Location],
+    produced: impl ExactSizeIterator<Item = &'m TensorMetadata>,
+) -> Result<()> {
+    if produced.len() != step.outputs.len() {
+        return Err(Error::internal(format!(
+            "{} returned {} outputs, expected {}",
+            def.name,
+            produced.len(),
+            step.outputs.len()
+        ))
+        .with_op(def.name)
+        .at(step.location(locations)));
+    }
+    if def.shape_kind == ShapeKind::Static {
+        for (meta, promised) in produced.zip(&step.metas) {
+            if meta != promised {
+                return Err(Error::internal(format!(
+                    "{} produced {meta} where its metadata function promised {promised}",
+                    def.name,
+                ))
+                .with_op(def.name)
+                .at(step.location(locations)));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
