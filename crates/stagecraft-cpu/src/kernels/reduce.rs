@@ -229,6 +229,10 @@ impl<S: Copy + Sync> Source<S> for [S] {
     }
 }
 
+/// A fold's kept elements: a full reduction's one value stays on the stack
+/// (a loop condition's `sum(x)` runs every iteration).
+pub(crate) type Folded<A> = SmallVec<[A; 2]>;
+
 /// Rows a stored column fold adds per pass over its accumulators.
 const ROWS_PER_PASS: usize = 8;
 
@@ -242,7 +246,7 @@ pub(crate) fn reduce_axes<S, A, C, F, X>(
     cvt: C,
     id: A,
     f: F,
-) -> Vec<A>
+) -> Folded<A>
 where
     S: Copy + Sync,
     A: Copy + Send + Sync,
@@ -257,7 +261,7 @@ where
             .filter(|a| !axes.contains(a))
             .map(|a| dims[a])
             .collect();
-        return vec![id; element_count(&kept)];
+        return smallvec![id; element_count(&kept)];
     }
     // (size, reduced) runs, size-1 axes dropped: they change no index.
     let mut groups: SmallVec<[(usize, bool); 4]> = SmallVec::new();
@@ -304,7 +308,7 @@ fn fold_pass<S, A, C, F, X>(
     (outer, red, inner): (usize, usize, usize),
     id: A,
     f: F,
-) -> Vec<A>
+) -> Folded<A>
 where
     S: Copy + Sync,
     A: Copy + Send + Sync,
@@ -312,7 +316,7 @@ where
     F: Fn(A, A) -> A + Copy + Sync,
     X: Source<S> + ?Sized,
 {
-    let mut out = vec![id; outer * inner];
+    let mut out: Folded<A> = smallvec![id; outer * inner];
     if out.is_empty() {
         return out;
     }
