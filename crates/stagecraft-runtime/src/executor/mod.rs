@@ -827,6 +827,14 @@ impl Executable {
             // An output nobody reads is dropped now, as the buffer plan
             // assumes.
             let read_later = |slot: Slot| self.schedule.readers[slot as usize] > 0;
+            if let StepKind::Const(value) = &step.kind {
+                for &slot in &step.outputs {
+                    if read_later(slot) {
+                        slots[slot as usize] = Some(value.clone());
+                    }
+                }
+                continue;
+            }
             if let StepKind::Kernel {
                 def,
                 attrs,
