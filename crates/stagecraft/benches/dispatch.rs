@@ -9,7 +9,8 @@
 //! alone, on the same values, counted with the CPU's time-stamp counter
 //! over many calls (median of rounds); what the stages do not cover is
 //! the glue between them (calls, moves, counters). The lazy path is split
-//! the same way into recording and the step's lookup and launch.
+//! into recording, and the step's collection, key hashing, cache lookup,
+//! kernels and the rest, from the lazy runtime's own clocks.
 //!
 //! Run with `scripts/bench.sh dispatch` for 2-thread and pinned 1-thread
 //! figures; the header names the host. `DISPATCH_NO_BREAKDOWN=1` skips the
@@ -246,8 +247,18 @@ fn eager_stages(calls: u64) -> (f64, Vec<Stage>, Vec<Stage>) {
     (total, stages, miss)
 }
 
-/// The lazy add recorded, and one cached step's lookup and launch.
-fn lazy_stages(calls: u64) -> (f64, f64, f64) {
+/// A cached step's phases, ns, medians over the steps measured.
+struct StepPhases {
+    /// `mark_step` as a whole, in ticks.
+    whole: f64,
+    collect: f64,
+    key: f64,
+    lookup: f64,
+    run: f64,
+}
+
+/// The lazy add recorded (ticks per op), and one cached step's phases.
+fn lazy_stages(calls: u64) -> (f64, StepPhases) {
     let lazy = Device::lazy(&Device::cpu());
     let (a, b) = pair(&lazy);
     a.wait().unwrap();
@@ -271,10 +282,11 @@ fn lazy_stages(calls: u64) -> (f64, f64, f64) {
     record.sort_by(f64::total_cmp);
     let record = record[record.len() / 2];
 
-    // A step's lookup and launch: `mark_step` on a recorded chain whose
-    // trace is cached, its kernels' run time reported apart.
-    let mut launch = Vec::new();
-    let mut run = Vec::new();
+    // A step's phases: `mark_step` on a recorded chain whose trace is
+    // cached, with the runtime's own clocks for collecting, hashing the
+    // key, looking it up and running the kernels.
+    let mut phases: [Vec<f64>; 5] = Default::default();
+    let nanos = |d: std::time::Duration| d.as_nanos() as f64;
     for _ in 0..(9 * batches) {
         let mut t = a.clone();
         for _ in 0..CHAIN {
@@ -283,14 +295,26 @@ fn lazy_stages(calls: u64) -> (f64, f64, f64) {
         let before = stagecraft::lazy::metrics();
         let start = ticks();
         stagecraft::lazy::mark_step();
-        launch.push((ticks() - start) as f64);
+        phases[0].push((ticks() - start) as f64);
         let after = stagecraft::lazy::metrics();
-        run.push((after.execute_time - before.execute_time).as_nanos() as f64);
+        phases[1].push(nanos(after.collect_time - before.collect_time));
+        phases[2].push(nanos(after.key_time - before.key_time));
+        phases[3].push(nanos(after.lookup_time - before.lookup_time));
+        phases[4].push(nanos(after.execute_time - before.execute_time));
         drop(black_box(t));
     }
-    launch.sort_by(f64::total_cmp);
-    run.sort_by(f64::total_cmp);
-    (record, launch[launch.len() / 2], run[run.len() / 2])
+    let [whole, collect, key, lookup, run] = phases.map(|mut v| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    });
+    let phases = StepPhases {
+        whole,
+        collect,
+        key,
+        lookup,
+        run,
+    };
+    (record, phases)
 }
 
 fn breakdown() {
@@ -346,7 +370,7 @@ fn breakdown() {
         malloc,
         malloc / per_ns
     );
-    let (record, launch, run_ns) = lazy_stages(calls);
+    let (record, step) = lazy_stages(calls);
     println!("lazy add on the CPU's lazy device:");
     println!(
         "  {:<46} {:>8.1} ticks {:>7.1} ns",
@@ -354,22 +378,29 @@ fn breakdown() {
         record,
         record / per_ns
     );
+    let whole = step.whole / per_ns;
     println!(
-        "  {:<46} {:>8.1} ticks {:>7.1} ns",
+        "  {:<46} {:>8.1} ticks {:>7.1} ns {:>7.1} ns/op",
         format!("mark_step of a cached {CHAIN}-op trace"),
-        launch,
-        launch / per_ns
+        step.whole,
+        whole,
+        whole / CHAIN as f64
     );
-    println!(
-        "  {:<46} {:>8} {:>13.1} ns",
-        "  of which its kernels ran", "", run_ns
-    );
-    println!(
-        "  {:<46} {:>8} {:>13.1} ns",
-        "  of which collect, key, lookup, launch",
-        "",
-        launch / per_ns - run_ns
-    );
+    let rest = whole - step.collect - step.key - step.lookup - step.run;
+    for (name, ns) in [
+        ("  collect (walk, claims, the key's words)", step.collect),
+        ("  key hashing", step.key),
+        ("  cache lookup (compare, arguments)", step.lookup),
+        ("  its kernels ran", step.run),
+        ("  the rest (live roots, outputs, claims ended)", rest),
+    ] {
+        println!(
+            "  {name:<46} {:>8} {:>13.1} ns {:>7.1} ns/op",
+            "",
+            ns,
+            ns / CHAIN as f64
+        );
+    }
 }
 
 criterion_group!(benches, rows);

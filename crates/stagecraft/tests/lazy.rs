@@ -445,3 +445,44 @@ fn lazy_side_effects_do_not_block_eager_ones() {
     assert_eq!(c.to_vec().unwrap(), vec![1.0, 1.0]);
     assert_eq!(x.to_vec().unwrap(), vec![1.0, 1.0]);
 }
+
+/// A cached step's collection, key hashing and cache lookup are timed
+/// apart from its kernels, each within the step's own time, and a reset
+/// zeroes them.
+#[test]
+fn a_cached_steps_phases_are_timed_apart() {
+    let _g = serial();
+    let d = dev();
+    let a = Tensor::<f32>::ones(&[4], &d);
+    let step = || {
+        let mut t = a.clone();
+        for _ in 0..200 {
+            t = &t + &a;
+        }
+        let start = std::time::Instant::now();
+        lazy::mark_step();
+        let wall = start.elapsed();
+        (t, wall)
+    };
+    // The first step compiles the trace; the second finds it.
+    let (first, _) = step();
+    lazy::reset_metrics();
+    let m = lazy::metrics();
+    let zero = std::time::Duration::ZERO;
+    assert_eq!(
+        (m.collect_time, m.key_time, m.lookup_time, m.execute_time),
+        (zero, zero, zero, zero),
+        "{m:?}"
+    );
+    let (second, wall) = step();
+    let m = lazy::metrics();
+    assert_eq!((m.cache_hits, m.traces_compiled), (1, 0), "{m:?}");
+    assert!(m.collect_time > zero, "{m:?}");
+    assert!(m.key_time > zero, "{m:?}");
+    assert!(m.lookup_time > zero, "{m:?}");
+    assert!(m.execute_time > zero, "{m:?}");
+    let phases = m.collect_time + m.key_time + m.lookup_time + m.execute_time;
+    assert!(phases <= wall, "{phases:?} of a {wall:?} step: {m:?}");
+    assert_eq!(second.to_vec().unwrap(), first.to_vec().unwrap());
+    assert_eq!(second.to_vec().unwrap(), vec![201.0; 4]);
+}

@@ -4,7 +4,7 @@
 //! only ever share it for reading.
 
 use super::collect::{Collected, Leaf, Skeleton, Structure};
-use super::metrics::{count_cache_hit, count_cache_miss, count_compile};
+use super::metrics::{count_cache_hit, count_cache_miss, count_compile, count_key, count_lookup};
 use super::op::LazyOp;
 use crate::device::Device;
 use crate::executor::{instantiate, DeviceProgram, Executable};
@@ -245,7 +245,10 @@ pub(super) fn build_function(
 pub(super) fn lookup_or_compile(
     collected: &Collected,
 ) -> Result<(Arc<Compiled>, Vec<TensorValue>)> {
+    let start = Instant::now();
     let key = fingerprint(&collected.structure);
+    count_key(start.elapsed());
+    let start = Instant::now();
     let leaves = &collected.leaves;
     let found = read_cache(|cache| {
         let entries = cache?.get(&key)?;
@@ -271,6 +274,7 @@ pub(super) fn lookup_or_compile(
         }
         Some(Err((entry.modes.clone(), widened)))
     });
+    count_lookup(start.elapsed());
     // A miss builds the skeleton: it explains the miss and becomes the
     // function.
     let (skeleton, modes) = match found {

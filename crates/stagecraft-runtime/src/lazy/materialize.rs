@@ -13,7 +13,8 @@
 use super::cache::lookup_or_compile;
 use super::collect::{collect, collect_claiming, Collected};
 use super::metrics::{
-    count_bytes_to_host, count_execution, count_materialization, count_step, Trigger,
+    count_bytes_to_host, count_collection, count_execution, count_materialization, count_step,
+    Trigger,
 };
 use super::op::{ClaimOutcome, LazyOp, Outputs, TraceId};
 use super::record::live_roots;
@@ -175,7 +176,9 @@ fn materialize(mut roots: Vec<Root>, trigger: Trigger) {
     let trace = TraceId::next();
     let start = Instant::now();
     let span = profile::begin();
-    match claim(&mut roots, trace) {
+    let claimed = claim(&mut roots, trace);
+    count_collection(start.elapsed());
+    match claimed {
         Claim::NothingToRun => return,
         Claim::Failed(error) => {
             let ops: Vec<Arc<LazyOp>> = roots.iter().map(|(op, _)| op.clone()).collect();

@@ -37,6 +37,15 @@ pub struct LazyMetrics {
     pub compile_time: Duration,
     /// Time spent running traces.
     pub execute_time: Duration,
+    /// Time spent collecting traces: walking the recorded ops, claiming
+    /// them and writing each trace's structure as the words of its key.
+    pub collect_time: Duration,
+    /// Time spent hashing those words into trace-cache keys.
+    pub key_time: Duration,
+    /// Time spent looking keys up in the trace cache (comparing the
+    /// structure, checking baked constants, gathering the arguments), on
+    /// hits and misses alike; compiling a miss is in `compile_time`.
+    pub lookup_time: Duration,
     /// Bytes of values handed to the host by reads.
     pub bytes_to_host: u64,
     /// Materializations caused by value reads.
@@ -72,6 +81,9 @@ struct Counters {
     materializations: AtomicU64,
     compile_nanos: AtomicU64,
     execute_nanos: AtomicU64,
+    collect_nanos: AtomicU64,
+    key_nanos: AtomicU64,
+    lookup_nanos: AtomicU64,
     bytes_to_host: AtomicU64,
     by_value_read: AtomicU64,
     by_host_control_flow: AtomicU64,
@@ -93,6 +105,9 @@ static COUNTERS: Counters = Counters {
     materializations: AtomicU64::new(0),
     compile_nanos: AtomicU64::new(0),
     execute_nanos: AtomicU64::new(0),
+    collect_nanos: AtomicU64::new(0),
+    key_nanos: AtomicU64::new(0),
+    lookup_nanos: AtomicU64::new(0),
     bytes_to_host: AtomicU64::new(0),
     by_value_read: AtomicU64::new(0),
     by_host_control_flow: AtomicU64::new(0),
@@ -153,6 +168,19 @@ pub(super) fn count_execution(time: Duration) {
     add_nanos(&COUNTERS.execute_nanos, time);
 }
 
+/// A trace's collection, key hashing and cache lookup times.
+pub(super) fn count_collection(time: Duration) {
+    add_nanos(&COUNTERS.collect_nanos, time);
+}
+
+pub(super) fn count_key(time: Duration) {
+    add_nanos(&COUNTERS.key_nanos, time);
+}
+
+pub(super) fn count_lookup(time: Duration) {
+    add_nanos(&COUNTERS.lookup_nanos, time);
+}
+
 pub(super) fn count_bytes_to_host(bytes: u64) {
     COUNTERS.bytes_to_host.fetch_add(bytes, Relaxed);
 }
@@ -187,6 +215,9 @@ pub fn metrics() -> LazyMetrics {
         materializations: c.materializations.load(Relaxed),
         compile_time: Duration::from_nanos(c.compile_nanos.load(Relaxed)),
         execute_time: Duration::from_nanos(c.execute_nanos.load(Relaxed)),
+        collect_time: Duration::from_nanos(c.collect_nanos.load(Relaxed)),
+        key_time: Duration::from_nanos(c.key_nanos.load(Relaxed)),
+        lookup_time: Duration::from_nanos(c.lookup_nanos.load(Relaxed)),
         bytes_to_host: c.bytes_to_host.load(Relaxed),
         by_value_read: c.by_value_read.load(Relaxed),
         by_host_control_flow: c.by_host_control_flow.load(Relaxed),
@@ -216,6 +247,9 @@ pub fn reset_metrics() {
         &c.materializations,
         &c.compile_nanos,
         &c.execute_nanos,
+        &c.collect_nanos,
+        &c.key_nanos,
+        &c.lookup_nanos,
         &c.bytes_to_host,
         &c.by_value_read,
         &c.by_host_control_flow,
