@@ -247,18 +247,10 @@ fn eager_stages(calls: u64) -> (f64, Vec<Stage>, Vec<Stage>) {
     (total, stages, miss)
 }
 
-/// A cached step's phases, ns, medians over the steps measured.
-struct StepPhases {
-    /// `mark_step` as a whole, in ticks.
-    whole: f64,
-    collect: f64,
-    key: f64,
-    lookup: f64,
-    run: f64,
-}
-
-/// The lazy add recorded (ticks per op), and one cached step's phases.
-fn lazy_stages(calls: u64) -> (f64, StepPhases) {
+/// The lazy add recorded (ticks per op), and one cached step's phases,
+/// medians: `mark_step` whole (ticks), then its collection, key hashing,
+/// cache lookup and kernels (ns).
+fn lazy_stages(calls: u64) -> (f64, [f64; 5]) {
     let lazy = Device::lazy(&Device::cpu());
     let (a, b) = pair(&lazy);
     a.wait().unwrap();
@@ -303,18 +295,11 @@ fn lazy_stages(calls: u64) -> (f64, StepPhases) {
         phases[4].push(nanos(after.execute_time - before.execute_time));
         drop(black_box(t));
     }
-    let [whole, collect, key, lookup, run] = phases.map(|mut v| {
+    let medians = phases.map(|mut v| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     });
-    let phases = StepPhases {
-        whole,
-        collect,
-        key,
-        lookup,
-        run,
-    };
-    (record, phases)
+    (record, medians)
 }
 
 fn breakdown() {
@@ -370,7 +355,7 @@ fn breakdown() {
         malloc,
         malloc / per_ns
     );
-    let (record, step) = lazy_stages(calls);
+    let (record, [whole_ticks, collect, key, lookup, run]) = lazy_stages(calls);
     println!("lazy add on the CPU's lazy device:");
     println!(
         "  {:<46} {:>8.1} ticks {:>7.1} ns",
@@ -378,20 +363,20 @@ fn breakdown() {
         record,
         record / per_ns
     );
-    let whole = step.whole / per_ns;
+    let whole = whole_ticks / per_ns;
     println!(
         "  {:<46} {:>8.1} ticks {:>7.1} ns {:>7.1} ns/op",
         format!("mark_step of a cached {CHAIN}-op trace"),
-        step.whole,
+        whole_ticks,
         whole,
         whole / CHAIN as f64
     );
-    let rest = whole - step.collect - step.key - step.lookup - step.run;
+    let rest = whole - collect - key - lookup - run;
     for (name, ns) in [
-        ("  collect (walk, claims, the key's words)", step.collect),
-        ("  key hashing", step.key),
-        ("  cache lookup (compare, arguments)", step.lookup),
-        ("  its kernels ran", step.run),
+        ("  collect (walk, claims, the key's words)", collect),
+        ("  key hashing", key),
+        ("  cache lookup (compare, arguments)", lookup),
+        ("  its kernels ran", run),
         ("  the rest (live roots, outputs, claims ended)", rest),
     ] {
         println!(

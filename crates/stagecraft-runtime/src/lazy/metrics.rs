@@ -168,7 +168,8 @@ pub(super) fn count_execution(time: Duration) {
     add_nanos(&COUNTERS.execute_nanos, time);
 }
 
-/// A trace's collection, key hashing and cache lookup times.
+// A trace's collection, key hashing and cache lookup times.
+
 pub(super) fn count_collection(time: Duration) {
     add_nanos(&COUNTERS.collect_nanos, time);
 }
