@@ -633,10 +633,12 @@ impl OpHandler for CpuOpHandler {
         args: ReadyArgs<'a>,
         attrs: &OpAttrs,
     ) -> std::result::Result<Results, ReadyArgs<'a>> {
-        if op.effect != Effect::Pure
-            || op.shape_kind != ShapeKind::Static
+        // A side effect runs here only when every earlier one has run,
+        // which is when the full path would run it inline without a chain.
+        if op.shape_kind != ShapeKind::Static
             || crate::profile::is_enabled()
             || execution_mode() != ExecutionMode::Sync
+            || (op.effect == Effect::SideEffecting && !crate::context::chain_resolved())
             || args
                 .iter()
                 .any(|a| a.device() != device || a.ready_host().is_none())

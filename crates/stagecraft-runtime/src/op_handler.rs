@@ -106,7 +106,8 @@ pub trait OpHandler: Send + Sync {
     /// panics.
     fn execute(&self, invocation: OpInvocation<'_>) -> Results;
 
-    /// Runs a pure op whose arguments are all available values on `device`
+    /// Runs an op whose arguments are all available values on `device`
+    /// (a side-effecting one only once every earlier side effect has run)
     /// before returning, when the handler can do so more cheaply than
     /// through [`OpHandler::execute`] (TFRT's synchronous fast path: no
     /// pending handles, no invocation to build). The runtime has checked

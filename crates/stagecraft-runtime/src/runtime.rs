@@ -124,8 +124,8 @@ pub struct RuntimeStats {
     /// Kernels actually run (ops skipped by error propagation or
     /// cancellation run none).
     pub kernel_launches: u64,
-    /// Ops run on the synchronous fast path: a pure op whose inputs were
-    /// all available, run before `execute` returned with the output
+    /// Ops run on the synchronous fast path: an op whose inputs were all
+    /// available (and, for a side effect, every earlier one had run), run before `execute` returned with the output
     /// metadata and kernel its thread had prepared for the same op,
     /// attributes, dtypes and shapes (see [`crate::OpHandler::execute_ready`]).
     pub inline_runs: u64,

@@ -7,6 +7,8 @@
 
 use stagecraft::layers::runtime::{stats, RuntimeStats};
 use stagecraft::{with_execution_mode, Device, ExecutionMode, Tensor};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 fn since(before: &RuntimeStats) -> (u64, u64, u64) {
     let now = stats();
@@ -114,4 +116,54 @@ fn ready_ops_run_inline_with_the_full_paths_answers() {
     let before = stats();
     assert_eq!((&a + &a).to_vec().unwrap(), [2.0, 4.0, 6.0, 8.0]);
     assert_eq!(since(&before), (1, 1, 0));
+
+    side_effects_run_inline_only_after_every_earlier_one(&a);
+}
+
+/// A side effect (here `Print`; collectives alike) runs inline when every
+/// earlier one has run, and the full way, after them, while one is still
+/// pending.
+fn side_effects_run_inline_only_after_every_earlier_one(a: &Tensor<f32>) {
+    let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+    // A print labelled `hold` blocks until the gate opens.
+    let gate: Arc<(Mutex<bool>, Condvar)> = Arc::default();
+    let (sink, held) = (lines.clone(), gate.clone());
+    stagecraft::layers::cpu::set_print_sink(Some(Arc::new(move |line: &str| {
+        if line.starts_with("hold") {
+            let (open, opened) = &*held;
+            let mut open = open.lock().unwrap();
+            while !*open {
+                open = opened.wait(open).unwrap();
+            }
+        }
+        sink.lock().unwrap().push(line.to_string());
+    })));
+
+    let before = stats();
+    for _ in 0..2 {
+        assert_eq!(a.print("ready").to_vec().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    }
+    assert_eq!(since(&before), (2, 2, 0), "both prints inline");
+    assert_eq!(lines.lock().unwrap().len(), 2);
+
+    let held = with_execution_mode(ExecutionMode::Async, || a.print("hold"));
+    let before = stats();
+    std::thread::scope(|s| {
+        // Long after `after` was issued, which waits for `hold` meanwhile.
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            let (open, opened) = &*gate;
+            *open.lock().unwrap() = true;
+            opened.notify_all();
+        });
+        let after = a.print("after");
+        assert_eq!(after.to_vec().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    });
+    held.check().unwrap();
+    // Both kernels ran in this span (`hold`'s on a worker), none inline.
+    assert_eq!(since(&before), (0, 2, 0), "`after` waited on the full path");
+    stagecraft::layers::cpu::set_print_sink(None);
+    let lines = lines.lock().unwrap();
+    let labels: Vec<&str> = lines.iter().map(|l| &l[..l.find(':').unwrap()]).collect();
+    assert_eq!(labels, ["ready", "ready", "hold", "after"]);
 }
