@@ -10,7 +10,7 @@ use stagecraft_tensor::{DType, Scalar};
 use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::ops::Deref;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// The type of an attribute value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -245,15 +245,8 @@ impl OpAttrs {
 
     /// Sets a string attribute.
     pub fn set_str(&mut self, name: &'static str, value: &str) -> &mut Self {
-        let words: SmallVec<[u64; 8]> = value
-            .as_bytes()
-            .chunks(8)
-            .map(|chunk| {
-                let mut word = [0u8; 8];
-                word[..chunk.len()].copy_from_slice(chunk);
-                u64::from_le_bytes(word)
-            })
-            .collect();
+        let mut words: SmallVec<[u64; 8]> = SmallVec::new();
+        le_words(value.as_bytes(), |word| words.push(word));
         self.push(name, AttrKind::Str, value.len(), &words);
         self
     }
@@ -334,7 +327,7 @@ impl OpAttrs {
     /// A reference-counted, immutable copy that can outlive this map
     /// (needed when a kernel runs asynchronously).
     pub fn freeze(&self) -> FrozenOpAttrs {
-        FrozenOpAttrs(Arc::new(self.clone()))
+        FrozenOpAttrs((!self.is_empty()).then(|| Arc::new(self.clone())))
     }
 }
 
@@ -411,6 +404,25 @@ impl Hash for OpAttrs {
     }
 }
 
+/// `bytes` as little-endian words, the last one padded with zeros. The
+/// tail is gathered byte by byte: a `copy_from_slice` of a length known
+/// only at run time is a call to `memcpy`, which cost more than the rest
+/// of hashing an attribute's name.
+fn le_words(bytes: &[u8], mut each: impl FnMut(u64)) {
+    let mut chunks = bytes.chunks_exact(8);
+    for chunk in &mut chunks {
+        each(u64::from_le_bytes(chunk.try_into().expect("8 bytes")));
+    }
+    let tail = chunks.remainder();
+    if !tail.is_empty() {
+        each(
+            tail.iter()
+                .rev()
+                .fold(0u64, |word, &byte| (word << 8) | u64::from(byte)),
+        );
+    }
+}
+
 /// A multiply-rotate mix of one attribute's words (as FxHash), finished
 /// with a 64-bit avalanche so that the entries' sum stays well spread.
 struct EntryHash(u64);
@@ -421,11 +433,7 @@ impl EntryHash {
     }
 
     fn bytes(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.word(u64::from_le_bytes(word));
-        }
+        le_words(bytes, |word| self.word(word));
         self.word(bytes.len() as u64);
     }
 
@@ -458,14 +466,34 @@ impl fmt::Debug for OpAttrs {
 }
 
 /// An immutable, reference-counted attribute map; cloning is one atomic
-/// increment.
-#[derive(Clone, PartialEq, Eq, Hash, Debug)]
-pub struct FrozenOpAttrs(Arc<OpAttrs>);
+/// increment. The empty map (most elementwise ops) is held by no pointer:
+/// freezing, cloning and dropping it touch no shared counter, which every
+/// thread recording or scheduling such ops would otherwise contend on.
+#[derive(Clone, Debug)]
+pub struct FrozenOpAttrs(Option<Arc<OpAttrs>>);
 
 impl Deref for FrozenOpAttrs {
     type Target = OpAttrs;
     fn deref(&self) -> &OpAttrs {
-        &self.0
+        static EMPTY: OnceLock<OpAttrs> = OnceLock::new();
+        match &self.0 {
+            Some(attrs) => attrs,
+            None => EMPTY.get_or_init(OpAttrs::new),
+        }
+    }
+}
+
+impl PartialEq for FrozenOpAttrs {
+    fn eq(&self, other: &FrozenOpAttrs) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for FrozenOpAttrs {}
+
+impl Hash for FrozenOpAttrs {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        (**self).hash(state)
     }
 }
 
@@ -517,7 +545,7 @@ mod tests {
     use super::*;
     use std::collections::hash_map::DefaultHasher;
 
-    fn hash_of(a: &OpAttrs) -> u64 {
+    fn hash_of<T: Hash + ?Sized>(a: &T) -> u64 {
         let mut h = DefaultHasher::new();
         a.hash(&mut h);
         h.finish()
@@ -596,6 +624,29 @@ mod tests {
         assert_ne!(hash_of(&short), hash_of(&long));
     }
 
+    /// Strings are stored, and names hashed, as little-endian words padded
+    /// with zeros: every length from empty to past two words round-trips,
+    /// and the words are the padded bytes read in order.
+    #[test]
+    fn strings_become_zero_padded_little_endian_words() {
+        let text = "abcdefghijklmnopqrstu";
+        for len in 0..=text.len() {
+            let s = &text[..len];
+            let mut words = Vec::new();
+            le_words(s.as_bytes(), |w| words.push(w));
+            let mut padded = s.as_bytes().to_vec();
+            padded.resize(len.div_ceil(8) * 8, 0);
+            let want: Vec<u64> = padded
+                .chunks(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(words, want, "{s:?}");
+            let mut a = OpAttrs::new();
+            a.set_str("label", s);
+            assert_eq!(a.get("label"), Some(AttrValue::Str(s)));
+        }
+    }
+
     #[test]
     fn freeze_shares_and_borrowed_copies() {
         let mut a = OpAttrs::new();
@@ -604,7 +655,20 @@ mod tests {
         let frozen = r.freeze();
         assert_eq!(frozen.get("k"), Some(AttrValue::Int(7)));
         let again = OpAttrsRef::from(frozen.clone()).freeze();
-        assert!(Arc::ptr_eq(&frozen.0, &again.0));
+        assert!(Arc::ptr_eq(
+            frozen.0.as_ref().unwrap(),
+            again.0.as_ref().unwrap()
+        ));
         assert_eq!(format!("{a}"), "k: 7");
+        // The empty map is held by no pointer, and equals (and hashes as)
+        // any other empty map.
+        let empty = OpAttrs::new().freeze();
+        assert!(empty.0.is_none() && empty.is_empty());
+        let mut emptied = OpAttrs::new();
+        emptied.set_int("k", 1);
+        emptied.entries.clear();
+        let emptied = FrozenOpAttrs(Some(Arc::new(emptied)));
+        assert_eq!(empty, emptied);
+        assert_eq!(hash_of(&empty), hash_of(&emptied));
     }
 }
