@@ -51,7 +51,9 @@ pub use record::set_trace_limit;
 
 use crate::device::Device;
 use crate::handle::TensorHandle;
-use crate::op_handler::{OpHandler, OpInvocation, Results};
+use crate::op_handler::{InputMetas, OpHandler, OpInvocation, ReadyArgs, Results};
+use stagecraft_ops::{Effect, OpAttrs, OpDef, ShapeKind};
+use stagecraft_tensor::Location;
 
 /// The op handler of a lazy device: records ops (or, with
 /// `STAGECRAFT_LAZY_EAGER=1`, runs them one by one on the target device for
@@ -91,6 +93,43 @@ impl OpHandler for LazyOpHandler {
             return record::execute_eagerly(self.target, inv);
         }
         record::record(self.target, inv)
+    }
+
+    /// Records a pure op whose arguments all live on this device and are
+    /// not errors, from the caller's handles: no argument handle is cloned
+    /// and no invocation built. Anything else (a side effect, an argument
+    /// to copy or an error to propagate, a failing metadata function,
+    /// which the full path reports) takes the full path.
+    fn execute_ready<'a>(
+        &self,
+        op: &'static OpDef,
+        device: Device,
+        location: Location,
+        args: ReadyArgs<'a>,
+        attrs: &OpAttrs,
+    ) -> std::result::Result<Results, ReadyArgs<'a>> {
+        if self.eager
+            || op.effect != Effect::Pure
+            || op.shape_kind != ShapeKind::Static
+            || args
+                .iter()
+                .any(|a| a.device() != device || a.resolved_error().is_some())
+        {
+            return Err(args);
+        }
+        let inputs: InputMetas = args.iter().map(|a| a.metadata().clone()).collect();
+        let Ok(outputs) = op.infer(&inputs, attrs) else {
+            return Err(args);
+        };
+        Ok(record::record_op(
+            self.target,
+            op,
+            device,
+            location,
+            args.iter(),
+            attrs,
+            outputs,
+        ))
     }
 
     /// The target's memory: a materialized value of a lazy tensor lives
@@ -176,5 +215,44 @@ pub(crate) mod tests {
         assert!(is_lazy_handle(&y));
         assert!(!y.is_resolved(), "recorded, not run");
         assert_eq!(values(&y), [3.0]);
+    }
+
+    /// Recorded from borrowed handles, an op keeps a concrete argument's
+    /// handle and only the op behind a recorded one; an argument that is
+    /// an error, or inputs that do not fit, still get the full path's
+    /// answers at once: the error propagated, or raised naming the op.
+    #[test]
+    fn ops_recorded_from_borrowed_handles_answer_as_the_full_path() {
+        let d = lazy_device();
+        let w = unary(&stagecraft_ops::NEG, &scalar(1.0, d));
+        let c = vector(&[1.0, 2.0], d);
+        let attrs = OpAttrs::new();
+        let add = |a: &TensorHandle, b: &TensorHandle| {
+            crate::runtime::execute_borrowed(
+                &stagecraft_ops::ADD,
+                d,
+                Location::caller(),
+                &[a, b],
+                &attrs,
+            )
+            .remove(0)
+        };
+        let y = add(&w, &c);
+        assert!(!y.is_resolved(), "recorded");
+        assert_eq!((w.ref_count(), c.ref_count()), (1, 2));
+        assert_eq!(values(&y), [0.0, 1.0]);
+
+        let failed = TensorHandle::error(
+            d,
+            c.metadata().clone(),
+            stagecraft_tensor::Error::invalid("an earlier failure"),
+        );
+        let propagated = add(&failed, &c);
+        let err = propagated.resolved_error().expect("propagated at once");
+        assert!(err.to_string().contains("an earlier failure"), "{err}");
+
+        let misfit = add(&c, &vector(&[1.0, 2.0, 3.0], d));
+        let err = misfit.resolved_error().expect("raised at once");
+        assert_eq!(err.op(), Some("Add"), "{err}");
     }
 }

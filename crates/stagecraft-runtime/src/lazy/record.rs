@@ -9,10 +9,12 @@ use super::op::{Input, Inputs, LazyOp, LazyRef};
 use crate::device::Device;
 use crate::handle::TensorHandle;
 use crate::op_handler::{OpInvocation, Results};
-use stagecraft_ops::{FrozenOpAttrs, OpAttrs, OpAttrsRef};
+use stagecraft_ops::{OpAttrs, OpDef, OutputMetas};
+use stagecraft_tensor::Location;
+
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 
 /// How many ops a thread may record between materializations of its work
 /// before it materializes them on its own.
@@ -52,19 +54,35 @@ pub(super) fn record(target: Device, mut inv: OpInvocation<'_>) -> Results {
         outputs,
         ..
     } = inv;
+    record_op(target, op, device, location, args.iter(), &attrs, outputs)
+}
+
+/// Records `op` on `args` (whose metadata gave `outputs`) and returns its
+/// output handles. Arguments are borrowed: a recorded op's output is held
+/// through its op, and only a concrete value's handle is kept.
+pub(super) fn record_op<'h>(
+    target: Device,
+    op: &'static OpDef,
+    device: Device,
+    location: Location,
+    args: impl Iterator<Item = &'h TensorHandle>,
+    attrs: &OpAttrs,
+    outputs: OutputMetas,
+) -> Results {
     let inputs: Inputs = args
-        .into_iter()
         .map(|arg| match arg.lazy_ref() {
             Some(r) => {
                 r.op.uses[r.index as usize].fetch_add(1, Ordering::Relaxed);
                 Input::Op(r.op.clone(), r.index)
             }
-            None => Input::Concrete { handle: arg },
+            None => Input::Concrete {
+                handle: arg.clone(),
+            },
         })
         .collect();
     let lazy_op = Arc::new(LazyOp::new(
         op,
-        frozen(&attrs),
+        attrs.freeze(),
         location,
         outputs,
         target,
@@ -97,17 +115,6 @@ pub(super) fn record(target: Device, mut inv: OpInvocation<'_>) -> Results {
         materialize_live(Trigger::TraceLimit);
     }
     results
-}
-
-/// `attrs` as the recorded op keeps them. Most ops have none, and share
-/// one empty map instead of allocating a copy each.
-fn frozen(attrs: &OpAttrsRef<'_>) -> FrozenOpAttrs {
-    static NONE: OnceLock<FrozenOpAttrs> = OnceLock::new();
-    if attrs.is_empty() {
-        NONE.get_or_init(|| OpAttrs::new().freeze()).clone()
-    } else {
-        attrs.freeze()
-    }
 }
 
 /// The live outputs of pending ops this thread recorded: what its
