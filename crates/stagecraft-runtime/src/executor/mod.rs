@@ -870,11 +870,18 @@ impl Executable {
                 }
             }
         }
+        // The slots go away with this run: results are moved out of them,
+        // and only a value returned twice is shared.
         results.clear();
-        for slot in &self.results {
-            let value = slots[*slot as usize]
-                .clone()
-                .ok_or_else(|| Error::internal("a result was never computed"))?;
+        for (i, slot) in self.results.iter().enumerate() {
+            let value = match slots[*slot as usize].take() {
+                Some(value) => value,
+                None => self.results[..i]
+                    .iter()
+                    .position(|earlier| earlier == slot)
+                    .map(|j| results[j].clone())
+                    .ok_or_else(|| Error::internal("a result was never computed"))?,
+            };
             results.push(value);
         }
         Ok(())
@@ -1221,6 +1228,31 @@ mod tests {
         };
         // The mean of -x over one process, times x.
         assert_eq!(out.as_slice::<f32>().unwrap(), &[-1.0, -4.0, -9.0, -16.0]);
+    }
+
+    /// Results leave their slots by move: a value returned twice is
+    /// still both results (one buffer, shared), and an argument returned
+    /// as it is stays the caller's buffer.
+    #[test]
+    fn results_are_moved_out_and_a_repeated_one_is_shared() {
+        let meta = TensorMetadata::new(DType::F32, [2]);
+        let mut f = Function::new("twice", vec![meta]);
+        let negated = f
+            .add_op(&NEG, &OpAttrs::new(), &[Value::Param(0)], at(1))
+            .unwrap();
+        f.results = vec![Value::node(negated), Value::Param(0), Value::node(negated)];
+        let exe = instantiate_on(Arc::new(f), Device::cpu()).unwrap();
+        let x = DenseHostTensor::from_slice(&[1.0f32, -2.0], [2usize]).unwrap();
+        let out = exe.run(vec![HostTensor::Dense(x.clone())]).unwrap();
+        let dense = |v: &HostTensor| match v {
+            HostTensor::Dense(d) => d.clone(),
+            other => panic!("a dense result, got {other:?}"),
+        };
+        let (first, arg, again) = (dense(&out[0]), dense(&out[1]), dense(&out[2]));
+        assert_eq!(first.as_slice::<f32>().unwrap(), &[-1.0, 2.0]);
+        assert_eq!(again.as_slice::<f32>().unwrap(), &[-1.0, 2.0]);
+        assert!(first.buffer().ptr_eq(again.buffer()));
+        assert!(arg.buffer().ptr_eq(x.buffer()));
     }
 
     /// A small one-value constant is dense in the step, so a run (each
