@@ -40,15 +40,17 @@ pub(crate) fn runs_in_this_build(dtype: stagecraft_tensor::DType, dims: &[usize]
 // Helpers every kernel family uses.
 
 /// Moves exactly `N` inputs out of `inputs` (without the heap vector a
-/// conversion through `Vec` would allocate on every call).
-pub(crate) fn take<const N: usize>(inputs: Inputs) -> Result<[DenseHostTensor; N]> {
+/// conversion through `Vec` would allocate on every call). Drained in
+/// place: an owning iterator would first move the whole inline array of
+/// four tensors.
+pub(crate) fn take<const N: usize>(mut inputs: Inputs) -> Result<[DenseHostTensor; N]> {
     let got = inputs.len();
     if got != N {
         return Err(Error::internal(format!(
             "the kernel expects {N} inputs, got {got}"
         )));
     }
-    let mut inputs = inputs.into_iter();
+    let mut inputs = inputs.drain(..);
     Ok(std::array::from_fn(|_| {
         inputs.next().expect("as many inputs as counted")
     }))
