@@ -11,7 +11,6 @@ use crate::handle::TensorHandle;
 use crate::op_handler::{OpInvocation, Results};
 use stagecraft_ops::{OpAttrs, OpDef, OutputMetas};
 use stagecraft_tensor::Location;
-
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
