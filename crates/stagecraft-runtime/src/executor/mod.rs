@@ -846,12 +846,10 @@ impl Executable {
                 // (a loop's small body runs this for every iteration).
                 let mut inputs = Inputs::new();
                 for (&slot, &last) in step.inputs.iter().zip(&step.last_use) {
-                    let value = read(&mut slots, slot, last)?
-                        .into_dense()
-                        .map_err(|e| step_error(def, step, locations, e))?;
-                    inputs.push(value);
+                    let value = read(&mut slots, slot, last)?;
+                    inputs.push(dense_input(def, step, locations, value)?);
                 }
-                let produced = self.execute_dense(step, def, attrs, kernel, inputs, locations)?;
+                let produced = execute_dense(step, def, attrs, kernel, inputs, locations)?;
                 for (&slot, value) in step.outputs.iter().zip(produced) {
                     if read_later(slot) {
                         slots[slot as usize] = Some(HostTensor::Dense(value));
@@ -1052,72 +1050,83 @@ impl Executable {
                 // a tiny kernel.
                 let mut dense = Inputs::new();
                 for value in inputs {
-                    dense.push(
-                        value
-                            .into_dense()
-                            .map_err(|e| step_error(def, step, locations, e))?,
-                    );
+                    dense.push(dense_input(def, step, locations, value)?);
                 }
-                let produced = self.execute_dense(step, def, attrs, kernel, dense, locations)?;
+                let produced = execute_dense(step, def, attrs, kernel, dense, locations)?;
                 Ok(produced.into_iter().map(HostTensor::Dense).collect())
             }
             AnyKernel::Value(kernel) => {
-                count_kernel_launch();
-                let ctx = KernelContext {
-                    attrs: Attrs::new(attrs, def),
-                    outputs: &step.metas,
-                };
-                let produced = if crate::profile::is_enabled() {
-                    crate::profile::timed(crate::profile::KERNEL, def.name, || kernel(inputs, &ctx))
-                } else {
-                    kernel(inputs, &ctx)
-                };
-                let produced = produced.map_err(|e| step_error(def, step, locations, e))?;
-                check_outputs(
-                    def,
-                    step,
-                    locations,
-                    produced.iter().map(HostTensor::metadata),
-                )?;
-                Ok(produced)
+                launch(step, def, attrs, locations, HostTensor::metadata, |ctx| {
+                    kernel(inputs, ctx)
+                })
             }
         }
     }
+}
 
-    /// Runs a step's dense kernel on `inputs` and checks its outputs
-    /// against the metadata the graph promised.
-    fn execute_dense(
-        &self,
-        step: &Step,
-        def: &'static OpDef,
-        attrs: &FrozenOpAttrs,
-        kernel: &stagecraft_cpu::Kernel,
-        inputs: Inputs,
-        locations: &[Location],
-    ) -> Result<stagecraft_cpu::Outputs> {
-        count_kernel_launch();
-        let ctx = KernelContext {
-            attrs: Attrs::new(attrs, def),
-            outputs: &step.metas,
-        };
-        let metas = inputs.iter().map(DenseHostTensor::metadata);
-        let produced = match settle_by_shape(def, metas, &step.metas) {
-            Ok(Some(settled)) => Ok(settled),
-            Err(e) => Err(e),
-            Ok(None) if crate::profile::is_enabled() => {
-                crate::profile::timed(crate::profile::KERNEL, def.name, || kernel(inputs, &ctx))
+/// A value a dense kernel reads, as a dense tensor; a failure names the
+/// step's op and line.
+fn dense_input(
+    def: &OpDef,
+    step: &Step,
+    locations: &[Location],
+    value: HostTensor,
+) -> Result<DenseHostTensor> {
+    value
+        .into_dense()
+        .map_err(|e| step_error(def, step, locations, e))
+}
+
+/// Runs a step's dense kernel on `inputs` (or settles outputs without
+/// elements by their shape).
+fn execute_dense(
+    step: &Step,
+    def: &'static OpDef,
+    attrs: &FrozenOpAttrs,
+    kernel: &stagecraft_cpu::Kernel,
+    inputs: Inputs,
+    locations: &[Location],
+) -> Result<stagecraft_cpu::Outputs> {
+    launch(
+        step,
+        def,
+        attrs,
+        locations,
+        DenseHostTensor::metadata,
+        |ctx| {
+            let metas = inputs.iter().map(DenseHostTensor::metadata);
+            match settle_by_shape(def, metas, &step.metas)? {
+                Some(settled) => Ok(settled),
+                None => kernel(inputs, ctx),
             }
-            Ok(None) => kernel(inputs, &ctx),
-        };
-        let produced = produced.map_err(|e| step_error(def, step, locations, e))?;
-        check_outputs(
-            def,
-            step,
-            locations,
-            produced.iter().map(DenseHostTensor::metadata),
-        )?;
-        Ok(produced)
-    }
+        },
+    )
+}
+
+/// Counts and runs one step's kernel (`run`, given the step's context),
+/// timed when the profiler is on; its error names the step's op and line,
+/// and its outputs are checked against the metadata the graph promised.
+fn launch<T>(
+    step: &Step,
+    def: &'static OpDef,
+    attrs: &FrozenOpAttrs,
+    locations: &[Location],
+    metadata: impl Fn(&T) -> &TensorMetadata,
+    run: impl FnOnce(&KernelContext<'_>) -> Result<SmallVec<[T; 1]>>,
+) -> Result<SmallVec<[T; 1]>> {
+    count_kernel_launch();
+    let ctx = KernelContext {
+        attrs: Attrs::new(attrs, def),
+        outputs: &step.metas,
+    };
+    let produced = if crate::profile::is_enabled() {
+        crate::profile::timed(crate::profile::KERNEL, def.name, || run(&ctx))
+    } else {
+        run(&ctx)
+    };
+    let produced = produced.map_err(|e| step_error(def, step, locations, e))?;
+    check_outputs(def, step, locations, produced.iter().map(metadata))?;
+    Ok(produced)
 }
 
 /// A step's error, naming its op and the step's source line; reported to
