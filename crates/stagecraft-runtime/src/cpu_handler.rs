@@ -12,7 +12,7 @@ use crate::runtime::{
 };
 use smallvec::SmallVec;
 use stagecraft_cpu::{settle_by_shape, AnyKernel, Inputs, Kernel, KernelContext, ValueInputs};
-use stagecraft_ops::{Attrs, Effect, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
+use stagecraft_ops::{Attrs, FrozenOpAttrs, OpAttrs, OpDef, OutputMetas, ShapeKind};
 use stagecraft_tensor::{
     DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,
     TensorValue,
@@ -633,12 +633,9 @@ impl OpHandler for CpuOpHandler {
         args: ReadyArgs<'a>,
         attrs: &OpAttrs,
     ) -> std::result::Result<Results, ReadyArgs<'a>> {
-        // A side effect runs here only when every earlier one has run,
-        // which is when the full path would run it inline without a chain.
         if op.shape_kind != ShapeKind::Static
             || crate::profile::is_enabled()
             || execution_mode() != ExecutionMode::Sync
-            || (op.effect == Effect::SideEffecting && !crate::context::chain_resolved())
             || args
                 .iter()
                 .any(|a| a.device() != device || a.ready_host().is_none())

@@ -107,12 +107,12 @@ pub trait OpHandler: Send + Sync {
     fn execute(&self, invocation: OpInvocation<'_>) -> Results;
 
     /// Runs an op whose arguments are all available values on `device`
-    /// (a side-effecting one only once every earlier side effect has run)
     /// before returning, when the handler can do so more cheaply than
     /// through [`OpHandler::execute`] (TFRT's synchronous fast path: no
     /// pending handles, no invocation to build). The runtime has checked
-    /// cancellation only; the handler checks the rest, or gives the
-    /// arguments back and the runtime takes the full path. The default
+    /// cancellation, and offers a side-effecting op only once every
+    /// earlier side effect has run; the handler checks the rest, or gives
+    /// the arguments back and the runtime takes the full path. The default
     /// always gives them back.
     fn execute_ready<'a>(
         &self,

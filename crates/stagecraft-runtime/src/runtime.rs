@@ -280,6 +280,11 @@ fn execute_ready_first(
         let err = Error::cancelled().with_op(op.name).at(location);
         return error_results(op, device, None, &err);
     }
+    // A side effect skips the chain only once every earlier one has run
+    // (as the full path would run it then); until then it waits its turn.
+    if op.effect == Effect::SideEffecting && !context::chain_resolved() {
+        return execute_full(op, device, location, args.into_owned(), attrs);
+    }
     match device
         .handler()
         .execute_ready(op, device, location, args, &attrs)
