@@ -5,9 +5,12 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 /// A multiply-rotate hasher for small keys that are already well mixed
 /// (fingerprints, pointers, indices); SipHash would dominate the cost of a
-/// tiny op, and of looking up a recorded trace.
+/// tiny op, and of looking up a recorded trace. It has no random keys, so
+/// every process hashes a value alike (the collectives' fingerprints).
+/// Values of one length that differ in one word always hash apart: each
+/// step is a bijection of the state and of the word.
 #[derive(Default)]
-pub(crate) struct FxHasher(u64);
+pub struct FxHasher(u64);
 
 impl Hasher for FxHasher {
     fn write(&mut self, bytes: &[u8]) {

@@ -33,6 +33,7 @@ pub use context::{
 };
 pub use cpu_handler::{CpuOpHandler, KernelCache, KernelCacheStats};
 pub use device::{Device, DeviceKind};
+pub use fxhash::FxHasher;
 #[cfg(feature = "wgpu")]
 pub use gpu_handler::cpu_fallbacks;
 pub use handle::{MetadataState, TensorHandle, TracedValue};

@@ -235,19 +235,49 @@ macro_rules! int_reducible {
 float_reducible!(f32, f64);
 int_reducible!(i32, i64);
 
+/// Runs `reduce` with its loop compiled for the kernels' instruction set
+/// ([`stagecraft_cpu::isa::level`]). The build targets baseline x86-64,
+/// whose SSE2 adds four f32 lanes at a time: a 4 KiB all-reduce spent a
+/// tenth of its bookkeeping there. Each lane's operation is the same at
+/// every level, so the bits do not change.
+fn vectorized(reduce: impl FnOnce()) {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn avx2(reduce: impl FnOnce()) {
+        reduce()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn avx512(reduce: impl FnOnce()) {
+        reduce()
+    }
+    use stagecraft_cpu::isa::{level, IsaLevel};
+    match level() {
+        // SAFETY: `isa::level` reports AVX2 only on a CPU that has it,
+        // which is all `avx2` is compiled to use.
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => unsafe { avx2(reduce) },
+        // SAFETY: as above, for AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512 => unsafe { avx512(reduce) },
+        _ => reduce(),
+    }
+}
+
 /// `out[i] = first[i] ⊕ second[i]`; a mean is summed here and divided
 /// once at the end.
 pub(super) fn reduce<T: Reducible>(reduction: Reduction, first: &[T], second: &[T], out: &mut [T]) {
+    #[inline(always)]
     fn each<T: Copy>(first: &[T], second: &[T], out: &mut [T], f: impl Fn(T, T) -> T) {
         for ((o, &a), &b) in out.iter_mut().zip(first).zip(second) {
             *o = f(a, b);
         }
     }
-    match reduction {
+    vectorized(|| match reduction {
         Reduction::Sum | Reduction::Mean => each(first, second, out, T::add),
         Reduction::Max => each(first, second, out, T::larger),
         Reduction::Min => each(first, second, out, T::smaller),
-    }
+    })
 }
 
 /// `acc[i] = acc[i] ⊕ other[i]` when `acc_first`, else `other[i] ⊕ acc[i]`.
@@ -257,6 +287,7 @@ pub(super) fn reduce_in_place<T: Reducible>(
     other: &[T],
     acc_first: bool,
 ) {
+    #[inline(always)]
     fn each<T: Copy>(acc: &mut [T], other: &[T], acc_first: bool, f: impl Fn(T, T) -> T) {
         if acc_first {
             acc.iter_mut().zip(other).for_each(|(a, &b)| *a = f(*a, b));
@@ -264,11 +295,11 @@ pub(super) fn reduce_in_place<T: Reducible>(
             acc.iter_mut().zip(other).for_each(|(a, &b)| *a = f(b, *a));
         }
     }
-    match reduction {
+    vectorized(|| match reduction {
         Reduction::Sum | Reduction::Mean => each(acc, other, acc_first, T::add),
         Reduction::Max => each(acc, other, acc_first, T::larger),
         Reduction::Min => each(acc, other, acc_first, T::smaller),
-    }
+    })
 }
 
 #[cfg(test)]

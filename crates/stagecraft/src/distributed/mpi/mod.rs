@@ -124,8 +124,13 @@ struct SendFlight {
 /// One collective in flight. It owns every buffer MPI reads or writes
 /// until its requests complete.
 struct Flight {
+    seq: u64,
     what: What,
-    started: Instant,
+    /// When the watchdog first looked at it: the waiting caller does
+    /// within its first round of polls, the progress thread within 100
+    /// µs. Not read at the start: most small collectives end before the
+    /// watchdog first looks.
+    watched_since: Option<Instant>,
     timeout: Duration,
     /// The check, and the all-reduce's data when the schedule carries it.
     exchange: Exchange,
@@ -149,11 +154,50 @@ impl Flight {
     }
 }
 
+/// The collectives in flight, in the order they started (so that they
+/// progress in that order). A handful at most (a step's gradient
+/// buckets), so a search beats a map; and the vector keeps its capacity,
+/// where a map would allocate a node for a lone collective and free it as
+/// it ends.
+#[derive(Default)]
+struct Flights(Vec<Flight>);
+
+impl Flights {
+    fn position(&self, seq: u64) -> Option<usize> {
+        self.0.iter().position(|f| f.seq == seq)
+    }
+
+    fn get(&self, seq: u64) -> Option<&Flight> {
+        self.position(seq).map(|i| &self.0[i])
+    }
+
+    fn get_mut(&mut self, seq: u64) -> Option<&mut Flight> {
+        self.position(seq).map(|i| &mut self.0[i])
+    }
+
+    /// Adds the newest flight (sequence numbers only grow).
+    fn push(&mut self, flight: Flight) {
+        debug_assert!(self.0.last().is_none_or(|last| last.seq < flight.seq));
+        self.0.push(flight);
+    }
+
+    fn remove(&mut self, seq: u64) -> Option<Flight> {
+        self.position(seq).map(|i| self.0.remove(i))
+    }
+
+    fn iter(&self) -> std::slice::Iter<'_, Flight> {
+        self.0.iter()
+    }
+
+    fn iter_mut(&mut self) -> std::slice::IterMut<'_, Flight> {
+        self.0.iter_mut()
+    }
+}
+
 struct State {
     comms: Comms,
     next_seq: u64,
-    /// By sequence number, so that they progress in the order they started.
-    flights: BTreeMap<u64, Flight>,
+    flights: Flights,
     /// Set by the first failure: the group cannot go on.
     failed: Option<Error>,
     /// Point-to-point sends in flight, by number.
@@ -255,9 +299,12 @@ fn count(n: usize, what: impl fmt::Display) -> Result<c_int> {
     })
 }
 
-/// The fingerprint every process must agree on.
+/// The fingerprint every process must agree on. `FxHasher` has no random
+/// keys, so every process computes the same one; SipHash's rounds cost a
+/// small all-reduce more, and guard against adversaries that a
+/// collective's fields (small numbers, short names) do not have.
 fn fingerprint(seq: u64, what: &What) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut h = stagecraft_runtime::FxHasher::default();
     (
         seq,
         what.label,
@@ -345,7 +392,7 @@ impl MpiGroup {
             state: Mutex::new(State {
                 comms,
                 next_seq: 0,
-                flights: BTreeMap::new(),
+                flights: Flights::default(),
                 failed: None,
                 sends: HashMap::new(),
                 next_send: 0,
@@ -916,7 +963,8 @@ fn start(
     state.next_seq += 1;
     let elements = if reduces { input.numel() } else { 0 };
     let mut flight = Flight {
-        started: Instant::now(),
+        seq,
+        watched_since: None,
         timeout: timeout.unwrap_or_else(|| shared.timeout()),
         exchange: Exchange::new(
             butterfly::schedule(
@@ -1001,7 +1049,7 @@ fn start(
         state.failed = Some(e.clone());
         return Err(e);
     }
-    state.flights.insert(seq, flight);
+    state.flights.push(flight);
     Ok(Box::new(MpiPending {
         shared: Arc::clone(shared),
         seq,
@@ -1033,11 +1081,11 @@ impl PendingCollective for MpiPending {
             } else if state.failed.is_none() {
                 progress_flight(&self.shared, &mut state, self.seq, false);
             }
-            match state.flights.get(&self.seq).map(|f| f.outcome.is_some()) {
+            match state.flights.get(self.seq).map(|f| f.outcome.is_some()) {
                 Some(true) => {
                     let mut flight = state
                         .flights
-                        .remove(&self.seq)
+                        .remove(self.seq)
                         .expect("the flight was just found");
                     let outcome = flight.outcome.take().expect("the outcome was just found");
                     if !flight.complete() {
@@ -1077,7 +1125,7 @@ fn progress_loop(shared: &Shared) {
     loop {
         let mut state = shared.lock();
         while !state.stop
-            && !state.flights.values().any(|f| f.outcome.is_none())
+            && !state.flights.iter().any(|f| f.outcome.is_none())
             && !state.sends.values().any(|f| f.request.is_some())
         {
             state = shared
@@ -1125,13 +1173,9 @@ fn progress(shared: &Shared, state: &mut State) {
         fail_all(state);
         return;
     }
-    let seqs: Vec<u64> = state
-        .flights
-        .iter()
-        .filter(|(_, f)| f.outcome.is_none())
-        .map(|(s, _)| *s)
-        .collect();
-    for seq in seqs {
+    // Progressing a flight neither adds nor removes one.
+    for i in 0..state.flights.0.len() {
+        let seq = state.flights.0[i].seq;
         if !progress_flight(shared, state, seq, true) {
             return;
         }
@@ -1142,7 +1186,7 @@ fn progress(shared: &Shared, state: &mut State) {
 /// `false` when that failed the group.
 fn progress_flight(shared: &Shared, state: &mut State, seq: u64, watch: bool) -> bool {
     let check_comm = state.comms.check.0;
-    let Some(flight) = state.flights.get_mut(&seq).filter(|f| f.outcome.is_none()) else {
+    let Some(flight) = state.flights.get_mut(seq).filter(|f| f.outcome.is_none()) else {
         return true;
     };
     let exchanged = flight.advance(check_comm);
@@ -1163,13 +1207,18 @@ fn progress_flight(shared: &Shared, state: &mut State, seq: u64, watch: bool) ->
         }
     }
     let agreed = !flight.exchange.mismatched();
-    let late = watch && flight.started.elapsed() > flight.timeout;
+    let late = watch
+        && flight
+            .watched_since
+            .get_or_insert_with(Instant::now)
+            .elapsed()
+            > flight.timeout;
     let known = flight.exchange.agreement_known();
     let error = match tested {
         Err(e) => Some(e),
         Ok((true, _)) if !agreed => Some(mismatch(shared, state, seq)),
         Ok((true, true)) => {
-            let flight = state.flights.get_mut(&seq).expect("found above");
+            let flight = state.flights.get_mut(seq).expect("found above");
             flight.outcome = Some(finish(flight));
             None
         }
@@ -1188,7 +1237,7 @@ fn progress_flight(shared: &Shared, state: &mut State, seq: u64, watch: bool) ->
 
 fn fail_all(state: &mut State) {
     let error = state.failed.clone().expect("called after a failure");
-    for flight in state.flights.values_mut() {
+    for flight in state.flights.iter_mut() {
         if flight.outcome.is_none() {
             flight.outcome = Some(Err(error.clone()));
         }
@@ -1234,7 +1283,12 @@ fn finish(flight: &mut Flight) -> Result<DenseHostTensor> {
 /// (on the control communicator, with the watchdog's grace as its limit)
 /// and reports it.
 fn mismatch(shared: &Shared, state: &mut State, seq: u64) -> Error {
-    let what = state.flights[&seq].what.clone();
+    let what = state
+        .flights
+        .get(seq)
+        .expect("a failing flight")
+        .what
+        .clone();
     let mut mine = vec![0u8; DESCRIPTION_BYTES];
     let what = what.to_string();
     let text = what.as_bytes();
@@ -1299,7 +1353,7 @@ fn mismatch(shared: &Shared, state: &mut State, seq: u64) -> Error {
 /// is waiting, listens for the others for [`GRACE`], and names those that
 /// stayed silent.
 fn timed_out(shared: &Shared, state: &mut State, seq: u64, header_done: bool) -> Error {
-    let flight = &state.flights[&seq];
+    let flight = state.flights.get(seq).expect("a failing flight");
     let (what, waited) = (flight.what.clone(), flight.timeout);
     let me = shared.rank;
     let control = state.comms.control.0;
