@@ -401,11 +401,11 @@ fn out_of_memory(len: usize) -> ! {
 /// for small ones) shared by reference counting. Cloning is cheap; writing
 /// needs the only reference.
 ///
-/// A small buffer (under [`SMALL_BLOCK`] bytes) whose last reference is
-/// dropped waits whole, block and reference count together, in a cache
-/// of the dropping thread, and the next request of its size on that
-/// thread takes it back: an eager op on small tensors allocates no memory
-/// for its output.
+/// A buffer of under [`KEPT_WHOLE`] bytes (and of no arena) whose last
+/// reference is dropped waits whole, block and reference count together,
+/// in a cache of the dropping thread, and the next request of its size on
+/// that thread takes it back: an eager op on small tensors allocates no
+/// memory for its output.
 #[derive(Clone)]
 pub struct Buffer(ManuallyDrop<Arc<RawBuffer>>);
 
@@ -414,7 +414,7 @@ impl Drop for Buffer {
         // SAFETY: the field is taken here, once, and never used again: the
         // buffer is being dropped.
         let raw = unsafe { ManuallyDrop::take(&mut self.0) };
-        let small = raw.len > 0 && raw.len < SMALL_BLOCK && raw.home.is_none();
+        let small = raw.len > 0 && raw.len < KEPT_WHOLE && raw.home.is_none();
         // The last reference: no other thread can be reading the block,
         // or take a new reference (buffers make no weak ones). A load, where
         // `Arc::get_mut` would cost a locked compare-and-swap per drop.
@@ -434,6 +434,15 @@ impl Drop for Buffer {
 /// its [`Arena`]: the arena's lock and lookups cost more than a small
 /// kernel.
 pub const SMALL_BLOCK: usize = 4096;
+
+/// Buffers of fewer bytes than this, and of no arena, are kept whole by
+/// the thread that drops the last reference, for its next request of the
+/// same size (at most 8 per size, 16 MiB in all; the rest go to the
+/// shared pool). Above [`SMALL_BLOCK`] too: from the shared pool, a 4 KiB
+/// buffer cost 54 ns to take and give back (its lock, its map, a fresh
+/// reference count), against 17 for the allocator and about 15 from this
+/// cache, and a 4 KiB all-reduce takes two.
+const KEPT_WHOLE: usize = 64 << 10;
 
 impl Buffer {
     /// A buffer of `len` zero bytes.
@@ -502,7 +511,7 @@ impl Buffer {
                 return Some((Buffer(ManuallyDrop::new(Arc::new(raw))), reused));
             }
         }
-        if len > 0 && len < pool::MIN_POOLED {
+        if len > 0 && len < KEPT_WHOLE {
             if let Some(whole) = pool::take_whole(len) {
                 pool::note_live(len);
                 return Some((Buffer(ManuallyDrop::new(whole)), true));
@@ -927,8 +936,14 @@ mod tests {
 
     #[test]
     fn a_small_buffer_dropped_last_is_taken_back_whole_on_its_thread() {
-        // A size no other test of this thread uses.
-        let len = 208;
+        // Sizes no other test of this thread uses: small, and above
+        // `SMALL_BLOCK` (which the shared pool served before).
+        for len in [208, SMALL_BLOCK + 4096 + 48] {
+            taken_back_whole(len);
+        }
+    }
+
+    fn taken_back_whole(len: usize) {
         let a = Buffer::zeroed(len);
         let whole = Arc::as_ptr(&a.0);
         let shared = a.clone();
@@ -963,7 +978,7 @@ mod tests {
 
     #[test]
     fn large_buffers_are_not_kept_whole() {
-        for len in [SMALL_BLOCK, SMALL_BLOCK + 64] {
+        for len in [KEPT_WHOLE, KEPT_WHOLE + 64] {
             drop(Buffer::zeroed(len));
             assert_eq!(pool::local::kept_whole(len), 0, "{len}");
         }
