@@ -440,8 +440,8 @@ pub const SMALL_BLOCK: usize = 4096;
 /// same size (at most 8 per size, 16 MiB in all; the rest go to the
 /// shared pool). Above [`SMALL_BLOCK`] too: from the shared pool, a 4 KiB
 /// buffer cost 54 ns to take and give back (its lock, its map, a fresh
-/// reference count), against 17 for the allocator and about 15 from this
-/// cache, and a 4 KiB all-reduce takes two.
+/// reference count), 17 from this cache (as from the allocator), and a
+/// 4 KiB all-reduce takes two.
 const KEPT_WHOLE: usize = 64 << 10;
 
 impl Buffer {
