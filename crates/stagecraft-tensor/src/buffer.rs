@@ -441,7 +441,7 @@ pub const SMALL_BLOCK: usize = 4096;
 /// shared pool). Above [`SMALL_BLOCK`] too: from the shared pool, a 4 KiB
 /// buffer cost 54 ns to take and give back (its lock, its map, a fresh
 /// reference count), 17 from this cache (as from the allocator), and a
-/// 4 KiB all-reduce takes two.
+/// 4 KiB all-reduce takes three.
 const KEPT_WHOLE: usize = 64 << 10;
 
 impl Buffer {

@@ -185,10 +185,7 @@ pub(super) struct Exchange {
     /// The step's receives.
     receives: SmallVec<[Receive; 4]>,
     /// The step's outgoing fragments, kept until MPI is done with them.
-    /// Never more than 16 KiB and a few checks, so plain memory: a
-    /// `Buffer`'s accounting and shared pool cost a small all-reduce
-    /// more than the allocator does.
-    outgoing: Option<Vec<u8>>,
+    outgoing: Option<Buffer>,
     /// The buffer the step's fragments arrive in (`None`: straight into
     /// the output, in doubling rounds).
     incoming: Option<Buffer>,
@@ -199,7 +196,6 @@ pub(super) struct Exchange {
     /// aborts rather than finalize).
     abandoned: Vec<Raw<ffi::MPI_Request>>,
     kept: Vec<Buffer>,
-    kept_outgoing: Vec<Vec<u8>>,
     data: Option<Reducing>,
 }
 
@@ -322,7 +318,6 @@ impl Exchange {
             route: None,
             abandoned: Vec::new(),
             kept: Vec::new(),
-            kept_outgoing: Vec::new(),
             data,
         }
     }
@@ -424,7 +419,7 @@ impl Exchange {
             }
         }
         if self.abandoned.len() > before {
-            self.kept_outgoing.extend(self.outgoing.take());
+            self.kept.extend(self.outgoing.take());
             self.kept.extend(self.incoming.take());
         }
     }
@@ -509,17 +504,20 @@ impl Exchange {
         let cut = Cut::new(payload.len(), self.element_bytes());
         let copied = if cut.headed { cut.fragments } else { 1 };
         let (last_at, last_len) = cut.place(copied - 1);
-        // The fragments lie back to back: each check, then its bytes.
-        let mut message = Vec::with_capacity(last_at + last_len);
-        for f in 0..copied {
-            debug_assert_eq!(cut.place(f).0, message.len());
-            message.extend_from_slice(&self.fingerprint.to_le_bytes());
-            message.extend_from_slice(&u64::from(self.mismatch).to_le_bytes());
-            message.extend_from_slice(&payload[cut.carries(f)]);
+        let mut message = Buffer::for_overwrite(last_at + last_len);
+        {
+            let bytes = message.typed_mut::<u8>()?;
+            for f in 0..copied {
+                let (at, len) = cut.place(f);
+                let fragment = &mut bytes[at..at + len];
+                fragment[..8].copy_from_slice(&self.fingerprint.to_le_bytes());
+                fragment[8..16].copy_from_slice(&u64::from(self.mismatch).to_le_bytes());
+                fragment[CHECK_BYTES..].copy_from_slice(&payload[cut.carries(f)]);
+            }
         }
         // Kept before any send starts, so that a failing one leaves those
         // already under way their bytes.
-        let base = self.outgoing.insert(message).as_ptr();
+        let base = self.outgoing.insert(message).bytes().as_ptr();
         for f in 0..cut.fragments {
             let (at, len) = cut.place(f);
             let from = if f < copied {
