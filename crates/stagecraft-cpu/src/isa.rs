@@ -96,9 +96,60 @@ pub fn detected() -> IsaLevel {
     IsaLevel::Baseline
 }
 
+/// Runs `f` with its loops compiled for [`level`]: `f` is inlined into a
+/// function built with that level's target features, so plain iterator
+/// loops inside it vectorize to AVX2 or AVX-512 instead of the build's
+/// baseline SSE2. For short loops outside the kernels (the collectives'
+/// reductions); each lane's operation is the same at every level, so a
+/// loop without FMA-contractible arithmetic gives the same bits.
+pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn avx2<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn avx512<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+    match level() {
+        // SAFETY: `level` reports AVX2 only on a CPU that has it, which is
+        // all `avx2` is compiled to use.
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => unsafe { avx2(f) },
+        // SAFETY: as above, for AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512 => unsafe { avx512(f) },
+        _ => f(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A loop run through `vectorized` (at this CPU's level) gives the
+    /// bits the baseline loop gives, NaN and rounding included, and its
+    /// value comes back.
+    #[test]
+    fn vectorized_loops_give_the_baseline_bits() {
+        let a: Vec<f32> = (0..1037).map(|i| (i as f32 * 0.37).sin() * 1e3).collect();
+        let mut b: Vec<f32> = (0..1037).map(|i| 1.0 / (i as f32 + 0.5)).collect();
+        b[5] = f32::NAN;
+        let sum = |out: &mut Vec<f32>| {
+            for ((o, &x), &y) in out.iter_mut().zip(&a).zip(&b) {
+                *o = x + y;
+            }
+            out.len()
+        };
+        let mut plain = vec![0.0; a.len()];
+        let mut fast = vec![0.0; a.len()];
+        sum(&mut plain);
+        assert_eq!(vectorized(|| sum(&mut fast)), a.len());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&plain), bits(&fast));
+    }
 
     #[test]
     fn settings_parse_and_cap_the_detected_level() {

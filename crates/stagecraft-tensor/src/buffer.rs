@@ -124,9 +124,9 @@ mod pool {
         found
     }
 
-    /// Keeps the last reference to a small buffer (of no arena) for the
-    /// next request of its size on this thread; one the cache has no room
-    /// for is dropped, which frees its block as usual.
+    /// Keeps the last reference to a buffer under `KEPT_WHOLE` bytes (of
+    /// no arena) for the next request of its size on this thread; one the
+    /// cache has no room for is dropped, which frees its block as usual.
     pub(super) fn stash(buffer: std::sync::Arc<super::RawBuffer>) {
         let len = buffer.len;
         if let Err(buffer) = local::stash(buffer) {
@@ -136,8 +136,8 @@ mod pool {
         LIVE_BYTES.fetch_sub(len as u64, Ordering::Relaxed);
     }
 
-    /// A small buffer this thread dropped, of exactly `len` bytes (stale
-    /// contents), unique.
+    /// A buffer this thread dropped, of exactly `len` bytes (under
+    /// `KEPT_WHOLE`; stale contents), unique.
     pub(super) fn take_whole(len: usize) -> Option<std::sync::Arc<super::RawBuffer>> {
         let found = local::take_whole(len);
         if found.is_some() {
@@ -223,7 +223,7 @@ mod pool {
                         };
                         let raw = std::mem::ManuallyDrop::new(raw);
                         // SAFETY: a kept buffer is the last reference to a
-                        // block allocated with `layout(len)` (small blocks
+                        // block allocated with `layout(len)` (kept blocks
                         // have no arena); the `RawBuffer` that owned it is
                         // forgotten, so the block is freed once, here.
                         unsafe { std::alloc::dealloc(raw.ptr.as_ptr(), layout(len)) }
@@ -414,11 +414,11 @@ impl Drop for Buffer {
         // SAFETY: the field is taken here, once, and never used again: the
         // buffer is being dropped.
         let raw = unsafe { ManuallyDrop::take(&mut self.0) };
-        let small = raw.len > 0 && raw.len < KEPT_WHOLE && raw.home.is_none();
+        let kept = raw.len > 0 && raw.len < KEPT_WHOLE && raw.home.is_none();
         // The last reference: no other thread can be reading the block,
         // or take a new reference (buffers make no weak ones). A load, where
         // `Arc::get_mut` would cost a locked compare-and-swap per drop.
-        if small && Arc::strong_count(&raw) == 1 {
+        if kept && Arc::strong_count(&raw) == 1 {
             // What other threads did with the block before dropping their
             // references happens before it is reused (as `Arc`'s own drop
             // orders it before freeing).
