@@ -209,7 +209,7 @@ crate::unary_ops! {
     /// Sine.
     Sin => SIN("Sin", Float) {
         eval: |x| x.via_f64(f64::sin),
-        wgsl: "sin(x)",
+        wgsl: "sc_sin(x)",
         grad: |b, x, _, g| {
             let c = b.unary(&COS, x)?;
             b.mul(g, c)
@@ -218,7 +218,7 @@ crate::unary_ops! {
     /// Cosine.
     Cos => COS("Cos", Float) {
         eval: |x| x.via_f64(f64::cos),
-        wgsl: "cos(x)",
+        wgsl: "sc_cos(x)",
         grad: |b, x, _, g| {
             let s = b.unary(&SIN, x)?;
             let d = b.mul(g, s)?;
@@ -322,7 +322,7 @@ crate::unary_ops! {
         eval: |x| float_fn!(x, gelu_tanh, gelu_tanh_to_narrow),
         // With s = σ(2u), u = c(x + k x³): y = x s, and
         // dy/dx = s + x s (1 - s) · 2c (1 + 3k x²).
-        wgsl: "0.5 * x * (1.0 + sc_tanh(0.79788456080286536 * (x + 0.044715 * x * x * x)))",
+        wgsl: "x / (1.0 + exp(-1.5957691216057307 * (x + 0.044715 * x * x * x)))",
         grad: |b, x, _, g| {
             const C: f64 = 0.797_884_560_802_865_4;
             const K: f64 = 0.044_715;
