@@ -19,6 +19,10 @@
 //! bench prints the lazy device's buffer allocations in a steady-state
 //! step (the target is 0).
 //!
+//! With `STAGECRAFT_BENCH_GPU=1` (and `--features wgpu`) the rows run on
+//! `gpu:0` instead: `gpu-lazy`, `gpu-eager` and `gpu-matmuls`, beside
+//! PyTorch CUDA's step from `scripts/bench_torch_cuda.py`.
+//!
 //! Run on both cores and on one pinned core:
 //! `RAYON_NUM_THREADS=2 cargo bench -p stagecraft-cli --bench gpt_step` and
 //! `RAYON_NUM_THREADS=1 taskset -c 0 cargo bench -p stagecraft-cli --bench gpt_step`.
@@ -30,7 +34,7 @@ use stagecraft::nn::ModuleExt;
 use stagecraft::{lazy, Device, Location, Tensor};
 use stagecraft_cli::gpt::Gpt;
 use stagecraft_cli::lm::{optimizer, train_step, Batches, LmOptions};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const VOCAB: usize = 84;
 
@@ -57,24 +61,48 @@ fn step_bench(c: &mut Criterion, name: &str, device: &Device, stream: &[u32]) {
     let batches: Vec<(Tensor<i32>, Tensor<i32>)> =
         (0..8).map(|_| draw.next(device).unwrap()).collect();
     let mut k = 0;
-    let mut step = |model: &mut Gpt| {
+    // One step, in three timed phases: recording the ops, running the
+    // trace (on a GPU: launching its kernels), waiting for the loss.
+    let mut step = |model: &mut Gpt, phases: &mut [Duration; 3]| {
         let (x, y) = &batches[k % batches.len()];
         k += 1;
+        let start = Instant::now();
         let loss = train_step(model, &mut opt, &schedule, options.clip, x, y).unwrap();
+        let recorded = Instant::now();
         lazy::mark_step();
-        loss.item().unwrap()
+        let ran = Instant::now();
+        let value = loss.item().unwrap();
+        phases[0] += recorded - start;
+        phases[1] += ran - recorded;
+        phases[2] += ran.elapsed();
+        value
     };
+    let mut phases = [Duration::ZERO; 3];
     for _ in 0..5 {
-        step(&mut model);
+        step(&mut model, &mut phases);
     }
-    if name == "lazy" {
+    if name.ends_with("lazy") {
         let m = lazy::metrics();
         println!(
-            "B7 lazy steady state: {} buffer allocations in the last step, {} traces compiled",
+            "B7 {name} steady state: {} buffer allocations in the last step, {} traces compiled",
             m.allocations_last_step, m.traces_compiled
         );
+        let ops_before = runtime::stats().ops_executed;
+        let (steps, mut phases) = (20u32, [Duration::ZERO; 3]);
+        for _ in 0..steps {
+            step(&mut model, &mut phases);
+        }
+        println!(
+            "B7 {name} per step: recording {:.2?}, running the trace {:.2?}, reading the loss {:.2?}; {} ops",
+            phases[0] / steps,
+            phases[1] / steps,
+            phases[2] / steps,
+            (runtime::stats().ops_executed - ops_before) / u64::from(steps)
+        );
     }
-    c.bench_function(&format!("B7/{name}"), |b| b.iter(|| step(&mut model)));
+    c.bench_function(&format!("B7/{name}"), |b| {
+        b.iter(|| step(&mut model, &mut phases))
+    });
 }
 
 /// `a·b` with either operand transposed inside the kernel, as the
@@ -100,8 +128,7 @@ fn matmul(a: &Tensor<f32>, b: &Tensor<f32>, ta: bool, tb: bool) -> TensorHandle 
 /// The step's matrix products as separate eager ops: for each linear
 /// layer `y = x·Wᵀ` (`[768, in] × [out, in]ᵀ`), its input gradient
 /// `dy·W` and its weight gradient `dyᵀ·x`.
-fn matmul_bench(c: &mut Criterion) {
-    let cpu = Device::cpu();
+fn matmul_bench(c: &mut Criterion, name: &str, device: &Device) {
     let rows = 12 * 64;
     let c_ = 128;
     let mut layers = Vec::new();
@@ -113,13 +140,13 @@ fn matmul_bench(c: &mut Criterion) {
         .iter()
         .map(|&(i, o)| {
             (
-                Tensor::<f32>::full(&[rows, i], 0.5, &cpu),
-                Tensor::<f32>::full(&[o, i], 0.25, &cpu),
-                Tensor::<f32>::full(&[rows, o], 0.125, &cpu),
+                Tensor::<f32>::full(&[rows, i], 0.5, device),
+                Tensor::<f32>::full(&[o, i], 0.25, device),
+                Tensor::<f32>::full(&[rows, o], 0.125, device),
             )
         })
         .collect();
-    c.bench_function("B7/matmuls", |b| {
+    c.bench_function(&format!("B7/{name}"), |b| {
         b.iter(|| {
             let mut outs = Vec::with_capacity(3 * operands.len());
             for (x, w, dy) in &operands {
@@ -128,17 +155,28 @@ fn matmul_bench(c: &mut Criterion) {
                 outs.push(matmul(dy, x, true, false));
             }
             for t in &outs {
-                t.wait().unwrap();
+                t.wait_value().unwrap();
             }
+            // A GPU's products are ready when submitted: wait for them.
+            device.synchronize().unwrap();
         })
     });
 }
 
 fn benches(c: &mut Criterion) {
     let stream = tokens();
+    if std::env::var_os("STAGECRAFT_BENCH_GPU").is_some() {
+        let gpu = Device::try_gpu(0).unwrap_or_else(|e| {
+            panic!("STAGECRAFT_BENCH_GPU asks for gpu:0 (build with `--features wgpu`): {e}")
+        });
+        step_bench(c, "gpu-lazy", &Device::lazy(&gpu), &stream);
+        step_bench(c, "gpu-eager", &gpu, &stream);
+        matmul_bench(c, "gpu-matmuls", &gpu);
+        return;
+    }
     step_bench(c, "lazy", &Device::lazy(&Device::cpu()), &stream);
     step_bench(c, "eager", &Device::cpu(), &stream);
-    matmul_bench(c);
+    matmul_bench(c, "matmuls", &Device::cpu());
 }
 
 criterion_group! {

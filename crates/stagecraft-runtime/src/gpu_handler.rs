@@ -303,6 +303,7 @@ impl OpHandler for GpuOpHandler {
             reductions: false,
             matmul_epilogues: false,
             accepts: stagecraft_wgpu::fuses,
+            max_inputs: self.gpu().map_or(0, |gpu| gpu.max_fused_inputs()),
         })
     }
 
@@ -310,6 +311,10 @@ impl OpHandler for GpuOpHandler {
         if let Ok(gpu) = self.gpu() {
             gpu.begin_batch();
         }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.gpu()?.synchronize()
     }
 
     fn end_batch(&self) -> Result<()> {

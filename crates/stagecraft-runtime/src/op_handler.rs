@@ -175,6 +175,12 @@ pub trait OpHandler: Send + Sync {
     fn end_batch(&self) -> Result<()> {
         Ok(())
     }
+
+    /// Waits until the work submitted to the device has finished. A no-op
+    /// for handlers whose values are done when they are ready.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A batch of a device's work (see [`OpHandler::begin_batch`]), ended when

@@ -118,6 +118,16 @@ impl GpuBuffer {
     }
 }
 
+impl GpuBuffer {
+    /// The wgpu buffer, no longer returned to the pool when this drops:
+    /// the caller releases it.
+    pub(crate) fn into_inner(mut self) -> wgpu::Buffer {
+        self.buffer
+            .take()
+            .expect("a GpuBuffer holds its buffer until dropped")
+    }
+}
+
 impl Drop for GpuBuffer {
     fn drop(&mut self) {
         let Some(buffer) = self.buffer.take() else {

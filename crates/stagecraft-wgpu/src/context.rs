@@ -32,6 +32,8 @@ pub struct Gpu {
     batch: Mutex<Batch>,
     /// Command buffers submitted to the queue, for tests and reports.
     submissions: std::sync::atomic::AtomicU64,
+    /// Bytes copied from host memory, for tests and reports.
+    uploaded: std::sync::atomic::AtomicU64,
 }
 
 /// Work held back while a batch is open (see [`Gpu::begin_batch`]).
@@ -47,7 +49,20 @@ struct Batch {
     /// (queue writes run at the start of the next submission) before the
     /// recorded kernels that read the old contents.
     freed: Vec<wgpu::Buffer>,
+    /// The launch parameters of the recorded kernels not yet written to
+    /// the device: one queue write per chunk, not per launch (each queue
+    /// write allocates a staging buffer).
+    params: Option<ParamsChunk>,
 }
+
+/// A buffer of launch parameters being filled (see [`Gpu::stage_params`]).
+struct ParamsChunk {
+    buffer: wgpu::Buffer,
+    bytes: Vec<u8>,
+}
+
+/// The size of a [`ParamsChunk`]: a few hundred launches' parameters.
+const PARAMS_CHUNK_BYTES: usize = 64 << 10;
 
 /// What a machine without a usable adapter needs, for the error.
 const DRIVER_HINT: &str = "wgpu found no Vulkan, Metal or DX12 adapter. On Linux without a GPU, \
@@ -163,6 +178,7 @@ impl Gpu {
                 .min(limits.max_buffer_size),
             batch: Mutex::new(Batch::default()),
             submissions: Default::default(),
+            uploaded: Default::default(),
         })
     }
 
@@ -222,6 +238,8 @@ impl Gpu {
         self.check_alive()?;
         let tensor = self.alloc(host.metadata().clone())?;
         let bytes = host.buffer().bytes();
+        self.uploaded
+            .fetch_add(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
         if !bytes.is_empty() {
             let target = GpuBuffer::of(&tensor)?;
             // The queue writes whole 4-byte words.
@@ -354,6 +372,7 @@ impl Gpu {
     /// of its results ahead of the kernels computing them.
     fn flush_locked(&self, batch: &mut Batch) -> Result<()> {
         let mut result = Ok(());
+        self.write_params(batch);
         if let Some(encoder) = batch.encoder.take() {
             let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
             self.submit(encoder);
@@ -368,6 +387,67 @@ impl Gpu {
         result
     }
 
+    /// Writes the open chunk of launch parameters (the queue runs the
+    /// write before the next submission's kernels) and retires its buffer
+    /// with the batch's other freed buffers.
+    fn write_params(&self, batch: &mut Batch) {
+        if let Some(chunk) = batch.params.take() {
+            self.queue.write_buffer(&chunk.buffer, 0, &chunk.bytes);
+            batch.freed.push(chunk.buffer);
+        }
+    }
+
+    /// Records a launch into the open batch: `params` are appended to the
+    /// batch's chunk of launch parameters, and `record` gets the chunk's
+    /// buffer and the parameters' offset in it (to bind), and the batch's
+    /// encoder. `Ok(false)` when no batch is open: the caller launches on
+    /// its own. All under the batch's lock, so that no flush between
+    /// binding the chunk and recording the kernel can retire the chunk.
+    pub(crate) fn record_in_batch(
+        &'static self,
+        params: &[u8],
+        record: impl FnOnce(&wgpu::Buffer, u64, &mut wgpu::CommandEncoder) -> Result<()>,
+    ) -> Result<bool> {
+        let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        if batch.depth == 0 || params.len() > PARAMS_CHUNK_BYTES {
+            return Ok(false);
+        }
+        let align = u64::from(self.device.limits().min_storage_buffer_offset_alignment) as usize;
+        let at = match &batch.params {
+            Some(chunk) => chunk.bytes.len().next_multiple_of(align),
+            None => 0,
+        };
+        if batch.params.is_none() || at + params.len() > PARAMS_CHUNK_BYTES {
+            self.write_params(&mut batch);
+            let buffer = crate::buffer::GpuBuffer::new(self, PARAMS_CHUNK_BYTES)?.into_inner();
+            batch.params = Some(ParamsChunk {
+                buffer,
+                bytes: Vec::with_capacity(PARAMS_CHUNK_BYTES),
+            });
+        }
+        let Batch {
+            params: Some(chunk),
+            encoder,
+            ..
+        } = &mut *batch
+        else {
+            unreachable!("a chunk was opened above");
+        };
+        let offset = if chunk.bytes.is_empty() {
+            0
+        } else {
+            chunk.bytes.len().next_multiple_of(align)
+        };
+        chunk.bytes.resize(offset, 0);
+        chunk.bytes.extend_from_slice(params);
+        let encoder = encoder.get_or_insert_with(|| {
+            self.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
+        });
+        record(&chunk.buffer, offset as u64, encoder)?;
+        Ok(true)
+    }
+
     fn submit(&self, encoder: wgpu::CommandEncoder) {
         self.submissions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -378,6 +458,17 @@ impl Gpu {
     /// kernel launched outside a batch, one per batch, one per download.
     pub fn submissions(&self) -> u64 {
         self.submissions.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The most inputs a fused elementwise kernel binds: the device's
+    /// storage buffers per shader, less the output and the parameters.
+    pub fn max_fused_inputs(&self) -> usize {
+        (self.device.limits().max_storage_buffers_per_shader_stage as usize).saturating_sub(2)
+    }
+
+    /// How many bytes [`Gpu::upload`] has copied from host memory.
+    pub fn uploaded_bytes(&self) -> u64 {
+        self.uploaded.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Keeps a freed buffer from the pool while a batch's recorded work

@@ -491,32 +491,55 @@ pub(crate) fn launch(
     groups: (u32, u32, u32),
 ) -> Result<()> {
     let params_bytes: Vec<u8> = params.iter().flat_map(|p| p.to_le_bytes()).collect();
+    let bind = |params: wgpu::BufferBinding<'_>| -> Result<wgpu::BindGroup> {
+        let mut entries = Vec::with_capacity(buffers.len() + 1);
+        for (slot, tensor) in buffers.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: slot as u32,
+                resource: GpuBuffer::of(tensor)?.buffer().as_entire_binding(),
+            });
+        }
+        entries.push(wgpu::BindGroupEntry {
+            binding: buffers.len() as u32,
+            resource: wgpu::BindingResource::Buffer(params),
+        });
+        let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let bind_group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &pipeline.layout,
+            entries: &entries,
+        });
+        match pollster::block_on(scope.pop()) {
+            Some(error) => Err(gpu.device_error("a kernel launch failed", error)),
+            None => Ok(bind_group),
+        }
+    };
+    let dispatch = |encoder: &mut wgpu::CommandEncoder, bind_group: &wgpu::BindGroup| {
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+        pass.set_pipeline(&pipeline.pipeline);
+        pass.set_bind_group(0, bind_group, &[]);
+        pass.dispatch_workgroups(groups.0, groups.1, groups.2);
+    };
+    // In a batch, the parameters join the batch's chunk of them.
+    let size = std::num::NonZeroU64::new(params_bytes.len() as u64);
+    let batched = gpu.record_in_batch(&params_bytes, |chunk, offset, encoder| {
+        let bind_group = bind(wgpu::BufferBinding {
+            buffer: chunk,
+            offset,
+            size,
+        })?;
+        dispatch(encoder, &bind_group);
+        Ok(())
+    })?;
+    if batched {
+        return Ok(());
+    }
     let params_buffer = GpuBuffer::new(gpu, params_bytes.len())?;
     gpu.queue
         .write_buffer(params_buffer.buffer(), 0, &params_bytes);
-    let mut entries = Vec::with_capacity(buffers.len() + 1);
-    for (slot, tensor) in buffers.iter().enumerate() {
-        entries.push((slot as u32, GpuBuffer::of(tensor)?.buffer()));
-    }
-    entries.push((buffers.len() as u32, params_buffer.buffer()));
+    let bind_group = bind(params_buffer.buffer().as_entire_buffer_binding())?;
     let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let bind_group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: None,
-        layout: &pipeline.layout,
-        entries: &entries
-            .iter()
-            .map(|(binding, buffer)| wgpu::BindGroupEntry {
-                binding: *binding,
-                resource: buffer.as_entire_binding(),
-            })
-            .collect::<Vec<_>>(),
-    });
-    gpu.encode(|encoder| {
-        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
-        pass.set_pipeline(&pipeline.pipeline);
-        pass.set_bind_group(0, &bind_group, &[]);
-        pass.dispatch_workgroups(groups.0, groups.1, groups.2);
-    });
+    gpu.encode(|encoder| dispatch(encoder, &bind_group));
     if let Some(error) = pollster::block_on(scope.pop()) {
         return Err(gpu.device_error("a kernel launch failed", error));
     }

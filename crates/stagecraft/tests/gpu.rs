@@ -764,6 +764,106 @@ mod on_the_gpu {
         assert!(m.cache_hits >= 2, "{m:?}");
     }
 
+    /// `Device::synchronize` waits for the GPU (directly or under a lazy
+    /// device), returns at once on the CPU, and is an error for a GPU the
+    /// machine does not have.
+    #[test]
+    fn synchronize_waits_for_the_gpu_and_names_a_missing_one() {
+        let (gpu, _turn) = gpu();
+        let y = Tensor::<f32>::full(&[1 << 16], 0.5, &gpu) * 2.0;
+        y.wait().unwrap();
+        gpu.synchronize().unwrap();
+        Device::lazy(&gpu).synchronize().unwrap();
+        cpu().synchronize().unwrap();
+        assert!(y.to_vec().unwrap().iter().all(|&v| v == 1.0));
+        let missing = Device::gpu(99).synchronize().unwrap_err().to_string();
+        assert!(missing.contains("gpu:99"), "{missing}");
+    }
+
+    /// A lazy trace of thousands of kernels, whose launch parameters
+    /// (axes, strides) differ from kernel to kernel and fill several
+    /// chunks of the batch's parameter buffer: each kernel reads its own.
+    #[test]
+    fn a_long_lazy_trace_binds_each_kernels_own_parameters() {
+        use stagecraft::lazy;
+        let (gpu, _turn) = gpu();
+        let device = stagecraft::layers::wgpu::Gpu::get(0).unwrap();
+        let run = |d: &Device| {
+            let mut y = Tensor::from_vec(values(24, 45, -1.0, 1.0), &[6, 4], d).unwrap();
+            // Every step's values reach the result: the map contracts, so
+            // the last `y` alone would not show a kernel that misread.
+            let mut seen = y.sum(&[1], false);
+            for i in 0..1500 {
+                y = match i % 3 {
+                    0 => &y + &(y.sum(&[0], true) * 0.001),
+                    1 => &y - &(y.mean(&[1], true) * 0.5),
+                    _ => y.relu() * 0.9 + 0.01,
+                };
+                seen = seen * 0.999 + y.sum(&[1], false);
+            }
+            lazy::mark_step();
+            seen.to_vec().unwrap()
+        };
+        let want = run(&cpu());
+        let before = device.submissions();
+        let got = run(&Device::lazy(&gpu));
+        assert_close("a long lazy trace", &got, &want, 1e-4, 1e-5);
+        // One trace, one submission (and one for reading the result).
+        let submissions = device.submissions() - before;
+        assert!(submissions <= 3, "{submissions} submissions");
+    }
+
+    /// A host tensor a lazy GPU trace takes step after step (a dataset in
+    /// memory, an input made with `from_vec`) is copied to the GPU once,
+    /// not once per step; another host tensor in its place is copied.
+    #[test]
+    fn a_lazy_trace_on_the_gpu_copies_a_host_input_once() {
+        use stagecraft::lazy;
+        let (gpu, _turn) = gpu();
+        let device = stagecraft::layers::wgpu::Gpu::get(0).unwrap();
+        let on_lazy = Device::lazy(&gpu);
+        // Past the size baked into a trace as a constant: an argument.
+        let n = 1 << 16;
+        let step = |x: &Tensor<f32>| ((x * 2.0 + 1.0).relu() * x).sum(&[0], false);
+        let on_cpu = |xs: &[f32]| {
+            step(&Tensor::from_vec(xs.to_vec(), &[n], &cpu()).unwrap())
+                .to_vec()
+                .unwrap()
+        };
+        let xs = values(n, 43, -1.0, 1.0);
+        let x = Tensor::from_vec(xs.clone(), &[n], &on_lazy).unwrap();
+        let first = step(&x);
+        lazy::mark_step();
+        assert_close(
+            "first step",
+            &first.to_vec().unwrap(),
+            &on_cpu(&xs),
+            1e-5,
+            1e-4,
+        );
+        for _ in 0..3 {
+            let before = device.uploaded_bytes();
+            let y = step(&x);
+            lazy::mark_step();
+            assert_close("later step", &y.to_vec().unwrap(), &on_cpu(&xs), 1e-5, 1e-4);
+            let copied = device.uploaded_bytes() - before;
+            assert!(copied < 4 * n as u64, "{copied} bytes copied again");
+        }
+        let others = values(n, 44, -1.0, 1.0);
+        let before = device.uploaded_bytes();
+        let y = step(&Tensor::from_vec(others.clone(), &[n], &on_lazy).unwrap());
+        lazy::mark_step();
+        assert_close(
+            "a new input",
+            &y.to_vec().unwrap(),
+            &on_cpu(&others),
+            1e-5,
+            1e-4,
+        );
+        assert!(device.uploaded_bytes() - before >= 4 * n as u64);
+        assert!(lazy::metrics().cache_hits >= 3);
+    }
+
     /// A lazy GPU value read early (now in device memory) and then used
     /// inside a `cond` branch stays a parameter of the branch: tracing it
     /// must not read it back to bake it.

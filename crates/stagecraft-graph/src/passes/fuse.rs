@@ -136,6 +136,9 @@ pub struct Fusions {
     /// Only ops this accepts join groups (a device may lack some ops'
     /// fused form).
     pub accepts: fn(&'static OpDef) -> bool,
+    /// The most inputs a fused group may read: a GPU binds each input
+    /// buffer, and a group past its binding limit would run on the host.
+    pub max_inputs: usize,
 }
 
 impl Fusions {
@@ -144,6 +147,7 @@ impl Fusions {
         reductions: true,
         matmul_epilogues: true,
         accepts: |_| true,
+        max_inputs: usize::MAX,
     };
 
     /// No fusion: for a device that runs no fused op.
@@ -151,6 +155,7 @@ impl Fusions {
         reductions: false,
         matmul_epilogues: false,
         accepts: |_| false,
+        max_inputs: usize::MAX,
     };
 }
 
@@ -169,12 +174,16 @@ pub fn run_with(f: &Function, fusions: &Fusions) -> (Function, usize) {
         })
         .collect();
     let mut groups: Vec<Vec<usize>> = Vec::new();
+    // The values each group reads from outside it (a bound, for
+    // `max_inputs`: merging may count a value twice, never too few).
+    let mut reads: Vec<Vec<Value>> = Vec::new();
     let mut group_of: Vec<Option<usize>> = vec![None; f.nodes.len()];
     for (i, node) in f.nodes.iter().enumerate() {
         if codes[i].is_none() {
             continue;
         }
         let mut members: Vec<usize> = Vec::new();
+        let mut read: Vec<Value> = Vec::new();
         for v in &node.inputs {
             let Value::Output { node: p, .. } = *v else {
                 continue;
@@ -187,7 +196,23 @@ pub fn run_with(f: &Function, fusions: &Fusions) -> (Function, usize) {
                 && f.nodes[p].device == node.device
                 && f.nodes[p].outputs[0].shape == node.outputs[0].shape;
             if let (true, Some(g)) = (joins, group_of[p]) {
-                members.append(&mut groups[g]);
+                let mut merged = read.clone();
+                for r in &reads[g] {
+                    if !merged.contains(r) {
+                        merged.push(*r);
+                    }
+                }
+                if merged.len() + node.inputs.len() <= fusions.max_inputs {
+                    members.append(&mut groups[g]);
+                    read = merged;
+                }
+            }
+        }
+        for v in &node.inputs {
+            let inside =
+                matches!(*v, Value::Output { node: p, .. } if members.contains(&(p as usize)));
+            if !inside && !read.contains(v) {
+                read.push(*v);
             }
         }
         members.push(i);
@@ -196,6 +221,7 @@ pub fn run_with(f: &Function, fusions: &Fusions) -> (Function, usize) {
             group_of[m] = Some(groups.len());
         }
         groups.push(members);
+        reads.push(read);
     }
     // A reduction that is the only user of a group's root computes the
     // group itself: its values are folded as they are made. `claims[i]`
@@ -475,6 +501,37 @@ mod tests {
             .filter(|n| !matches!(n.op, NodeOp::Const(_)))
             .map(|n| n.op.name())
             .collect()
+    }
+
+    /// A sum of ten parameters fused for a device that binds at most four
+    /// inputs per kernel: every kernel reads at most four, and the groups
+    /// still compute the sum.
+    #[test]
+    fn a_group_reads_no_more_inputs_than_the_device_binds() {
+        let shapes: Vec<&[usize]> = vec![&[8]; 10];
+        let mut f = f32_params("wide", &shapes);
+        let loc = Location::caller();
+        let mut total = Value::Param(0);
+        for k in 1..10 {
+            total = Value::node(
+                f.add_op(&ADD, &OpAttrs::new(), &[total, Value::Param(k)], loc)
+                    .unwrap(),
+            );
+        }
+        f.results = vec![total];
+        let narrow = Fusions {
+            max_inputs: 4,
+            ..Fusions::ALL
+        };
+        let (g, _) = run_with(&f, &narrow);
+        crate::verify(&g).unwrap();
+        let widest = g.nodes.iter().map(|n| n.inputs.len()).max().unwrap();
+        assert!(widest <= 4, "a kernel reads {widest} inputs");
+        assert!(kernels(&g).len() < 9, "{:?}", kernels(&g));
+        let (unbounded, _) = run_with(&f, &Fusions::ALL);
+        assert_eq!(kernels(&unbounded), ["FusedElementwise"]);
+        let args: Vec<HostTensor> = (0..10).map(|k| values(&[8], k)).collect();
+        assert_eq!(run_bits(&g, &args), run_bits(&unbounded, &args));
     }
 
     fn values(dims: &[usize], seed: usize) -> HostTensor {

@@ -20,13 +20,18 @@ use crate::op_handler::{Args, Batch};
 use smallvec::SmallVec;
 use stagecraft_graph::{Function, NodeOp, Value};
 use stagecraft_ops::{AttrValue, OpAttrs, OpKind};
-use stagecraft_tensor::{Error, HostTensor, Location, Result, TensorValue};
-use std::sync::Arc;
+use stagecraft_tensor::{DeviceTensor, Error, HostTensor, Location, Result, TensorValue};
+use std::sync::{Arc, Mutex};
 
 /// A function optimized for a device that runs ops itself.
 pub struct DeviceProgram {
     function: Arc<Function>,
     device: Device,
+    /// The device copies of the last run's host arguments, by position.
+    /// Data made on a lazy device from host values stays a host value,
+    /// and a trace gets it again step after step (a model's input, a
+    /// dataset in memory): passed again, it is not copied again.
+    uploads: Mutex<Vec<Option<(HostTensor, DeviceTensor)>>>,
 }
 
 impl DeviceProgram {
@@ -46,6 +51,7 @@ impl DeviceProgram {
         DeviceProgram {
             function: Arc::new(optimized),
             device,
+            uploads: Mutex::new(Vec::new()),
         }
     }
 
@@ -54,6 +60,7 @@ impl DeviceProgram {
         DeviceProgram {
             function: Arc::new(function),
             device,
+            uploads: Mutex::new(Vec::new()),
         }
     }
 
@@ -119,7 +126,8 @@ impl DeviceProgram {
         args: Vec<TensorValue>,
         locations: &[Location],
     ) -> Result<Vec<TensorValue>> {
-        let args = args
+        let args = self
+            .uploaded(args)?
             .into_iter()
             .map(|v| TensorHandle::placed(self.device, v))
             .collect();
@@ -127,6 +135,53 @@ impl DeviceProgram {
             .into_iter()
             .map(|h| h.into_tensor_value())
             .collect()
+    }
+}
+
+impl DeviceProgram {
+    /// `args` with each host value in the device's memory: the copy made
+    /// for the last run when the value is the same (the same host buffer,
+    /// or the same fill), else a new copy, kept for the next run.
+    fn uploaded(&self, args: Vec<TensorValue>) -> Result<Vec<TensorValue>> {
+        let Some(memory) = self.device.handler().memory() else {
+            return Ok(args);
+        };
+        let mut uploads = self.uploads.lock().unwrap_or_else(|p| p.into_inner());
+        uploads.resize(args.len(), None);
+        args.into_iter()
+            .zip(uploads.iter_mut())
+            .map(|(value, slot)| {
+                let TensorValue::Host(host) = value else {
+                    return Ok(value);
+                };
+                if matches!(host, HostTensor::List(_)) {
+                    return Ok(TensorValue::Host(host));
+                }
+                if let Some((before, copy)) = slot.as_ref() {
+                    if same_host_value(before, &host) {
+                        return Ok(TensorValue::Device(copy.clone()));
+                    }
+                }
+                let copy = memory.upload(&host.to_dense()?)?;
+                *slot = Some((host, copy.clone()));
+                Ok(TensorValue::Device(copy))
+            })
+            .collect()
+    }
+}
+
+/// Whether `a` and `b` are one value without comparing their bytes: one
+/// host buffer (a buffer held here is never written again, as only a
+/// buffer with one owner is reused in place), or equal fills.
+fn same_host_value(a: &HostTensor, b: &HostTensor) -> bool {
+    match (a, b) {
+        (HostTensor::Dense(x), HostTensor::Dense(y)) => {
+            x.metadata() == y.metadata()
+                && std::ptr::eq(x.buffer().bytes().as_ptr(), y.buffer().bytes().as_ptr())
+                && x.buffer().bytes().len() == y.buffer().bytes().len()
+        }
+        (HostTensor::Scalar(_), HostTensor::Scalar(_)) => a.same_value(b),
+        _ => false,
     }
 }
 

@@ -137,6 +137,10 @@ impl OpHandler for LazyOpHandler {
     fn memory(&self) -> Option<&dyn crate::op_handler::DeviceMemory> {
         self.target.handler().memory()
     }
+
+    fn synchronize(&self) -> stagecraft_tensor::Result<()> {
+        self.target.handler().synchronize()
+    }
 }
 
 /// Whether a handle lives on a lazy device.
