@@ -21,7 +21,7 @@
 //! `cargo bench -p stagecraft --features wgpu --bench gpu`
 
 mod common;
-use common::b3;
+use common::{b3, mlp_batch, Mlp};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use stagecraft::{lazy, Device, Rng, Tensor};
 use std::time::Duration;
@@ -102,57 +102,22 @@ fn matmul(c: &mut Criterion) {
     group.finish();
 }
 
-/// The B5 model's parameters.
-struct Mlp {
-    w: Vec<Tensor<f32>>,
-    b: Vec<Tensor<f32>>,
-}
-
-impl Mlp {
-    fn new(d: &Device) -> Mlp {
-        let mut rng = Rng::new(0);
-        let dims = [784, 256, 256, 10];
-        let w = (0..3)
-            .map(|i| Tensor::rand_normal(&[dims[i], dims[i + 1]], 0.0, 0.05, &mut rng, d))
-            .collect();
-        let b = (0..3).map(|i| Tensor::zeros(&[dims[i + 1]], d)).collect();
-        Mlp { w, b }
-    }
-
-    /// One SGD step; the loss read on the host.
-    fn step(&mut self, x: &Tensor<f32>, y: &Tensor<f32>, lr: f32) -> f32 {
-        let w: Vec<Tensor<f32>> = self.w.iter().map(|t| t.requires_grad()).collect();
-        let b: Vec<Tensor<f32>> = self.b.iter().map(|t| t.requires_grad()).collect();
-        let h1 = (x.matmul(&w[0]) + &b[0]).relu();
-        let h2 = (h1.matmul(&w[1]) + &b[1]).relu();
-        let logits = h2.matmul(&w[2]) + &b[2];
-        let loss = -(logits.log_softmax(-1) * y)
-            .sum(&[-1], false)
-            .mean(&[0], false);
-        let grads = loss.backward().expect("differentiable");
-        for i in 0..3 {
-            self.w[i] = &w[i] - &(grads.get(&w[i]).expect("tracked") * lr);
-            self.b[i] = &b[i] - &(grads.get(&b[i]).expect("tracked") * lr);
-        }
-        lazy::mark_step();
-        loss.item().unwrap()
-    }
-}
-
 fn mlp_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("gpu_B5_mlp_784_256_256_10_b128");
     for (name, d) in [("lazy", Device::lazy(&gpu())), ("eager", gpu())] {
         let mut model = Mlp::new(&d);
-        let x = Tensor::<f32>::rand_uniform(&[128, 784], 0.0, 1.0, &mut Rng::new(1), &d);
-        let labels: Vec<f32> = (0..1280)
-            .map(|i| if i % 10 == (i / 10) % 10 { 1.0 } else { 0.0 })
-            .collect();
-        let y = Tensor::<f32>::from_vec(labels, &[128, 10], &d).unwrap();
+        let (x, y) = mlp_batch(&d);
         lazy::mark_step();
+        // One SGD step; the loss read on the host.
+        let mut step = || {
+            let loss = model.autodiff_step(&x, &y, 0.01);
+            lazy::mark_step();
+            loss.item().unwrap()
+        };
         for _ in 0..5 {
-            model.step(&x, &y, 0.01);
+            step();
         }
-        group.bench_function(name, |bench| bench.iter(|| model.step(&x, &y, 0.01)));
+        group.bench_function(name, |bench| bench.iter(&mut step));
     }
     group.finish();
 }

@@ -11,11 +11,11 @@
 //! figures.
 
 mod common;
-use common::b3;
+use common::{b3, mlp_batch, Mlp};
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use stagecraft::layers::graph::Function;
 use stagecraft::layers::runtime::executor;
-use stagecraft::{function, lazy, while_loop, Device, Rng, Tensor};
+use stagecraft::{function, lazy, while_loop, Device, Tensor};
 use std::sync::Arc;
 
 fn lazy_recording(c: &mut Criterion) {
@@ -72,51 +72,34 @@ fn elementwise_chain(c: &mut Criterion) {
     g.finish();
 }
 
-struct Mlp {
-    w: [Tensor<f32>; 3],
-    b: [Tensor<f32>; 3],
-}
-
-impl Mlp {
-    fn new(d: &Device) -> Mlp {
-        let mut rng = Rng::new(0);
-        let dims = [784, 256, 256, 10];
-        let w = std::array::from_fn(|i| {
-            Tensor::rand_normal(&[dims[i], dims[i + 1]], 0.0, 0.05, &mut rng, d)
-        });
-        let b = std::array::from_fn(|i| Tensor::zeros(&[dims[i + 1]], d));
-        Mlp { w, b }
+/// One SGD step of the MLP with the backward pass written out by hand.
+fn manual_step(model: &mut Mlp, x: &Tensor<f32>, y: &Tensor<f32>, lr: f32) -> Tensor<f32> {
+    let [w1, w2, w3] = &model.w;
+    let [b1, b2, b3] = &model.b;
+    let h1 = (x.matmul(w1) + b1).relu();
+    let h2 = (h1.matmul(w2) + b2).relu();
+    let logits = h2.matmul(w3) + b3;
+    let logp = logits.log_softmax(-1);
+    let loss = -(&logp * y).sum(&[-1], false).mean(&[0], false);
+    let batch = x.dims()[0] as f32;
+    let dlogits = (logp.exp() - y) * (1.0 / batch);
+    let dw3 = h2.transpose(0, 1).matmul(&dlogits);
+    let db3 = dlogits.sum(&[0], false);
+    let dh2 = dlogits.matmul(&w3.transpose(0, 1))
+        * h2.gt(&Tensor::scalar(0.0, &x.device())).cast::<f32>();
+    let dw2 = h1.transpose(0, 1).matmul(&dh2);
+    let db2 = dh2.sum(&[0], false);
+    let dh1 =
+        dh2.matmul(&w2.transpose(0, 1)) * h1.gt(&Tensor::scalar(0.0, &x.device())).cast::<f32>();
+    let dw1 = x.transpose(0, 1).matmul(&dh1);
+    let db1 = dh1.sum(&[0], false);
+    let grads_w = [dw1, dw2, dw3];
+    let grads_b = [db1, db2, db3];
+    for i in 0..3 {
+        model.w[i] = &model.w[i] - &(&grads_w[i] * lr);
+        model.b[i] = &model.b[i] - &(&grads_b[i] * lr);
     }
-
-    /// One SGD step with the backward pass written out by hand.
-    fn step(&mut self, x: &Tensor<f32>, y: &Tensor<f32>, lr: f32) -> Tensor<f32> {
-        let [w1, w2, w3] = &self.w;
-        let [b1, b2, b3] = &self.b;
-        let h1 = (x.matmul(w1) + b1).relu();
-        let h2 = (h1.matmul(w2) + b2).relu();
-        let logits = h2.matmul(w3) + b3;
-        let logp = logits.log_softmax(-1);
-        let loss = -(&logp * y).sum(&[-1], false).mean(&[0], false);
-        let batch = x.dims()[0] as f32;
-        let dlogits = (logp.exp() - y) * (1.0 / batch);
-        let dw3 = h2.transpose(0, 1).matmul(&dlogits);
-        let db3 = dlogits.sum(&[0], false);
-        let dh2 = dlogits.matmul(&w3.transpose(0, 1))
-            * h2.gt(&Tensor::scalar(0.0, &x.device())).cast::<f32>();
-        let dw2 = h1.transpose(0, 1).matmul(&dh2);
-        let db2 = dh2.sum(&[0], false);
-        let dh1 = dh2.matmul(&w2.transpose(0, 1))
-            * h1.gt(&Tensor::scalar(0.0, &x.device())).cast::<f32>();
-        let dw1 = x.transpose(0, 1).matmul(&dh1);
-        let db1 = dh1.sum(&[0], false);
-        let grads_w = [dw1, dw2, dw3];
-        let grads_b = [db1, db2, db3];
-        for i in 0..3 {
-            self.w[i] = &self.w[i] - &(&grads_w[i] * lr);
-            self.b[i] = &self.b[i] - &(&grads_b[i] * lr);
-        }
-        loss
-    }
+    loss
 }
 
 fn mlp_step(c: &mut Criterion) {
@@ -128,39 +111,17 @@ fn mlp_step(c: &mut Criterion) {
     ] {
         let mut model = Mlp::new(&d);
         lazy::mark_step();
-        let x = Tensor::<f32>::rand_uniform(&[128, 784], 0.0, 1.0, &mut Rng::new(1), &d);
-        let labels: Vec<f32> = (0..1280)
-            .map(|i| if i % 10 == (i / 10) % 10 { 1.0 } else { 0.0 })
-            .collect();
-        let y = Tensor::<f32>::from_vec(labels, &[128, 10], &d).unwrap();
+        let (x, y) = mlp_batch(&d);
         lazy::mark_step();
         g.bench_function(name, |b| {
             b.iter(|| {
-                let loss = model.step(&x, &y, 0.01);
+                let loss = manual_step(&mut model, &x, &y, 0.01);
                 lazy::mark_step();
                 loss.wait().unwrap()
             })
         });
     }
     g.finish();
-}
-
-/// The same step with gradients from `backward` instead of by hand.
-fn autodiff_step(model: &mut Mlp, x: &Tensor<f32>, y: &Tensor<f32>, lr: f32) -> Tensor<f32> {
-    let w: Vec<Tensor<f32>> = model.w.iter().map(|t| t.requires_grad()).collect();
-    let b: Vec<Tensor<f32>> = model.b.iter().map(|t| t.requires_grad()).collect();
-    let h1 = (x.matmul(&w[0]) + &b[0]).relu();
-    let h2 = (h1.matmul(&w[1]) + &b[1]).relu();
-    let logits = h2.matmul(&w[2]) + &b[2];
-    let loss = -(logits.log_softmax(-1) * y)
-        .sum(&[-1], false)
-        .mean(&[0], false);
-    let grads = loss.backward().expect("differentiable");
-    for i in 0..3 {
-        model.w[i] = &w[i] - &(grads.get(&w[i]).expect("tracked") * lr);
-        model.b[i] = &b[i] - &(grads.get(&b[i]).expect("tracked") * lr);
-    }
-    loss
 }
 
 fn mlp_autodiff(c: &mut Criterion) {
@@ -171,15 +132,11 @@ fn mlp_autodiff(c: &mut Criterion) {
         ("lazy", Device::lazy(&Device::cpu())),
     ] {
         let mut model = Mlp::new(&d);
-        let x = Tensor::<f32>::rand_uniform(&[128, 784], 0.0, 1.0, &mut Rng::new(1), &d);
-        let labels: Vec<f32> = (0..1280)
-            .map(|i| if i % 10 == (i / 10) % 10 { 1.0 } else { 0.0 })
-            .collect();
-        let y = Tensor::<f32>::from_vec(labels, &[128, 10], &d).unwrap();
+        let (x, y) = mlp_batch(&d);
         lazy::mark_step();
         g.bench_function(name, |b| {
             b.iter(|| {
-                let loss = autodiff_step(&mut model, &x, &y, 0.01);
+                let loss = model.autodiff_step(&x, &y, 0.01);
                 lazy::mark_step();
                 loss.wait().unwrap()
             })
