@@ -3,7 +3,6 @@
 //! once their inputs are ready (async mode).
 
 use crate::context::{execution_mode, ExecutionMode};
-use crate::fxhash::{FxBuild, FxHasher};
 use crate::handle::{MetadataState, TensorHandle};
 use crate::op_handler::{Args, InputMetas, OpHandler, OpInvocation, ReadyArgs, Results};
 use crate::runtime::{
@@ -17,6 +16,7 @@ use stagecraft_tensor::{
     DType, DenseHostTensor, Error, ErrorKind, HostTensor, Location, Result, TensorMetadata,
     TensorValue,
 };
+use stagecraft_tensor::{FxBuild, FxHasher};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};

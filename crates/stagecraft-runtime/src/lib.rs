@@ -13,7 +13,6 @@ pub mod cpu_handler;
 mod device;
 pub mod executor;
 pub mod format;
-mod fxhash;
 #[cfg(feature = "wgpu")]
 mod gpu_handler;
 mod handle;
@@ -33,7 +32,6 @@ pub use context::{
 };
 pub use cpu_handler::{CpuOpHandler, KernelCache, KernelCacheStats};
 pub use device::{Device, DeviceKind};
-pub use fxhash::FxHasher;
 #[cfg(feature = "wgpu")]
 pub use gpu_handler::cpu_fallbacks;
 pub use handle::{MetadataState, TensorHandle, TracedValue};
@@ -44,6 +42,7 @@ pub use runtime::{
     read_to_host, report_error, restart, set_diagnostic_handler, stats, DiagnosticHandler,
     RuntimeStats,
 };
+pub use stagecraft_tensor::FxHasher;
 /// The GPU device crate, for what the runtime does not wrap (the adapter's
 /// name, submission counts).
 #[cfg(feature = "wgpu")]

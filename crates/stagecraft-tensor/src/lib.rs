@@ -8,6 +8,7 @@ mod buffer;
 mod device;
 mod dtype;
 mod error;
+mod fxhash;
 mod host;
 mod shape;
 
@@ -15,6 +16,7 @@ pub use buffer::{Arena, Buffer, BufferStats, SMALL_BLOCK};
 pub use device::{DeviceStorage, DeviceTensor, TensorValue};
 pub use dtype::{DType, Element, FloatElement, IndexElement, IntElement, NumElement, Scalar};
 pub use error::{Error, ErrorKind, Location, Result};
+pub use fxhash::{FxBuild, FxHasher};
 pub use host::{DenseHostTensor, HostTensor, ScalarHostTensor, TensorList};
 pub use shape::{broadcast_shapes, element_count, normalize_axis, Shape, TensorMetadata};
 

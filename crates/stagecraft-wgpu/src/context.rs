@@ -3,7 +3,7 @@
 
 use crate::buffer::{BufferPool, GpuBuffer};
 use stagecraft_tensor::{
-    Buffer, DenseHostTensor, DeviceTensor, Error, ErrorKind, Result, TensorMetadata,
+    Buffer, DenseHostTensor, DeviceTensor, Error, ErrorKind, FxBuild, Result, TensorMetadata,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -25,7 +25,8 @@ pub struct Gpu {
     lost: Arc<Mutex<Option<String>>>,
     /// Pipelines by their WGSL source: a shader is compiled once per
     /// process, whatever op or shape asked for it.
-    pipelines: Mutex<HashMap<String, Arc<Pipeline>>>,
+    /// (FxHash: a shader's source is kilobytes, hashed at every launch.)
+    pipelines: Mutex<HashMap<String, Arc<Pipeline>, FxBuild>>,
     pub(crate) max_binding_bytes: u64,
     /// The open batch, if any: launches record into its encoder instead
     /// of submitting one command buffer each.
@@ -43,6 +44,13 @@ struct Batch {
     depth: usize,
     /// The command buffer being recorded, created by the first launch.
     encoder: Option<wgpu::CommandEncoder>,
+    /// The compute pass the batch's launches record into, open on
+    /// `encoder` until the batch is submitted or the encoder is needed
+    /// for other commands: one pass for the whole batch, not one per
+    /// kernel (wgpu still orders the dispatches that share buffers).
+    pass: Option<wgpu::ComputePass<'static>>,
+    /// Kernels recorded since the last submission.
+    launches: usize,
     /// Buffers freed while recorded work may still read them. They go to
     /// the pool only after that work is submitted: a later upload or
     /// launch parameter written into a reused buffer would otherwise land
@@ -63,6 +71,10 @@ struct ParamsChunk {
 
 /// The size of a [`ParamsChunk`]: a few hundred launches' parameters.
 const PARAMS_CHUNK_BYTES: usize = 64 << 10;
+
+/// Eager launches recorded before they are submitted together (any read
+/// of a value, or `synchronize`, submits sooner).
+const EAGER_LAUNCHES_PER_SUBMISSION: usize = 16;
 
 /// What a machine without a usable adapter needs, for the error.
 const DRIVER_HINT: &str = "wgpu found no Vulkan, Metal or DX12 adapter. On Linux without a GPU, \
@@ -172,7 +184,7 @@ impl Gpu {
             queue,
             pool: BufferPool::default(),
             lost,
-            pipelines: Mutex::new(HashMap::new()),
+            pipelines: Mutex::new(HashMap::default()),
             max_binding_bytes: limits
                 .max_storage_buffer_binding_size
                 .min(limits.max_buffer_size),
@@ -340,7 +352,7 @@ impl Gpu {
 
     /// Records `work` into the open batch's command buffer, or into one of
     /// its own that is submitted at once when no batch is open.
-    pub(crate) fn encode(&self, work: impl FnOnce(&mut wgpu::CommandEncoder)) {
+    pub(crate) fn encode(&self, work: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<()> {
         let new_encoder = || {
             self.device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
@@ -349,13 +361,12 @@ impl Gpu {
         // sees launches in the order they were made, whichever thread made
         // them and whether or not a batch is open.
         let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        batch.pass = None;
+        work(batch.encoder.get_or_insert_with(new_encoder));
         if batch.depth > 0 {
-            work(batch.encoder.get_or_insert_with(new_encoder));
-            return;
+            return Ok(());
         }
-        let mut encoder = new_encoder();
-        work(&mut encoder);
-        self.submit(encoder);
+        self.flush_locked(&mut batch)
     }
 
     /// Submits the recorded work of the open batch (which stays open), and
@@ -373,6 +384,9 @@ impl Gpu {
     fn flush_locked(&self, batch: &mut Batch) -> Result<()> {
         let mut result = Ok(());
         self.write_params(batch);
+        batch.launches = 0;
+        // The pass ends before its encoder is finished.
+        batch.pass = None;
         if let Some(encoder) = batch.encoder.take() {
             let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
             self.submit(encoder);
@@ -400,16 +414,19 @@ impl Gpu {
     /// Records a launch into the open batch: `params` are appended to the
     /// batch's chunk of launch parameters, and `record` gets the chunk's
     /// buffer and the parameters' offset in it (to bind), and the batch's
-    /// encoder. `Ok(false)` when no batch is open: the caller launches on
-    /// its own. All under the batch's lock, so that no flush between
+    /// compute pass. Outside a batch, the launch joins the work recorded
+    /// since the last submission, submitted every
+    /// [`EAGER_LAUNCHES_PER_SUBMISSION`] launches or when the host waits.
+    /// `Ok(false)` for parameters larger than a chunk: the caller launches
+    /// on its own. All under the batch's lock, so that no flush between
     /// binding the chunk and recording the kernel can retire the chunk.
     pub(crate) fn record_in_batch(
         &'static self,
         params: &[u8],
-        record: impl FnOnce(&wgpu::Buffer, u64, &mut wgpu::CommandEncoder) -> Result<()>,
+        record: impl FnOnce(&wgpu::Buffer, u64, &mut wgpu::ComputePass<'static>) -> Result<()>,
     ) -> Result<bool> {
         let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
-        if batch.depth == 0 || params.len() > PARAMS_CHUNK_BYTES {
+        if params.len() > PARAMS_CHUNK_BYTES {
             return Ok(false);
         }
         let align = u64::from(self.device.limits().min_storage_buffer_offset_alignment) as usize;
@@ -425,13 +442,21 @@ impl Gpu {
                 bytes: Vec::with_capacity(PARAMS_CHUNK_BYTES),
             });
         }
+        if batch.pass.is_none() {
+            let encoder = batch.encoder.get_or_insert_with(|| {
+                self.device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
+            });
+            let pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+            batch.pass = Some(pass.forget_lifetime());
+        }
         let Batch {
             params: Some(chunk),
-            encoder,
+            pass: Some(pass),
             ..
         } = &mut *batch
         else {
-            unreachable!("a chunk was opened above");
+            unreachable!("a chunk and a pass were opened above");
         };
         let offset = if chunk.bytes.is_empty() {
             0
@@ -440,11 +465,13 @@ impl Gpu {
         };
         chunk.bytes.resize(offset, 0);
         chunk.bytes.extend_from_slice(params);
-        let encoder = encoder.get_or_insert_with(|| {
-            self.device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
-        });
-        record(&chunk.buffer, offset as u64, encoder)?;
+        record(&chunk.buffer, offset as u64, pass)?;
+        // Outside a batch (eager ops), launches gather into submissions of
+        // a few: a submission per kernel cost more than the kernel.
+        batch.launches += 1;
+        if batch.depth == 0 && batch.launches >= EAGER_LAUNCHES_PER_SUBMISSION {
+            self.flush_locked(&mut batch)?;
+        }
         Ok(true)
     }
 
@@ -455,7 +482,9 @@ impl Gpu {
     }
 
     /// How many command buffers this device has submitted: one per
-    /// kernel launched outside a batch, one per batch, one per download.
+    /// batch, one per download, and outside batches one per
+    /// [`EAGER_LAUNCHES_PER_SUBMISSION`] kernels or fewer (a read submits
+    /// what is recorded).
     pub fn submissions(&self) -> u64 {
         self.submissions.load(std::sync::atomic::Ordering::Relaxed)
     }

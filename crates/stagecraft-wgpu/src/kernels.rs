@@ -514,21 +514,20 @@ pub(crate) fn launch(
             None => Ok(bind_group),
         }
     };
-    let dispatch = |encoder: &mut wgpu::CommandEncoder, bind_group: &wgpu::BindGroup| {
-        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+    let dispatch = |pass: &mut wgpu::ComputePass<'_>, bind_group: &wgpu::BindGroup| {
         pass.set_pipeline(&pipeline.pipeline);
         pass.set_bind_group(0, bind_group, &[]);
         pass.dispatch_workgroups(groups.0, groups.1, groups.2);
     };
-    // In a batch, the parameters join the batch's chunk of them.
+    // The parameters join the open chunk of them (see `record_in_batch`).
     let size = std::num::NonZeroU64::new(params_bytes.len() as u64);
-    let batched = gpu.record_in_batch(&params_bytes, |chunk, offset, encoder| {
+    let batched = gpu.record_in_batch(&params_bytes, |chunk, offset, pass| {
         let bind_group = bind(wgpu::BufferBinding {
             buffer: chunk,
             offset,
             size,
         })?;
-        dispatch(encoder, &bind_group);
+        dispatch(pass, &bind_group);
         Ok(())
     })?;
     if batched {
@@ -539,11 +538,14 @@ pub(crate) fn launch(
         .write_buffer(params_buffer.buffer(), 0, &params_bytes);
     let bind_group = bind(params_buffer.buffer().as_entire_buffer_binding())?;
     let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    gpu.encode(|encoder| dispatch(encoder, &bind_group));
+    let submitted = gpu.encode(|encoder| {
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+        dispatch(&mut pass, &bind_group);
+    });
     if let Some(error) = pollster::block_on(scope.pop()) {
         return Err(gpu.device_error("a kernel launch failed", error));
     }
-    Ok(())
+    submitted
 }
 
 fn unary_launch(

@@ -216,8 +216,9 @@ impl<T: Element> Tensor<T> {
     }
 
     /// Waits until the value is computed (on a GPU: until its kernels are
-    /// submitted, which later reads wait behind); returns its error if any.
-    /// Reads nothing back, so it works wherever the value lives.
+    /// recorded, which later reads wait behind; `Device::synchronize` waits
+    /// for them to run); returns its error if any. Reads nothing back, so
+    /// it works wherever the value lives.
     pub fn wait(&self) -> Result<()> {
         self.handle.wait_value().map(|_| ())
     }

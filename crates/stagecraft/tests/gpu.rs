@@ -780,6 +780,29 @@ mod on_the_gpu {
         assert!(missing.contains("gpu:99"), "{missing}");
     }
 
+    /// Eager kernels are submitted a few at a time, not one by one; a
+    /// read submits what is recorded, so it sees every launch before it.
+    #[test]
+    fn eager_launches_share_submissions_and_a_read_sees_them_all() {
+        let (gpu, _turn) = gpu();
+        let device = stagecraft::layers::wgpu::Gpu::get(0).unwrap();
+        let x = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0], &[3], &gpu).unwrap();
+        gpu.synchronize().unwrap();
+        let before = device.submissions();
+        let mut y = x.clone();
+        for _ in 0..100 {
+            y = &y + &x;
+        }
+        let submitted = device.submissions() - before;
+        assert!(
+            submitted <= 100 / 8,
+            "{submitted} submissions for 100 kernels"
+        );
+        // Three more, fewer than a submission's worth: the read submits them.
+        let z = (&y * 2.0 + 1.0) - &x;
+        assert_eq!(z.to_vec().unwrap(), vec![202.0, 403.0, 604.0]);
+    }
+
     /// A lazy trace of thousands of kernels, whose launch parameters
     /// (axes, strides) differ from kernel to kernel and fill several
     /// chunks of the batch's parameter buffer: each kernel reads its own.

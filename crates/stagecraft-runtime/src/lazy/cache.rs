@@ -8,9 +8,9 @@ use super::metrics::{count_cache_hit, count_cache_miss, count_compile, count_key
 use super::op::LazyOp;
 use crate::device::Device;
 use crate::executor::{instantiate, DeviceProgram, Executable};
-use crate::fxhash::FxHasher;
 use crate::profile;
 use stagecraft_graph::{Function, Node, NodeOp, Value};
+use stagecraft_tensor::FxHasher;
 use stagecraft_tensor::{Error, HostTensor, Location, Result, TensorMetadata, TensorValue};
 use std::collections::HashMap;
 use std::hash::Hasher;

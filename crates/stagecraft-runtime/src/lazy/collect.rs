@@ -7,10 +7,10 @@
 
 use super::op::{ClaimOutcome, Input, LazyOp, TraceId};
 use crate::device::Device;
-use crate::fxhash::FxBuild;
 use smallvec::SmallVec;
 use stagecraft_graph::Value;
 use stagecraft_ops::{FrozenOpAttrs, OpDef, OutputMetas};
+use stagecraft_tensor::FxBuild;
 use stagecraft_tensor::{Error, Location, Result, TensorMetadata, TensorValue};
 use std::cell::Cell;
 use std::collections::HashMap;

@@ -10,9 +10,9 @@
 //! has seen; only a signature new to the thread takes the process-wide
 //! lock.
 
-use crate::fxhash::{FxBuild, FxHasher};
 use smallvec::SmallVec;
 use stagecraft_ops::{FrozenOpAttrs, OpDef, OutputMetas};
+use stagecraft_tensor::{FxBuild, FxHasher};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};

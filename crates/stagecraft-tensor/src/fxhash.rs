@@ -1,5 +1,5 @@
-//! A fast non-cryptographic hasher for the runtime's internal maps, whose
-//! keys no user controls.
+//! A fast non-cryptographic hasher for the runtime's and the devices'
+//! internal maps, whose keys no user controls.
 
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -37,4 +37,5 @@ impl Hasher for FxHasher {
     }
 }
 
-pub(crate) type FxBuild = BuildHasherDefault<FxHasher>;
+/// [`FxHasher`] as a map's hasher.
+pub type FxBuild = BuildHasherDefault<FxHasher>;
