@@ -174,16 +174,17 @@ pub fn run_with(f: &Function, fusions: &Fusions) -> (Function, usize) {
         })
         .collect();
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    // The values each group reads from outside it (a bound, for
-    // `max_inputs`: merging may count a value twice, never too few).
-    let mut reads: Vec<Vec<Value>> = Vec::new();
+    // How many values each group reads from outside it, for `max_inputs`:
+    // a value read twice counts twice, so the count is a bound, kept in
+    // constant time per merge (long chains stay linear to fuse).
+    let mut reads: Vec<usize> = Vec::new();
     let mut group_of: Vec<Option<usize>> = vec![None; f.nodes.len()];
     for (i, node) in f.nodes.iter().enumerate() {
         if codes[i].is_none() {
             continue;
         }
         let mut members: Vec<usize> = Vec::new();
-        let mut read: Vec<Value> = Vec::new();
+        let mut read = 0usize;
         for v in &node.inputs {
             let Value::Output { node: p, .. } = *v else {
                 continue;
@@ -196,25 +197,15 @@ pub fn run_with(f: &Function, fusions: &Fusions) -> (Function, usize) {
                 && f.nodes[p].device == node.device
                 && f.nodes[p].outputs[0].shape == node.outputs[0].shape;
             if let (true, Some(g)) = (joins, group_of[p]) {
-                let mut merged = read.clone();
-                for r in &reads[g] {
-                    if !merged.contains(r) {
-                        merged.push(*r);
-                    }
-                }
-                if merged.len() + node.inputs.len() <= fusions.max_inputs {
+                let merged = read.saturating_add(reads[g]);
+                if merged.saturating_add(node.inputs.len()) <= fusions.max_inputs {
                     members.append(&mut groups[g]);
                     read = merged;
                 }
             }
         }
-        for v in &node.inputs {
-            let inside =
-                matches!(*v, Value::Output { node: p, .. } if members.contains(&(p as usize)));
-            if !inside && !read.contains(v) {
-                read.push(*v);
-            }
-        }
+        let joined = |v: &Value| matches!(*v, Value::Output { node: p, .. } if members.contains(&(p as usize)));
+        read += node.inputs.iter().filter(|v| !joined(v)).count();
         members.push(i);
         members.sort_unstable();
         for &m in &members {
