@@ -157,7 +157,7 @@ fn matmul_bench(c: &mut Criterion, name: &str, device: &Device) {
             for t in &outs {
                 t.wait_value().unwrap();
             }
-            // A GPU's products are ready when submitted: wait for them.
+            // A GPU's products are ready when recorded: wait for them.
             device.synchronize().unwrap();
         })
     });

@@ -323,8 +323,9 @@ impl Device {
     }
 
     /// Waits until the work submitted to this device has finished, as
-    /// `torch.cuda.synchronize()` does. A value is ready when its work is
-    /// submitted, so timing GPU work needs this (or a value read back);
+    /// `torch.cuda.synchronize()` does. A GPU value is ready when its
+    /// kernels are recorded, so timing GPU work needs this (or a value read
+    /// back);
     /// on the CPU a ready value is done and this returns at once. A lazy
     /// device waits for the device its traces run on; recorded ops that
     /// no step has run yet are not run.

@@ -63,13 +63,14 @@ struct Batch {
     params: Option<ParamsChunk>,
 }
 
-/// A buffer of launch parameters being filled (see [`Gpu::stage_params`]).
+/// A buffer of launch parameters being filled (see [`Gpu::record_launch`]).
 struct ParamsChunk {
     buffer: wgpu::Buffer,
     bytes: Vec<u8>,
 }
 
-/// The size of a [`ParamsChunk`]: a few hundred launches' parameters.
+/// The size of a [`ParamsChunk`]: a few hundred launches' parameters (a
+/// launch with more gets a chunk of its own size).
 const PARAMS_CHUNK_BYTES: usize = 64 << 10;
 
 /// Eager launches recorded before they are submitted together (any read
@@ -350,25 +351,6 @@ impl Gpu {
         self.batch.lock().unwrap_or_else(|p| p.into_inner()).depth > 0
     }
 
-    /// Records `work` into the open batch's command buffer, or into one of
-    /// its own that is submitted at once when no batch is open.
-    pub(crate) fn encode(&self, work: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<()> {
-        let new_encoder = || {
-            self.device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
-        };
-        // Recorded and submitted under the batch lock, so that the queue
-        // sees launches in the order they were made, whichever thread made
-        // them and whether or not a batch is open.
-        let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
-        batch.pass = None;
-        work(batch.encoder.get_or_insert_with(new_encoder));
-        if batch.depth > 0 {
-            return Ok(());
-        }
-        self.flush_locked(&mut batch)
-    }
-
     /// Submits the recorded work of the open batch (which stays open), and
     /// returns the buffers it freed to the pool.
     fn flush(&self) -> Result<()> {
@@ -411,35 +393,32 @@ impl Gpu {
         }
     }
 
-    /// Records a launch into the open batch: `params` are appended to the
-    /// batch's chunk of launch parameters, and `record` gets the chunk's
-    /// buffer and the parameters' offset in it (to bind), and the batch's
-    /// compute pass. Outside a batch, the launch joins the work recorded
-    /// since the last submission, submitted every
-    /// [`EAGER_LAUNCHES_PER_SUBMISSION`] launches or when the host waits.
-    /// `Ok(false)` for parameters larger than a chunk: the caller launches
-    /// on its own. All under the batch's lock, so that no flush between
-    /// binding the chunk and recording the kernel can retire the chunk.
-    pub(crate) fn record_in_batch(
+    /// Records a kernel launch: `params` are appended to the open chunk of
+    /// launch parameters, and `record` gets the chunk's buffer and the
+    /// parameters' offset in it (to bind), and the open compute pass.
+    /// Inside a batch the launch is submitted with the batch; outside one
+    /// (eager ops) with the launches recorded since the last submission,
+    /// every [`EAGER_LAUNCHES_PER_SUBMISSION`] launches or when the host
+    /// waits. All under the batch's lock, so that no flush between binding
+    /// the chunk and recording the kernel can retire the chunk.
+    pub(crate) fn record_launch(
         &'static self,
         params: &[u8],
         record: impl FnOnce(&wgpu::Buffer, u64, &mut wgpu::ComputePass<'static>) -> Result<()>,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
-        if params.len() > PARAMS_CHUNK_BYTES {
-            return Ok(false);
-        }
         let align = u64::from(self.device.limits().min_storage_buffer_offset_alignment) as usize;
-        let at = match &batch.params {
-            Some(chunk) => chunk.bytes.len().next_multiple_of(align),
-            None => 0,
-        };
-        if batch.params.is_none() || at + params.len() > PARAMS_CHUNK_BYTES {
+        let fits = batch.params.as_ref().is_some_and(|chunk| {
+            (chunk.bytes.len().next_multiple_of(align) + params.len()) as u64 <= chunk.buffer.size()
+        });
+        if !fits {
             self.write_params(&mut batch);
-            let buffer = crate::buffer::GpuBuffer::new(self, PARAMS_CHUNK_BYTES)?.into_inner();
+            // Parameters larger than a chunk get a chunk of their own size.
+            let bytes = PARAMS_CHUNK_BYTES.max(params.len());
+            let buffer = crate::buffer::GpuBuffer::new(self, bytes)?.into_inner();
             batch.params = Some(ParamsChunk {
                 buffer,
-                bytes: Vec::with_capacity(PARAMS_CHUNK_BYTES),
+                bytes: Vec::with_capacity(bytes),
             });
         }
         if batch.pass.is_none() {
@@ -458,11 +437,7 @@ impl Gpu {
         else {
             unreachable!("a chunk and a pass were opened above");
         };
-        let offset = if chunk.bytes.is_empty() {
-            0
-        } else {
-            chunk.bytes.len().next_multiple_of(align)
-        };
+        let offset = chunk.bytes.len().next_multiple_of(align);
         chunk.bytes.resize(offset, 0);
         chunk.bytes.extend_from_slice(params);
         record(&chunk.buffer, offset as u64, pass)?;
@@ -472,7 +447,7 @@ impl Gpu {
         if batch.depth == 0 && batch.launches >= EAGER_LAUNCHES_PER_SUBMISSION {
             self.flush_locked(&mut batch)?;
         }
-        Ok(true)
+        Ok(())
     }
 
     fn submit(&self, encoder: wgpu::CommandEncoder) {

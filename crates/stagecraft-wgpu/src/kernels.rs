@@ -491,7 +491,8 @@ pub(crate) fn launch(
     groups: (u32, u32, u32),
 ) -> Result<()> {
     let params_bytes: Vec<u8> = params.iter().flat_map(|p| p.to_le_bytes()).collect();
-    let bind = |params: wgpu::BufferBinding<'_>| -> Result<wgpu::BindGroup> {
+    let size = std::num::NonZeroU64::new(params_bytes.len() as u64);
+    gpu.record_launch(&params_bytes, |chunk, offset, pass| {
         let mut entries = Vec::with_capacity(buffers.len() + 1);
         for (slot, tensor) in buffers.iter().enumerate() {
             entries.push(wgpu::BindGroupEntry {
@@ -501,7 +502,11 @@ pub(crate) fn launch(
         }
         entries.push(wgpu::BindGroupEntry {
             binding: buffers.len() as u32,
-            resource: wgpu::BindingResource::Buffer(params),
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: chunk,
+                offset,
+                size,
+            }),
         });
         let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let bind_group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -509,43 +514,14 @@ pub(crate) fn launch(
             layout: &pipeline.layout,
             entries: &entries,
         });
-        match pollster::block_on(scope.pop()) {
-            Some(error) => Err(gpu.device_error("a kernel launch failed", error)),
-            None => Ok(bind_group),
+        if let Some(error) = pollster::block_on(scope.pop()) {
+            return Err(gpu.device_error("a kernel launch failed", error));
         }
-    };
-    let dispatch = |pass: &mut wgpu::ComputePass<'_>, bind_group: &wgpu::BindGroup| {
         pass.set_pipeline(&pipeline.pipeline);
-        pass.set_bind_group(0, bind_group, &[]);
+        pass.set_bind_group(0, &bind_group, &[]);
         pass.dispatch_workgroups(groups.0, groups.1, groups.2);
-    };
-    // The parameters join the open chunk of them (see `record_in_batch`).
-    let size = std::num::NonZeroU64::new(params_bytes.len() as u64);
-    let batched = gpu.record_in_batch(&params_bytes, |chunk, offset, pass| {
-        let bind_group = bind(wgpu::BufferBinding {
-            buffer: chunk,
-            offset,
-            size,
-        })?;
-        dispatch(pass, &bind_group);
         Ok(())
-    })?;
-    if batched {
-        return Ok(());
-    }
-    let params_buffer = GpuBuffer::new(gpu, params_bytes.len())?;
-    gpu.queue
-        .write_buffer(params_buffer.buffer(), 0, &params_bytes);
-    let bind_group = bind(params_buffer.buffer().as_entire_buffer_binding())?;
-    let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let submitted = gpu.encode(|encoder| {
-        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
-        dispatch(&mut pass, &bind_group);
-    });
-    if let Some(error) = pollster::block_on(scope.pop()) {
-        return Err(gpu.device_error("a kernel launch failed", error));
-    }
-    submitted
+    })
 }
 
 fn unary_launch(

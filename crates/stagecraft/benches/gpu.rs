@@ -16,7 +16,7 @@
 //! Every timed iteration ends with the GPU's work finished
 //! (`Device::synchronize`, or the loss read back), as the peer calls
 //! `torch.cuda.synchronize`: a GPU value is ready when its kernels are
-//! submitted, before they run.
+//! recorded, before they run.
 //!
 //! `cargo bench -p stagecraft --features wgpu --bench gpu`
 
