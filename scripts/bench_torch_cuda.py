@@ -16,7 +16,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -58,10 +57,6 @@ def emit(bench, variant, seconds, unit="ms", per=None, **extra):
         samples = [per / s for s in seconds]
     print(json.dumps(dict(fw="torch-cuda", bench=bench, variant=variant, value=statistics.median(samples),
                           unit=unit, samples=[round(x, 6) for x in samples], extra=extra)), flush=True)
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
 
 
 gpu = torch.cuda.get_device_properties(DEV).name if DEV.type == "cuda" else "none"
