@@ -368,8 +368,8 @@ pub fn f64_to_f32_odd(v: f64) -> f32 {
 /// `x` is first clamped to [-110, 90], past which every f32 result is 0 or
 /// infinity anyway (NaN passes the clamp). Then `x = n·ln 2 + r` with
 /// `|r| ≤ ln 2 / 2` (Cody–Waite: `n · LN2_HI` is exact), `e^r` is its
-/// Taylor polynomial to degree 12 (truncation below 2e-16), and `2^n` is
-/// built from its bits.
+/// Taylor polynomial to degree 12 (truncation below 2e-16; evaluated by
+/// Estrin's scheme), and `2^n` is built from its bits.
 #[inline(always)]
 pub fn exp_to_narrow(x: f64) -> f64 {
     // 1.5 · 2^52: adding it rounds to an integer (to nearest, even), which
@@ -382,11 +382,16 @@ pub fn exp_to_narrow(x: f64) -> f64 {
     let shifted = x * std::f64::consts::LOG2_E + ROUNDER;
     let n = shifted - ROUNDER;
     let r = (x - n * LN2_HI) - n * LN2_LO;
-    // Horner, highest degree first.
-    let mut p = INVERSE_FACTORIALS[12];
-    for k in (0..12).rev() {
-        p = p * r + INVERSE_FACTORIALS[k];
-    }
+    // Estrin's scheme: pairs joined by r², r⁴, r⁸, a dependency chain of
+    // four multiply-adds where Horner's is twelve, which left the loops
+    // waiting on latency (tanh, and GELU and its derivative, run this per
+    // element).
+    let c = &INVERSE_FACTORIALS;
+    let r2 = r * r;
+    let r4 = r2 * r2;
+    let pair = |k: usize| c[k] + c[k + 1] * r;
+    let quad = |k: usize| pair(k) + pair(k + 2) * r2;
+    let p = (quad(0) + quad(4) * r4) + (quad(8) + c[12] * r4) * (r4 * r4);
     // `shifted`'s low bits hold n (two's complement); n + 1023 in the
     // exponent field is 2^n, normal for the clamped range.
     let scale = f64::from_bits(shifted.to_bits().wrapping_add(1023) << 52);

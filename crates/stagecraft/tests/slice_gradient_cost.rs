@@ -91,3 +91,45 @@ fn a_full_slice_backs_through_nothing_and_a_pad_through_one_slice() {
     });
     assert_eq!(count(&ran, "Slice"), 1, "{ran:?}");
 }
+
+/// Splitting a `[2, 3, 12]` tensor into three parts along its last axis
+/// (a transformer's queries, keys and values): eagerly the gradient is
+/// three pads summed; staged on the lazy device it is one concatenation,
+/// no pad, with the same bits (signed zeros included).
+#[test]
+fn a_split_backs_through_one_concatenation_when_staged() {
+    let cpu = Device::cpu();
+    let mut results = Vec::new();
+    for device in [cpu, Device::lazy(&cpu)] {
+        let mut values: Vec<f32> = (0..72).map(|i| (i % 7) as f32 - 3.0).collect();
+        values[5] = -0.0;
+        let x = Tensor::from_vec(values, &[2, 3, 12], &device).unwrap();
+        let mut g = None;
+        let ran = kernels_run(|| {
+            let dx = grad(|x: &Tensor<f32>| {
+                let parts: Vec<Tensor<f32>> = (0..3).map(|i| x.narrow(2, 4 * i, 4)).collect();
+                // A product of the parts, so that each part's gradient
+                // depends on the others (and -0 reaches a gradient).
+                let mixed = &(&parts[0] * &parts[1]) * &parts[2];
+                mixed.sum(&[], false)
+            })(&x);
+            dx.to_vec().unwrap();
+            g = Some(dx);
+        });
+        let (pads, concats) = (count(&ran, "Pad"), count(&ran, "Concat"));
+        if device == cpu {
+            assert_eq!((pads, concats), (3, 0), "{device}: {ran:?}");
+        } else {
+            assert_eq!((pads, concats), (0, 1), "{device}: {ran:?}");
+        }
+        let bits: Vec<u32> = g
+            .unwrap()
+            .to_vec()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        results.push(bits);
+    }
+    assert_eq!(results[0], results[1]);
+}

@@ -258,7 +258,7 @@ fn transpose<T: Element>(x: DenseHostTensor, ctx: &KernelContext<'_>) -> Result<
     let in_strides = row_major(&rdims);
     let out_dims: Dims = rperm.iter().map(|&p| rdims[p]).collect();
     let src_strides: Dims = rperm.iter().map(|&p| in_strides[p]).collect();
-    let mut out = DenseHostTensor::zeros(TensorMetadata::new(x.dtype(), out_shape))?;
+    let mut out = DenseHostTensor::for_overwrite(TensorMetadata::new(x.dtype(), out_shape))?;
     permute(
         x.as_slice::<T>()?,
         out.as_mut_slice::<T>()?,
@@ -383,7 +383,7 @@ fn broadcast_to<T: Element>(
         // Only unit or leading axes were added: same values, same order.
         return x.reshaped(target);
     }
-    let mut out = DenseHostTensor::zeros(TensorMetadata::new(x.dtype(), target.clone()))?;
+    let mut out = DenseHostTensor::for_overwrite(TensorMetadata::new(x.dtype(), target.clone()))?;
     if out.numel() > 0 {
         let strides = broadcast_strides(x.shape(), &target);
         let view = StridedView::new(0, target.dims(), &strides);
@@ -500,7 +500,8 @@ fn slice<T: Element>(x: DenseHostTensor, ctx: &KernelContext<'_>) -> Result<Dens
         return Ok(x);
     }
     let out_dims: Dims = slices.iter().map(|s| s.len).collect();
-    let mut out = DenseHostTensor::zeros(TensorMetadata::new(x.dtype(), Shape::new(&out_dims)))?;
+    let mut out =
+        DenseHostTensor::for_overwrite(TensorMetadata::new(x.dtype(), Shape::new(&out_dims)))?;
     if out.numel() == 0 {
         return Ok(out);
     }
@@ -608,7 +609,7 @@ fn gather<T: Element>(
     for &d in indices.shape().dims().iter().chain(&dims[axis + 1..]) {
         out_shape.push(d);
     }
-    let mut out = DenseHostTensor::zeros(TensorMetadata::new(x.dtype(), out_shape))?;
+    let mut out = DenseHostTensor::for_overwrite(TensorMetadata::new(x.dtype(), out_shape))?;
     if out.numel() == 0 {
         return Ok(out);
     }
@@ -707,7 +708,8 @@ fn pad<T: Element>(x: DenseHostTensor, ctx: &KernelContext<'_>) -> Result<DenseH
     let out_dims: Dims = (0..rank)
         .map(|i| in_dims[i] + pads[2 * i] + pads[2 * i + 1])
         .collect();
-    let mut out = DenseHostTensor::zeros(TensorMetadata::new(x.dtype(), Shape::new(&out_dims)))?;
+    let mut out =
+        DenseHostTensor::for_overwrite(TensorMetadata::new(x.dtype(), Shape::new(&out_dims)))?;
     if out.numel() == 0 {
         return Ok(out);
     }
@@ -1258,6 +1260,47 @@ mod tests {
         check_pad(DType::F32, &[200, 150], &[3, 4, 5, 6], -1.0);
         check_pad(DType::I32, &[40000], &[1, 2], 9.0);
         check_pad(DType::BF16, &[50000, 1], &[0, 0, 2, 0], 0.5);
+    }
+
+    /// Leaves freed buffers of `count` f32 values filled with NaN where the
+    /// next output of that size is taken from.
+    fn poison_pool(count: usize) {
+        let meta = TensorMetadata::new(DType::F32, [count]);
+        let poisoned: Vec<DenseHostTensor> = (0..4)
+            .map(|_| {
+                let mut t = DenseHostTensor::for_overwrite(meta.clone()).unwrap();
+                t.as_mut_slice::<f32>().unwrap().fill(f32::NAN);
+                t
+            })
+            .collect();
+        drop(poisoned);
+    }
+
+    /// The kernels that take their output without zeroing it write every
+    /// element: run on buffers recycled full of NaN, they still match the
+    /// reference (pad's fill and the gathered rows included).
+    #[test]
+    fn outputs_taken_without_zeroing_are_written_whole() {
+        for (dims, out) in [(&[3usize, 5, 7][..], 105), (&[64, 48, 4], 12288)] {
+            poison_pool(out);
+            check_transpose(DType::F32, dims, &[2, 0, 1]);
+        }
+        poison_pool(2 * 5 * 6);
+        check_slice(DType::F32, &[3, 5, 7], &[1, 0, 1], &[3, 5, 7], &[1, 1, 1]);
+        poison_pool(62 * 38 * 4);
+        check_slice(
+            DType::F32,
+            &[64, 48, 4],
+            &[1, 2, 0],
+            &[63, 40, 4],
+            &[1, 1, 1],
+        );
+        poison_pool(12 * 384);
+        check_pad(DType::F32, &[12, 128], &[0, 0, 128, 128], 0.0);
+        poison_pool(6 * 40);
+        check_broadcast(DType::F32, &[1, 40], &[6, 40]);
+        poison_pool(4 * 30);
+        check_gather(DType::F32, DType::I64, &[9, 30], &[8, 0, 3, 3], &[4], 0);
     }
 
     fn check_nonzero(dtype: DType, x: &[f64], dims: &[usize]) {

@@ -7,6 +7,8 @@
 //! - [`fold_constants`] evaluates pure ops of constants on the CPU;
 //! - [`cse()`] merges nodes that compute the same thing;
 //! - [`dce()`] drops nodes that no result depends on;
+//! - [`join_padded_pieces`] turns sums of zero-padded pieces that tile
+//!   a tensor (the gradient of a split) into one concatenation;
 //! - [`fold_transposes`] lets matrix products read transposed operands
 //!   through strides instead of copies;
 //! - [`fuse_elementwise`] turns chains and trees of elementwise ops into
@@ -20,15 +22,16 @@
 //! CSE then merges (and, once their inputs are the same node, the ops that
 //! consume them). Dead-code elimination goes last because every earlier
 //! pass leaves garbage behind it: the constants folded ops consumed, the
-//! duplicates CSE bypassed, and whatever was dead to begin with. Folding
-//! transposes into products comes next (then DCE again for the transposes
-//! nobody reads any more), and fusion last, on the final set of nodes, so
-//! it sees the true use counts.
+//! duplicates CSE bypassed, and whatever was dead to begin with. Joining
+//! padded pieces and folding transposes into products come next (then DCE
+//! again for the pads and transposes nobody reads any more), and fusion
+//! last, on the final set of nodes, so it sees the true use counts.
 //!
 //! Side effects are respected throughout: a side-effecting op, or a
 //! control-flow op that runs a function containing one (see
 //! [`has_side_effects`]), is never folded, merged or dropped.
 
+pub mod concat;
 pub mod cse;
 pub mod dce;
 pub mod fold;
@@ -38,6 +41,7 @@ pub mod layout;
 #[cfg(test)]
 mod testing;
 
+pub use concat::join_padded_pieces;
 pub use cse::cse;
 pub use dce::dce;
 pub use fold::{fold_constants, FOLD_LIMIT};
@@ -101,14 +105,20 @@ pub fn optimize_fusing(
 }
 
 /// The passes after [`simplify_with_stats`] that shape a function for a
-/// device's kernels: transposes read by products become strides, then
-/// fusion (limited to `fusions`) groups what is left. A function placed on
+/// device's kernels: sums of padded pieces become concatenations,
+/// transposes read by products become strides, then fusion (limited to
+/// `fusions`) groups what is left. A function placed on
 /// several devices is simplified whole, then lowered per partition, each
 /// for its own device's kernels. Returns the function, the nodes removed
 /// and the groups fused.
 pub fn lower(f: &Function, fusions: &fuse::Fusions) -> (Function, usize, usize) {
-    let (g, transposes) = layout::run(f);
-    let (g, removed) = if transposes > 0 { dce::run(&g) } else { (g, 0) };
+    let (g, joined) = concat::run(f);
+    let (g, transposes) = layout::run(&g);
+    let (g, removed) = if joined + transposes > 0 {
+        dce::run(&g)
+    } else {
+        (g, 0)
+    };
     let (g, fused) = fuse::run_with(&g, fusions);
     (g, removed, fused)
 }
