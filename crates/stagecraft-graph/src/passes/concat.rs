@@ -25,6 +25,11 @@ use smallvec::{smallvec, SmallVec};
 use stagecraft_ops::{Attrs, OpAttrs, ADD, CONCAT, PAD};
 use stagecraft_tensor::{HostTensor, Scalar, ScalarHostTensor};
 
+/// The most pieces a sum is followed through. Every partial sum keeps its
+/// own list, so a chain of `n` additions holds `n²/2` entries; a split
+/// into more parts than this keeps its pads.
+const MAX_PIECES: usize = 64;
+
 /// Zero-padded pieces along one axis whose sum a value is.
 #[derive(Clone, Debug)]
 struct Pieces {
@@ -51,7 +56,7 @@ impl Pieces {
 
     /// The union of two disjoint sets of pieces along the same axis.
     fn join(&self, other: &Pieces) -> Option<Pieces> {
-        if self.axis != other.axis {
+        if self.axis != other.axis || self.parts.len() + other.parts.len() > MAX_PIECES {
             return None;
         }
         let overlaps = self
@@ -336,6 +341,29 @@ mod tests {
         }
         // The tiling case of the same shapes does join.
         assert_eq!(run(&with([[0, 0, 0, 2], [0, 0, 2, 0]], 0.0)).1, 1);
+    }
+
+    /// A split into more parts than a sum is followed through keeps its
+    /// pads (and one of exactly that many joins).
+    #[test]
+    fn a_split_into_too_many_parts_keeps_its_pads() {
+        let split = |parts: usize| {
+            let mut f = Function::new("many", vec![meta(&[2, 1]); parts]);
+            let mut sum = None;
+            for i in 0..parts {
+                let before = i as i64;
+                let after = (parts - 1 - i) as i64;
+                let piece = pad(&mut f, Value::Param(i as u32), &[0, 0, before, after], 0.0);
+                sum = Some(match sum {
+                    Some(s) => add(&mut f, s, piece),
+                    None => piece,
+                });
+            }
+            f.results = vec![sum.unwrap()];
+            run(&f).1
+        };
+        assert_eq!(split(MAX_PIECES), 1);
+        assert_eq!(split(MAX_PIECES + 1), 0);
     }
 
     #[test]
