@@ -28,6 +28,10 @@ pub struct Gpu {
     /// (FxHash: a shader's source is kilobytes, hashed at every launch.)
     pipelines: Mutex<HashMap<String, Arc<Pipeline>, FxBuild>>,
     pub(crate) max_binding_bytes: u64,
+    /// The alignment of a binding's offset into a buffer, which launch
+    /// parameters in a shared chunk start at (read once: every launch
+    /// needs it).
+    params_align: usize,
     /// The open batch, if any: launches record into its encoder instead
     /// of submitting one command buffer each.
     batch: Mutex<Batch>,
@@ -189,6 +193,7 @@ impl Gpu {
             max_binding_bytes: limits
                 .max_storage_buffer_binding_size
                 .min(limits.max_buffer_size),
+            params_align: limits.min_storage_buffer_offset_alignment as usize,
             batch: Mutex::new(Batch::default()),
             submissions: Default::default(),
             uploaded: Default::default(),
@@ -407,7 +412,7 @@ impl Gpu {
         record: impl FnOnce(&wgpu::Buffer, u64, &mut wgpu::ComputePass<'static>) -> Result<()>,
     ) -> Result<()> {
         let mut batch = self.batch.lock().unwrap_or_else(|p| p.into_inner());
-        let align = u64::from(self.device.limits().min_storage_buffer_offset_alignment) as usize;
+        let align = self.params_align;
         let fits = batch.params.as_ref().is_some_and(|chunk| {
             (chunk.bytes.len().next_multiple_of(align) + params.len()) as u64 <= chunk.buffer.size()
         });

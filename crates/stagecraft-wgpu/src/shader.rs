@@ -115,22 +115,24 @@ fn sc_cos_series(r: f32) -> f32 {
     return 1.0 + z * p;
 }
 
-fn sc_sin(x: f32) -> f32 {
-    // sin(x) rounds to x here, and -0 stays -0.
-    if (abs(x) < 0.0001) { return x; }
-    if (!(abs(x) <= 51471.0)) { return select(sin(x), sc_nan(), abs(x) > 3.0e38); }
+// sin(x + shift·π/2) for |x| <= 51471: cos is sin a quarter turn on.
+fn sc_sin_turned(x: f32, shift: i32) -> f32 {
     let rk = sc_quarter_turns(x);
-    let q = i32(rk.y) & 3;
+    let q = (i32(rk.y) + shift) & 3;
     let v = select(sc_sin_series(rk.x), sc_cos_series(rk.x), (q & 1) == 1);
     return select(v, -v, (q & 2) == 2);
 }
 
+fn sc_sin(x: f32) -> f32 {
+    // sin(x) rounds to x here, and -0 stays -0.
+    if (abs(x) < 0.0001) { return x; }
+    if (!(abs(x) <= 51471.0)) { return select(sin(x), sc_nan(), abs(x) > 3.0e38); }
+    return sc_sin_turned(x, 0);
+}
+
 fn sc_cos(x: f32) -> f32 {
     if (!(abs(x) <= 51471.0)) { return select(cos(x), sc_nan(), abs(x) > 3.0e38); }
-    let rk = sc_quarter_turns(x);
-    let q = i32(rk.y) & 3;
-    let v = select(sc_cos_series(rk.x), sc_sin_series(rk.x), (q & 1) == 1);
-    return select(v, -v, q == 1 || q == 2);
+    return sc_sin_turned(x, 1);
 }
 
 // atan by its series on |t| <= tan(pi/8), after t -> 1/t and

@@ -176,7 +176,7 @@ pub fn run_with(f: &Function, fusions: &Fusions) -> (Function, usize) {
     let mut groups: Vec<Vec<usize>> = Vec::new();
     // How many values each group reads from outside it, for `max_inputs`:
     // a value read twice counts twice, so the count is a bound, kept in
-    // constant time per merge (long chains stay linear to fuse).
+    // constant time per merge.
     let mut reads: Vec<usize> = Vec::new();
     let mut group_of: Vec<Option<usize>> = vec![None; f.nodes.len()];
     for (i, node) in f.nodes.iter().enumerate() {
@@ -184,6 +184,7 @@ pub fn run_with(f: &Function, fusions: &Fusions) -> (Function, usize) {
             continue;
         }
         let mut members: Vec<usize> = Vec::new();
+        let mut merged_groups: SmallVec<[usize; 4]> = SmallVec::new();
         let mut read = 0usize;
         for v in &node.inputs {
             let Value::Output { node: p, .. } = *v else {
@@ -200,11 +201,18 @@ pub fn run_with(f: &Function, fusions: &Fusions) -> (Function, usize) {
                 let merged = read.saturating_add(reads[g]);
                 if merged.saturating_add(node.inputs.len()) <= fusions.max_inputs {
                     members.append(&mut groups[g]);
+                    merged_groups.push(g);
                     read = merged;
                 }
             }
         }
-        let joined = |v: &Value| matches!(*v, Value::Output { node: p, .. } if members.contains(&(p as usize)));
+        // An input from a merged group is read inside the new one.
+        let joined = |v: &Value| match *v {
+            Value::Output { node: p, .. } => {
+                group_of[p as usize].is_some_and(|g| merged_groups.contains(&g))
+            }
+            Value::Param(_) => false,
+        };
         read += node.inputs.iter().filter(|v| !joined(v)).count();
         members.push(i);
         members.sort_unstable();
