@@ -55,6 +55,22 @@ const CASES: &[Case] = &[
     Case { name: "sq 1024", m: 1024, n: 1024, k: 1024, ta: false, tb: false },
 ];
 
+/// The GPT step's products (B7: batch 12 × 64 positions, width 128):
+/// forward x·Wᵀ, backward dX = dY·W and dW = dYᵀ·X.
+const GPT_CASES: &[Case] = &[
+    Case { name: "qkv x·Wt", m: 768, n: 384, k: 128, ta: false, tb: true },
+    Case { name: "proj x·Wt", m: 768, n: 128, k: 128, ta: false, tb: true },
+    Case { name: "fc x·Wt", m: 768, n: 512, k: 128, ta: false, tb: true },
+    Case { name: "fc2 x·Wt", m: 768, n: 128, k: 512, ta: false, tb: true },
+    Case { name: "qkv dX", m: 768, n: 128, k: 384, ta: false, tb: false },
+    Case { name: "fc dX", m: 768, n: 128, k: 512, ta: false, tb: false },
+    Case { name: "fc2 dX", m: 768, n: 512, k: 128, ta: false, tb: false },
+    Case { name: "qkv dW", m: 384, n: 128, k: 768, ta: true, tb: false },
+    Case { name: "fc dW", m: 512, n: 128, k: 768, ta: true, tb: false },
+    Case { name: "fc2 dW", m: 128, n: 512, k: 768, ta: true, tb: false },
+    Case { name: "proj dW", m: 128, n: 128, k: 768, ta: true, tb: false },
+];
+
 fn view(values: &[f32], rows: usize, cols: usize, transposed: bool) -> MatRef<'_, f32> {
     if transposed {
         MatRef::from_row_major_slice(values, cols, rows).transpose()
@@ -147,7 +163,8 @@ fn main() {
     let all = std::env::var_os("ALL").is_some();
     println!("threads: {}", rayon::current_num_threads());
     println!("{:<16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}", "shape", "serial", "rows", "own", "own-rows", "cols", "faer-par", "gemm");
-    for case in CASES {
+    let cases = if std::env::var_os("GPT").is_some() { GPT_CASES } else { CASES };
+    for case in cases {
         let (m, n, k) = (case.m, case.n, case.k);
         let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.07).collect();
         let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01 - 0.05).collect();

@@ -117,7 +117,13 @@ impl OpHandler for LazyOpHandler {
         {
             return Err(args);
         }
-        let inputs: InputMetas = args.iter().map(|a| a.metadata().clone()).collect();
+        // Pushed in place: a `collect` builds the inline array of four
+        // metadata elsewhere and then moves it here (a `memmove` in a
+        // profile of recording one op).
+        let mut inputs = InputMetas::new();
+        for arg in args.iter() {
+            inputs.push(arg.metadata().clone());
+        }
         let Ok(outputs) = op.infer(&inputs, attrs) else {
             return Err(args);
         };

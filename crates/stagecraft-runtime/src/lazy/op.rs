@@ -141,8 +141,8 @@ impl LazyOp {
             signature,
             target,
             done: AtomicBool::new(false),
-            live: (0..n).map(|_| AtomicU32::new(0)).collect(),
-            uses: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            live: zeroed_counters(n),
+            uses: zeroed_counters(n),
             slot: Mutex::new(Slot {
                 state: State::Pending(inputs),
                 watched: false,
@@ -244,6 +244,17 @@ impl LazyOp {
             ),
             _ => None,
         }
+    }
+}
+
+/// `n` counters at zero. Most ops have one output: that case is built
+/// inline, without the iterator and growth checks of a `collect`, which
+/// showed up in a profile of recording one op.
+fn zeroed_counters(n: usize) -> SmallVec<[AtomicU32; 1]> {
+    if n == 1 {
+        SmallVec::from_buf([AtomicU32::new(0)])
+    } else {
+        (0..n).map(|_| AtomicU32::new(0)).collect()
     }
 }
 

@@ -68,8 +68,9 @@ pub(super) fn record_op<'h>(
     attrs: &OpAttrs,
     outputs: OutputMetas,
 ) -> Results {
-    let inputs: Inputs = args
-        .map(|arg| match arg.lazy_ref() {
+    let mut inputs = Inputs::new();
+    for arg in args {
+        inputs.push(match arg.lazy_ref() {
             Some(r) => {
                 r.op.uses[r.index as usize].fetch_add(1, Ordering::Relaxed);
                 Input::Op(r.op.clone(), r.index)
@@ -77,8 +78,8 @@ pub(super) fn record_op<'h>(
             None => Input::Concrete {
                 handle: arg.clone(),
             },
-        })
-        .collect();
+        });
+    }
     let lazy_op = Arc::new(LazyOp::new(
         op,
         attrs.freeze(),
@@ -95,21 +96,25 @@ pub(super) fn record_op<'h>(
         r.since_step += 1;
         r.since_step >= limit
     });
-    let results: Results = lazy_op
-        .outputs
-        .iter()
-        .enumerate()
-        .map(|(i, meta)| {
-            TensorHandle::lazy(
-                device,
-                meta.clone(),
-                LazyRef {
-                    op: lazy_op.clone(),
-                    index: i as u32,
-                },
-            )
-        })
-        .collect();
+    let handle = |i: usize, meta: &stagecraft_tensor::TensorMetadata| {
+        TensorHandle::lazy(
+            device,
+            meta.clone(),
+            LazyRef {
+                op: lazy_op.clone(),
+                index: i as u32,
+            },
+        )
+    };
+    // One output, the common case, without a collect's growth checks.
+    let results: Results = match lazy_op.outputs.as_slice() {
+        [meta] => smallvec::smallvec![handle(0, meta)],
+        metas => metas
+            .iter()
+            .enumerate()
+            .map(|(i, m)| handle(i, m))
+            .collect(),
+    };
     if over_limit {
         materialize_live(Trigger::TraceLimit);
     }
@@ -199,6 +204,34 @@ mod tests {
         assert_eq!(roots.len(), 1);
         assert!(Arc::ptr_eq(&roots[0].0, &mine.lazy_ref().unwrap().op));
         assert!(theirs.lazy_ref().is_some());
+    }
+
+    /// A two-output op (the single-output case has a path of its own)
+    /// gives one handle per output, each counted live on its own output,
+    /// and both read back right.
+    #[test]
+    fn each_output_of_a_recorded_op_has_its_own_handle() {
+        let d = lazy_device();
+        let x = super::super::tests::vector(&[3.0, 1.0, 2.0], d);
+        let attrs = OpAttrs::new();
+        let outs = crate::runtime::execute(
+            &stagecraft_ops::SORT,
+            d,
+            Location::caller(),
+            smallvec::smallvec![x],
+            (&attrs).into(),
+        );
+        assert_eq!(outs.len(), 2);
+        let (values, indices) = (outs[0].lazy_ref().unwrap(), outs[1].lazy_ref().unwrap());
+        assert!(Arc::ptr_eq(&values.op, &indices.op));
+        assert_eq!((values.index, indices.index), (0, 1));
+        assert!(values.op.is_live(0) && values.op.is_live(1));
+        assert_eq!(values.op.live.len(), 2);
+        assert_eq!(values.op.uses.len(), 2);
+        let sorted = outs[0].wait().unwrap().to_dense().unwrap();
+        assert_eq!(sorted.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+        let order = outs[1].wait().unwrap().to_dense().unwrap();
+        assert_eq!(order.to_vec::<i64>().unwrap(), [1, 2, 0]);
     }
 
     #[test]
