@@ -40,7 +40,7 @@ pub(crate) fn runs_in_this_build(dtype: stagecraft_tensor::DType, dims: &[usize]
 // Helpers every kernel family uses.
 
 /// Moves exactly `N` inputs out of `inputs` (without the heap vector a
-/// conversion through `Vec` would allocate on every call). Taken in
+/// conversion through `Vec` would allocate on every call). Drained in
 /// place: an owning iterator would first move the whole inline array of
 /// four tensors.
 pub(crate) fn take<const N: usize>(mut inputs: Inputs) -> Result<[DenseHostTensor; N]> {
@@ -50,12 +50,10 @@ pub(crate) fn take<const N: usize>(mut inputs: Inputs) -> Result<[DenseHostTenso
             "the kernel expects {N} inputs, got {got}"
         )));
     }
-    // Popped from the back (each pop moves one tensor, with no drain
-    // guard to run), then put back in order.
-    let mut taken: [DenseHostTensor; N] =
-        std::array::from_fn(|_| inputs.pop().expect("as many inputs as counted"));
-    taken.reverse();
-    Ok(taken)
+    let mut inputs = inputs.drain(..);
+    Ok(std::array::from_fn(|_| {
+        inputs.next().expect("as many inputs as counted")
+    }))
 }
 
 /// The first output's metadata.

@@ -206,7 +206,12 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
             .collect();
         while let Some((op, expanded)) = stack.pop() {
             let key = key_of(&op);
-            if position.contains_key(&key) {
+            // An op can be on the stack unexpanded twice (two readers pushed
+            // it before either was taken), and the second is skipped here.
+            // Its expanded entry is pushed once and taken before anything
+            // could emit the op (that would need a path from its inputs back
+            // to it), so it needs no lookup.
+            if !expanded && position.contains_key(&key) {
                 continue;
             }
             let mut slot = op.lock();
@@ -217,23 +222,20 @@ fn collect_with(roots: &[(Arc<LazyOp>, u32)], claim_for: Option<TraceId>) -> Res
                 continue;
             };
             if !expanded {
-                let children: SmallVec<[Arc<LazyOp>; 4]> = inputs
-                    .iter()
-                    .filter_map(|i| match i {
-                        Input::Op(child, _)
-                            if !child.is_done() && !position.contains_key(&key_of(child)) =>
-                        {
-                            Some(child.clone())
+                // The children still to visit go straight onto the stack,
+                // last first so that the first is on top; the op goes
+                // under them, to be taken again once they are in.
+                let mark = stack.len();
+                for input in inputs.iter().rev() {
+                    if let Input::Op(child, _) = input {
+                        if !child.is_done() && !position.contains_key(&key_of(child)) {
+                            stack.push((child.clone(), false));
                         }
-                        _ => None,
-                    })
-                    .collect();
-                if !children.is_empty() {
-                    drop(slot);
-                    stack.push((op, true));
-                    for child in children.into_iter().rev() {
-                        stack.push((child, false));
                     }
+                }
+                if stack.len() > mark {
+                    drop(slot);
+                    stack.insert(mark, (op, true));
                     continue;
                 }
                 // Every input is a leaf or already in the trace: the op goes
