@@ -170,37 +170,30 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
             continue;
         };
         let out = node.outputs[0].clone();
-        let inputs: SmallVec<[Value; 4]> = sources.iter().map(|&v| rb.value(v)).collect();
-        let mut attrs = OpAttrs::new();
-        attrs.set_int("axis", *axis as i64);
-        let concat = rb.push(Node {
-            op: NodeOp::Op(&CONCAT, attrs.freeze()),
+        // The new nodes stand where the sum stood: its device and lines.
+        let at = |op, inputs, output| Node {
+            op,
             inputs,
-            outputs: smallvec![out.clone()],
+            outputs: smallvec![output],
             device: node.device.clone(),
             location: node.location,
             origin: node.origin,
-        });
+        };
+        let inputs = sources.iter().map(|&v| rb.value(v)).collect();
+        let mut attrs = OpAttrs::new();
+        attrs.set_int("axis", *axis as i64);
+        let concat = rb.push(at(NodeOp::Op(&CONCAT, attrs.freeze()), inputs, out.clone()));
         let result = if out.dtype.is_float() {
             let zero =
                 HostTensor::from(ScalarHostTensor::new(Scalar::F64(0.0).cast(out.dtype), []));
             let zero_meta = zero.metadata().clone();
-            let zero = rb.push(Node {
-                op: NodeOp::Const(zero),
-                inputs: SmallVec::new(),
-                outputs: smallvec![zero_meta],
-                device: node.device.clone(),
-                location: node.location,
-                origin: node.origin,
-            });
-            rb.push(Node {
-                op: NodeOp::Op(&ADD, OpAttrs::new().freeze()),
-                inputs: smallvec![Value::node(concat), Value::node(zero)],
-                outputs: smallvec![out],
-                device: node.device.clone(),
-                location: node.location,
-                origin: node.origin,
-            })
+            let zero = rb.push(at(NodeOp::Const(zero), SmallVec::new(), zero_meta));
+            let add = NodeOp::Op(&ADD, OpAttrs::new().freeze());
+            rb.push(at(
+                add,
+                smallvec![Value::node(concat), Value::node(zero)],
+                out,
+            ))
         } else {
             concat
         };
