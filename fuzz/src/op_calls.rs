@@ -967,11 +967,19 @@ fn float_op<T: Kind + FloatElement>(c: &mut Case, inp: &mut Input, a: &Tensor<T>
                 Some(f64::NAN),
                 Some(f64::INFINITY),
             ]);
-            T::wrap(call!(
-                c,
-                ["ScaledDotProductAttention"],
-                a.scaled_dot_product_attention(&k, &v, causal, scale)
-            ))
+            T::wrap(if inp.flag() {
+                call!(
+                    c,
+                    ["ScaledDotProductAttention"],
+                    a.scaled_dot_product_attention_bthd(&k, &v, causal, scale)
+                )
+            } else {
+                call!(
+                    c,
+                    ["ScaledDotProductAttention"],
+                    a.scaled_dot_product_attention(&k, &v, causal, scale)
+                )
+            })
         }
         _ => {
             let options = Pool2dOptions {

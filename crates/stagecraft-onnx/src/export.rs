@@ -729,11 +729,27 @@ impl Exporter {
         at: &Attrs<'_>,
         a: &[&str],
     ) -> Result<Vec<String>> {
-        // The op's shape rule checked q and k: one rank, 3 or 4.
+        // The op's shape rule checked q and k: one rank, 3 or 4 (4 with
+        // the "bthd" layout, whose operands are transposed to "bhtd" here
+        // and the output back).
         let q_dims = scope.dims(node.inputs[0]);
         let k_dims = scope.dims(node.inputs[1]);
         let rank = q_dims.len();
-        let (t, s, dh) = (q_dims[rank - 2], k_dims[rank - 2], q_dims[rank - 1]);
+        let sequence_first = at.str("layout")? == stagecraft_ops::SEQUENCE_FIRST;
+        let (t, s, dh) = if sequence_first {
+            (q_dims[1], k_dims[1], q_dims[3])
+        } else {
+            (q_dims[rank - 2], k_dims[rank - 2], q_dims[rank - 1])
+        };
+        let swap = vec![attr_ints("perm", &[0, 2, 1, 3])];
+        let swapped: Vec<String> = if sequence_first {
+            a.iter()
+                .map(|x| self.op1(scope, "Transpose", &[x], swap.clone()))
+                .collect()
+        } else {
+            a.iter().map(|x| x.to_string()).collect()
+        };
+        let a: Vec<&str> = swapped.iter().map(String::as_str).collect();
         let dt = node.outputs[0].dtype;
         let scale = match at.float("scale")? {
             v if v.is_nan() => 1.0 / (dh as f64).sqrt(),
@@ -746,18 +762,11 @@ impl Exporter {
         let sc = self.scalar_constant(scope, scale, dt)?;
         let mut scores = self.op1(scope, "Mul", &[&scores, &sc], Vec::new());
         if at.bool("causal")? {
-            // Query i sees keys j ≤ i + (s - t): aligned at the end, as
-            // the kernel does for a query block after a cache.
-            let offset = s as i64 - t as i64;
+            // Query i sees keys j ≤ i, counted from the first query and
+            // key (the op's upper-left alignment).
             let mask: Vec<f64> = (0..t as i64)
                 .flat_map(|i| {
-                    (0..s as i64).map(move |j| {
-                        if j <= i + offset {
-                            0.0
-                        } else {
-                            f64::NEG_INFINITY
-                        }
-                    })
+                    (0..s as i64).map(move |j| if j <= i { 0.0 } else { f64::NEG_INFINITY })
                 })
                 .collect();
             let mask = DenseHostTensor::from_slice(&mask, [t, s])?;
@@ -771,7 +780,10 @@ impl Exporter {
             scores = self.op1(scope, "Add", &[&scores, &m], Vec::new());
         }
         let p = self.op1(scope, "Softmax", &[&scores], vec![attr_int("axis", -1)]);
-        let o = self.op1(scope, "MatMul", &[&p, a[2]], Vec::new());
+        let mut o = self.op1(scope, "MatMul", &[&p, a[2]], Vec::new());
+        if sequence_first {
+            o = self.op1(scope, "Transpose", &[&o], swap);
+        }
         Ok(vec![o, unused("logsumexp")])
     }
 

@@ -553,7 +553,8 @@ fn squared_norm_launch(
 const TILE: u32 = 16;
 
 /// What every attention shader shares: `params` is `[heads, t, s, d, dv,
-/// causal, scale (f32 bits), row_width_in_groups, blocks_per_head]`; four
+/// causal, scale (f32 bits), row_width_in_groups, blocks_per_head,
+/// interleaved]` (interleaved: see `AttentionGeometry`); four
 /// [`TILE`]² tiles of workgroup memory; and the exponential.
 fn attention_common() -> String {
     format!(
@@ -616,10 +617,18 @@ fn main(@builtin(workgroup_id) group: vec3<u32>,
     let {tile_start} = (flat % blocks) * B;
     let row = local.y;
     let col = local.x;
-    let q_base = head * t * d;
-    let k_base = head * s * d;
-    let v_base = head * s * dv;
-    let o_base = head * t * dv;"#
+    // Heads whose rows interleave (`H` for the "bthd" layout, else 1):
+    // row `i` of this head is `ld` (or `ldv`) values after row `i - 1`.
+    let per = params[9];
+    let unit = head / per;
+    let within = head % per;
+    let ld = per * d;
+    let ldv = per * dv;
+    let q_base = (unit * t * per + within) * d;
+    let k_base = (unit * s * per + within) * d;
+    let v_base = (unit * s * per + within) * dv;
+    let o_base = (unit * t * per + within) * dv;
+    let l_base = unit * t * per + within;"#
     )
 }
 
@@ -648,10 +657,10 @@ fn attention_forward_shader() -> String {
         for (var c0 = 0u; c0 < d; c0 = c0 + B) {{
             let c = c0 + col;
             var qv = 0.0;
-            if (row_live && c < d) {{ qv = q[q_base + i * d + c] * scale; }}
+            if (row_live && c < d) {{ qv = q[q_base + i * ld + c] * scale; }}
             tile_a[row][col] = qv;
             var kv = 0.0;
-            if (j0 + row < s && c < d) {{ kv = k[k_base + (j0 + row) * d + c]; }}
+            if (j0 + row < s && c < d) {{ kv = k[k_base + (j0 + row) * ld + c]; }}
             tile_b[row][col] = kv;
             workgroupBarrier();
             for (var u = 0u; u < B; u = u + 1u) {{ acc = fma(tile_a[row][u], tile_b[col][u], acc); }}
@@ -681,13 +690,13 @@ fn attention_forward_shader() -> String {
         for (var e0 = 0u; e0 < dv; e0 = e0 + B) {{
             let e = e0 + col;
             var vv = 0.0;
-            if (j0 + row < s && e < dv) {{ vv = v[v_base + (j0 + row) * dv + e]; }}
+            if (j0 + row < s && e < dv) {{ vv = v[v_base + (j0 + row) * ldv + e]; }}
             tile_b[row][col] = vv;
             workgroupBarrier();
             var sum = 0.0;
             for (var u = 0u; u < B; u = u + 1u) {{ sum = fma(tile_p[row][u], tile_b[u][col], sum); }}
             if (row_live && e < dv) {{
-                let at = o_base + i * dv + e;
+                let at = o_base + i * ldv + e;
                 // The output is fresh memory until the first tile writes it.
                 if (j0 == 0u) {{ o[at] = sum; }} else {{ o[at] = fma(o[at], alpha, sum); }}
             }}
@@ -699,10 +708,10 @@ fn attention_forward_shader() -> String {
         let empty = l == 0.0;
         let inverse = 1.0 / l;
         for (var e = col; e < dv; e = e + B) {{
-            let at = o_base + i * dv + e;
+            let at = o_base + i * ldv + e;
             o[at] = select(o[at] * inverse, 0.0, empty);
         }}
-        if (col == 0u) {{ lse[head * t + i] = select(m + log(l), -sc_inf(), empty); }}
+        if (col == 0u) {{ lse[l_base + i * per] = select(m + log(l), -sc_inf(), empty); }}
     }}
 }}
 "#,
@@ -759,18 +768,18 @@ fn attention_dq_shader() -> String {
     var li = 0.0;
     var delta = 0.0;
     if (row_live) {{
-        li = stats[2u * (head * t + i)];
-        delta = stats[2u * (head * t + i) + 1u];
+        li = stats[2u * (l_base + i * per)];
+        delta = stats[2u * (l_base + i * per) + 1u];
     }}
     for (var j0 = 0u; j0 < key_end; j0 = j0 + B) {{
         var acc = 0.0;
         for (var c0 = 0u; c0 < d; c0 = c0 + B) {{
             let c = c0 + col;
             var qv = 0.0;
-            if (row_live && c < d) {{ qv = q[q_base + i * d + c]; }}
+            if (row_live && c < d) {{ qv = q[q_base + i * ld + c]; }}
             tile_a[row][col] = qv;
             var kv = 0.0;
-            if (j0 + row < s && c < d) {{ kv = k[k_base + (j0 + row) * d + c] * scale; }}
+            if (j0 + row < s && c < d) {{ kv = k[k_base + (j0 + row) * ld + c] * scale; }}
             tile_b[row][col] = kv;
             workgroupBarrier();
             for (var u = 0u; u < B; u = u + 1u) {{ acc = fma(tile_a[row][u], tile_b[col][u], acc); }}
@@ -780,10 +789,10 @@ fn attention_dq_shader() -> String {
         for (var e0 = 0u; e0 < dv; e0 = e0 + B) {{
             let e = e0 + col;
             var gv = 0.0;
-            if (row_live && e < dv) {{ gv = d_o[o_base + i * dv + e]; }}
+            if (row_live && e < dv) {{ gv = d_o[o_base + i * ldv + e]; }}
             tile_a[row][col] = gv;
             var vv = 0.0;
-            if (j0 + row < s && e < dv) {{ vv = v[v_base + (j0 + row) * dv + e]; }}
+            if (j0 + row < s && e < dv) {{ vv = v[v_base + (j0 + row) * ldv + e]; }}
             tile_b[row][col] = vv;
             workgroupBarrier();
             for (var u = 0u; u < B; u = u + 1u) {{ dp = fma(tile_a[row][u], tile_b[col][u], dp); }}
@@ -796,13 +805,13 @@ fn attention_dq_shader() -> String {
         for (var c0 = 0u; c0 < d; c0 = c0 + B) {{
             let c = c0 + col;
             var kv = 0.0;
-            if (j0 + row < s && c < d) {{ kv = k[k_base + (j0 + row) * d + c]; }}
+            if (j0 + row < s && c < d) {{ kv = k[k_base + (j0 + row) * ld + c]; }}
             tile_b[row][col] = kv;
             workgroupBarrier();
             var sum = 0.0;
             for (var u = 0u; u < B; u = u + 1u) {{ sum = fma(tile_p[row][u], tile_b[u][col], sum); }}
             if (row_live && c < d) {{
-                let at = q_base + i * d + c;
+                let at = q_base + i * ld + c;
                 if (j0 == 0u) {{ dq[at] = sum; }} else {{ dq[at] = dq[at] + sum; }}
             }}
             workgroupBarrier();
@@ -846,10 +855,10 @@ fn attention_dkdv_shader() -> String {
         for (var c0 = 0u; c0 < d; c0 = c0 + B) {{
             let c = c0 + col;
             var qv = 0.0;
-            if (i0 + row < t && c < d) {{ qv = q[q_base + (i0 + row) * d + c]; }}
+            if (i0 + row < t && c < d) {{ qv = q[q_base + (i0 + row) * ld + c]; }}
             tile_a[row][col] = qv;
             var kv = 0.0;
-            if (key_live && c < d) {{ kv = k[k_base + j * d + c] * scale; }}
+            if (key_live && c < d) {{ kv = k[k_base + j * ld + c] * scale; }}
             tile_b[row][col] = kv;
             workgroupBarrier();
             for (var u = 0u; u < B; u = u + 1u) {{ acc = fma(tile_a[col][u], tile_b[row][u], acc); }}
@@ -858,8 +867,8 @@ fn attention_dkdv_shader() -> String {
         var li = 0.0;
         var delta = 0.0;
         if (query_live) {{
-            li = stats[2u * (head * t + i)];
-            delta = stats[2u * (head * t + i) + 1u];
+            li = stats[2u * (l_base + i * per)];
+            delta = stats[2u * (l_base + i * per) + 1u];
         }}
         let masked = !key_live || !query_live || (causal && j > i);
         let p = select(att_exp(acc - li), 0.0, masked);
@@ -868,13 +877,13 @@ fn attention_dkdv_shader() -> String {
         for (var e0 = 0u; e0 < dv; e0 = e0 + B) {{
             let e = e0 + col;
             var gv = 0.0;
-            if (i0 + row < t && e < dv) {{ gv = d_o[o_base + (i0 + row) * dv + e]; }}
+            if (i0 + row < t && e < dv) {{ gv = d_o[o_base + (i0 + row) * ldv + e]; }}
             tile_a[row][col] = gv;
             workgroupBarrier();
             var sum = 0.0;
             for (var u = 0u; u < B; u = u + 1u) {{ sum = fma(tile_p[row][u], tile_a[u][col], sum); }}
             if (key_live && e < dv) {{
-                let at = v_base + j * dv + e;
+                let at = v_base + j * ldv + e;
                 if (i0 == first) {{ dv_out[at] = sum; }} else {{ dv_out[at] = dv_out[at] + sum; }}
             }}
             workgroupBarrier();
@@ -884,10 +893,10 @@ fn attention_dkdv_shader() -> String {
         for (var e0 = 0u; e0 < dv; e0 = e0 + B) {{
             let e = e0 + col;
             var gv = 0.0;
-            if (i0 + row < t && e < dv) {{ gv = d_o[o_base + (i0 + row) * dv + e]; }}
+            if (i0 + row < t && e < dv) {{ gv = d_o[o_base + (i0 + row) * ldv + e]; }}
             tile_a[row][col] = gv;
             var vv = 0.0;
-            if (key_live && e < dv) {{ vv = v[v_base + j * dv + e]; }}
+            if (key_live && e < dv) {{ vv = v[v_base + j * ldv + e]; }}
             tile_b[row][col] = vv;
             workgroupBarrier();
             for (var u = 0u; u < B; u = u + 1u) {{ dp = fma(tile_a[col][u], tile_b[row][u], dp); }}
@@ -898,13 +907,13 @@ fn attention_dkdv_shader() -> String {
         for (var c0 = 0u; c0 < d; c0 = c0 + B) {{
             let c = c0 + col;
             var qv = 0.0;
-            if (i0 + row < t && c < d) {{ qv = q[q_base + (i0 + row) * d + c]; }}
+            if (i0 + row < t && c < d) {{ qv = q[q_base + (i0 + row) * ld + c]; }}
             tile_a[row][col] = qv;
             workgroupBarrier();
             var sum = 0.0;
             for (var u = 0u; u < B; u = u + 1u) {{ sum = fma(tile_p[row][u], tile_a[u][col], sum); }}
             if (key_live && c < d) {{
-                let at = k_base + j * d + c;
+                let at = k_base + j * ld + c;
                 if (i0 == first) {{ dk[at] = sum; }} else {{ dk[at] = dk[at] + sum; }}
             }}
             workgroupBarrier();
@@ -912,8 +921,8 @@ fn attention_dkdv_shader() -> String {
     }}
     // Keys no query sees (causal, more keys than queries) get nothing.
     if (key_live && first >= query_end) {{
-        for (var c = col; c < d; c = c + B) {{ dk[k_base + j * d + c] = 0.0; }}
-        for (var e = col; e < dv; e = e + B) {{ dv_out[v_base + j * dv + e] = 0.0; }}
+        for (var c = col; c < d; c = c + B) {{ dk[k_base + j * ld + c] = 0.0; }}
+        for (var e = col; e < dv; e = e + B) {{ dv_out[v_base + j * ldv + e] = 0.0; }}
     }}
 }}
 "#,
@@ -931,6 +940,7 @@ struct AttentionSizes {
     dv: u32,
     causal: bool,
     scale: f32,
+    interleaved: u32,
 }
 
 impl AttentionSizes {
@@ -963,12 +973,13 @@ impl AttentionSizes {
             dv,
             causal: g.causal,
             scale: g.scale as f32,
+            interleaved: u32::try_from(g.interleaved).ok()?,
         })
     }
 
     /// The launch's `params` and grid for `rows` rows (queries or keys)
     /// a head, one workgroup per tile of them.
-    fn launch_shape(&self, rows: u32) -> ([u32; 9], (u32, u32, u32)) {
+    fn launch_shape(&self, rows: u32) -> ([u32; 10], (u32, u32, u32)) {
         let blocks = rows.div_ceil(TILE);
         let (gx, gy) = grid(self.heads * blocks);
         let params = [
@@ -981,6 +992,7 @@ impl AttentionSizes {
             self.scale.to_bits(),
             gx,
             blocks,
+            self.interleaved,
         ];
         (params, (gx, gy, 1))
     }

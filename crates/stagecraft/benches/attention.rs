@@ -5,7 +5,11 @@
 //!   `dO` (what `out.backward(dO)` runs in PyTorch), through the runtime;
 //! - `baseline_unfused_fwd`: the same forward as separate ops in the same
 //!   run (`q·kᵀ` by matmul, a mask added, softmax, `·v`), which writes the
-//!   `T × S` scores of every head (128 MiB here).
+//!   `T × S` scores of every head (128 MiB here);
+//! - `attention_layouts_*`: forward and backward with `[B, H, T, D]`
+//!   operands beside the same values as `[B, T, H, D]` read in place (the
+//!   `"bthd"` layout `nn`'s attention layers use), here and at the GPT
+//!   step's shape (batch 12, 4 heads of 32, T = 64).
 //!
 //! Throughput counts the multiply-adds of the products the causal mask
 //! leaves (half of each `T × S` product, two products forward and five
@@ -174,11 +178,73 @@ fn attention(c: &mut Criterion) {
 }
 
 /// The CPU time the calling thread has run, in seconds (Linux only).
+/// Forward and backward of the fused op on `q`, `k`, `v` with incoming
+/// gradient `g`, waiting for every output.
+fn fused_forward_backward(tensors: [&Tensor<f32>; 4], attrs: &OpAttrs) {
+    let cpu = Device::cpu();
+    let location = Location::caller();
+    let [q, k, v, g] = tensors;
+    let run = |def: &'static ops::OpDef, args: Args| {
+        runtime::execute(def, cpu, location, args, attrs.into())
+    };
+    let args: Args = [q, k, v].map(|x| x.handle().clone()).into_iter().collect();
+    let out = run(&ops::SCALED_DOT_PRODUCT_ATTENTION, args);
+    let args: Args = [
+        g.handle(),
+        q.handle(),
+        k.handle(),
+        v.handle(),
+        &out[0],
+        &out[1],
+    ]
+    .map(|x| x.clone())
+    .into_iter()
+    .collect();
+    for x in &run(&ops::SCALED_DOT_PRODUCT_ATTENTION_GRAD, args) {
+        x.wait().unwrap();
+    }
+}
+
+/// The two layouts side by side, forward and backward: `"bhtd"` operands,
+/// and the same values as `[B, T, H, D]` read in place (`"bthd"`), at the
+/// long-sequence shape above and at the GPT step's (B7: batch 12, 4 heads
+/// of 32, T = 64).
+fn layouts(c: &mut Criterion) {
+    let cpu = Device::cpu();
+    let mut rng = Rng::new(8);
+    for (name, [b, h, t, d]) in [
+        ("b4_h8_t1024_d64", [B, H, T, D]),
+        ("b12_h4_t64_d32", [12, 4, 64, 32]),
+    ] {
+        let heads_first =
+            [0; 4].map(|_| Tensor::<f32>::rand_normal(&[b, h, t, d], 0.0, 1.0, &mut rng, &cpu));
+        let sequence_first = heads_first.clone().map(|x| x.transpose(1, 2));
+        for x in heads_first.iter().chain(&sequence_first) {
+            x.wait().unwrap();
+        }
+        let mut attrs = OpAttrs::new();
+        attrs.set_bool("causal", true);
+        let mut group = c.benchmark_group(format!("attention_layouts_{name}_causal_f32"));
+        group.sample_size(10);
+        group.measurement_time(Duration::from_secs(5));
+        let [q, k, v, g] = &heads_first;
+        group.bench_function("bhtd fwd+bwd", |bench| {
+            bench.iter(|| fused_forward_backward([q, k, v, g], &attrs))
+        });
+        attrs.set_str("layout", ops::SEQUENCE_FIRST);
+        let [q, k, v, g] = &sequence_first;
+        group.bench_function("bthd fwd+bwd", |bench| {
+            bench.iter(|| fused_forward_backward([q, k, v, g], &attrs))
+        });
+        group.finish();
+    }
+}
+
 fn thread_cpu_seconds() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
     let nanoseconds: f64 = stat.split_whitespace().next()?.parse().ok()?;
     Some(nanoseconds / 1e9)
 }
 
-criterion_group!(benches, attention);
+criterion_group!(benches, attention, layouts);
 criterion_main!(benches);

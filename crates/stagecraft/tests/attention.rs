@@ -319,3 +319,87 @@ fn matches_the_unfused_formula() {
         1e-13,
     );
 }
+
+/// `[B, H, T, D]` as `[B, T, H, D]`.
+fn sequence_first<T: FloatElement>(x: &Tensor<T>) -> Tensor<T> {
+    x.transpose(1, 2)
+}
+
+/// The `"bthd"` layout (`scaled_dot_product_attention_bthd`) is the
+/// default layout transposed, to the bit: the output, the gradients
+/// through the fused backward, and second-order gradients (whose products
+/// transpose the operands to `"bhtd"` and back), in eager, lazy and
+/// `function` modes.
+#[test]
+fn the_sequence_first_layout_is_the_heads_first_layout_transposed() {
+    let cpu = Device::cpu();
+    let lazy_device = Device::lazy(&cpu);
+    for causal in [false, true] {
+        let shape: Shape = (&[2, 3], 70, 66, 16, 8);
+        let (heads_first, _) = inputs(&shape, &cpu, |x| x as f32);
+        let want = forward_and_gradients(&heads_first, causal, None).map(|x| bits(&x));
+        let run = |[q, k, v, w]: &[Tensor<f32>; 4]| {
+            let [q, k, v, w] = [q, k, v, w].map(sequence_first);
+            let (q, k, v) = (q.requires_grad(), k.requires_grad(), v.requires_grad());
+            let o = q.scaled_dot_product_attention_bthd(&k, &v, causal, None);
+            assert_eq!(o.dims(), &[2, 70, 3, 8]);
+            let grads = (&o * &w).sum(&[], false).backward().unwrap();
+            [
+                o,
+                grads.get(&q).unwrap(),
+                grads.get(&k).unwrap(),
+                grads.get(&v).unwrap(),
+            ]
+            .map(|x| sequence_first(&x))
+        };
+        let got = run(&heads_first).map(|x| bits(&x));
+        assert_eq!(got, want, "eager, causal {causal}");
+
+        let (on_lazy, _) = inputs(&shape, &lazy_device, |x| x as f32);
+        let got = run(&on_lazy);
+        lazy::mark_step();
+        assert_eq!(got.map(|x| bits(&x)), want, "lazy, causal {causal}");
+
+        let staged = function(move |(q, k, v): (Tensor<f32>, Tensor<f32>, Tensor<f32>)| {
+            q.scaled_dot_product_attention_bthd(&k, &v, causal, None)
+        });
+        let [q, k, v, _] = &heads_first;
+        let o = staged.call((sequence_first(q), sequence_first(k), sequence_first(v)));
+        assert_eq!(
+            bits(&sequence_first(&o)),
+            want[0],
+            "function, causal {causal}"
+        );
+    }
+
+    // Second order: the gradient of Σ (∂Σ w·O/∂q)·u for every operand.
+    let shape: Shape = (&[2, 2], 6, 5, 3, 4);
+    let (x, _) = inputs::<f64>(&shape, &cpu, |x| x);
+    let u = x[0].clone() * -0.7;
+    let second = |layout_first: bool| {
+        let prep = |t: &Tensor<f64>| {
+            if layout_first {
+                sequence_first(t)
+            } else {
+                t.clone()
+            }
+        };
+        let [q, k, v, w] = [&x[0], &x[1], &x[2], &x[3]].map(|t| prep(t).requires_grad());
+        let u = prep(&u);
+        let attend = |q: &Tensor<f64>| {
+            if layout_first {
+                q.scaled_dot_product_attention_bthd(&k, &v, true, None)
+            } else {
+                q.scaled_dot_product_attention(&k, &v, true, None)
+            }
+        };
+        let inner = stagecraft::grad(|q: &Tensor<f64>| (attend(q) * &w).sum(&[], false));
+        let grads = (inner(&q) * &u).sum(&[], false).backward().unwrap();
+        [&q, &k, &v, &w].map(|t| {
+            let g = grads.get(t).unwrap();
+            let g = if layout_first { sequence_first(&g) } else { g };
+            g.to_vec().unwrap()
+        })
+    };
+    assert_eq!(second(true), second(false));
+}

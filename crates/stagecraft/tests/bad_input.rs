@@ -915,10 +915,53 @@ fn attention_errors_and_zero_size_dimensions() {
             stagecraft::scaled_dot_product_attention(&q, &k, &t(&[2, 3, 8, 4]), false, None),
             line!(),
         ),
+        // The "bthd" layout: rank 4 only, and batch and heads (axes 0 and
+        // 2) must agree.
+        (
+            t(&[2, 5, 8]).scaled_dot_product_attention_bthd(
+                &t(&[2, 7, 8]),
+                &t(&[2, 7, 4]),
+                false,
+                None,
+            ),
+            line!(),
+        ),
+        (
+            t(&[2, 5, 3, 8]).scaled_dot_product_attention_bthd(
+                &t(&[2, 7, 4, 8]),
+                &t(&[2, 7, 4, 4]),
+                true,
+                None,
+            ),
+            line!(),
+        ),
+        (
+            t(&[2, 5, 3, 8]).scaled_dot_product_attention_bthd(
+                &t(&[2, 7, 3, 8]),
+                &t(&[2, 6, 3, 4]),
+                true,
+                None,
+            ),
+            line!(),
+        ),
     ];
     for (out, line) in cases {
         assert_fails(out, "ScaledDotProductAttention", line);
     }
+    // An unknown layout, through the untyped runtime.
+    let mut attrs = OpAttrs::new();
+    attrs.set_str("layout", "bhdt");
+    let args: Vec<_> = [&q, &k, &v].iter().map(|x| x.handle().clone()).collect();
+    let out = rt::execute(
+        &ops::SCALED_DOT_PRODUCT_ATTENTION,
+        cpu,
+        stagecraft::Location::caller(),
+        args.into_iter().collect(),
+        (&attrs).into(),
+    );
+    let err = out[0].wait().unwrap_err();
+    assert_eq!(err.op(), Some("ScaledDotProductAttention"), "{err}");
+    assert!(err.to_string().contains("layout must be"), "{err}");
     // An input that failed passes its error on, whatever the scale.
     let failed = t(&[2, 3]).reshape(&[4]);
     let out = failed.scaled_dot_product_attention(&k, &v, false, Some(f64::NAN));
@@ -991,6 +1034,29 @@ fn attention_errors_and_zero_size_dimensions() {
         .unwrap();
     assert_eq!(grads.get(&q).unwrap().to_vec().unwrap(), vec![0.0; 80]);
     assert_eq!(grads.get(&v).unwrap().dims(), &[2, 0, 4]);
+    // The same in the "bthd" layout: no heads, no keys, no features.
+    let no_heads = t(&[2, 5, 0, 8]).scaled_dot_product_attention_bthd(
+        &t(&[2, 7, 0, 8]),
+        &t(&[2, 7, 0, 4]),
+        true,
+        None,
+    );
+    assert_eq!(no_heads.dims(), &[2, 5, 0, 4]);
+    assert_eq!(no_heads.to_vec().unwrap(), Vec::<f32>::new());
+    let q = t(&[2, 5, 3, 8]).requires_grad();
+    let k = t(&[2, 0, 3, 8]).requires_grad();
+    let v = t(&[2, 0, 3, 4]).requires_grad();
+    let o = q.scaled_dot_product_attention_bthd(&k, &v, true, None);
+    assert_eq!(o.to_vec().unwrap(), vec![0.0; 120]);
+    let grads = o.sum(&[], false).backward().unwrap();
+    assert_eq!(grads.get(&q).unwrap().to_vec().unwrap(), vec![0.0; 240]);
+    let values = f32s(&[2.0, 1.0, 4.0, 3.0, 9.0, 5.0], &[1, 3, 2, 1]);
+    let no_features =
+        t(&[1, 3, 2, 0]).scaled_dot_product_attention_bthd(&t(&[1, 3, 2, 0]), &values, true, None);
+    assert_eq!(
+        no_features.to_vec().unwrap(),
+        vec![2.0, 1.0, 3.0, 2.0, 5.0, 3.0]
+    );
 }
 
 /// Found by the op-call fuzzer: chunking an axis as long as a dimension

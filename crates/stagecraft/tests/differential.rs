@@ -277,9 +277,9 @@ enum Instr {
     /// `env[x].embedding(ids)`, `env[x]` a `[V, D]` table, by seeded ids
     /// of the given shape.
     Embedding(usize, Vec<usize>, u64),
-    /// `scaled_dot_product_attention` of `env[x]` (`[T, D]`, one head)
-    /// over `env[y]` (`[S, D]`) as keys and values, causal when the flag
-    /// says so.
+    /// `scaled_dot_product_attention` of `env[x]` (`[T, D]`: one head, or
+    /// with D even two heads of D/2 in the `"bthd"` layout) over `env[y]`
+    /// (`[S, D]`) as keys and values, causal when the flag says so.
     Attention(usize, usize, bool),
 }
 
@@ -975,6 +975,15 @@ fn straight(instr: &Instr, env: &[T]) -> T {
         }
         Instr::Attention(x, y, causal) => {
             let (q, kv) = (&env[*x], &env[*y]);
+            let width = q.dims()[1];
+            if width % 2 == 0 {
+                // Two heads of half the width, in the "bthd" layout: each
+                // head's rows interleave with the other's.
+                let heads = |t: &T| t.reshape(&[1, t.dims()[0], 2, width / 2]);
+                let (q, kv) = (heads(q), heads(kv));
+                let o = q.scaled_dot_product_attention_bthd(&kv, &kv, *causal, None);
+                return o.reshape(env[*x].dims());
+            }
             let head = |t: &T| t.reshape(&[1, t.dims()[0], t.dims()[1]]);
             let (q, kv) = (head(q), head(kv));
             let o = q.scaled_dot_product_attention(&kv, &kv, *causal, None);

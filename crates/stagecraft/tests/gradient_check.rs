@@ -963,6 +963,37 @@ fn cases_in<E: FloatElement>() -> Vec<Case<E>> {
             weighted(dq)
         },
     ));
+    // The "bthd" layout ([B, T, H, D], two heads whose rows interleave):
+    // first order by q, and second order (its products transpose the
+    // operands to "bhtd" and back) by v.
+    let sq = tensor(&[2, 3, 2, 2], 46, -1.0, 1.0, &d);
+    let sk = tensor(&[2, 4, 2, 2], 47, -1.0, 1.0, &d);
+    let sv = tensor(&[2, 4, 2, 3], 48, -1.0, 1.0, &d);
+    let (k, v) = (sk.clone(), sv.clone());
+    out.push(case(
+        "ScaledDotProductAttention",
+        "attention by q, layout bthd, causal",
+        sq.clone(),
+        move |q| {
+            let (k, v) = (on(&k, &q.device()), on(&v, &q.device()));
+            weighted(q.scaled_dot_product_attention_bthd(&k, &v, true, None))
+        },
+    ));
+    let (q, k) = (sq.clone(), sk.clone());
+    out.push(case(
+        "ScaledDotProductAttentionGrad",
+        "∇_q Σ attention(q, k, v)², by v, layout bthd",
+        sv.clone(),
+        move |v| {
+            let (q, k) = (on(&q, &v.device()), on(&k, &v.device()));
+            let inner = |q: &Tensor<E>| {
+                let o = q.scaled_dot_product_attention_bthd(&k, v, false, Some(0.8));
+                (&o * &o).sum(&[], false)
+            };
+            let dq = grad(inner)(&q);
+            weighted(dq)
+        },
+    ));
     out
 }
 

@@ -350,7 +350,7 @@ fn cached_attention_equals_uncached() {
     let refs: Vec<&T> = pieces.iter().collect();
     let cached = vals(&Tensor::concat(&refs, 1));
     close(&cached, &full, 1e-5);
-    assert_eq!(cache.k.as_ref().unwrap().dims(), &[2, 3, 9, 4]);
+    assert_eq!(cache.k.as_ref().unwrap().dims(), &[2, 9, 3, 4]);
     cache.clear();
     assert!(cache.is_empty());
 }

@@ -606,12 +606,31 @@ impl<T: Float> Tile<'_, T> {
 // ---------------------------------------------------------------------------
 // Forward.
 
-/// One head's inputs.
+/// One head's inputs, each from the head's first row on; row `i` of `q`
+/// starts at `i·ld_qk` (and of `k` too), of `v` at `i·ld_v`.
 #[derive(Clone, Copy)]
 struct Head<'a, T> {
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
+    ld_qk: usize,
+    ld_v: usize,
+}
+
+/// Where head `head`'s first row of a `[.., rows, width]` operand starts.
+fn first_row(g: &AttentionGeometry, head: usize, rows: usize, width: usize) -> usize {
+    g.row(head, rows, 0) * width
+}
+
+/// `x` from `start` on, empty when `start` is past its end (a head's
+/// first row of an operand with no rows, `S = 0`, or no columns).
+fn tail<T>(x: &[T], start: usize) -> &[T] {
+    x.get(start..).unwrap_or_default()
+}
+
+/// The row strides of the `q`/`k` and the `v`/`O` operands.
+fn strides(g: &AttentionGeometry) -> (usize, usize) {
+    (g.interleaved * g.d, g.interleaved * g.dv)
 }
 
 /// What a thread of the forward pass works in, reused across its tasks.
@@ -641,13 +660,26 @@ impl<T: Float> ForwardScratch<T> {
     }
 }
 
-/// A block of queries: its first query, and its rows of `O` and `L`.
+/// A block of queries of a unit (the heads whose rows interleave: one
+/// head, or with the `"bthd"` layout every head of a batch element): its
+/// first query, and the unit's rows of `O` and `L` for the block.
 struct QueryBlock<'a, T> {
-    head: usize,
+    unit: usize,
     first: usize,
     rows: usize,
     o: &'a mut [T],
     lse: &'a mut [T],
+}
+
+/// One head's rows of a [`QueryBlock`]: `O`'s rows `ld_o` apart and `L`'s
+/// `ld_l` apart.
+struct HeadRows<'a, T> {
+    first: usize,
+    rows: usize,
+    o: &'a mut [T],
+    lse: &'a mut [T],
+    ld_o: usize,
+    ld_l: usize,
 }
 
 /// One block of queries against every key it sees (see the module
@@ -656,7 +688,7 @@ struct QueryBlock<'a, T> {
 fn forward_block<T: Float, I: Isa>(
     g: &AttentionGeometry,
     head: Head<'_, T>,
-    block: QueryBlock<'_, T>,
+    block: HeadRows<'_, T>,
     scratch: &mut ForwardScratch<T>,
 ) {
     let (d, dv) = (g.d, g.dv);
@@ -672,14 +704,16 @@ fn forward_block<T: Float, I: Isa>(
     for c in 0..d {
         let lane = &mut qt[c * BLOCK_Q..(c + 1) * BLOCK_Q];
         for (ii, x) in lane[..br].iter_mut().enumerate() {
-            *x = head.q[(i0 + ii) * d + c] * scale;
+            *x = head.q[(i0 + ii) * head.ld_qk + c] * scale;
         }
         lane[br..].fill(T::ZERO);
     }
     max.fill(T::NEG_INFINITY);
     sum.fill(T::ZERO);
-    let o = block.o;
-    o.fill(T::ZERO);
+    let (o, ld_o) = (block.o, block.ld_o);
+    for ii in 0..br {
+        o[ii * ld_o..ii * ld_o + dv].fill(T::ZERO);
+    }
     // With causal masking, keys past the block's last query are masked
     // for all of its queries.
     let key_end = if g.causal { g.s.min(i0 + br) } else { g.s };
@@ -690,8 +724,8 @@ fn forward_block<T: Float, I: Isa>(
             m: bc,
             n: br,
             k: d,
-            a: &head.k[j0 * d..],
-            a_layout: Layout::Rows(d),
+            a: &head.k[j0 * head.ld_qk..],
+            a_layout: Layout::Rows(head.ld_qk),
             b: qt,
             ldb: BLOCK_Q,
             readable: BLOCK_Q,
@@ -752,7 +786,7 @@ fn forward_block<T: Float, I: Isa>(
         }
         for (ii, &a) in alpha[..br].iter().enumerate() {
             if a != T::ONE {
-                for x in o[ii * dv..(ii + 1) * dv].iter_mut() {
+                for x in o[ii * ld_o..ii * ld_o + dv].iter_mut() {
                     *x = *x * a;
                 }
             }
@@ -763,25 +797,26 @@ fn forward_block<T: Float, I: Isa>(
             k: bc,
             a: st,
             a_layout: Layout::Columns(BLOCK_Q),
-            b: &head.v[j0 * dv..],
-            ldb: dv,
+            b: &head.v[j0 * head.ld_v..],
+            ldb: head.ld_v,
             readable: dv,
         };
-        T::gemm::<I>(&values, o, dv, true);
+        T::gemm::<I>(&values, o, ld_o, true);
         j0 += bc;
     }
     for ii in 0..br {
-        let row = &mut o[ii * dv..(ii + 1) * dv];
+        let row = &mut o[ii * ld_o..ii * ld_o + dv];
+        let lse = &mut block.lse[ii * block.ld_l];
         if sum[ii] == T::ZERO {
             // No keys (S = 0): an empty sum of weighted values.
             row.fill(T::ZERO);
-            block.lse[ii] = T::NEG_INFINITY;
+            *lse = T::NEG_INFINITY;
         } else {
             let inverse = T::ONE / sum[ii];
             for x in row.iter_mut() {
                 *x = *x * inverse;
             }
-            block.lse[ii] = max[ii] + sum[ii].ln();
+            *lse = max[ii] + sum[ii].ln();
         }
     }
 }
@@ -791,7 +826,7 @@ fn forward_block<T: Float, I: Isa>(
 fn forward_block_avx2<T: Float>(
     g: &AttentionGeometry,
     head: Head<'_, T>,
-    block: QueryBlock<'_, T>,
+    block: HeadRows<'_, T>,
     scratch: &mut ForwardScratch<T>,
 ) {
     forward_block::<T, Avx2>(g, head, block, scratch)
@@ -802,7 +837,7 @@ fn forward_block_avx2<T: Float>(
 fn forward_block_avx512<T: Float>(
     g: &AttentionGeometry,
     head: Head<'_, T>,
-    block: QueryBlock<'_, T>,
+    block: HeadRows<'_, T>,
     scratch: &mut ForwardScratch<T>,
 ) {
     forward_block::<T, Avx512>(g, head, block, scratch)
@@ -812,7 +847,7 @@ fn forward_block_on<T: Float>(
     level: Level,
     g: &AttentionGeometry,
     head: Head<'_, T>,
-    block: QueryBlock<'_, T>,
+    block: HeadRows<'_, T>,
     scratch: &mut ForwardScratch<T>,
 ) {
     match level {
@@ -889,7 +924,7 @@ pub(crate) fn forward<T: Float>(
         // can be (k and v are empty whatever it is): every score is 0, so
         // each row's log-sum-exp is the log of how many keys it sees.
         for (i, l) in lse.iter_mut().enumerate() {
-            let seen = g.keys_seen(i % g.t);
+            let seen = g.keys_seen((i / g.interleaved) % g.t);
             *l = if seen == 0 {
                 T::NEG_INFINITY
             } else {
@@ -899,18 +934,20 @@ pub(crate) fn forward<T: Float>(
         return;
     }
     let blocks = g.t.div_ceil(BLOCK_Q);
-    let mut tasks = Vec::with_capacity(g.heads * blocks);
-    let heads_o = pieces(o, g.t * g.dv, g.heads);
-    let heads_l = pieces(lse, g.t, g.heads);
-    for (head, (o, lse)) in heads_o.into_iter().zip(heads_l).enumerate() {
-        let os = pieces(o, BLOCK_Q * g.dv, blocks);
-        let ls = pieces(lse, BLOCK_Q, blocks);
-        let mut head_tasks: Vec<QueryBlock<'_, T>> = os
+    let (units, per_unit) = (g.heads / g.interleaved, g.interleaved);
+    let (ld_qk, ld_v) = strides(g);
+    let mut tasks = Vec::with_capacity(units * blocks);
+    let units_o = pieces(o, g.t * ld_v, units);
+    let units_l = pieces(lse, g.t * per_unit, units);
+    for (unit, (o, lse)) in units_o.into_iter().zip(units_l).enumerate() {
+        let os = pieces(o, BLOCK_Q * ld_v, blocks);
+        let ls = pieces(lse, BLOCK_Q * per_unit, blocks);
+        let mut unit_tasks: Vec<QueryBlock<'_, T>> = os
             .into_iter()
             .zip(ls)
             .enumerate()
             .map(|(b, (o, lse))| QueryBlock {
-                head,
+                unit,
                 first: b * BLOCK_Q,
                 rows: BLOCK_Q.min(g.t - b * BLOCK_Q),
                 o,
@@ -919,21 +956,33 @@ pub(crate) fn forward<T: Float>(
             .collect();
         // Later blocks see more keys under causal masking: started first,
         // they leave the short ones to even out the threads at the end.
-        head_tasks.reverse();
-        tasks.extend(head_tasks);
+        unit_tasks.reverse();
+        tasks.extend(unit_tasks);
     }
     let head_of = |h: usize| Head {
-        q: &q[h * g.t * g.d..(h + 1) * g.t * g.d],
-        k: &k[h * (g.s * g.d)..(h + 1) * (g.s * g.d)],
-        v: &v[h * (g.s * g.dv)..(h + 1) * (g.s * g.dv)],
+        q: tail(q, first_row(g, h, g.t, g.d)),
+        k: tail(k, first_row(g, h, g.s, g.d)),
+        v: tail(v, first_row(g, h, g.s, g.dv)),
+        ld_qk,
+        ld_v,
     };
     run_tasks(
         tasks,
         is_parallel(g),
         || ForwardScratch::new(g),
         |scratch, block| {
-            let head = head_of(block.head);
-            forward_block_on(level, g, head, block, scratch)
+            for within in 0..per_unit {
+                let rows = HeadRows {
+                    first: block.first,
+                    rows: block.rows,
+                    o: &mut block.o[within * g.dv..],
+                    lse: &mut block.lse[within..],
+                    ld_o: ld_v,
+                    ld_l: per_unit,
+                };
+                let head = head_of(block.unit * per_unit + within);
+                forward_block_on(level, g, head, rows, scratch)
+            }
         },
     );
 }
@@ -941,7 +990,9 @@ pub(crate) fn forward<T: Float>(
 // ---------------------------------------------------------------------------
 // Backward.
 
-/// One head's inputs to the backward pass.
+/// One head's inputs to the backward pass, from its first row on: rows of
+/// `q` and `k` are `ld_qk` apart, of `v`, `dO` and `O` `ld_v`, of `L`
+/// `ld_l`.
 #[derive(Clone, Copy)]
 struct GradHead<'a, T> {
     q: &'a [T],
@@ -950,6 +1001,9 @@ struct GradHead<'a, T> {
     d_o: &'a [T],
     o: &'a [T],
     lse: &'a [T],
+    ld_qk: usize,
+    ld_v: usize,
+    ld_l: usize,
 }
 
 /// What a thread of the backward pass works in.
@@ -979,17 +1033,26 @@ impl<T: Float> BackwardScratch<T> {
     }
 }
 
-/// A key block's rows of `dK` and `dV`.
+/// A key block's rows of `dK` and `dV` (a unit's: every head of it).
 struct KeyBlock<'a, T> {
     first: usize,
     dk: &'a mut [T],
     dv: &'a mut [T],
 }
 
-/// A backward task: a head's group of key blocks, and the `dQ` rows (the
-/// head's own, or its group's buffer) they accumulate into.
+/// A backward task: a unit's (one head's, or with the `"bthd"` layout a
+/// batch element's heads') group of key blocks, and the `dQ` rows (the
+/// unit's own, or its group's buffer) they accumulate into.
 struct GradTask<'a, T> {
-    head: usize,
+    unit: usize,
+    dq: &'a mut [T],
+    blocks: Vec<KeyBlock<'a, T>>,
+}
+
+/// One head's share of a [`GradTask`]: its cells of `dQ` and of each key
+/// block's `dK` and `dV`, from the head's first row on (rows `ld_qk` and
+/// `ld_v` apart, zeroed by the task).
+struct HeadGrads<'a, T> {
     dq: &'a mut [T],
     blocks: Vec<KeyBlock<'a, T>>,
 }
@@ -1008,7 +1071,7 @@ fn key_groups(g: &AttentionGeometry) -> usize {
 fn backward_task<T: Float, I: Isa>(
     g: &AttentionGeometry,
     head: GradHead<'_, T>,
-    task: GradTask<'_, T>,
+    task: HeadGrads<'_, T>,
     scratch: &mut BackwardScratch<T>,
 ) {
     let (d, dv) = (g.d, g.dv);
@@ -1021,7 +1084,7 @@ fn backward_task<T: Float, I: Isa>(
         delta,
     } = scratch;
     let dq = task.dq;
-    dq.fill(T::ZERO);
+    let (ld_qk, ld_v) = (head.ld_qk, head.ld_v);
     // Queries before the task's first key see none of its keys.
     let from = match (g.causal, task.blocks.first()) {
         (true, Some(first)) => first.first.min(g.t),
@@ -1029,8 +1092,8 @@ fn backward_task<T: Float, I: Isa>(
     };
     for (i, delta) in delta.iter_mut().enumerate().take(g.t).skip(from) {
         let (x, y) = (
-            &head.d_o[i * dv..(i + 1) * dv],
-            &head.o[i * dv..(i + 1) * dv],
+            &head.d_o[i * ld_v..i * ld_v + dv],
+            &head.o[i * ld_v..i * ld_v + dv],
         );
         *delta = x
             .iter()
@@ -1043,20 +1106,18 @@ fn backward_task<T: Float, I: Isa>(
         for c in 0..d {
             let lane = &mut kt[c * BLOCK_K..(c + 1) * BLOCK_K];
             for (jj, x) in lane[..bc].iter_mut().enumerate() {
-                *x = head.k[(j0 + jj) * d + c] * scale;
+                *x = head.k[(j0 + jj) * ld_qk + c] * scale;
             }
             lane[bc..].fill(T::ZERO);
         }
         for e in 0..dv {
             let lane = &mut vt[e * BLOCK_K..(e + 1) * BLOCK_K];
             for (jj, x) in lane[..bc].iter_mut().enumerate() {
-                *x = head.v[(j0 + jj) * dv + e];
+                *x = head.v[(j0 + jj) * ld_v + e];
             }
             lane[bc..].fill(T::ZERO);
         }
         let (dk, dvb) = (block.dk, block.dv);
-        dk.fill(T::ZERO);
-        dvb.fill(T::ZERO);
         let first_query = if g.causal { j0 } else { 0 };
         let mut i0 = first_query;
         while i0 < g.t {
@@ -1065,8 +1126,8 @@ fn backward_task<T: Float, I: Isa>(
                 m: br,
                 n: bc,
                 k: d,
-                a: &head.q[i0 * d..],
-                a_layout: Layout::Rows(d),
+                a: &head.q[i0 * ld_qk..],
+                a_layout: Layout::Rows(ld_qk),
                 b: kt,
                 ldb: BLOCK_K,
                 readable: BLOCK_K,
@@ -1079,14 +1140,14 @@ fn backward_task<T: Float, I: Isa>(
                 } else {
                     bc
                 };
-                let l = head.lse[i];
+                let l = head.lse[i * head.ld_l];
                 let row = &mut p[ii * BLOCK_K..ii * BLOCK_K + bc];
                 for x in row[..seen].iter_mut() {
                     *x = (*x - l).exp::<I>();
                 }
                 row[seen..].fill(T::ZERO);
             }
-            let d_o = &head.d_o[i0 * dv..];
+            let d_o = &head.d_o[i0 * ld_v..];
             // dV += Pᵀ·dO
             let values = Product {
                 m: bc,
@@ -1095,17 +1156,17 @@ fn backward_task<T: Float, I: Isa>(
                 a: p,
                 a_layout: Layout::Columns(BLOCK_K),
                 b: d_o,
-                ldb: dv,
+                ldb: ld_v,
                 readable: dv,
             };
-            T::gemm::<I>(&values, dvb, dv, true);
+            T::gemm::<I>(&values, dvb, ld_v, true);
             // dP = dO·Vᵀ
             let weights = Product {
                 m: br,
                 n: bc,
                 k: dv,
                 a: d_o,
-                a_layout: Layout::Rows(dv),
+                a_layout: Layout::Rows(ld_v),
                 b: vt,
                 ldb: BLOCK_K,
                 readable: BLOCK_K,
@@ -1129,11 +1190,11 @@ fn backward_task<T: Float, I: Isa>(
                 k: bc,
                 a: ds,
                 a_layout: Layout::Rows(BLOCK_K),
-                b: &head.k[j0 * d..],
-                ldb: d,
+                b: &head.k[j0 * ld_qk..],
+                ldb: ld_qk,
                 readable: d,
             };
-            T::gemm::<I>(&to_queries, &mut dq[i0 * d..], d, true);
+            T::gemm::<I>(&to_queries, &mut dq[i0 * ld_qk..], ld_qk, true);
             // dK += dSᵀ·Q
             let to_keys = Product {
                 m: bc,
@@ -1141,11 +1202,11 @@ fn backward_task<T: Float, I: Isa>(
                 k: br,
                 a: ds,
                 a_layout: Layout::Columns(BLOCK_K),
-                b: &head.q[i0 * d..],
-                ldb: d,
+                b: &head.q[i0 * ld_qk..],
+                ldb: ld_qk,
                 readable: d,
             };
-            T::gemm::<I>(&to_keys, dk, d, true);
+            T::gemm::<I>(&to_keys, dk, ld_qk, true);
             i0 += br;
         }
     }
@@ -1156,7 +1217,7 @@ fn backward_task<T: Float, I: Isa>(
 fn backward_task_avx2<T: Float>(
     g: &AttentionGeometry,
     head: GradHead<'_, T>,
-    task: GradTask<'_, T>,
+    task: HeadGrads<'_, T>,
     scratch: &mut BackwardScratch<T>,
 ) {
     backward_task::<T, Avx2>(g, head, task, scratch)
@@ -1167,7 +1228,7 @@ fn backward_task_avx2<T: Float>(
 fn backward_task_avx512<T: Float>(
     g: &AttentionGeometry,
     head: GradHead<'_, T>,
-    task: GradTask<'_, T>,
+    task: HeadGrads<'_, T>,
     scratch: &mut BackwardScratch<T>,
 ) {
     backward_task::<T, Avx512>(g, head, task, scratch)
@@ -1177,7 +1238,7 @@ fn backward_task_on<T: Float>(
     level: Level,
     g: &AttentionGeometry,
     head: GradHead<'_, T>,
-    task: GradTask<'_, T>,
+    task: HeadGrads<'_, T>,
     scratch: &mut BackwardScratch<T>,
 ) {
     match level {
@@ -1223,28 +1284,31 @@ pub(crate) fn backward<T: Float>(
     }
     let key_blocks = g.s.div_ceil(BLOCK_K);
     let groups = key_groups(g);
-    // The dQ rows of every head's groups after the first.
-    let mut extra = vec![T::ZERO; g.heads * (groups - 1) * g.t * g.d];
-    let mut tasks = Vec::with_capacity(g.heads * groups);
+    let (units, per_unit) = (g.heads / g.interleaved, g.interleaved);
+    let (ld_qk, ld_v) = strides(g);
+    // A unit's dQ rows, and those of every unit's groups after the first.
+    let unit_rows = g.t * ld_qk;
+    let mut extra = vec![T::ZERO; units * (groups - 1) * unit_rows];
+    let mut tasks = Vec::with_capacity(units * groups);
     {
-        let dq_heads = pieces(dq, g.t * g.d, g.heads);
-        let dk_heads = pieces(dk, g.s * g.d, g.heads);
-        let dv_heads = pieces(dv, g.s * g.dv, g.heads);
-        let mut extra_heads = pieces(&mut extra, (groups - 1) * g.t * g.d, g.heads).into_iter();
-        for (head, ((dq, dk), dv)) in dq_heads.into_iter().zip(dk_heads).zip(dv_heads).enumerate() {
-            let extra = extra_heads.next().unwrap_or_default();
+        let dq_units = pieces(dq, unit_rows, units);
+        let dk_units = pieces(dk, g.s * ld_qk, units);
+        let dv_units = pieces(dv, g.s * ld_v, units);
+        let mut extra_units = pieces(&mut extra, (groups - 1) * unit_rows, units).into_iter();
+        for (unit, ((dq, dk), dv)) in dq_units.into_iter().zip(dk_units).zip(dv_units).enumerate() {
+            let extra = extra_units.next().unwrap_or_default();
             let mut group_dq = vec![dq];
-            group_dq.extend(pieces(extra, g.t * g.d, groups - 1));
+            group_dq.extend(pieces(extra, unit_rows, groups - 1));
             let mut group_tasks: Vec<GradTask<'_, T>> = group_dq
                 .into_iter()
                 .map(|dq| GradTask {
-                    head,
+                    unit,
                     dq,
                     blocks: Vec::new(),
                 })
                 .collect();
-            let dks = pieces(dk, BLOCK_K * g.d, key_blocks);
-            let dvs = pieces(dv, BLOCK_K * g.dv, key_blocks);
+            let dks = pieces(dk, BLOCK_K * ld_qk, key_blocks);
+            let dvs = pieces(dv, BLOCK_K * ld_v, key_blocks);
             for (b, (dk, dv)) in dks.into_iter().zip(dvs).enumerate() {
                 group_tasks[b % groups].blocks.push(KeyBlock {
                     first: b * BLOCK_K,
@@ -1256,27 +1320,50 @@ pub(crate) fn backward<T: Float>(
         }
     }
     let head_of = |h: usize| GradHead {
-        q: &x.q[h * g.t * g.d..(h + 1) * g.t * g.d],
-        k: &x.k[h * (g.s * g.d)..(h + 1) * (g.s * g.d)],
-        v: &x.v[h * (g.s * g.dv)..(h + 1) * (g.s * g.dv)],
-        d_o: &x.d_o[h * g.t * g.dv..(h + 1) * g.t * g.dv],
-        o: &x.o[h * g.t * g.dv..(h + 1) * g.t * g.dv],
-        lse: &x.lse[h * g.t..(h + 1) * g.t],
+        q: tail(x.q, first_row(g, h, g.t, g.d)),
+        k: tail(x.k, first_row(g, h, g.s, g.d)),
+        v: tail(x.v, first_row(g, h, g.s, g.dv)),
+        d_o: tail(x.d_o, first_row(g, h, g.t, g.dv)),
+        o: tail(x.o, first_row(g, h, g.t, g.dv)),
+        lse: tail(x.lse, g.row(h, g.t, 0)),
+        ld_qk,
+        ld_v,
+        ld_l: per_unit,
     };
     run_tasks(
         tasks,
         is_parallel(g),
         || BackwardScratch::new(g),
-        |scratch, task| {
-            let head = head_of(task.head);
-            backward_task_on(level, g, head, task, scratch)
+        |scratch, mut task| {
+            // The task's heads share its rows, so they are zeroed once
+            // here and each head accumulates into its own columns.
+            task.dq.fill(T::ZERO);
+            for block in task.blocks.iter_mut() {
+                block.dk.fill(T::ZERO);
+                block.dv.fill(T::ZERO);
+            }
+            for within in 0..per_unit {
+                let grads = HeadGrads {
+                    dq: &mut task.dq[within * g.d..],
+                    blocks: task
+                        .blocks
+                        .iter_mut()
+                        .map(|block| KeyBlock {
+                            first: block.first,
+                            dk: &mut block.dk[within * g.d..],
+                            dv: &mut block.dv[within * g.dv..],
+                        })
+                        .collect(),
+                };
+                let head = head_of(task.unit * per_unit + within);
+                backward_task_on(level, g, head, grads, scratch)
+            }
         },
     );
     // In group order, whichever threads ran the groups.
-    let rows = g.t * g.d;
-    for (h, dq) in pieces(dq, rows, g.heads).into_iter().enumerate() {
+    for (unit, dq) in pieces(dq, unit_rows, units).into_iter().enumerate() {
         for group in 1..groups {
-            let part = &extra[(h * (groups - 1) + group - 1) * rows..][..rows];
+            let part = &extra[(unit * (groups - 1) + group - 1) * unit_rows..][..unit_rows];
             for (x, &y) in dq.iter_mut().zip(part) {
                 *x = *x + y;
             }
@@ -1584,6 +1671,7 @@ mod tests {
             dv,
             causal,
             scale,
+            interleaved: 1,
         }
     }
 
@@ -1720,6 +1808,84 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `[B, H, rows, width]` values as `[B, rows, H, width]` (`back`
+    /// false), or the other way.
+    fn swap_heads<T: Copy>(
+        x: &[T],
+        (b, h, rows, width): (usize, usize, usize, usize),
+        back: bool,
+    ) -> Vec<T> {
+        let mut out = x.to_vec();
+        for bi in 0..b {
+            for hh in 0..h {
+                for i in 0..rows {
+                    let heads_first = ((bi * h + hh) * rows + i) * width;
+                    let rows_first = ((bi * rows + i) * h + hh) * width;
+                    let (from, to) = if back {
+                        (rows_first, heads_first)
+                    } else {
+                        (heads_first, rows_first)
+                    };
+                    out[to..to + width].copy_from_slice(&x[from..from + width]);
+                }
+            }
+        }
+        out
+    }
+
+    /// The `"bthd"` layout reads each head's rows in place, `H` heads
+    /// apart, and its tasks cover a batch element's heads: its results
+    /// are the `"bhtd"` layout's, transposed, to the bit, forward and
+    /// backward, on every level, with one group of key blocks per head or
+    /// several (few heads, many keys).
+    fn layouts_agree<T: Float + PartialEq + std::fmt::Debug>(to: fn(f64) -> T, back: fn(T) -> f64) {
+        for (b, h, t, s, d, dv) in [
+            (2, 3, 5, 7, 4, 3),
+            (3, 1, 65, 63, 5, 7),
+            (1, 2, 150, 200, 16, 8),
+            (2, 4, 64, 64, 32, 32),
+            (1, 3, 1, 130, 8, 5),
+        ] {
+            for causal in [false, true] {
+                let heads_first = geometry((b * h, t, s, d, dv), causal, 0.4);
+                let rows_first = AttentionGeometry {
+                    interleaved: h,
+                    ..heads_first
+                };
+                let data = data(&heads_first, to, back);
+                let swapped = Data {
+                    q: swap_heads(&data.q, (b, h, t, d), false),
+                    k: swap_heads(&data.k, (b, h, s, d), false),
+                    v: swap_heads(&data.v, (b, h, s, dv), false),
+                    g: swap_heads(&data.g, (b, h, t, dv), false),
+                    wide: data.wide.clone(),
+                };
+                for level in levels() {
+                    let what = format!("{:?} causal {causal} {level:?}", (b, h, t, s, d, dv));
+                    let (o, lse) = run_forward(level, &heads_first, &data);
+                    let (o2, lse2) = run_forward(level, &rows_first, &swapped);
+                    assert_eq!(swap_heads(&o2, (b, h, t, dv), true), o, "O {what}");
+                    assert_eq!(swap_heads(&lse2, (b, h, t, 1), true), lse, "L {what}");
+                    let grads = run_backward(level, &heads_first, &data, (&o, &lse));
+                    let grads2 = run_backward(level, &rows_first, &swapped, (&o2, &lse2));
+                    for (i, (rows, width)) in [(t, d), (s, d), (s, dv)].into_iter().enumerate() {
+                        assert_eq!(
+                            swap_heads(&grads2[i], (b, h, rows, width), true),
+                            grads[i],
+                            "gradient {i} {what}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_two_layouts_give_the_same_bits() {
+        layouts_agree::<f32>(|x| x as f32, |x| x as f64);
+        layouts_agree::<f64>(|x| x, |x| x);
     }
 
     #[test]

@@ -16,6 +16,13 @@
 //! (`S = 0`): its output is zeros and its `L` is `-∞` (an empty sum), as
 //! the product of an empty softmax with an empty `v` gives in PyTorch's
 //! reference formula.
+//!
+//! **Layouts.** With `layout = "bhtd"` (the default, PyTorch's) the
+//! operands are `[B, H, T, D]`; with `"bthd"` (FlashAttention's) they are
+//! `[B, T, H, D]`, what a `[B, T, H·D]` projection reshapes to without a
+//! transpose, and the kernels read each head's rows in place, `H·D`
+//! apart. Either way `O` has `q`'s shape with `Dv` last and `L` has `q`'s
+//! shape without its last axis, and the two layouts give the same bits.
 
 use super::{require_float, require_same_dtype, MATMUL, TRILU};
 use crate::attrs::AttrKind;
@@ -25,17 +32,26 @@ use smallvec::{smallvec, SmallVec};
 use stagecraft_tensor::{DType, Error, Result, Shape, TensorMetadata};
 
 /// The attributes of both ops. `scale` NaN (the default) stands for
-/// `1/√D`; any other value must be finite.
+/// `1/√D`; any other value must be finite. `layout` is `"bhtd"` or
+/// `"bthd"` (see the module documentation).
 const ATTENTION_ATTRS: &[AttrSpec] = &[
     AttrSpec::optional("causal", AttrKind::Bool, AttrDefault::Bool(false)),
     AttrSpec::optional("scale", AttrKind::Float, AttrDefault::Float(f64::NAN)),
+    AttrSpec::optional("layout", AttrKind::Str, AttrDefault::Str(HEADS_FIRST)),
 ];
+
+/// The `layout` of `[B, H, T, D]` operands.
+pub const HEADS_FIRST: &str = "bhtd";
+/// The `layout` of `[B, T, H, D]` operands.
+pub const SEQUENCE_FIRST: &str = "bthd";
 
 /// `ScaledDotProductAttention(q, k, v) -> (O, L)`: with `q: [B, H, T, D]`,
 /// `k: [B, H, S, D]` and `v: [B, H, S, Dv]` (or rank 3, `[BH, T, D]` and
-/// so on), `O = softmax(q·kᵀ·scale + mask)·v: [B, H, T, Dv]` and `L =
-/// log Σⱼ exp(q·kᵀ·scale + mask): [B, H, T]`, the log-sum-exp of each
-/// query row over the keys it sees (f32, or f64 for f64 inputs). `causal`
+/// so on; or with `layout = "bthd"`, `[B, T, H, D]` and so on), `O =
+/// softmax(q·kᵀ·scale + mask)·v: [B, H, T, Dv]` and `L = log Σⱼ
+/// exp(q·kᵀ·scale + mask): [B, H, T]`, the log-sum-exp of each query row
+/// over the keys it sees (f32, or f64 for f64 inputs); with `"bthd"`,
+/// `O: [B, T, H, Dv]` and `L: [B, T, H]`. `causal`
 /// masks key `j` for query `i` when `j > i` (upper-left alignment, see the
 /// module documentation); `scale` defaults to `1/√D` (1 when `D = 0`, where
 /// every score is 0 whatever the scale).
@@ -73,7 +89,7 @@ pub static SCALED_DOT_PRODUCT_ATTENTION_GRAD: OpDef = OpDef {
 
 /// The sizes of an attention call, resolved from its inputs and
 /// attributes: every kernel works on `heads` independent `[T, D]`,
-/// `[S, D]`, `[S, Dv]` matrices.
+/// `[S, D]`, `[S, Dv]` matrices, whose rows are `interleaved` heads apart.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionGeometry {
     /// The product of the leading dimensions (`B·H`, or `BH` at rank 3).
@@ -90,6 +106,11 @@ pub struct AttentionGeometry {
     pub causal: bool,
     /// The factor of the scores, resolved from the attribute.
     pub scale: f64,
+    /// How many heads' rows alternate in memory: `H` for the `"bthd"`
+    /// layout (head `h` of batch element `b` is head `b·H + h`, and its
+    /// row `i` of `q` starts at `((b·T + i)·H + h)·D`), 1 for `"bhtd"`
+    /// (a head's rows are consecutive). `L` follows the same order.
+    pub interleaved: usize,
 }
 
 impl AttentionGeometry {
@@ -101,6 +122,14 @@ impl AttentionGeometry {
         } else {
             self.s
         }
+    }
+
+    /// The index of head `head`'s row `i` among `rows` rows a head (`T` or
+    /// `S`): the row's offset in units of its width, and its index in `L`
+    /// (with `rows = T`).
+    pub fn row(&self, head: usize, rows: usize, i: usize) -> usize {
+        let (batch, within) = (head / self.interleaved, head % self.interleaved);
+        (batch * rows + i) * self.interleaved + within
     }
 }
 
@@ -138,7 +167,19 @@ pub fn attention_geometry(
     require_float("q", q)?;
     require_same_dtype(q, k)?;
     require_same_dtype(q, v)?;
+    let sequence_first = match attrs.str("layout")? {
+        HEADS_FIRST => false,
+        SEQUENCE_FIRST => true,
+        other => {
+            return Err(Error::attribute(format!(
+                "layout must be \"{HEADS_FIRST}\" or \"{SEQUENCE_FIRST}\", got \"{other}\""
+            )))
+        }
+    };
     let rank = q.shape.rank();
+    if sequence_first {
+        return sequence_first_geometry(q, k, v, attrs);
+    }
     if !(rank == 3 || rank == 4) || k.shape.rank() != rank || v.shape.rank() != rank {
         return Err(Error::shape(format!(
             "attention needs q: [B, H, T, D], k: [B, H, S, D] and v: [B, H, S, Dv] (or all three of rank 3), got {}, {} and {}",
@@ -175,6 +216,54 @@ pub fn attention_geometry(
         dv,
         causal: attrs.bool("causal")?,
         scale: attention_scale(attrs, d)?,
+        interleaved: 1,
+    })
+}
+
+/// [`attention_geometry`] for the `"bthd"` layout.
+fn sequence_first_geometry(
+    q: &TensorMetadata,
+    k: &TensorMetadata,
+    v: &TensorMetadata,
+    attrs: &Attrs<'_>,
+) -> Result<AttentionGeometry> {
+    if q.shape.rank() != 4 || k.shape.rank() != 4 || v.shape.rank() != 4 {
+        return Err(Error::shape(format!(
+            "attention with layout \"{SEQUENCE_FIRST}\" needs q: [B, T, H, D], k: [B, S, H, D] and v: [B, S, H, Dv], got {}, {} and {}",
+            q.shape, k.shape, v.shape
+        )));
+    }
+    let [b, t, h, d] = [0, 1, 2, 3].map(|i| q.shape[i]);
+    let [kb, s, kh, dk] = [0, 1, 2, 3].map(|i| k.shape[i]);
+    let [vb, sv, vh, dv] = [0, 1, 2, 3].map(|i| v.shape[i]);
+    if kb != b || vb != b || kh != h || vh != h {
+        return Err(Error::shape(format!(
+            "the batch and head dimensions (first and third) of q {}, k {} and v {} differ",
+            q.shape, k.shape, v.shape
+        )));
+    }
+    if dk != d {
+        return Err(Error::shape(format!(
+            "queries and keys must have one size: q {} has D = {d}, k {} has {dk}",
+            q.shape, k.shape
+        )));
+    }
+    if sv != s {
+        return Err(Error::shape(format!(
+            "keys and values must be as many: k {} has S = {s}, v {} has {sv}",
+            k.shape, v.shape
+        )));
+    }
+    Ok(AttentionGeometry {
+        heads: stagecraft_tensor::element_count(&[b, h]),
+        t,
+        s,
+        d,
+        dv,
+        causal: attrs.bool("causal")?,
+        scale: attention_scale(attrs, d)?,
+        // With no heads there are no rows to place.
+        interleaved: h.max(1),
     })
 }
 
@@ -376,11 +465,51 @@ fn probabilities(
 ///
 /// These materialize `[.., T, S]` matrices: second derivatives of
 /// attention cost the memory of the unfused formula.
+///
+/// With the `"bthd"` layout the operands are transposed to `"bhtd"` for
+/// these products, and the gradients back.
 fn attention_grad_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
-    let [g, q, k, v, o, l] = [0, 1, 2, 3, 4, 5].map(|i| ctx.inputs[i]);
-    let [ga, gb, gc] = [0, 1, 2].map(|i| ctx.grads.get(i).copied().flatten());
-    let geometry = recorded_geometry(b, [q, k, v], &ctx.attrs)?;
-    let p = probabilities(b, &geometry, q, k, l)?;
+    let inputs: [G; 6] = [0, 1, 2, 3, 4, 5].map(|i| ctx.inputs[i]);
+    let grads = [0, 1, 2].map(|i| ctx.grads.get(i).copied().flatten());
+    let geometry = recorded_geometry(b, [inputs[1], inputs[2], inputs[3]], &ctx.attrs)?;
+    if ctx.attrs.str("layout")? == HEADS_FIRST {
+        return heads_first_grad_grad(b, &geometry, inputs, grads);
+    }
+    // Swapping the sequence and head axes goes both ways: [B, T, H, ..]
+    // and [B, H, T, ..] (`L` has no last axis, so the same perm's first
+    // three entries serve it).
+    let swap = |b: &mut dyn GradBuilder, x: G| {
+        let perm: &[usize] = if b.meta(x).shape.rank() == 4 {
+            &[0, 2, 1, 3]
+        } else {
+            &[0, 2, 1]
+        };
+        b.transpose(x, perm)
+    };
+    let mut swapped = inputs;
+    for x in swapped.iter_mut() {
+        *x = swap(b, *x)?;
+    }
+    let mut swapped_grads = grads;
+    for x in swapped_grads.iter_mut().flatten() {
+        *x = swap(b, *x)?;
+    }
+    let mut out = heads_first_grad_grad(b, &geometry, swapped, swapped_grads)?;
+    for x in out.iter_mut().flatten() {
+        *x = swap(b, *x)?;
+    }
+    Ok(out)
+}
+
+/// [`attention_grad_grad`] for operands `[dO, q, k, v, O, L]` in the
+/// `"bhtd"` layout and cotangents `[d̄q, d̄k, d̄v]`.
+fn heads_first_grad_grad(
+    b: &mut dyn GradBuilder,
+    geometry: &AttentionGeometry,
+    [g, q, k, v, o, l]: [G; 6],
+    [ga, gb, gc]: [Option<G>; 3],
+) -> Result<InputGrads> {
+    let p = probabilities(b, geometry, q, k, l)?;
     let dp = times_transposed(b, g, v)?;
     let go = b.mul(g, o)?;
     let delta = row_sums(b, go)?;
@@ -559,6 +688,7 @@ mod tests {
             dv: 1,
             causal: true,
             scale: 1.0,
+            interleaved: 1,
         };
         let seen: Vec<usize> = (0..5).map(|i| g.keys_seen(i)).collect();
         assert_eq!(seen, [1, 2, 3, 3, 3]);

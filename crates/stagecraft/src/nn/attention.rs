@@ -22,27 +22,39 @@ fn check_input(x: &Tensor<f32>, width: usize, layer: &str) -> Result<(), Tensor<
     Err(Tensor::failed(layer, err, x.dims(), &x.device()))
 }
 
-/// `[B, T, H·D] -> [B, H, T, D]` (a tensor of another rank is an error
-/// already, reported by the op that made it, and passes on).
+/// `[B, T, H·D] -> [B, T, H, D]`, a reshape: the fused op reads heads in
+/// this layout in place (a tensor of another rank is an error already,
+/// reported by the op that made it, and passes on).
 fn split_heads(x: &Tensor<f32>, n_head: usize) -> Tensor<f32> {
     match *x.dims() {
-        [b, t, c] => x.reshape(&[b, t, n_head, c / n_head]).transpose(1, 2),
+        [b, t, c] => x.reshape(&[b, t, n_head, c / n_head]),
         _ => x.clone(),
     }
 }
 
-/// `[B, H, T, D] -> [B, T, H·D]`.
+/// `[B, T, H, D] -> [B, T, H·D]`, a reshape.
 fn merge_heads(y: &Tensor<f32>) -> Tensor<f32> {
     match *y.dims() {
-        [b, h, t, d] => y.transpose(1, 2).reshape(&[b, t, h * d]),
+        [b, t, h, d] => y.reshape(&[b, t, h * d]),
         _ => y.clone(),
     }
 }
 
-/// Attention written out as matmul, mask, softmax (and dropout), matmul:
-/// for what the fused op cannot do, a causal mask aligned at the end
-/// (query `i` at absolute position `offset + i`, seeing keys `0..=offset +
-/// i`) and dropout on the attention weights.
+/// `[B, T, H, D] <-> [B, H, T, D]`, for the products of
+/// [`composite_attention`].
+fn swap_heads(x: &Tensor<f32>) -> Tensor<f32> {
+    if x.rank() == 4 {
+        x.transpose(1, 2)
+    } else {
+        x.clone()
+    }
+}
+
+/// Attention written out as matmul, mask, softmax (and dropout), matmul,
+/// on `[B, T, H, D]` operands (transposed to `[B, H, T, D]` for the
+/// products, and back): for what the fused op cannot do, a causal mask
+/// aligned at the end (query `i` at absolute position `offset + i`, seeing
+/// keys `0..=offset + i`) and dropout on the attention weights.
 fn composite_attention(
     q: &Tensor<f32>,
     k: &Tensor<f32>,
@@ -50,6 +62,7 @@ fn composite_attention(
     causal_offset: Option<usize>,
     dropout: Option<&Dropout>,
 ) -> Tensor<f32> {
+    let (q, k, v) = (&swap_heads(q), &swap_heads(k), &swap_heads(v));
     let device = q.device();
     let (&[.., t, d], &[.., s, _]) = (q.dims(), k.dims()) else {
         return q.clone();
@@ -69,17 +82,17 @@ fn composite_attention(
     if let Some(dropout) = dropout {
         weights = dropout.forward(&weights);
     }
-    weights.matmul(v)
+    swap_heads(&weights.matmul(v))
 }
 
 /// The keys and values of the positions a [`CausalSelfAttention`] has
-/// already seen, `[B, H, S, D]` each, so that generation feeds only the
-/// new tokens.
+/// already seen, `[B, S, H, D]` each (the layout the fused attention
+/// reads in place), so that generation feeds only the new tokens.
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
-    /// Past keys, `[B, H, S, D]`; `None` before the first call.
+    /// Past keys, `[B, S, H, D]`; `None` before the first call.
     pub k: Option<Tensor<f32>>,
-    /// Past values, `[B, H, S, D]`; `None` before the first call.
+    /// Past values, `[B, S, H, D]`; `None` before the first call.
     pub v: Option<Tensor<f32>>,
 }
 
@@ -93,7 +106,7 @@ impl KvCache {
     pub fn len(&self) -> usize {
         self.k
             .as_ref()
-            .and_then(|k| k.dims().get(2).copied())
+            .and_then(|k| k.dims().get(1).copied())
             .unwrap_or(0)
     }
 
@@ -114,7 +127,8 @@ impl KvCache {
 ///
 /// One `c_attn` projection gives queries, keys and values (`[3C, C]`, in
 /// that order along its output, as in nanoGPT and GPT-2 checkpoints), one
-/// fused [`Tensor::scaled_dot_product_attention`] call attends causally,
+/// fused [`Tensor::scaled_dot_product_attention_bthd`] call attends
+/// causally, reading the heads in place,
 /// and `c_proj` maps the heads back, followed by the residual dropout.
 /// Dropout on the attention weights, which the fused op does not do, runs
 /// the attention as separate ops, and only while it is active (training
@@ -196,17 +210,17 @@ impl CausalSelfAttention {
         let past = cache.len();
         let (k, v) = match (&cache.k, &cache.v) {
             (Some(pk), Some(pv)) if past > 0 => {
-                (Tensor::concat(&[pk, &k], 2), Tensor::concat(&[pv, &v], 2))
+                (Tensor::concat(&[pk, &k], 1), Tensor::concat(&[pv, &v], 1))
             }
             _ => (k, v),
         };
-        let t = q.dims().get(2).copied().unwrap_or(0);
+        let t = q.dims().get(1).copied().unwrap_or(0);
         let y = if self.attn_dropout.is_active() {
             composite_attention(&q, &k, &v, Some(past), Some(&self.attn_dropout))
         } else if past == 0 {
-            q.scaled_dot_product_attention(&k, &v, true, None)
+            q.scaled_dot_product_attention_bthd(&k, &v, true, None)
         } else if t == 1 {
-            q.scaled_dot_product_attention(&k, &v, false, None)
+            q.scaled_dot_product_attention_bthd(&k, &v, false, None)
         } else {
             composite_attention(&q, &k, &v, Some(past), None)
         };
@@ -226,7 +240,7 @@ impl Forward for CausalSelfAttention {
         let y = if self.attn_dropout.is_active() {
             composite_attention(&q, &k, &v, Some(0), Some(&self.attn_dropout))
         } else {
-            q.scaled_dot_product_attention(&k, &v, true, None)
+            q.scaled_dot_product_attention_bthd(&k, &v, true, None)
         };
         self.output(&y)
     }
@@ -309,7 +323,7 @@ impl MultiHeadAttention {
         let q = split_heads(&self.q_proj.forward(q_in), self.n_head);
         let k = split_heads(&self.k_proj.forward(kv_in), self.n_head);
         let v = split_heads(&self.v_proj.forward(kv_in), self.n_head);
-        let y = q.scaled_dot_product_attention(&k, &v, causal, None);
+        let y = q.scaled_dot_product_attention_bthd(&k, &v, causal, None);
         self.out_proj.forward(&merge_heads(&y))
     }
 }

@@ -50,7 +50,56 @@ impl<T: FloatElement> Tensor<T> {
         causal: bool,
         scale: Option<f64>,
     ) -> Tensor<T> {
-        attention(self, k, v, causal, scale, Location::caller())
+        attention(
+            self,
+            k,
+            v,
+            causal,
+            scale,
+            ops::HEADS_FIRST,
+            Location::caller(),
+        )
+    }
+
+    /// [`Tensor::scaled_dot_product_attention`] for operands whose heads
+    /// come after the sequence (FlashAttention's layout): queries `self:
+    /// [B, T, H, D]`, keys `k: [B, S, H, D]` and values `v: [B, S, H,
+    /// Dv]` give `[B, T, H, Dv]`. This is what a `[B, T, H·D]` projection
+    /// reshapes to, and what the output reshapes back from, without a
+    /// transpose either way: the kernels read each head's rows in place.
+    /// The results are those of the other layout, transposed, to the bit.
+    ///
+    /// ```
+    /// use stagecraft::{Device, Tensor};
+    /// let cpu = Device::cpu();
+    /// // Batch 1, two positions, two heads of size 1.
+    /// let q = Tensor::<f32>::from_vec(vec![1.0, 0.0, 1.0, 0.0], &[1, 2, 2, 1], &cpu)?;
+    /// let k = Tensor::<f32>::from_vec(vec![0.0, 0.0, 3f32.ln(), 0.0], &[1, 2, 2, 1], &cpu)?;
+    /// let v = Tensor::<f32>::from_vec(vec![4.0, 1.0, 8.0, 3.0], &[1, 2, 2, 1], &cpu)?;
+    /// let o = q.scaled_dot_product_attention_bthd(&k, &v, true, Some(1.0)).to_vec()?;
+    /// // Head 0: weights 1/4 and 3/4 at the second position; head 1's
+    /// // scores are all 0, so it averages its values 1 and 3.
+    /// assert_eq!([o[0], o[1], o[3]], [4.0, 1.0, 2.0]);
+    /// assert!((o[2] - 7.0).abs() < 1e-5);
+    /// # Ok::<(), stagecraft::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn scaled_dot_product_attention_bthd(
+        &self,
+        k: &Tensor<T>,
+        v: &Tensor<T>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> Tensor<T> {
+        attention(
+            self,
+            k,
+            v,
+            causal,
+            scale,
+            ops::SEQUENCE_FIRST,
+            Location::caller(),
+        )
     }
 }
 
@@ -65,7 +114,7 @@ pub fn scaled_dot_product_attention<T: FloatElement>(
     causal: bool,
     scale: Option<f64>,
 ) -> Tensor<T> {
-    attention(q, k, v, causal, scale, Location::caller())
+    attention(q, k, v, causal, scale, ops::HEADS_FIRST, Location::caller())
 }
 
 fn attention<T: FloatElement>(
@@ -74,10 +123,14 @@ fn attention<T: FloatElement>(
     v: &Tensor<T>,
     causal: bool,
     scale: Option<f64>,
+    layout: &str,
     location: Location,
 ) -> Tensor<T> {
     let mut attrs = OpAttrs::new();
     attrs.set_bool("causal", causal);
+    if layout != ops::HEADS_FIRST {
+        attrs.set_str("layout", layout);
+    }
     if let Some(scale) = scale {
         // The op reads NaN as "the default": the method says so instead
         // of taking a NaN for it.

@@ -321,6 +321,53 @@ fn attention_gradients_match_the_cpu() {
     assert_ran_on_the_gpu(&["ScaledDotProductAttention", "ScaledDotProductAttentionGrad"]);
 }
 
+/// The `"bthd"` layout (`[B, T, H, D]` operands, each head's rows `H·D`
+/// apart): forward and gradients against the CPU, causal or not, with
+/// one head, several, and rows past a tile of 16.
+#[test]
+fn sequence_first_attention_and_its_gradients_match_the_cpu() {
+    let (gpu, _turn) = gpu();
+    let mut worst = [(); 4].map(|_| Worst::default());
+    let cases: [[&[usize]; 3]; 3] = [
+        [&[2, 5, 3, 4], &[2, 7, 3, 4], &[2, 7, 3, 6]],
+        [&[1, 40, 1, 8], &[1, 40, 1, 8], &[1, 40, 1, 8]],
+        [&[3, 33, 4, 16], &[3, 20, 4, 16], &[3, 20, 4, 5]],
+    ];
+    for (case, shapes) in cases.iter().enumerate() {
+        let [qv, kv, vv, rv] = &attention_inputs(shapes, 400 + 10 * case as u64);
+        let mut out_dims = shapes[0].to_vec();
+        out_dims[3] = shapes[2][3];
+        for causal in [false, true] {
+            let run = |d: &Device| {
+                let (q, k, v) = (
+                    on(qv, shapes[0], d),
+                    on(kv, shapes[1], d),
+                    on(vv, shapes[2], d),
+                );
+                let r = on(rv, &out_dims, d);
+                let loss = |q: &Tensor<f32>, k: &Tensor<f32>, v: &Tensor<f32>| {
+                    weighted_sum(&q.scaled_dot_product_attention_bthd(k, v, causal, None), &r)
+                };
+                let o = q.scaled_dot_product_attention_bthd(&k, &v, causal, None);
+                let by_q = value_and_grad(|q: &Tensor<f32>| loss(q, &k, &v))(&q).1;
+                let by_k = value_and_grad(|k: &Tensor<f32>| loss(&q, k, &v))(&k).1;
+                let by_v = value_and_grad(|v: &Tensor<f32>| loss(&q, &k, v))(&v).1;
+                [o, by_q, by_k, by_v]
+            };
+            let (g, c) = (run(&gpu), run(&cpu()));
+            for (i, name) in ["O", "dq", "dk", "dv"].iter().enumerate() {
+                assert_eq!(g[i].device(), gpu);
+                let what = format!("{name} of bthd attention {shapes:?} causal {causal}");
+                check(&what, &g[i], &c[i], 5e-5, &mut worst[i]);
+            }
+        }
+    }
+    for (name, w) in ["O", "dq", "dk", "dv"].iter().zip(&worst) {
+        w.report(&format!("ScaledDotProductAttention bthd {name}"));
+    }
+    assert_ran_on_the_gpu(&["ScaledDotProductAttention", "ScaledDotProductAttentionGrad"]);
+}
+
 #[test]
 fn squared_norm_matches_the_cpu() {
     let (gpu, _turn) = gpu();
