@@ -92,23 +92,7 @@ fn attention(c: &mut Criterion) {
         }
         out
     };
-    let forward_backward = || {
-        let out = forward();
-        let args: Args = [
-            g.handle(),
-            q.handle(),
-            k.handle(),
-            v.handle(),
-            &out[0],
-            &out[1],
-        ]
-        .map(|x| x.clone())
-        .into_iter()
-        .collect();
-        for x in &run(&ops::SCALED_DOT_PRODUCT_ATTENTION_GRAD, args) {
-            x.wait().unwrap();
-        }
-    };
+    let forward_backward = || fused_forward_backward([&q, &k, &v, &g], &attrs);
 
     let one = rayon::ThreadPoolBuilder::new()
         .num_threads(1)

@@ -167,19 +167,48 @@ pub fn attention_geometry(
     require_float("q", q)?;
     require_same_dtype(q, k)?;
     require_same_dtype(q, v)?;
-    let sequence_first = match attrs.str("layout")? {
-        HEADS_FIRST => false,
-        SEQUENCE_FIRST => true,
+    let (heads, interleaved, rows) = match attrs.str("layout")? {
+        HEADS_FIRST => heads_first_sizes(q, k, v)?,
+        SEQUENCE_FIRST => sequence_first_sizes(q, k, v)?,
         other => {
             return Err(Error::attribute(format!(
                 "layout must be \"{HEADS_FIRST}\" or \"{SEQUENCE_FIRST}\", got \"{other}\""
             )))
         }
     };
-    let rank = q.shape.rank();
-    if sequence_first {
-        return sequence_first_geometry(q, k, v, attrs);
+    // Rows and widths of q, k and v.
+    let [(t, d), (s, dk), (sv, dv)] = rows;
+    if dk != d {
+        return Err(Error::shape(format!(
+            "queries and keys must have one size: q {} has D = {d}, k {} has {dk}",
+            q.shape, k.shape
+        )));
     }
+    if sv != s {
+        return Err(Error::shape(format!(
+            "keys and values must be as many: k {} has S = {s}, v {} has {sv}",
+            k.shape, v.shape
+        )));
+    }
+    Ok(AttentionGeometry {
+        heads,
+        t,
+        s,
+        d,
+        dv,
+        causal: attrs.bool("causal")?,
+        scale: attention_scale(attrs, d)?,
+        interleaved,
+    })
+}
+
+/// The heads, the interleave and the (rows, width) of `q`, `k` and `v`.
+type Sizes = (usize, usize, [(usize, usize); 3]);
+
+/// The `"bhtd"` layout's sizes: `[.., T, D]` after leading dimensions
+/// that all three share.
+fn heads_first_sizes(q: &TensorMetadata, k: &TensorMetadata, v: &TensorMetadata) -> Result<Sizes> {
+    let rank = q.shape.rank();
     if !(rank == 3 || rank == 4) || k.shape.rank() != rank || v.shape.rank() != rank {
         return Err(Error::shape(format!(
             "attention needs q: [B, H, T, D], k: [B, H, S, D] and v: [B, H, S, Dv] (or all three of rank 3), got {}, {} and {}",
@@ -193,78 +222,40 @@ pub fn attention_geometry(
             q.shape, k.shape, v.shape
         )));
     }
-    let (t, d) = (q.shape[rank - 2], q.shape[rank - 1]);
-    let (s, dk) = (k.shape[rank - 2], k.shape[rank - 1]);
-    let (sv, dv) = (v.shape[rank - 2], v.shape[rank - 1]);
-    if dk != d {
-        return Err(Error::shape(format!(
-            "queries and keys must have one size: q {} has D = {d}, k {} has {dk}",
-            q.shape, k.shape
-        )));
-    }
-    if sv != s {
-        return Err(Error::shape(format!(
-            "keys and values must be as many: k {} has S = {s}, v {} has {sv}",
-            k.shape, v.shape
-        )));
-    }
-    Ok(AttentionGeometry {
-        heads: stagecraft_tensor::element_count(lead),
-        t,
-        s,
-        d,
-        dv,
-        causal: attrs.bool("causal")?,
-        scale: attention_scale(attrs, d)?,
-        interleaved: 1,
-    })
+    let last_two = |x: &TensorMetadata| (x.shape[rank - 2], x.shape[rank - 1]);
+    Ok((
+        stagecraft_tensor::element_count(lead),
+        1,
+        [last_two(q), last_two(k), last_two(v)],
+    ))
 }
 
-/// [`attention_geometry`] for the `"bthd"` layout.
-fn sequence_first_geometry(
+/// The `"bthd"` layout's sizes: `[B, rows, H, width]`, `B` and `H` shared.
+fn sequence_first_sizes(
     q: &TensorMetadata,
     k: &TensorMetadata,
     v: &TensorMetadata,
-    attrs: &Attrs<'_>,
-) -> Result<AttentionGeometry> {
+) -> Result<Sizes> {
     if q.shape.rank() != 4 || k.shape.rank() != 4 || v.shape.rank() != 4 {
         return Err(Error::shape(format!(
             "attention with layout \"{SEQUENCE_FIRST}\" needs q: [B, T, H, D], k: [B, S, H, D] and v: [B, S, H, Dv], got {}, {} and {}",
             q.shape, k.shape, v.shape
         )));
     }
-    let [b, t, h, d] = [0, 1, 2, 3].map(|i| q.shape[i]);
-    let [kb, s, kh, dk] = [0, 1, 2, 3].map(|i| k.shape[i]);
-    let [vb, sv, vh, dv] = [0, 1, 2, 3].map(|i| v.shape[i]);
-    if kb != b || vb != b || kh != h || vh != h {
+    let (b, h) = (q.shape[0], q.shape[2]);
+    if [k, v].iter().any(|x| x.shape[0] != b || x.shape[2] != h) {
         return Err(Error::shape(format!(
             "the batch and head dimensions (first and third) of q {}, k {} and v {} differ",
             q.shape, k.shape, v.shape
         )));
     }
-    if dk != d {
-        return Err(Error::shape(format!(
-            "queries and keys must have one size: q {} has D = {d}, k {} has {dk}",
-            q.shape, k.shape
-        )));
-    }
-    if sv != s {
-        return Err(Error::shape(format!(
-            "keys and values must be as many: k {} has S = {s}, v {} has {sv}",
-            k.shape, v.shape
-        )));
-    }
-    Ok(AttentionGeometry {
-        heads: stagecraft_tensor::element_count(&[b, h]),
-        t,
-        s,
-        d,
-        dv,
-        causal: attrs.bool("causal")?,
-        scale: attention_scale(attrs, d)?,
-        // With no heads there are no rows to place.
-        interleaved: h.max(1),
-    })
+    let rows = |x: &TensorMetadata| (x.shape[1], x.shape[3]);
+    // With no heads there are no rows to place: an interleave of 1.
+    Ok((
+        stagecraft_tensor::element_count(&[b, h]),
+        h.max(1),
+        [rows(q), rows(k), rows(v)],
+    ))
 }
 
 /// The metadata of the forward outputs `(O, L)` for inputs that passed
