@@ -4,7 +4,13 @@
 //! time, so the memory beyond inputs and outputs is a few blocks per
 //! thread (see [`workspace_bytes`]), not `O(T·S)`.
 //!
-//! **Forward**, one task per (head, block of [`BLOCK_Q`] queries): the
+//! **Layouts.** Work is cut by *unit*: the heads whose rows interleave in
+//! memory, one head in the `"bhtd"` layout, a batch element's `H` heads in
+//! `"bthd"` (where a head's rows are `H·D` apart). A task runs its unit's
+//! heads one after another on the same rows, so it owns whole rows of
+//! every output; each head's arithmetic is the same in both layouts.
+//!
+//! **Forward**, one task per (unit, block of [`BLOCK_Q`] queries): the
 //! block's queries are copied transposed and multiplied by the scale
 //! (`qt`), then for each block of [`BLOCK_K`] keys the scores come out
 //! transposed, `Sᵀ = K_j · qt` (keys × queries, so that every per-query
@@ -17,7 +23,7 @@
 //! the block on the diagonal the masked scores are `-∞` before the maximum
 //! and exact zeros after the exponential.
 //!
-//! **Backward**, one task per (head, group of key blocks): `Δ = rowsum(dO ∘
+//! **Backward**, one task per (unit, group of key blocks): `Δ = rowsum(dO ∘
 //! O)` first, then for each key block `j` of the group, over the query
 //! blocks that see it, `S = Q_i · (scale·K_j)ᵀ`, `P = exp(S − L_i)`,
 //! `dV_j += Pᵀ·dO_i`, `dP = dO_i·V_jᵀ`, `dS = scale·P ∘ (dP − Δ_i)`, `dQ_i
