@@ -175,3 +175,18 @@ fn several_results_become_several_outputs() {
         1e-6
     ));
 }
+
+/// Causal attention with more queries than keys, in both layouts: the
+/// exported mask aligns at the upper left as the op does (query `i` sees
+/// keys `0..=i`; aligned at the end, the first queries would see none).
+#[test]
+fn causal_attention_with_fewer_keys_than_queries_round_trips() {
+    let (k, v) = (input(&[1, 2, 3, 4], 8), input(&[1, 2, 3, 4], 9));
+    let (k_bthd, v_bthd) = (k.transpose(1, 2), v.transpose(1, 2));
+    let f = function(move |q: Tensor<f32>| q.scaled_dot_product_attention(&k, &v, true, None));
+    round_trip("attention_t_over_s", &f, input(&[1, 2, 5, 4], 10));
+    let f = function(move |q: Tensor<f32>| {
+        q.scaled_dot_product_attention_bthd(&k_bthd, &v_bthd, true, None)
+    });
+    round_trip("attention_bthd_t_over_s", &f, input(&[1, 5, 2, 4], 10));
+}
