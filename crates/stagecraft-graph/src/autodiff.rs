@@ -81,14 +81,11 @@ struct Differentiated {
 /// The residual form of a node's op, if it has one.
 /// One whose form cannot be built (a branch with an op that has no
 /// gradient rule) stays as it is: its gradient reports the problem.
-fn residual_form_of(node: &crate::Node) -> Option<(&'static OpDef, ResidualForm)> {
+fn residual_form_of(node: &crate::Node) -> Option<ResidualForm> {
     let NodeOp::Op(def, attrs) = &node.op else {
         return None;
     };
-    residual_form(def, attrs)
-        .ok()
-        .flatten()
-        .map(|form| (*def, form))
+    residual_form(def, attrs).ok().flatten()
 }
 
 fn differentiate(f: &Function) -> Result<Differentiated> {
@@ -108,13 +105,13 @@ fn differentiate(f: &Function) -> Result<Differentiated> {
     };
     for node in &f.nodes {
         let inputs: SmallVec<[Value; 4]> = node.inputs.iter().map(|v| remap(*v, &map)).collect();
-        if let Some((def, form)) = residual_form_of(node) {
+        if let Some(form) = residual_form_of(node) {
             let mut inputs = inputs.into_vec();
             for meta in &form.extra_inputs {
                 let zero = HostTensor::filled(Scalar::F64(0.0), meta);
                 inputs.push(Value::node(g.add_const(zero, node.location)));
             }
-            let index = g.add_op(def, &form.attrs, &inputs, node.location)?;
+            let index = g.add_op(form.op, &form.attrs, &inputs, node.location)?;
             g.nodes[index].device = node.device.clone();
             map.push(index as u32);
             continue;
@@ -794,6 +791,7 @@ fn form(op: &'static OpDef, attrs: &OpAttrs) -> Result<Option<ResidualForm>> {
             .set_func("then_branch", form.then_forward)
             .set_func("else_branch", form.else_forward);
         return Ok(Some(ResidualForm {
+            op,
             attrs,
             results: form.plan.results,
             extra_inputs: Vec::new(),
@@ -806,6 +804,7 @@ fn form(op: &'static OpDef, attrs: &OpAttrs) -> Result<Option<ResidualForm>> {
             .set_func("cond", form.cond)
             .set_func("body", form.body);
         return Ok(Some(ResidualForm {
+            op,
             attrs,
             results: form.plan.state,
             extra_inputs: form.extra_inputs,

@@ -230,14 +230,18 @@ pub fn while_gradient(
     transform(cond, body)
 }
 
-/// The form a control-flow op takes when it is recorded for
-/// differentiation: the same op with other attributes whose extra outputs
-/// (after the first `results`) are residuals, the values its gradient needs
-/// (the cond_v2 design: intermediates as extra outputs). `extra_inputs`
-/// are appended to the op's inputs, each a zero of its type (for a list,
-/// the empty list).
+/// The form an op takes when it is recorded for differentiation: an op
+/// whose extra outputs (after the first `results`) are residuals, the
+/// values its gradient needs (the cond_v2 design: intermediates as extra
+/// outputs). For `If` and `While` it is the same op with other attributes;
+/// for GELU, `GeluWithDerivative`. `extra_inputs` are appended to the op's
+/// inputs, each a zero of its type (for a list, the empty list).
 #[derive(Clone, Debug)]
 pub struct ResidualForm {
+    /// The op recorded: the same one for control flow, another for an op
+    /// whose gradient is cheaper from values its forward pass can keep
+    /// ([`crate::defs::recorded_form`]).
+    pub op: &'static OpDef,
     /// The attributes of the augmented op.
     pub attrs: crate::OpAttrs,
     /// How many leading outputs are the op's own.
@@ -300,8 +304,17 @@ pub fn set_residual_hooks(hooks: ResidualHooks) {
 }
 
 /// The form `op` takes when recorded for differentiation, `None` when it
-/// is recorded as it is.
+/// is recorded as it is: the op's own ([`crate::defs::recorded_form`]),
+/// else the graph layer's for control flow.
 pub fn residual_form(op: &'static OpDef, attrs: &crate::OpAttrs) -> Result<Option<ResidualForm>> {
+    if let Some(form) = crate::defs::recorded_form(op) {
+        return Ok(Some(ResidualForm {
+            op: form,
+            attrs: attrs.clone(),
+            results: op.outputs,
+            extra_inputs: Vec::new(),
+        }));
+    }
     match RESIDUAL_HOOKS.get() {
         Some(hooks) => (hooks.form)(op, attrs),
         None => Ok(None),

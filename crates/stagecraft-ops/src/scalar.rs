@@ -616,26 +616,40 @@ pub fn gelu(x: f64) -> f64 {
 }
 
 /// [`gelu`] for `x` read from f32, f16 or bf16 and a result rounded to
-/// one of them, with selects only and no library call, so that a loop over
-/// a slice vectorizes (libm's `erfc` is a branchy scalar call, and made
-/// f32 GELU about 50 times the cost of an addition).
-///
-/// `erfc(z) = t·e^{-z² + P(t)}` with `t = 2/(2 + z)`, `z = |x|/√2`, where
-/// `P` is smooth on `t ∈ [1/7, 1]` (z ≤ 12) and is a polynomial of degree
-/// 20 ([`GELU_ERFC_SERIES`]). `z² = x²/2` is exact for a narrow `x`,
-/// and the rounding of `P(t) - z²` is carried into the exponential's
-/// result, so the relative error stays near 3e-15 (sampled against
-/// `x·erfc(-x/√2)/2` in 40-digit arithmetic), far inside the 2^-44 the
-/// narrow types' `0.5 + 2^-20` ulp bound leaves (`docs/accuracy.md`).
-/// Beyond |x| = 17 the result is `x` or `-0` in every narrow type.
+/// one of them: the first value of [`gelu_with_derivative_to_narrow`]
+/// (inlined, the derivative's few extra operations are dropped).
 #[inline(always)]
 pub fn gelu_to_narrow(x: f64) -> f64 {
+    gelu_with_derivative_to_narrow(x).0
+}
+
+/// GELU and its derivative, `(x·Φ(x), Φ(x) + x·φ(x))`, for `x` read from
+/// f32, f16 or bf16 and results rounded to one of them, with selects only
+/// and no library call, so that a loop over a slice vectorizes (libm's
+/// `erfc` is a branchy scalar call, and made f32 GELU about 50 times the
+/// cost of an addition).
+///
+/// `erfc(z) = t·Q(t)·e^{-z²}` with `t = 2/(2 + z)`, `z = |x|/√2`, where
+/// `Q` is smooth on `t ∈ [1/7, 1]` (z ≤ 12) and is a polynomial of degree
+/// 19 ([`GELU_ERFC_SERIES`]). `z² = x²/2` is exact for a narrow `x`, so
+/// `e^{-z²}` is [`exp_to_narrow`]'s (within 1e-15), and the same factor is
+/// the Gaussian density `φ(x)` up to `1/√(2π)`: the derivative costs a
+/// few operations more than GELU, where a separate pass over `x` (and
+/// `y`) cost an exponential and a division per element. The relative
+/// error of `erfc` stays near 5e-15, far inside the 2^-44 the narrow
+/// types' `0.5 + 2^-20` ulp bound leaves (`docs/accuracy.md`). The
+/// derivative is within 1e-15 of `max(Φ, |x|·φ)` absolutely: relatively
+/// so except near its zero at x ≈ -0.75, where `Φ` and `x·φ` cancel.
+/// Beyond |x| = 17 the results are `(x, 1)` or `(-0, 0)` in every narrow
+/// type.
+#[inline(always)]
+pub fn gelu_with_derivative_to_narrow(x: f64) -> (f64, f64) {
     let z = (x.abs() * std::f64::consts::FRAC_1_SQRT_2).min(12.0);
     let t = 2.0 / (2.0 + z);
     // t ∈ [1/7, 1] mapped onto [-1, 1].
     let u = t * (7.0 / 3.0) - 4.0 / 3.0;
     // Estrin's scheme: pairs, then quads, ... joined by u², u⁴, u⁸, u¹⁶,
-    // a dependency chain of 5 steps instead of Horner's 20, which left the
+    // a dependency chain of 5 steps instead of Horner's 19, which left the
     // loop waiting on latency.
     let a = &GELU_ERFC_SERIES;
     let u2 = u * u;
@@ -644,59 +658,56 @@ pub fn gelu_to_narrow(x: f64) -> f64 {
     let pair = |k: usize| a[k] + a[k + 1] * u;
     let quad = |k: usize| pair(k) + pair(k + 2) * u2;
     let oct = |k: usize| quad(k) + quad(k + 4) * u4;
-    let p = oct(0) + oct(8) * u8 + (quad(16) + a[20] * u4) * (u8 * u8);
-    // P - z² = sum + err exactly (|z²| ≥ |P| wherever the sum rounds
-    // enough to matter); e^{sum + err} = e^sum·(1 + err).
-    let half_square = (0.5 * (x * x)).min(144.0);
-    let sum = p - half_square;
-    let err = p - (sum + half_square);
-    let e = exp_to_narrow(sum);
-    let erfc = t * (e + e * err);
-    // x·Φ(x) with Φ(x) = erfc(z)/2 below 0 and 1 - erfc(z)/2 above.
-    let tail = 0.5 * x * erfc;
+    let q = oct(0) + oct(8) * u8 + quad(16) * (u8 * u8);
+    // e^{-x²/2}; past x²/2 = 110 the exponential holds at e^{-110}, and
+    // both results are settled by the selects below.
+    let gaussian = exp_to_narrow(-0.5 * (x * x));
+    let half_erfc = 0.5 * ((t * q) * gaussian);
+    // Φ(x) is erfc(z)/2 below 0 and 1 - erfc(z)/2 above.
+    let tail = x * half_erfc;
+    let x_density = x * (FRAC_1_SQRT_2PI * gaussian);
     if x < -17.0 {
-        // Also -inf, where the formula would give -inf·0.
-        -0.0
+        // Also -inf, where the formulas would give -inf·0.
+        (-0.0, 0.0)
     } else if x > 17.0 {
-        x
+        (x, 1.0)
     } else if x <= 0.0 {
         // Zeros too: x - tail would make -0 a +0.
-        tail
+        (tail, half_erfc + x_density)
     } else {
-        x - tail
+        (x - tail, (1.0 - half_erfc) + x_density)
     }
 }
 
 /// The coefficients, lowest degree first, of the polynomial in
-/// `u = (7t - 4)/3` that [`gelu_to_narrow`] takes for
-/// `P(t) = ln(erfc(z)/t) + z²`, `z = 2/t - 2`: its Chebyshev series of
-/// degree 20 (interpolation
-/// at 160 Chebyshev nodes in 60-digit arithmetic, error 2e-15 on [-1, 1])
-/// rewritten in powers of `u`. The sum of their magnitudes is 1.22, so the
-/// power form loses nothing to cancellation. `scripts/gelu_erfc_series.py`
-/// computes them.
-const GELU_ERFC_SERIES: [f64; 21] = [
-    -0.5748763016161293,
-    0.5856021046712799,
-    0.019323643352143104,
-    -0.031907417641523626,
-    -0.0017648082866071697,
-    0.004319762304155278,
-    -0.00020536134759889359,
-    -0.0007039847605992203,
-    0.00016501943989866936,
-    9.886914802801737e-05,
-    -5.502818074783466e-05,
-    -5.773827924673376e-06,
-    1.2554256684485577e-05,
-    -2.372648879142819e-06,
-    -1.825560704099287e-06,
-    1.009797040374261e-06,
-    6.179518202667016e-08,
-    -2.0153128854496937e-07,
-    3.8468345844744375e-08,
-    1.8955560779006768e-08,
-    -6.78631560310337e-09,
+/// `u = (7t - 4)/3` that [`gelu_with_derivative_to_narrow`] takes for
+/// `Q(t) = erfc(z)·e^{z²}/t`, `z = 2/t - 2`: its Chebyshev series of
+/// degree 19 (interpolation at 160 Chebyshev nodes in 60-digit
+/// arithmetic, error 1.0e-15 on [-1, 1], where `Q ≥ 0.28`) rewritten in
+/// powers of `u`. The sum of their magnitudes is 1.02, so the power form
+/// loses nothing to cancellation. `scripts/gelu_erfc_series.py` computes
+/// them.
+const GELU_ERFC_SERIES: [f64; 20] = [
+    0.5627744787950565,
+    0.32956191923766215,
+    0.10737093007837145,
+    0.0072477585388619195,
+    -0.006781316964496918,
+    -0.000828005837584414,
+    0.0007043371942766528,
+    1.6876775419210594e-05,
+    -8.657718989919078e-05,
+    1.5522461558057767e-05,
+    7.922044037447643e-06,
+    -4.445727732019373e-06,
+    2.2300398582724052e-07,
+    6.166801916103562e-07,
+    -2.7184766313495663e-07,
+    -6.736550271766744e-10,
+    5.248514044638338e-08,
+    -1.765739870585971e-08,
+    -4.046680262140376e-09,
+    2.6505493883683073e-09,
 ];
 
 /// GELU's derivative `Φ(x) + x·φ(x)` given `y = gelu(x)`: `Φ(x)` is read
@@ -950,6 +961,8 @@ mod tests {
                 ("wide", gelu_derivative(x, y), 1e-14),
                 // Φ = y/x inherits y's f32 rounding.
                 ("narrow", gelu_derivative_to_narrow(x, narrow_y), 2e-7),
+                // Φ from the same erfc as GELU, no rounded y in between.
+                ("with GELU", gelu_with_derivative_to_narrow(x).1, 4e-15),
             ] {
                 assert!(
                     // (1.4e-46: a tenth of the smallest f32 subnormal.)
@@ -969,7 +982,12 @@ mod tests {
             let y = gelu(x);
             assert_eq!(gelu_derivative(x, y), d, "gelu'({x})");
             assert_eq!(gelu_derivative_to_narrow(x, y), d, "narrow gelu'({x})");
+            let (narrow_y, narrow_d) = gelu_with_derivative_to_narrow(x);
+            assert_eq!(narrow_d as f32, d as f32, "gelu'({x}) with GELU");
+            assert_eq!(narrow_y.to_bits(), gelu_to_narrow(x).to_bits(), "gelu({x})");
         }
+        let (y, d) = gelu_with_derivative_to_narrow(f64::NAN);
+        assert!(y.is_nan() && d.is_nan());
         assert!(gelu_derivative_to_narrow(f64::NAN, f64::NAN).is_nan());
         assert!(gelu_derivative(f64::NAN, f64::NAN).is_nan());
     }

@@ -117,6 +117,11 @@ pub(crate) fn register(table: &mut Vec<GpuKernel>) {
         }
     }
     table.extend([
+        kernel(
+            &defs::GELU_WITH_DERIVATIVE,
+            AllF32,
+            gelu_with_derivative_entry,
+        ),
         kernel(&defs::RESHAPE, Rule(rules::any), share_launch),
         kernel(
             &defs::TRANSPOSE,
@@ -544,6 +549,37 @@ fn unary_launch(
         (gx, gy, 1),
     )?;
     Ok(Some(one(y)))
+}
+
+/// `GeluWithDerivative`: GELU's own expression and its derivative from
+/// that value, one thread per element writing both outputs.
+fn gelu_with_derivative_entry(
+    gpu: &'static Gpu,
+    _: &'static OpDef,
+    _: &Attrs<'_>,
+    inputs: &[&DeviceTensor],
+    outputs: &[TensorMetadata],
+) -> Result<Option<Outputs>> {
+    let (Some(out), Some(gelu)) = (outputs.first(), stagecraft_ops::UnaryOp::Gelu.wgsl()) else {
+        return Ok(None);
+    };
+    if outputs.iter().any(|o| o.dtype != DType::F32) {
+        return Ok(None);
+    }
+    let Some(count) = small(out.shape.numel()) else {
+        return Err(too_large(out));
+    };
+    let pipeline = gpu.pipeline(&shader::gelu_with_derivative(gelu))?;
+    let (y, d) = (gpu.alloc(out.clone())?, gpu.alloc(out.clone())?);
+    let (gx, gy) = grid(count.div_ceil(WORKGROUP));
+    launch(
+        gpu,
+        &pipeline,
+        &[inputs[0], &y, &d],
+        &[count, gx * WORKGROUP],
+        (gx, gy, 1),
+    )?;
+    Ok(Some([y, d].into_iter().collect()))
 }
 
 pub(crate) fn too_large(meta: &TensorMetadata) -> Error {
@@ -1383,6 +1419,10 @@ pub fn every_elementwise_shader() -> Vec<(&'static str, String)> {
             let source = shader::elementwise(expression, Element::of(op.class()), 2);
             sources.push((op.def().name, source));
         }
+    }
+    if let Some(gelu) = stagecraft_ops::UnaryOp::Gelu.wgsl() {
+        let source = shader::gelu_with_derivative(gelu);
+        sources.push((defs::GELU_WITH_DERIVATIVE.name, source));
     }
     for &op in stagecraft_ops::all_ops() {
         if numeric_i32_launch(op).is_none() {

@@ -232,6 +232,33 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
     )
 }
 
+/// `(y, d) = (gelu(x), gelu'(x))` over contiguous tensors, from GELU's
+/// `wgsl:` expression (over `x`) and `sc_gelu_derivative`, as `Gelu` and
+/// `GeluDerivative` compute them apart. `params`: `[count, row_width]`.
+pub(crate) fn gelu_with_derivative(gelu: &str) -> String {
+    format!(
+        r#"{PRELUDE}
+@group(0) @binding(0) var<storage, read> input: array<f32>;
+@group(0) @binding(1) var<storage, read_write> output: array<f32>;
+@group(0) @binding(2) var<storage, read_write> derivative: array<f32>;
+@group(0) @binding(3) var<storage, read> params: array<u32>;
+
+fn gelu(x: f32) -> f32 {{ if (sc_isnan(x)) {{ return x; }} return {gelu}; }}
+
+@compute @workgroup_size({WORKGROUP})
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    {FLAT_INDEX}
+    if (i < params[0]) {{
+        let x = input[i];
+        let y = gelu(x);
+        output[i] = y;
+        derivative[i] = sc_gelu_derivative(x, y);
+    }}
+}}
+"#
+    )
+}
+
 /// The helpers an op's `wgsl:` expression may call, for i32 operands: no
 /// i32 is NaN, so an expression written for f32 that guards its NaNs
 /// with `sc_isnan`/`sc_nan` reads the same over integers, and every i32

@@ -226,13 +226,13 @@ pub(crate) fn execute_recorded(
         full_args.push(TensorHandle::available(device, zero));
     }
     let mut results = stagecraft_runtime::execute(
-        op,
+        form.op,
         device,
         location,
         full_args.clone(),
         (&form.attrs).into(),
     );
-    record(op, &form.attrs, location, &full_args, &results);
+    record(form.op, &form.attrs, location, &full_args, &results);
     results.truncate(form.results);
     results
 }

@@ -329,6 +329,15 @@ fn cases_in<E: FloatElement>() -> Vec<Case<E>> {
     out.push(case("GeluDerivative", "GeluDerivative", x23.clone(), |x| {
         weighted(x.apply_binary(stagecraft::BinaryOp::GeluDerivative, &x.gelu()))
     }));
+    // A recorded GELU runs as GeluWithDerivative (its first output feeds
+    // the "Gelu" cases' gradients); GELU's gradient reads the second
+    // output, so differentiating that gradient checks its rule.
+    out.push(case(
+        "GeluWithDerivative",
+        "GELU's gradient",
+        x23.clone(),
+        |x| weighted(grad(|x: &Tensor<E>| x.gelu().sum(&[], false))(x)),
+    ));
 
     // Broadcasting binary ops, both operands, against a row and a column.
     type Bin<E> = fn(&Tensor<E>, &Tensor<E>) -> Tensor<E>;
@@ -1266,6 +1275,48 @@ fn regression_gelu_second_derivative_at_zero() {
     }
 }
 
+/// A GELU recorded for a gradient keeps its derivative: the gradient
+/// multiplies by `GeluWithDerivative`'s second output instead of running
+/// `GeluDerivative` on `x` and `y` afterwards, and the value has plain
+/// GELU's bits whether or not it is recorded (f32, whose derivative comes
+/// from the same `erfc` as the value), on the eager and lazy devices.
+#[test]
+fn a_recorded_gelu_keeps_its_derivative() {
+    let x = tensor(&[2, 3], 9, -4.0, 4.0, &cpu());
+    let f = |x: &T| grad(|x: &T| x.gelu().sum(&[], false))(x);
+    let staged = function(move |x: T| f(&x));
+    staged.call(x.clone()).wait().unwrap();
+    let text = printed_closure(&staged.traced_function(&x).unwrap());
+    assert!(text.contains("= GeluWithDerivative("), "{text}");
+    assert!(!text.contains("GeluDerivative("), "{text}");
+
+    let points: Vec<f32> = (0..4001).map(|i| (i as f32 - 2000.0) / 200.0).collect();
+    // The f64 forms, within 1e-14 of the exact values.
+    let exact_derivative = |x: f64| ops::scalar::gelu_derivative(x, ops::scalar::gelu(x));
+    for device in [cpu(), Device::lazy(&cpu())] {
+        let x = Tensor::from_vec(points.clone(), &[points.len()], &device).unwrap();
+        let plain = x.gelu().to_vec().unwrap();
+        let (value, gradient) = stagecraft::value_and_grad(|x: &Tensor<f32>| {
+            let y = x.gelu();
+            let same: Vec<u32> = y.to_vec().unwrap().iter().map(|v| v.to_bits()).collect();
+            let want: Vec<u32> = plain.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(same, want, "recorded gelu on {device:?}");
+            y.sum(&[], false)
+        })(&x);
+        assert!(value.to_vec().unwrap()[0].is_finite());
+        for (&p, &g) in points.iter().zip(&gradient.to_vec().unwrap()) {
+            let want = exact_derivative(p as f64);
+            // One rounding to f32 of a value within 4e-15 of the exact one,
+            // measured against the size of its terms (they cancel at -0.75).
+            let scale = want.abs().max(0.3);
+            assert!(
+                ((g as f64) - want).abs() <= scale * f32::EPSILON as f64,
+                "gelu'({p}) = {g} on {device:?}, want {want}"
+            );
+        }
+    }
+}
+
 /// Found by the second-order check: differentiating a gradient through
 /// `conv2d` or `avg_pool2d` failed with "Conv2dBackpropInput has no
 /// gradient rule" (the backward ops of convolution and average pooling now
@@ -1693,6 +1744,7 @@ mod on_the_gpu {
         ("Gelu", 2),                          // 0.88
         ("GeluDerivative", 2),                // 1.00
         ("GeluTanh", 2),                      // 0.50
+        ("GeluWithDerivative", 2),            // 1.00
         ("If", 4),                            // 1.11
         ("IndexAdd", 4),                      // 2.00
         ("LayerNorm", 16),                    // 7.59

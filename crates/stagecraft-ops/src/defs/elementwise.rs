@@ -8,8 +8,8 @@ use crate::grad::{GradBuilder, GradContext, InputGrads, G};
 use crate::op::*;
 use crate::scalar::{
     erf, exp_to_narrow, expm1, float_fn, gelu, gelu_derivative, gelu_derivative_to_narrow,
-    gelu_tanh, gelu_tanh_to_narrow, gelu_to_narrow, log1p, relu, rsqrt, sigmoid, sigmoid_to_narrow,
-    sign, silu, silu_to_narrow, softplus, tanh_to_narrow,
+    gelu_tanh, gelu_tanh_to_narrow, gelu_to_narrow, gelu_with_derivative_to_narrow, log1p, relu,
+    rsqrt, sigmoid, sigmoid_to_narrow, sign, silu, silu_to_narrow, softplus, tanh_to_narrow, Num,
 };
 use stagecraft_tensor::{broadcast_shapes, DType, Error, Result, TensorMetadata};
 
@@ -496,17 +496,10 @@ crate::binary_ops! {
                 gelu_derivative(x, y)
             })
         },
-        // d/dx (Φ + xφ) = 2φ + xφ' = φ·(2 - x²).
         wgsl: "sc_gelu_derivative(a, b)",
         grad: |b, x, y, _, g| {
             let dtype = b.meta(x).dtype;
-            let two = b.scalar(2.0, dtype)?;
-            let x2 = b.mul(x, x)?;
-            let e = b.scale(x2, -0.5)?;
-            let e = b.unary(&EXP, e)?;
-            let pdf = b.scale(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
-            let k = b.sub(two, x2)?;
-            let d = b.mul(pdf, k)?;
+            let d = gelu_second_derivative(b, x)?;
             let gx = b.mul(g, d)?;
             let zero = b.scalar(0.0, dtype)?;
             let dims = b.meta(y).shape.dims().to_vec();
@@ -668,6 +661,87 @@ fn bitcast_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMe
         )));
     }
     one(TensorMetadata::new(to, x.shape.clone()))
+}
+
+/// GELU and its derivative in one pass, `(x·Φ(x), Φ(x) + x·φ(x))`: the
+/// form [`GELU`] is recorded in when a gradient may be asked of it
+/// ([`recorded_form`]). The backward pass then multiplies by the kept
+/// derivative instead of recomputing it from `x` and `y` (an exponential
+/// and a division per element, which cost two thirds of the forward
+/// GELU again), and `x` need not be kept for it. The first output has
+/// GELU's bits exactly, so a forward pass gives the same values whether
+/// or not it is recorded.
+pub static GELU_WITH_DERIVATIVE: OpDef = OpDef {
+    name: "GeluWithDerivative",
+    inputs: &["x"],
+    variadic: false,
+    outputs: 2,
+    attrs: &[],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: gelu_with_derivative_meta,
+    grad: Some(gelu_with_derivative_grad),
+};
+
+/// What [`GELU_WITH_DERIVATIVE`] computes at one element of `T`: GELU as
+/// [`GELU`] computes it, and the derivative (for f32, f16 and bf16 from the
+/// same `erfc` and Gaussian factor; for f64 as [`GELU_DERIVATIVE`] does).
+#[inline(always)]
+pub fn gelu_with_derivative_of<T: Num>(x: T) -> (T, T) {
+    let wide = x.to_f64();
+    if T::NARROW {
+        let (y, d) = gelu_with_derivative_to_narrow(wide);
+        (T::from_f64(y), T::from_f64(d))
+    } else {
+        let y = gelu(wide);
+        (T::from_f64(y), T::from_f64(gelu_derivative(wide, y)))
+    }
+}
+
+fn gelu_with_derivative_meta(inputs: &[TensorMetadata], _: &Attrs<'_>) -> Result<OutputMetas> {
+    let x = &inputs[0];
+    require_class(DTypeClass::Float, "x", x)?;
+    Ok(smallvec::smallvec![x.clone(), x.clone()])
+}
+
+/// `g_y·d`, plus `g_d·φ(x)·(2 - x²)` when the derivative itself is
+/// differentiated (a second-order gradient).
+fn gelu_with_derivative_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<InputGrads> {
+    let (x, derivative) = (ctx.inputs[0], ctx.outputs[1]);
+    let grad = |i: usize| ctx.grads.get(i).copied().flatten();
+    let mut gx = match grad(0) {
+        Some(g) => Some(b.mul(g, derivative)?),
+        None => None,
+    };
+    if let Some(g) = grad(1) {
+        let second = gelu_second_derivative(b, x)?;
+        let part = b.mul(g, second)?;
+        gx = Some(match gx {
+            Some(first) => b.add(first, part)?,
+            None => part,
+        });
+    }
+    Ok(smallvec::smallvec![gx])
+}
+
+/// GELU's second derivative, `d/dx (Φ + xφ) = 2φ + xφ' = φ·(2 - x²)`.
+fn gelu_second_derivative(b: &mut dyn GradBuilder, x: G) -> Result<G> {
+    let dtype = b.meta(x).dtype;
+    let two = b.scalar(2.0, dtype)?;
+    let x2 = b.mul(x, x)?;
+    let e = b.scale(x2, -0.5)?;
+    let e = b.unary(&EXP, e)?;
+    let pdf = b.scale(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
+    let k = b.sub(two, x2)?;
+    b.mul(pdf, k)
+}
+
+/// The op recorded in place of `op` when a gradient may be asked of it,
+/// with the outputs after the first kept for the gradient: [`GELU`] runs
+/// as [`GELU_WITH_DERIVATIVE`]. `None` for every other op of this module.
+pub fn recorded_form(op: &'static OpDef) -> Option<&'static OpDef> {
+    (op == &GELU).then_some(&GELU_WITH_DERIVATIVE)
 }
 
 fn cast_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {

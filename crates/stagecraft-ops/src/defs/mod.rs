@@ -110,6 +110,7 @@ const OTHER_OPS: &[&OpDef] = &[
     // training
     &DROPOUT,
     &SQUARED_NORM,
+    &GELU_WITH_DERIVATIVE,
     // side effects
     &PRINT,
     &HOST_CALL,
