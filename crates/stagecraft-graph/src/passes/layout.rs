@@ -14,9 +14,22 @@
 //! users read its input instead. Besides the copy it saves, this lets the
 //! fusion pass see the product behind a weight gradient, so an SGD update
 //! becomes the product's epilogue. The reshape stays if it is a result.
+//!
+//! An elementwise op on a reshaped product, `op(Reshape(MatMul(..)), y)`,
+//! with `y` of the op's whole shape (or a scalar), runs over the product's
+//! shape instead: `Reshape(op(MatMul(..), Reshape(y)))`. Both reshapes
+//! keep the row-major order, so every element meets the same operands and
+//! the bits do not change, and the fusion pass then makes the op the
+//! product's epilogue. A linear layer over `[B, T, C]` multiplies
+//! `[B·T, C]` rows and reshapes back, so its input gradient reaches the
+//! activation's derivative through such a reshape (`g·W` times GELU's
+//! kept derivative, a pass over the activations per block otherwise).
 
-use crate::{Function, NodeOp, Value};
-use stagecraft_ops::{matmul_attrs, matmul_transposes, Attrs, MATMUL, RESHAPE, TRANSPOSE};
+use crate::{Function, Node, NodeOp, Value};
+use stagecraft_ops::{
+    matmul_attrs, matmul_transposes, Attrs, OpAttrs, OpKind, MATMUL, RESHAPE, TRANSPOSE,
+};
+use stagecraft_tensor::TensorMetadata;
 
 /// [`fold_transposes`], also returning how many transposes were folded and
 /// identity reshapes skipped.
@@ -49,7 +62,135 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
             node.op = NodeOp::Op(&MATMUL, matmul_attrs(flags.0, flags.1).freeze());
         }
     }
-    (out, folded)
+    // The reshapes and transposes read through above still count as
+    // readers of their inputs until they are dropped.
+    let out = if folded > 0 {
+        super::dce::run(&out).0
+    } else {
+        out
+    };
+    let (out, sunk) = sink_reshapes_of_products(&out);
+    (out, folded + sunk)
+}
+
+/// Moves the reshape between a product and the elementwise op that is its
+/// only reader below the op (see the [module docs](self)); returns the new
+/// function and how many ops moved. The reshapes left without readers are
+/// for DCE to remove.
+fn sink_reshapes_of_products(f: &Function) -> (Function, usize) {
+    let (_, uses) = f.use_counts();
+    let only_user = |v: Value| match v {
+        Value::Output { node, output: 0 } => uses[node as usize][0] == 1,
+        _ => false,
+    };
+    let producer = |v: Value| match v {
+        Value::Output { node, .. } => Some(&f.nodes[node as usize]),
+        Value::Param(_) => None,
+    };
+    let is = |node: &Node, def: &'static stagecraft_ops::OpDef| matches!(&node.op, NodeOp::Op(d, _) if std::ptr::eq(*d, def));
+    // For each elementwise node to move: which input is the reshaped product.
+    let mut moves: Vec<Option<usize>> = vec![None; f.nodes.len()];
+    for (index, node) in f.nodes.iter().enumerate() {
+        let NodeOp::Op(def, _) = &node.op else {
+            continue;
+        };
+        if !matches!(def.kind, OpKind::Unary(_) | OpKind::Binary(_)) || node.outputs.len() != 1 {
+            continue;
+        }
+        let out = &node.outputs[0];
+        moves[index] = node.inputs.iter().position(|&v| {
+            let Some(reshape) = producer(v).filter(|r| is(r, &RESHAPE) && only_user(v)) else {
+                return false;
+            };
+            let source = reshape.inputs[0];
+            let Some(product) = producer(source).filter(|p| is(p, &MATMUL) && only_user(source))
+            else {
+                return false;
+            };
+            let others_fit = node
+                .inputs
+                .iter()
+                .filter(|&&w| w != v)
+                .all(|&w| f.meta(w).shape == out.shape || f.meta(w).shape.rank() == 0);
+            // Every input read the same number of times as the product's
+            // reshape (`r * r` reads it twice) keeps this simple.
+            let once = node.inputs.iter().filter(|&&w| w == v).count() == 1;
+            once && others_fit
+                && reshape.device == node.device
+                && product.device == node.device
+                && product.outputs[0].dtype == out.dtype
+        });
+    }
+    if moves.iter().all(Option::is_none) {
+        return (f.clone(), 0);
+    }
+    let mut out = Function::new(f.name.clone(), f.params.clone());
+    let mut map: Vec<Value> = Vec::with_capacity(f.nodes.len());
+    let remap = |v: Value, map: &[Value]| match v {
+        Value::Param(_) => v,
+        Value::Output { node, output } => match map[node as usize] {
+            Value::Output { node: n, .. } => Value::Output { node: n, output },
+            param => param,
+        },
+    };
+    let mut moved = 0;
+    for (index, node) in f.nodes.iter().enumerate() {
+        let inputs: smallvec::SmallVec<[Value; 4]> =
+            node.inputs.iter().map(|v| remap(*v, &map)).collect();
+        let Some(k) = moves[index] else {
+            let mut copy = node.clone();
+            copy.inputs = inputs;
+            map.push(Value::node(out.push(copy)));
+            continue;
+        };
+        let Value::Output { node: reshape, .. } = node.inputs[k] else {
+            unreachable!("a moved op reads a reshape's output");
+        };
+        let product = remap(f.nodes[reshape as usize].inputs[0], &map);
+        let rows: TensorMetadata = out.meta(product).clone();
+        let reshaped = |out: &mut Function, value: Value, meta: &TensorMetadata| {
+            let mut attrs = OpAttrs::new();
+            attrs.set_dims("shape", meta.shape.dims());
+            push_like(out, node, &RESHAPE, attrs, &[value], meta)
+        };
+        let mut moved_inputs = inputs.clone();
+        for (i, input) in moved_inputs.iter_mut().enumerate() {
+            if i == k {
+                *input = product;
+            } else if out.meta(*input).shape.rank() != 0 {
+                let meta = TensorMetadata::new(out.meta(*input).dtype, rows.shape.clone());
+                *input = reshaped(&mut out, *input, &meta);
+            }
+        }
+        let mut copy = node.clone();
+        copy.inputs = moved_inputs;
+        copy.outputs[0] = TensorMetadata::new(node.outputs[0].dtype, rows.shape.clone());
+        let flat = Value::node(out.push(copy));
+        map.push(reshaped(&mut out, flat, &node.outputs[0]));
+        moved += 1;
+    }
+    out.results = f.results.iter().map(|v| remap(*v, &map)).collect();
+    (out, moved)
+}
+
+/// Appends `def(inputs)` with output `meta`, placed, located and traced
+/// to the same recorded op as `like`; returns its value.
+fn push_like(
+    out: &mut Function,
+    like: &Node,
+    def: &'static stagecraft_ops::OpDef,
+    attrs: OpAttrs,
+    inputs: &[Value],
+    meta: &TensorMetadata,
+) -> Value {
+    Value::node(out.push(Node {
+        op: NodeOp::Op(def, attrs.freeze()),
+        inputs: inputs.iter().copied().collect(),
+        outputs: smallvec::smallvec![meta.clone()],
+        device: like.device.clone(),
+        location: like.location,
+        origin: like.origin,
+    }))
 }
 
 /// Points every read of a reshape that keeps its input's shape at that
@@ -187,6 +328,68 @@ mod tests {
         let after = eval(&g2, &args).unwrap();
         for (b, a) in before.iter().zip(&after) {
             assert!(b.same_value(a));
+        }
+    }
+
+    fn reshape(f: &mut Function, x: Value, dims: &[usize]) -> Value {
+        let mut attrs = OpAttrs::new();
+        attrs.set_dims("shape", dims);
+        Value::node(f.add_op(&RESHAPE, &attrs, &[x], loc(3)).unwrap())
+    }
+
+    /// A linear layer's input gradient times an activation's derivative:
+    /// `Reshape(x·w) * d` runs as the product's epilogue, same bits, and
+    /// only where each condition holds.
+    #[test]
+    fn an_op_on_a_reshaped_product_becomes_its_epilogue() {
+        use stagecraft_ops::{ADD, MUL};
+        let build = |other: &[usize], reshape_is_a_result: bool| {
+            let mut f = Function::new("linear", vec![meta(&[2, 3, 4]), meta(&[4, 5]), meta(other)]);
+            let rows = reshape(&mut f, Value::Param(0), &[6, 4]);
+            let product = matmul(&mut f, rows, Value::Param(1));
+            let back = reshape(&mut f, product, &[2, 3, 5]);
+            let op = if other.len() == 1 { &ADD } else { &MUL };
+            let y = Value::node(
+                f.add_op(op, &OpAttrs::new(), &[Value::Param(2), back], loc(4))
+                    .unwrap(),
+            );
+            f.results = if reshape_is_a_result {
+                vec![y, back]
+            } else {
+                vec![y]
+            };
+            f
+        };
+        let kernels = |f: &Function| -> Vec<&'static str> {
+            ops(f).into_iter().filter(|op| *op != "Reshape").collect()
+        };
+        for (other, reshape_is_a_result, fused) in [
+            (&[2usize, 3, 5][..], false, true),
+            (&[][..], false, true),
+            // A row bias would broadcast differently over `[6, 5]` rows
+            // in general: left as it is.
+            (&[5][..], false, false),
+            // The reshape has another reader.
+            (&[2, 3, 5][..], true, false),
+        ] {
+            let f = build(other, reshape_is_a_result);
+            let args = [arg(&[2, 3, 4], 1), arg(&[4, 5], 2), arg(other, 3)];
+            let before = eval(&f, &args).unwrap();
+            let g = optimize(&f, &CPU);
+            crate::verify(&g).unwrap();
+            let want: &[&str] = if fused {
+                &["FusedMatMul"]
+            } else if other.len() == 1 {
+                &["MatMul", "Add"]
+            } else {
+                &["MatMul", "Mul"]
+            };
+            assert_eq!(kernels(&g), want, "{other:?}, {reshape_is_a_result}");
+            let after = eval(&g, &args).unwrap();
+            assert_eq!(after[0].metadata().shape.dims(), &[2, 3, 5]);
+            for (b, a) in before.iter().zip(&after) {
+                assert!(b.same_value(a), "{other:?}");
+            }
         }
     }
 
