@@ -31,9 +31,12 @@ use stagecraft_ops::{
 };
 use stagecraft_tensor::TensorMetadata;
 
-/// [`fold_transposes`], also returning how many transposes were folded and
-/// identity reshapes skipped.
-pub(crate) fn run(f: &Function) -> (Function, usize) {
+/// [`fold_transposes`], also returning how many transposes were folded,
+/// identity reshapes skipped and ops moved below reshapes. Ops move only
+/// for a device whose kernels run products with epilogues
+/// (`into_epilogues`): elsewhere the reshape would only split the group
+/// the op would have joined.
+pub(crate) fn run(f: &Function, into_epilogues: bool) -> (Function, usize) {
     let mut out = f.clone();
     let mut folded = skip_identity_reshapes(&mut out);
     for index in 0..out.nodes.len() {
@@ -69,6 +72,9 @@ pub(crate) fn run(f: &Function) -> (Function, usize) {
     } else {
         out
     };
+    if !into_epilogues {
+        return (out, folded);
+    }
     let (out, sunk) = sink_reshapes_of_products(&out);
     (out, folded + sunk)
 }
@@ -87,7 +93,10 @@ fn sink_reshapes_of_products(f: &Function) -> (Function, usize) {
         Value::Output { node, .. } => Some(&f.nodes[node as usize]),
         Value::Param(_) => None,
     };
-    let is = |node: &Node, def: &'static stagecraft_ops::OpDef| matches!(&node.op, NodeOp::Op(d, _) if std::ptr::eq(*d, def));
+    let is = |node: &Node, def: &'static stagecraft_ops::OpDef| match &node.op {
+        NodeOp::Op(d, _) => std::ptr::eq(*d, def),
+        NodeOp::Const(_) => false,
+    };
     // For each elementwise node to move: which input is the reshaped product.
     let mut moves: Vec<Option<usize>> = vec![None; f.nodes.len()];
     for (index, node) in f.nodes.iter().enumerate() {
@@ -234,7 +243,7 @@ fn skip_identity_reshapes(f: &mut Function) -> usize {
 /// Returns `f` with transposes folded into the products reading them (see
 /// the [module docs](self)).
 pub fn fold_transposes(f: &Function) -> Function {
-    run(f).0
+    run(f, true).0
 }
 
 /// The input of `value`'s node when that node is a transpose of the last
@@ -386,6 +395,8 @@ mod tests {
             };
             assert_eq!(kernels(&g), want, "{other:?}, {reshape_is_a_result}");
             let after = eval(&g, &args).unwrap();
+            // A device without epilogues (a GPU) keeps the reshape where it is.
+            assert_eq!(run(&f, false).1, 0);
             assert_eq!(after[0].metadata().shape.dims(), &[2, 3, 5]);
             for (b, a) in before.iter().zip(&after) {
                 assert!(b.same_value(a), "{other:?}");
@@ -415,6 +426,6 @@ mod tests {
         let r = transpose(&mut h, Value::Param(0), &[1, 0, 2]);
         let r = matmul(&mut h, r, Value::Param(1));
         h.results = vec![r];
-        assert_eq!(run(&h).1, 0);
+        assert_eq!(run(&h, true).1, 0);
     }
 }

@@ -106,14 +106,15 @@ pub fn optimize_fusing(
 
 /// The passes after [`simplify_with_stats`] that shape a function for a
 /// device's kernels: sums of padded pieces become concatenations,
-/// transposes read by products become strides, then fusion (limited to
-/// `fusions`) groups what is left. A function placed on
+/// transposes read by products become strides, elementwise ops on
+/// reshaped products move below the reshape (where products take
+/// epilogues), then fusion (limited to `fusions`) groups what is left. A function placed on
 /// several devices is simplified whole, then lowered per partition, each
 /// for its own device's kernels. Returns the function, the nodes removed
 /// and the groups fused.
 pub fn lower(f: &Function, fusions: &fuse::Fusions) -> (Function, usize, usize) {
     let (g, joined) = concat::run(f);
-    let (g, transposes) = layout::run(&g);
+    let (g, transposes) = layout::run(&g, fusions.matmul_epilogues);
     let (g, removed) = if joined + transposes > 0 {
         dce::run(&g)
     } else {

@@ -739,7 +739,7 @@ fn gelu_second_derivative(b: &mut dyn GradBuilder, x: G) -> Result<G> {
 
 /// The op recorded in place of `op` when a gradient may be asked of it,
 /// with the outputs after the first kept for the gradient: [`GELU`] runs
-/// as [`GELU_WITH_DERIVATIVE`]. `None` for every other op of this module.
+/// as [`GELU_WITH_DERIVATIVE`]. `None` for every other op.
 pub fn recorded_form(op: &'static OpDef) -> Option<&'static OpDef> {
     (op == &GELU).then_some(&GELU_WITH_DERIVATIVE)
 }
