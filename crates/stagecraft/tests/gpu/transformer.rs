@@ -302,10 +302,7 @@ fn attention_gradients_match_the_cpu() {
                 let loss = |q: &Tensor<f32>, k: &Tensor<f32>, v: &Tensor<f32>| {
                     weighted_sum(&q.scaled_dot_product_attention(k, v, causal, scale), &r)
                 };
-                let by_q = value_and_grad(|q: &Tensor<f32>| loss(q, &k, &v))(&q).1;
-                let by_k = value_and_grad(|k: &Tensor<f32>| loss(&q, k, &v))(&k).1;
-                let by_v = value_and_grad(|v: &Tensor<f32>| loss(&q, &k, v))(&v).1;
-                [by_q, by_k, by_v]
+                by_each_operand(&q, &k, &v, loss)
             };
             let (g, c) = (grads(&gpu), grads(&cpu()));
             for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
@@ -319,6 +316,21 @@ fn attention_gradients_match_the_cpu() {
         w.report(&format!("ScaledDotProductAttentionGrad {name}"));
     }
     assert_ran_on_the_gpu(&["ScaledDotProductAttention", "ScaledDotProductAttentionGrad"]);
+}
+
+/// The gradient of `loss(q, k, v)` with respect to `q`, `k` and `v` in
+/// turn.
+fn by_each_operand(
+    q: &Tensor<f32>,
+    k: &Tensor<f32>,
+    v: &Tensor<f32>,
+    loss: impl Fn(&Tensor<f32>, &Tensor<f32>, &Tensor<f32>) -> Tensor<f32>,
+) -> [Tensor<f32>; 3] {
+    [
+        value_and_grad(|q: &Tensor<f32>| loss(q, k, v))(q).1,
+        value_and_grad(|k: &Tensor<f32>| loss(q, k, v))(k).1,
+        value_and_grad(|v: &Tensor<f32>| loss(q, k, v))(v).1,
+    ]
 }
 
 /// The `"bthd"` layout (`[B, T, H, D]` operands, each head's rows `H·D`
@@ -349,9 +361,7 @@ fn sequence_first_attention_and_its_gradients_match_the_cpu() {
                     weighted_sum(&q.scaled_dot_product_attention_bthd(k, v, causal, None), &r)
                 };
                 let o = q.scaled_dot_product_attention_bthd(&k, &v, causal, None);
-                let by_q = value_and_grad(|q: &Tensor<f32>| loss(q, &k, &v))(&q).1;
-                let by_k = value_and_grad(|k: &Tensor<f32>| loss(&q, k, &v))(&k).1;
-                let by_v = value_and_grad(|v: &Tensor<f32>| loss(&q, &k, v))(&v).1;
+                let [by_q, by_k, by_v] = by_each_operand(&q, &k, &v, loss);
                 [o, by_q, by_k, by_v]
             };
             let (g, c) = (run(&gpu), run(&cpu()));
