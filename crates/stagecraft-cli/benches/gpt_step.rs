@@ -7,6 +7,10 @@
 //! Rows:
 //! - `lazy`: the step on the lazy device (one cached trace per step);
 //! - `eager`: the same step op by op;
+//! - `lazy-forward`, `eager-forward`: the loss of one batch in evaluation
+//!   mode without gradients (what `estimate_loss` runs per batch, and
+//!   inference of the same model): the forward pass alone, with GELU fused
+//!   into its product's epilogue;
 //! - `matmuls`: only the step's matrix products, eagerly, as separate
 //!   ops of the step's shapes (three per linear layer: the forward product
 //!   and the two of its gradient, for the 16 block layers and the tied
@@ -116,6 +120,27 @@ fn step_bench(c: &mut Criterion, name: &str, device: &Device, stream: &[u32]) {
     });
 }
 
+/// The loss of one batch in evaluation mode, without gradients, read on
+/// the host: the forward pass alone.
+fn forward_bench(c: &mut Criterion, name: &str, device: &Device, stream: &[u32]) {
+    let options = LmOptions::defaults(VOCAB);
+    let mut model = Gpt::new(options.config, 1337, device);
+    model.eval();
+    let mut draw = Batches::new(stream, options.batch_size, options.config.block_size, 2).unwrap();
+    let batches: Vec<(Tensor<i32>, Tensor<i32>)> =
+        (0..8).map(|_| draw.next(device).unwrap()).collect();
+    let mut k = 0;
+    c.bench_function(&format!("B7/{name}"), |b| {
+        b.iter(|| {
+            let (x, y) = &batches[k % batches.len()];
+            k += 1;
+            let loss = stagecraft::no_grad(|| model.loss(x, y));
+            lazy::mark_step();
+            loss.item().unwrap()
+        })
+    });
+}
+
 /// `a·b` with either operand transposed inside the kernel, as the
 /// gradient rules run it.
 fn matmul(a: &Tensor<f32>, b: &Tensor<f32>, ta: bool, tb: bool) -> TensorHandle {
@@ -187,6 +212,8 @@ fn benches(c: &mut Criterion) {
     }
     step_bench(c, "lazy", &Device::lazy(&Device::cpu()), &stream);
     step_bench(c, "eager", &Device::cpu(), &stream);
+    forward_bench(c, "lazy-forward", &Device::lazy(&Device::cpu()), &stream);
+    forward_bench(c, "eager-forward", &Device::cpu(), &stream);
     matmul_bench(c, "matmuls", &Device::cpu());
 }
 

@@ -160,7 +160,7 @@ impl<T, U, C: Fn(T, T) -> U + Copy + Send + Sync> Zip<T, U> for C {
 }
 
 /// A unary op's definition ([`UnaryFn::eval`]) as a [`Map`].
-struct UnaryEval<F>(PhantomData<fn() -> F>);
+pub(crate) struct UnaryEval<F>(pub(crate) PhantomData<fn() -> F>);
 
 impl<F> Clone for UnaryEval<F> {
     fn clone(&self) -> Self {
@@ -178,7 +178,7 @@ impl<T: Num, F: UnaryFn> Map<T> for UnaryEval<F> {
 }
 
 /// A binary op's definition ([`BinaryFn::eval`]) as a [`Zip`].
-struct BinaryEval<F>(PhantomData<fn() -> F>);
+pub(crate) struct BinaryEval<F>(pub(crate) PhantomData<fn() -> F>);
 
 impl<F> Clone for BinaryEval<F> {
     fn clone(&self) -> Self {

@@ -8,7 +8,7 @@
 
 mod chain;
 
-use super::elementwise::{Arith, Real};
+use super::elementwise::{Arith, BinaryEval, Map, Real, UnaryEval, Zip};
 use super::linalg::{matmul_with_epilogue, GemmElement};
 use super::reduce::{float_fold, Source};
 use crate::kernel::{Kernel, KernelContext, KernelRegistry, Outputs};
@@ -20,6 +20,7 @@ use stagecraft_ops::{
     UnaryVisitor,
 };
 use stagecraft_tensor::{DType, DenseHostTensor, Element, Error, Result, TensorMetadata};
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 pub(crate) fn register(registry: &mut KernelRegistry) {
@@ -147,36 +148,36 @@ fn prefetch_line<const HINT: i32, T>(at: *const T) {
 }
 
 #[inline(always)]
-fn unary_loop<T: Copy>(dst: &mut [T], a: Src<'_, T>, f: impl Fn(T) -> T) {
+fn unary_loop<T: Copy>(dst: &mut [T], a: Src<'_, T>, f: impl Map<T>) {
     match a {
         Src::Slice(x) => {
             for (d, &v) in dst.iter_mut().zip(x) {
-                *d = f(v);
+                *d = f.map(v);
             }
         }
-        Src::Scalar(v) => dst.fill(f(v)),
+        Src::Scalar(v) => dst.fill(f.map(v)),
     }
 }
 
 #[inline(always)]
-fn binary_loop<T: Copy>(dst: &mut [T], a: Src<'_, T>, b: Src<'_, T>, f: impl Fn(T, T) -> T) {
+fn binary_loop<T: Copy>(dst: &mut [T], a: Src<'_, T>, b: Src<'_, T>, f: impl Zip<T>) {
     match (a, b) {
         (Src::Slice(x), Src::Slice(y)) => {
             for ((d, &p), &q) in dst.iter_mut().zip(x).zip(y) {
-                *d = f(p, q);
+                *d = f.zip(p, q);
             }
         }
         (Src::Slice(x), Src::Scalar(q)) => {
             for (d, &p) in dst.iter_mut().zip(x) {
-                *d = f(p, q);
+                *d = f.zip(p, q);
             }
         }
         (Src::Scalar(p), Src::Slice(y)) => {
             for (d, &q) in dst.iter_mut().zip(y) {
-                *d = f(p, q);
+                *d = f.zip(p, q);
             }
         }
-        (Src::Scalar(p), Src::Scalar(q)) => dst.fill(f(p, q)),
+        (Src::Scalar(p), Src::Scalar(q)) => dst.fill(f.zip(p, q)),
     }
 }
 
@@ -191,7 +192,7 @@ impl<T: Arith> UnaryVisitor for RunUnary<'_, '_, T> {
     type Output = ();
     #[inline(always)]
     fn visit<F: UnaryFn>(self) {
-        unary_loop(self.dst, self.a, F::eval::<T>)
+        unary_loop(self.dst, self.a, UnaryEval::<F>(PhantomData))
     }
 }
 
@@ -211,7 +212,7 @@ impl<T: Arith> BinaryVisitor for RunBinary<'_, '_, T> {
     type Output = ();
     #[inline(always)]
     fn visit<F: BinaryFn>(self) {
-        binary_loop(self.dst, self.a, self.b, F::eval::<T>)
+        binary_loop(self.dst, self.a, self.b, BinaryEval::<F>(PhantomData))
     }
 }
 
@@ -1065,6 +1066,113 @@ mod tests {
             }
         }
         assert_eq!(run(isa()), baseline);
+    }
+
+    /// A fused program's lone unary or binary step gives the bits of the
+    /// op's eager kernel, for every float op of the tables, on every
+    /// instruction set this CPU has, over blocks long enough for the vector
+    /// loops (and a tail). The steps call each op's definition inlined into
+    /// the loop compiled for the instruction set; through a function
+    /// pointer, GELU ran one scalar call per element (ten times slower) and
+    /// would still pass this test: the speed is the `gpt_step` bench's
+    /// `lazy-forward` row.
+    #[test]
+    fn each_elementwise_step_gives_its_eager_kernels_bits_on_every_instruction_set() {
+        use crate::kernels::elementwise::tests::{run as eager, tensor};
+        let n = if cfg!(miri) { 70 } else { 1000 };
+        let xs: Vec<f64> = (0..n)
+            .map(|i| match i % 11 {
+                0 => f64::NAN,
+                1 => -0.0,
+                2 => f64::INFINITY,
+                3 => f64::NEG_INFINITY,
+                _ => (i as f64 - n as f64 / 2.0) / 37.0,
+            })
+            .collect();
+        let ys: Vec<f64> = (0..n).map(|i| 0.5 + (i % 13) as f64 / 5.0).collect();
+        let mut isas = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                isas.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                isas.push(Isa::Avx512);
+            }
+        }
+        fn fused_bits<T: Real + Arith + Element>(
+            isa: Isa,
+            step: FusedInstr,
+            inputs: &[&DenseHostTensor],
+        ) -> Vec<u64> {
+            let n = inputs[0].numel();
+            let program = allocate_registers(&[step], inputs.len(), false);
+            let slices: Vec<Input<'_, T>> = inputs
+                .iter()
+                .map(|t| Input::Full(t.as_slice::<T>().unwrap()))
+                .collect();
+            let mut scratch = Scratch::new(program.1, slices.len(), n);
+            let mut out = vec![T::narrow(0.0); n];
+            run_block_on(
+                isa,
+                &program.0,
+                &slices,
+                0,
+                &mut out,
+                &mut scratch,
+                |_, _| {},
+            );
+            out.iter()
+                .map(|v| stagecraft_ops::scalar::Num::to_f64(*v).to_bits())
+                .collect()
+        }
+        let bits = |t: &DenseHostTensor| -> Vec<u64> {
+            crate::kernels::elementwise::tests::values(t)
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let none = stagecraft_ops::OpAttrs::new();
+        for dtype in [DType::F32, DType::F64] {
+            let x = tensor(dtype, &xs, &[n]);
+            let y = tensor(dtype, &ys, &[n]);
+            let check =
+                |name: &str, step: FusedInstr, inputs: &[&DenseHostTensor], want: &[u64]| {
+                    for &isa in &isas {
+                        let got = match dtype {
+                            DType::F32 => fused_bits::<f32>(isa, step, inputs),
+                            _ => fused_bits::<f64>(isa, step, inputs),
+                        };
+                        // NaNs may differ in payload, never in being NaN.
+                        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                            let (g, w) = (f64::from_bits(*g), f64::from_bits(*w));
+                            assert!(
+                                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                                "{name} {dtype} on {isa:?}: [{i}] = {g:e}, eager {w:e}"
+                            );
+                        }
+                    }
+                };
+            for &op in UnaryOp::ALL {
+                if !op.class().accepts(dtype) {
+                    continue;
+                }
+                let want = bits(&eager(op.def(), vec![x.clone()], &none).unwrap());
+                check(op.def().name, FusedInstr::Unary(op, 0), &[&x], &want);
+            }
+            for &op in BinaryOp::ALL {
+                if !op.class().accepts(dtype) {
+                    continue;
+                }
+                let want = bits(&eager(op.def(), vec![x.clone(), y.clone()], &none).unwrap());
+                check(
+                    op.def().name,
+                    FusedInstr::Binary(op, 0, 1),
+                    &[&x, &y],
+                    &want,
+                );
+            }
+        }
     }
 
     /// A bias over rows (tile) and a value per row (repeat) are spread
