@@ -135,14 +135,7 @@ fn im2col_columns<T: Element>(
             for kj in 0..kw {
                 let row = &mut cols[((ci * kh + ki) * kw + kj) * width..][..width];
                 let dx = (kj * g.win.dilation[1]) as isize - g.win.padding[1] as isize;
-                // Runs of one output row at a time: the pixels of `pixels`
-                // that share `oy`.
-                let mut p = pixels.start;
-                while p < pixels.end {
-                    let (oy, ox0) = (p / g.ow, p % g.ow);
-                    let run = (g.ow - ox0).min(pixels.end - p);
-                    let at = p - pixels.start;
-                    p += run;
+                for (oy, ox0, at, run) in row_runs(pixels.clone(), g.ow) {
                     let iy = (oy * g.win.stride[0] + ki * g.win.dilation[0]) as isize
                         - g.win.padding[0] as isize;
                     if iy < 0 || iy >= g.h as isize {
@@ -184,6 +177,28 @@ fn im2col_columns<T: Element>(
             }
         }
     }
+}
+
+/// The pixels of `pixels` (output pixels in row-major order, rows of
+/// `ow`) as runs along output rows: `(oy, first ox, offset in pixels,
+/// length)`. One division for the first run, none after: a division per
+/// run was a tenth of im2col's time on small images (a 14 × 14 output is
+/// runs of 14 values).
+fn row_runs(
+    pixels: std::ops::Range<usize>,
+    ow: usize,
+) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    let width = pixels.len();
+    let ow = ow.max(1);
+    let (mut oy, mut ox0, mut at) = (pixels.start / ow, pixels.start % ow, 0);
+    std::iter::from_fn(move || {
+        (at < width).then(|| {
+            let run = (ow - ox0).min(width - at);
+            let this = (oy, ox0, at, run);
+            (oy, ox0, at) = (oy + 1, 0, at + run);
+            this
+        })
+    })
 }
 
 /// Copies `len` values from `src[from..]` to `dst[at..]` in fixed groups
@@ -519,7 +534,8 @@ where
     let block = pixel_block(patch, pixels);
     let y = out.as_mut_slice::<T>()?;
     let images_in_parallel = g.n > 1 && g.n * image_out * patch >= crate::PARALLEL_THRESHOLD;
-    let per_image = |image: usize, y: &mut [T], parallel: bool| {
+    // `cols`: a thread's im2col scratch, kept across its images.
+    let per_image = |cols: &mut Vec<T>, image: usize, y: &mut [T], parallel: bool| {
         let x_img = &xv[image * g.c * g.h * g.w..][..g.c * g.h * g.w];
         for group in 0..groups {
             let w_g = &wv[group * og * patch..][..og * patch];
@@ -528,15 +544,19 @@ where
                 let x_g = &x_img[group * cg * pixels..][..cg * pixels];
                 gemm_into(og, pixels, cg, w_g, x_g, y_g, parallel);
             } else {
-                conv_blocks(x_img, &g, group, w_g, y_g, (patch, block), parallel);
+                let shape = (patch, block);
+                conv_blocks(x_img, &g, group, w_g, y_g, shape, cols, parallel);
             }
         }
     };
     if images_in_parallel {
-        crate::pool::for_each_chunk(y, image_out, |i, image| per_image(i, image, false));
+        crate::pool::for_each_chunk_init(y, image_out, Vec::new, |cols, i, image| {
+            per_image(cols, i, image, false)
+        });
     } else {
+        let mut cols = Vec::new();
         for (i, image) in y.chunks_mut(image_out).enumerate() {
-            per_image(i, image, true);
+            per_image(&mut cols, i, image, true);
         }
     }
     Ok(out)
@@ -546,6 +566,11 @@ where
 /// a time: the block's im2col columns, their product with the group's
 /// filters, and the result copied into the block's columns of `y_g`
 /// (`og` rows of all pixels). Blocks run in parallel when `parallel`.
+/// `scratch` holds the columns of a whole-image block, kept by the caller
+/// across images: allocated per image, columns past the allocator's
+/// mapping threshold (128 KiB) were mapped, faulted in page by page and
+/// unmapped again for every image.
+#[allow(clippy::too_many_arguments)]
 fn conv_blocks<T: GemmElement + Send + Sync>(
     x_img: &[T],
     g: &ConvGeometry,
@@ -553,6 +578,7 @@ fn conv_blocks<T: GemmElement + Send + Sync>(
     w_g: &[T],
     y_g: &mut [T],
     (patch, block): (usize, usize),
+    scratch: &mut Vec<T>,
     parallel: bool,
 ) {
     let pixels = g.oh * g.ow;
@@ -561,10 +587,12 @@ fn conv_blocks<T: GemmElement + Send + Sync>(
     if blocks == 1 {
         // One block is the whole image: the product goes straight into
         // `y_g`, split across threads by the GEMM itself (the same shape,
-        // so the same bits, as the block path would give).
-        let mut cols = vec![T::default(); patch * pixels];
-        im2col_columns(x_img, g, group, 0..pixels, &mut cols);
-        gemm_into(og, pixels, patch, w_g, &cols, y_g, parallel);
+        // so the same bits, as the block path would give). im2col writes
+        // every column value, so the scratch needs no clearing.
+        scratch.resize(patch * pixels, T::default());
+        let cols = &mut scratch[..patch * pixels];
+        im2col_columns(x_img, g, group, 0..pixels, cols);
+        gemm_into(og, pixels, patch, w_g, cols, y_g, parallel);
         return;
     }
     // Each block's piece of every output row, as disjoint slices.
@@ -908,6 +936,20 @@ fn col2im<T: Element + std::ops::AddAssign>(
         for ki in 0..kh {
             for kj in 0..kw {
                 let row = &cols[((ci * kh + ki) * kw + kj) * pixels..][..pixels];
+                // The outputs `lo..hi` of each row tap a column inside the
+                // image (`ix = ox · stride + dx`); the rest tap padding.
+                // Worked out once per tap instead of tested per value, the
+                // in-image part is a plain loop (a vector one for stride 1).
+                let stride = g.win.stride[1];
+                let dx = (kj * g.win.dilation[1]) as isize - g.win.padding[1] as isize;
+                let lo = ((-dx).max(0) as usize).div_ceil(stride).min(g.ow);
+                let hi = ((g.w as isize - dx).max(0) as usize)
+                    .div_ceil(stride)
+                    .clamp(lo, g.ow);
+                if lo == hi {
+                    continue;
+                }
+                let first = (dx + (lo * stride) as isize) as usize;
                 for oy in 0..g.oh {
                     let iy = (oy * g.win.stride[0] + ki * g.win.dilation[0]) as isize
                         - g.win.padding[0] as isize;
@@ -915,11 +957,15 @@ fn col2im<T: Element + std::ops::AddAssign>(
                         continue;
                     }
                     let dst = &mut plane[iy as usize * g.w..][..g.w];
-                    for (ox, v) in row[oy * g.ow..(oy + 1) * g.ow].iter().enumerate() {
-                        let ix = (ox * g.win.stride[1] + kj * g.win.dilation[1]) as isize
-                            - g.win.padding[1] as isize;
-                        if ix >= 0 && ix < g.w as isize {
-                            dst[ix as usize] += *v;
+                    let src = &row[oy * g.ow..][lo..hi];
+                    if stride == 1 {
+                        for (d, v) in dst[first..first + src.len()].iter_mut().zip(src) {
+                            *d += *v;
+                        }
+                    } else {
+                        let taps = dst[first..].iter_mut().step_by(stride);
+                        for (d, v) in taps.zip(src) {
+                            *d += *v;
                         }
                     }
                 }
@@ -985,20 +1031,24 @@ fn backprop_input_typed<T: GemmElement + Send + Sync + std::ops::AddAssign>(
     let w_t: Vec<Vec<T>> = (0..groups)
         .map(|group| transposed(&wv[group * og * patch..][..og * patch], og, patch))
         .collect();
-    let per_image = |(image, dx): (usize, &mut [T])| {
+    // `cols` is scratch, one per thread: the product overwrites it whole.
+    let per_image = |cols: &mut Vec<T>, image: usize, dx: &mut [T]| {
         let g_img = &gv[image * g.o * pixels..][..g.o * pixels];
-        let mut cols = vec![T::default(); patch * pixels];
         for group in 0..groups {
             let g_g = &g_img[group * og * pixels..][..og * pixels];
-            gemm_into(patch, pixels, og, &w_t[group], g_g, &mut cols, false);
-            col2im(&cols, &g, group, dx);
+            gemm_into(patch, pixels, og, &w_t[group], g_g, cols, false);
+            col2im(cols, &g, group, dx);
         }
     };
+    let scratch = || vec![T::default(); patch * pixels];
     let dx = out.as_mut_slice::<T>()?;
     if g.n > 1 && g.n * image_in * og >= crate::PARALLEL_THRESHOLD {
-        crate::pool::for_each_chunk(dx, image_in, |i, image| per_image((i, image)));
+        crate::pool::for_each_chunk_init(dx, image_in, scratch, per_image);
     } else {
-        dx.chunks_mut(image_in).enumerate().for_each(per_image);
+        let mut cols = scratch();
+        for (i, image) in dx.chunks_mut(image_in).enumerate() {
+            per_image(&mut cols, i, image);
+        }
     }
     Ok(out)
 }
@@ -1792,6 +1842,189 @@ mod tests {
         check_conv_transpose([1, 3, 4, 4], 1, [1, 1], [1, 1], [0, 0], [0, 0], [1, 1], 3);
         check_conv_transpose([0, 2, 4, 4], 2, [3, 3], [2, 2], [1, 1], [1, 0], [1, 1], 1);
         check_conv_transpose([3, 8, 14, 14], 4, [4, 4], [2, 2], [1, 1], [0, 0], [1, 1], 1);
+    }
+
+    /// A geometry of one image with one channel group per `groups`, for
+    /// the im2col/col2im tests.
+    fn image_geometry(
+        (c, h, w): (usize, usize, usize),
+        k: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> Option<ConvGeometry> {
+        let span = |i: usize| dilation[i] * (k[i] - 1) + 1;
+        let extent = [h + 2 * padding[0], w + 2 * padding[1]];
+        if extent[0] < span(0) || extent[1] < span(1) {
+            return None;
+        }
+        Some(ConvGeometry {
+            n: 1,
+            c,
+            h,
+            w,
+            o: 1,
+            oh: (extent[0] - span(0)) / stride[0] + 1,
+            ow: (extent[1] - span(1)) / stride[1] + 1,
+            groups: 1,
+            win: Window2d {
+                kernel: k,
+                stride,
+                padding,
+                dilation,
+            },
+        })
+    }
+
+    /// im2col's value at (patch row, output pixel), by its definition.
+    fn tap(x: &[f64], g: &ConvGeometry, row: usize, pixel: usize) -> f64 {
+        let [kh, kw] = g.win.kernel;
+        let (ci, ki, kj) = (row / (kh * kw), row / kw % kh, row % kw);
+        let (oy, ox) = (pixel / g.ow, pixel % g.ow);
+        let iy =
+            (oy * g.win.stride[0] + ki * g.win.dilation[0]) as isize - g.win.padding[0] as isize;
+        let ix =
+            (ox * g.win.stride[1] + kj * g.win.dilation[1]) as isize - g.win.padding[1] as isize;
+        if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
+            return 0.0;
+        }
+        x[(ci * g.h + iy as usize) * g.w + ix as usize]
+    }
+
+    /// Max and average pooling gradients against their definitions, one
+    /// window at a time in row-major order and each window's taps row by
+    /// row, bit for bit: overlapping and padded windows, ties and NaNs
+    /// (the first maximum or first NaN takes the gradient), and planes
+    /// enough for the parallel path.
+    #[test]
+    fn pooling_gradients_follow_their_definitions_bit_for_bit() {
+        // (dims, kernel, stride, padding)
+        type Case = ([usize; 4], [usize; 2], [usize; 2], [usize; 2]);
+        let cases: &[Case] = &[
+            ([2, 3, 7, 9], [2, 2], [2, 2], [0, 0]),
+            ([1, 2, 8, 8], [3, 3], [1, 2], [1, 1]),
+            ([2, 1, 5, 6], [3, 2], [2, 1], [1, 0]),
+            ([1, 1, 1, 4], [1, 3], [1, 1], [0, 1]),
+            // 64 × 8 planes of 28 × 28: beyond the parallel threshold.
+            ([64, 8, 28, 28], [2, 2], [2, 2], [0, 0]),
+        ];
+        for &(dims, kernel, stride, padding) in cases {
+            let [n, c, h, w] = dims;
+            let win = Window2d {
+                kernel,
+                stride,
+                padding,
+                dilation: [1, 1],
+            };
+            let out = |i: usize| (dims[2 + i] + 2 * padding[i] - kernel[i]) / stride[i] + 1;
+            let (oh, ow) = (out(0), out(1));
+            // Few distinct values, so windows hold ties; some NaNs.
+            let x: Vec<f32> = (0..n * c * h * w)
+                .map(|i| match i % 17 {
+                    5 => f32::NAN,
+                    k => (k % 4) as f32,
+                })
+                .collect();
+            let g: Vec<f32> = (0..n * c * oh * ow)
+                .map(|i| 0.25 + (i % 7) as f32)
+                .collect();
+            let xt = DenseHostTensor::from_slice(&x, dims).unwrap();
+            let gt = DenseHostTensor::from_slice(&g, [n, c, oh, ow]).unwrap();
+            for mode in [None, Some(true), Some(false)] {
+                let mut want = vec![0.0f32; x.len()];
+                for p in 0..n * c {
+                    for oy in 0..oh {
+                        let (ys, ye) = window_span(oy, 0, h, win);
+                        for ox in 0..ow {
+                            let (xs, xe) = window_span(ox, 1, w, win);
+                            let go = g[(p * oh + oy) * ow + ox];
+                            let taps: Vec<usize> = (ys..ye)
+                                .flat_map(|iy| (xs..xe).map(move |ix| p * h * w + iy * w + ix))
+                                .collect();
+                            match mode {
+                                None => {
+                                    let mut best = taps[0];
+                                    for &t in &taps[1..] {
+                                        let (b, v) = (x[best], x[t]);
+                                        if !b.is_nan() && (v.is_nan() || v > b) {
+                                            best = t;
+                                        }
+                                    }
+                                    want[best] += go;
+                                }
+                                Some(include_pad) => {
+                                    let full = (kernel[0] * kernel[1]) as f32;
+                                    let divisor =
+                                        if include_pad { full } else { taps.len() as f32 };
+                                    for &t in &taps {
+                                        want[t] += go / divisor;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                let got = pool_grad_typed::<f32>(&xt, &gt, win, mode).unwrap();
+                let got = got.as_slice::<f32>().unwrap();
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{dims:?} {mode:?} at {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Any range of output pixels (starting and ending mid-row) gets
+        /// exactly the columns the definition gives, padding as zeros; and
+        /// col2im adds each column value into the pixel it was read from,
+        /// in patch-row order, bit for bit as one addition at a time.
+        #[test]
+        fn im2col_and_col2im_follow_their_definitions(
+            c in 1usize..3, h in 1usize..9, w in 1usize..9, kh in 1usize..4, kw in 1usize..4,
+            sh in 1usize..4, sw in 1usize..4, ph in 0usize..3, pw in 0usize..3,
+            dh in 1usize..3, dw in 1usize..3, start in 0usize..40, len in 0usize..80,
+        ) {
+            let g = image_geometry((c, h, w), [kh, kw], [sh, sw], [ph, pw], [dh, dw]);
+            prop_assume!(g.is_some());
+            let g = g.unwrap();
+            let (pixels, patch) = (g.oh * g.ow, c * kh * kw);
+            let x = values(c * h * w, 3);
+            let start = start % pixels;
+            let range = start..(start + len).min(pixels);
+            let mut cols = vec![f64::NAN; patch * range.len()];
+            im2col_columns(&x, &g, 0, range.clone(), &mut cols);
+            for row in 0..patch {
+                for (at, pixel) in range.clone().enumerate() {
+                    let got = cols[row * range.len() + at];
+                    prop_assert_eq!(got.to_bits(), tap(&x, &g, row, pixel).to_bits());
+                }
+            }
+            // col2im of arbitrary columns, against one addition per value.
+            let cols = values(patch * pixels, 4);
+            let mut got = values(c * h * w, 5);
+            let mut want = got.clone();
+            col2im(&cols, &g, 0, &mut got);
+            let [kh, kw] = g.win.kernel;
+            for row in 0..patch {
+                let (ci, ki, kj) = (row / (kh * kw), row / kw % kh, row % kw);
+                for pixel in 0..pixels {
+                    let (oy, ox) = (pixel / g.ow, pixel % g.ow);
+                    let iy = (oy * sh + ki * dh) as isize - ph as isize;
+                    let ix = (ox * sw + kj * dw) as isize - pw as isize;
+                    if iy >= 0 && ix >= 0 && iy < h as isize && ix < w as isize {
+                        let at = (ci * h + iy as usize) * w + ix as usize;
+                        want[at] += cols[row * pixels + pixel];
+                    }
+                }
+            }
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&got), bits(&want));
+        }
     }
 
     proptest! {
