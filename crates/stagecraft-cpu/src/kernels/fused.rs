@@ -1008,6 +1008,21 @@ fn fused_matmul_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<
 mod tests {
     use super::*;
 
+    /// Every instruction set this CPU has, baseline first.
+    fn isas_here() -> Vec<Isa> {
+        let mut isas = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                isas.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                isas.push(Isa::Avx512);
+            }
+        }
+        isas
+    }
+
     /// Every instruction set this CPU has gives the baseline's bits, NaNs
     /// and signed zeros included, on a block that is not a multiple of the
     /// vector width.
@@ -1090,16 +1105,7 @@ mod tests {
             })
             .collect();
         let ys: Vec<f64> = (0..n).map(|i| 0.5 + (i % 13) as f64 / 5.0).collect();
-        let mut isas = vec![Isa::Baseline];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                isas.push(Isa::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                isas.push(Isa::Avx512);
-            }
-        }
+        let isas = isas_here();
         fn fused_bits<T: Real + Arith + Element>(
             isa: Isa,
             step: FusedInstr,
@@ -1273,16 +1279,7 @@ mod tests {
     #[test]
     fn streamed_copies_equal_plain_copies() {
         let src: Vec<f32> = (0..1000).map(|i| i as f32 * 1.5 - 7.0).collect();
-        let mut isas = vec![Isa::Baseline];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                isas.push(Isa::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                isas.push(Isa::Avx512);
-            }
-        }
+        let isas = isas_here();
         for isa in isas {
             for pick in 0..5 {
                 for len in [0, 1, 15, 16, 17, 100, 977] {
