@@ -1088,7 +1088,7 @@ mod tests {
     /// instruction set this CPU has, over blocks long enough for the vector
     /// loops (and a tail). The steps call each op's definition inlined into
     /// the loop compiled for the instruction set; through a function
-    /// pointer, GELU ran one scalar call per element (ten times slower) and
+    /// pointer, GELU ran one scalar call per element and
     /// would still pass this test: the speed is the `gpt_step` bench's
     /// `lazy-forward` row.
     #[test]

@@ -1843,8 +1843,8 @@ mod tests {
         check_conv_transpose([3, 8, 14, 14], 4, [4, 4], [2, 2], [1, 1], [0, 0], [1, 1], 1);
     }
 
-    /// A geometry of one image with one channel group per `groups`, for
-    /// the im2col/col2im tests.
+    /// The geometry of one image and one channel group, for the
+    /// im2col/col2im tests.
     fn image_geometry(
         (c, h, w): (usize, usize, usize),
         k: [usize; 2],
@@ -1893,8 +1893,8 @@ mod tests {
     /// Max and average pooling gradients against their definitions, one
     /// window at a time in row-major order and each window's taps row by
     /// row, bit for bit: overlapping and padded windows, ties and NaNs
-    /// (the first maximum or first NaN takes the gradient), and planes
-    /// enough for the parallel path.
+    /// (the first maximum or first NaN takes the gradient), and the CNN's
+    /// first pooling layer's size.
     #[test]
     fn pooling_gradients_follow_their_definitions_bit_for_bit() {
         // (dims, kernel, stride, padding)
@@ -1904,7 +1904,7 @@ mod tests {
             ([1, 2, 8, 8], [3, 3], [1, 2], [1, 1]),
             ([2, 1, 5, 6], [3, 2], [2, 1], [1, 0]),
             ([1, 1, 1, 4], [1, 3], [1, 1], [0, 1]),
-            // 64 × 8 planes of 28 × 28: beyond the parallel threshold.
+            // 64 × 8 planes of 28 × 28: the CLI CNN's first pooling layer.
             ([64, 8, 28, 28], [2, 2], [2, 2], [0, 0]),
         ];
         for &(dims, kernel, stride, padding) in cases {
