@@ -172,13 +172,21 @@ fn matmul_bench(c: &mut Criterion, name: &str, device: &Device) {
         layers.extend([(c_, 3 * c_), (c_, c_), (c_, 4 * c_), (4 * c_, c_)]);
     }
     layers.push((c_, VOCAB));
+    // Dense values, as the step's are: a `Tensor::full` holds one value
+    // that every op reading it expands to a dense buffer first, a cost the
+    // step's products do not pay (docs/performance.md, "A lazy trace runs
+    // in recording order").
+    let dense = |dims: &[usize], value: f32| {
+        let count = dims.iter().product();
+        Tensor::<f32>::from_vec(vec![value; count], dims, device).expect("a valid shape")
+    };
     let operands: Vec<_> = layers
         .iter()
         .map(|&(i, o)| {
             (
-                Tensor::<f32>::full(&[rows, i], 0.5, device),
-                Tensor::<f32>::full(&[o, i], 0.25, device),
-                Tensor::<f32>::full(&[rows, o], 0.125, device),
+                dense(&[rows, i], 0.5),
+                dense(&[o, i], 0.25),
+                dense(&[rows, o], 0.125),
             )
         })
         .collect();

@@ -14,6 +14,7 @@ use crate::handle::TensorHandle;
 use smallvec::SmallVec;
 use stagecraft_ops::{FrozenOpAttrs, OpDef, OutputMetas};
 use stagecraft_tensor::{Location, Result, TensorValue};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -101,6 +102,19 @@ pub(super) enum ClaimOutcome {
     Done,
 }
 
+thread_local! {
+    /// The number the next op recorded on this thread gets.
+    static RECORDING_NUMBER: Cell<u64> = const { Cell::new(0) };
+}
+
+fn next_recording_number() -> u64 {
+    RECORDING_NUMBER.with(|n| {
+        let number = n.get();
+        n.set(number + 1);
+        number
+    })
+}
+
 /// A recorded op.
 pub(crate) struct LazyOp {
     pub(super) def: &'static OpDef,
@@ -109,6 +123,10 @@ pub(crate) struct LazyOp {
     pub(super) outputs: OutputMetas,
     /// The number of (`def`, `attrs`, `outputs`): see `signature`.
     pub(super) signature: u32,
+    /// When the op was recorded, counted per recording thread: a trace
+    /// runs its ops in this order where their dependencies allow
+    /// (`cache::build_function`).
+    pub(super) recorded_at: u64,
     pub(super) target: Device,
     /// Set once the op is `Done`, so asking costs a load, not a lock.
     done: AtomicBool,
@@ -139,6 +157,7 @@ impl LazyOp {
             location,
             outputs,
             signature,
+            recorded_at: next_recording_number(),
             target,
             done: AtomicBool::new(false),
             live: zeroed_counters(n),
