@@ -250,10 +250,9 @@ pub(super) fn build_function(
 /// walk reaches a weight's gradient product only from the optimizer's
 /// update of that weight, so a GPT's weight gradients all ran after the
 /// whole backward pass, when the activations and gradients they read had
-/// left the core's caches (13.8 ms for the 17 products on one core,
-/// against 8.7 ms with their operands in cache); in recording order each
-/// runs right after its layer's input gradient, which reads the same
-/// gradient.
+/// left the core's caches; in recording order each runs right after its
+/// layer's input gradient, which reads the same gradient (measured in
+/// docs/performance.md, "A lazy trace runs in recording order").
 fn recording_order(skeleton: &Skeleton, ops: &[Arc<LazyOp>]) -> Vec<usize> {
     use std::cmp::Reverse;
     use std::collections::BinaryHeap;
