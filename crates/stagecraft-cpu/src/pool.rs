@@ -223,13 +223,18 @@ pub(crate) fn for_each_chunk_init<T: Send, S>(
 /// [`for_each_chunk_init`] with no per-thread state.
 ///
 /// Most kernels split this way (over a thousand callers, per op, dtype and
-/// shape case), so the loop compiled per caller is kept to taking chunks
-/// and calling `f`.
+/// shape case), so `f` is called through a pointer, once per chunk: the
+/// loop taking chunks is compiled once per element type, not per caller.
 pub(crate) fn for_each_chunk<T: Send>(
     data: &mut [T],
     chunk_len: usize,
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
+    each_chunk(data, chunk_len, &f);
+}
+
+/// [`for_each_chunk`] with `f` behind a pointer.
+fn each_chunk<T: Send>(data: &mut [T], chunk_len: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
     let chunk_len = chunk_len.max(1);
     let count = data.len().div_ceil(chunk_len);
     let chunks = Mutex::new(data.chunks_mut(chunk_len).enumerate());

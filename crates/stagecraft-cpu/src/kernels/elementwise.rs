@@ -87,9 +87,15 @@ where
 /// times faster in AVX-512's eight. The results do not change: every
 /// operation is still one IEEE operation per element (no contraction into
 /// FMA, no reassociation), whatever the vector width.
+///
+/// `per $V` names the element type whose [`loop_level`] chose `level`:
+/// for a type whose loops always run at baseline, the AVX copies are
+/// behind a branch on a constant that is false for it, so rustc does not
+/// instantiate them. Eleven of the thirteen dtypes are such types, and
+/// these copies were most of what LLVM optimized in this crate.
 macro_rules! multiversioned {
     ($(#[$doc:meta])* fn $name:ident<$($g:ident),*>($($arg:ident: $ty:ty),*)
-        where [$($bounds:tt)*] => $body:ident) => {
+        where [$($bounds:tt)*] => $body:ident per $V:ident) => {
         $(#[$doc])*
         fn $name<$($g),*>(level: IsaLevel, $($arg: $ty),*) where $($bounds)* {
             #[cfg(target_arch = "x86_64")]
@@ -102,18 +108,33 @@ macro_rules! multiversioned {
             fn avx512<$($g),*>($($arg: $ty),*) where $($bounds)* {
                 $body($($arg),*)
             }
-            match level {
-                // SAFETY: `crate::isa::level` reports AVX2 only on a CPU
-                // that has it, which is all `avx2` is compiled to use.
-                #[cfg(target_arch = "x86_64")]
-                IsaLevel::Avx2 => unsafe { avx2($($arg),*) },
-                // SAFETY: as above, for AVX-512F.
-                #[cfg(target_arch = "x86_64")]
-                IsaLevel::Avx512 => unsafe { avx512($($arg),*) },
-                _ => $body($($arg),*),
+            if <$V as VectorLoops>::VECTOR_LOOPS {
+                match level {
+                    // SAFETY: `crate::isa::level` reports AVX2 only on a CPU
+                    // that has it, which is all `avx2` is compiled to use.
+                    #[cfg(target_arch = "x86_64")]
+                    IsaLevel::Avx2 => unsafe { avx2($($arg),*) },
+                    // SAFETY: as above, for AVX-512F.
+                    #[cfg(target_arch = "x86_64")]
+                    IsaLevel::Avx512 => unsafe { avx512($($arg),*) },
+                    _ => $body($($arg),*),
+                }
+            } else {
+                $body($($arg),*)
             }
         }
     };
+}
+
+/// Whether a type's element loops run with the kernels' instruction set
+/// ([`loop_level`]): a constant, so that code for the other levels is
+/// never instantiated for the types whose loops stay at baseline.
+trait VectorLoops {
+    const VECTOR_LOOPS: bool;
+}
+
+impl<T: Element> VectorLoops for T {
+    const VECTOR_LOOPS: bool = matches!(T::DTYPE, DType::F32 | DType::F64);
 }
 
 /// The instruction set a loop over `n` elements of `T` runs with: the
@@ -123,7 +144,7 @@ macro_rules! multiversioned {
 #[inline(always)]
 fn loop_level<T: Element>(n: usize) -> IsaLevel {
     const SHORT: usize = 64;
-    if matches!(T::DTYPE, DType::F32 | DType::F64) && n >= SHORT {
+    if T::VECTOR_LOOPS && n >= SHORT {
         crate::isa::level()
     } else {
         IsaLevel::Baseline
@@ -222,12 +243,12 @@ fn update_loop<T: Copy, F: Map<T>>(xs: &mut [T], f: F) {
 
 multiversioned! {
     /// `out[i] = f(src[i])`.
-    fn map_on<S, D, F>(out: &mut [D], src: &[S], f: F) where [S: Copy, F: Map<S, D>] => map_loop
+    fn map_on<S, D, F>(out: &mut [D], src: &[S], f: F) where [S: Copy, D: Element, F: Map<S, D>] => map_loop per D
 }
 
 multiversioned! {
     /// `xs[i] = f(xs[i])`.
-    fn update_on<T, F>(xs: &mut [T], f: F) where [T: Copy, F: Map<T>] => update_loop
+    fn update_on<T, F>(xs: &mut [T], f: F) where [T: Element, F: Map<T>] => update_loop per T
 }
 
 /// [`map_into`] in place.
@@ -539,7 +560,7 @@ fn gelu_with_derivative_loop<T: Num>(ys: &mut [T], ds: &mut [T], xs: &[T]) {
 multiversioned! {
     /// `(ys[i], ds[i]) = (gelu(xs[i]), gelu'(xs[i]))`.
     fn gelu_with_derivative_on<T>(ys: &mut [T], ds: &mut [T], xs: &[T])
-        where [T: Num] => gelu_with_derivative_loop
+        where [T: Num + Element] => gelu_with_derivative_loop per T
 }
 
 // ---------------------------------------------------------------------------
@@ -626,7 +647,11 @@ impl<const N: usize> Walk<N> {
         }
     }
 
-    fn run_from<U>(&self, out: &mut [U], start: usize, row: &impl Fn(&mut [U], [usize; N])) {
+    /// [`Walk::run`]'s serial walk over `out`, which starts at output
+    /// element `start`. `row` is called through a pointer: the walk is then
+    /// compiled once per element type rather than once per op and dtype
+    /// (381 copies), for one more call per row besides its loop's.
+    fn run_from<U>(&self, out: &mut [U], start: usize, row: &dyn Fn(&mut [U], [usize; N])) {
         let rank = self.outer.len();
         let (mut index, mut base) = self.position(start);
         let mut col = start % self.inner;
@@ -801,13 +826,13 @@ multiversioned! {
         a: (Operand<'_, T>, usize),
         b: (Operand<'_, T>, usize),
         f: F
-    ) where [T: Copy, F: Zip<T>] => zip_row_by_pair
+    ) where [T: Element, F: Zip<T>] => zip_row_by_pair per T
 }
 
 multiversioned! {
     /// [`update_row`] for a binary op's row.
     fn update_row_on<T, F>(out: &mut [T], other: (Operand<'_, T>, usize), f: F)
-        where [T: Copy, F: Zip<T>] => update_row_by_pair
+        where [T: Element, F: Zip<T>] => update_row_by_pair per T
 }
 
 // ---------------------------------------------------------------------------

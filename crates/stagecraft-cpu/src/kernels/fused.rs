@@ -469,7 +469,7 @@ fn run_block<T: Real + Arith>(
     start: usize,
     out: &mut [T],
     scratch: &mut Scratch<T>,
-    mut between: impl FnMut(usize, usize),
+    between: &mut dyn FnMut(usize, usize),
 ) {
     let n = out.len();
     let Scratch { regs, spread, .. } = scratch;
@@ -488,7 +488,7 @@ fn run_block<T: Real + Arith>(
     let mut progress = Progress {
         phase: 0,
         phases: steps.iter().map(parts).sum(),
-        between: &mut between,
+        between,
     };
     for step in body {
         // The destination is never an operand of its own step, so it can be
@@ -502,13 +502,13 @@ fn run_block<T: Real + Arith>(
 }
 
 /// Where a block is in its program, for the callback between phases.
-struct Progress<'a, B> {
+struct Progress<'a> {
     phase: usize,
     phases: usize,
-    between: &'a mut B,
+    between: &'a mut dyn FnMut(usize, usize),
 }
 
-impl<B: FnMut(usize, usize)> Progress<'_, B> {
+impl Progress<'_> {
     /// Tells the callback a phase starts, and counts it.
     fn next(&mut self) {
         (self.between)(self.phase, self.phases);
@@ -522,13 +522,13 @@ impl<B: FnMut(usize, usize)> Progress<'_, B> {
 /// then ran as scalar SSE2 code (GELU's gradient in the GPT step: 10 ns
 /// an element).
 #[inline(always)]
-fn run_block_step<T: Real + Arith, B: FnMut(usize, usize)>(
+fn run_block_step<T: Real + Arith>(
     isa: Isa,
     step: &Step,
     dst: &mut [T],
     (srcs, regs): (&[Src<'_, T>], &[Vec<T>]),
     n: usize,
-    progress: &mut Progress<'_, B>,
+    progress: &mut Progress<'_>,
 ) {
     let Step::Chain(chain, _) = step else {
         progress.next();
@@ -623,7 +623,7 @@ fn run_block_avx2<T: Real + Arith>(
     start: usize,
     out: &mut [T],
     scratch: &mut Scratch<T>,
-    between: impl FnMut(usize, usize),
+    between: &mut dyn FnMut(usize, usize),
 ) {
     run_block(Isa::Avx2, steps, inputs, start, out, scratch, between)
 }
@@ -636,7 +636,7 @@ fn run_block_avx512<T: Real + Arith>(
     start: usize,
     out: &mut [T],
     scratch: &mut Scratch<T>,
-    between: impl FnMut(usize, usize),
+    between: &mut dyn FnMut(usize, usize),
 ) {
     run_block(Isa::Avx512, steps, inputs, start, out, scratch, between)
 }
@@ -651,7 +651,7 @@ fn run_block_on<T: Real + Arith>(
     start: usize,
     out: &mut [T],
     scratch: &mut Scratch<T>,
-    between: impl FnMut(usize, usize),
+    between: &mut dyn FnMut(usize, usize),
 ) {
     match isa {
         Isa::Baseline => run_block(isa, steps, inputs, start, out, scratch, between),
@@ -726,7 +726,7 @@ impl Program {
         for (b, block) in out.chunks_mut(BLOCK).enumerate() {
             let at = start + b * BLOCK;
             prefetch_next::<TO_L1, T>(inputs, at + PREFETCH_AHEAD * BLOCK, BLOCK);
-            run_block_on(isa, &self.steps, inputs, at, block, scratch, |_, _| {});
+            run_block_on(isa, &self.steps, inputs, at, block, scratch, &mut |_, _| {});
         }
     }
 
@@ -761,7 +761,7 @@ impl Program {
             let ahead = at + STREAM_AHEAD * BLOCK;
             let done = &previous;
             let mut finished_block = finished.take();
-            let between = |step: usize, steps: usize| {
+            let mut between = |step: usize, steps: usize| {
                 let part = BLOCK.div_ceil(steps).next_multiple_of(16);
                 let slice = (step * part).min(BLOCK)..((step + 1) * part).min(BLOCK);
                 prefetch_next::<TO_L2, T>(inputs, ahead + slice.start, slice.len());
@@ -771,7 +771,7 @@ impl Program {
                 }
             };
             let staged = &mut current[..block.len()];
-            run_block_on(isa, &self.steps, inputs, at, staged, scratch, between);
+            run_block_on(isa, &self.steps, inputs, at, staged, scratch, &mut between);
             std::mem::swap(&mut current, &mut previous);
             finished = Some(block);
         }
@@ -944,7 +944,7 @@ fn epilogue_in_place<T: Real + Arith + Send + Sync>(
                 start,
                 block,
                 scratch,
-                |_, _| {},
+                &mut |_, _| {},
             );
         }
     };
@@ -1061,7 +1061,7 @@ mod tests {
                 0,
                 &mut out,
                 &mut scratch,
-                |_, _| {},
+                &mut |_, _| {},
             );
             out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
         };
@@ -1126,7 +1126,7 @@ mod tests {
                 0,
                 &mut out,
                 &mut scratch,
-                |_, _| {},
+                &mut |_, _| {},
             );
             out.iter()
                 .map(|v| stagecraft_ops::scalar::Num::to_f64(*v).to_bits())

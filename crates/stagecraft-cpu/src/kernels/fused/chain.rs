@@ -773,7 +773,15 @@ mod tests {
         let run = |(steps, slots, _): &(Vec<Step>, usize, usize), isa: Isa, n: usize| {
             let mut scratch = Scratch::new(*slots, inputs.len(), n);
             let mut out = vec![0.0f32; n];
-            run_block_on(isa, steps, &inputs, 0, &mut out, &mut scratch, |_, _| {});
+            run_block_on(
+                isa,
+                steps,
+                &inputs,
+                0,
+                &mut out,
+                &mut scratch,
+                &mut |_, _| {},
+            );
             out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
         };
         let mut isas = vec![Isa::Baseline, isa()];
