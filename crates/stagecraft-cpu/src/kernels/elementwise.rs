@@ -91,8 +91,7 @@ where
 /// `per $V` names the element type whose [`loop_level`] chose `level`:
 /// for a type whose loops always run at baseline, the AVX copies are
 /// behind a branch on a constant that is false for it, so rustc does not
-/// instantiate them. Eleven of the thirteen dtypes are such types, and
-/// these copies were most of what LLVM optimized in this crate.
+/// instantiate them (eleven of the thirteen dtypes are such types).
 macro_rules! multiversioned {
     ($(#[$doc:meta])* fn $name:ident<$($g:ident),*>($($arg:ident: $ty:ty),*)
         where [$($bounds:tt)*] => $body:ident per $V:ident) => {
@@ -648,9 +647,9 @@ impl<const N: usize> Walk<N> {
     }
 
     /// [`Walk::run`]'s serial walk over `out`, which starts at output
-    /// element `start`. `row` is called through a pointer: the walk is then
-    /// compiled once per element type rather than once per op and dtype
-    /// (381 copies), for one more call per row besides its loop's.
+    /// element `start`. `row` is called through a pointer, so the walk is
+    /// compiled once per element type rather than once per op and dtype,
+    /// at the cost of one more call per row besides its loop's.
     fn run_from<U>(&self, out: &mut [U], start: usize, row: &dyn Fn(&mut [U], [usize; N])) {
         let rank = self.outer.len();
         let (mut index, mut base) = self.position(start);
