@@ -465,3 +465,31 @@ fn a_scheduled_lazy_loop_compiles_at_most_twice() {
     let compiled = lazy::metrics().traces_compiled - before;
     assert!(compiled <= 2, "SGD compiled {compiled} traces");
 }
+
+/// On the CPU (and the lazy device over it) Adam and AdamW update each
+/// parameter with one `AdamUpdate` op: one pass over the parameter, its
+/// gradient and both moments, where the separate ops made three kernels
+/// that read the moments twice. (The bits are those of the separate ops:
+/// `stagecraft-cpu`'s `adam_update_gives_the_separate_ops_bits`; the
+/// references above hold for both paths.)
+#[test]
+fn adam_updates_each_parameter_with_one_op_on_the_cpu() {
+    let _g = serial();
+    let device = Device::lazy(&Device::cpu());
+    lazy::mark_step();
+    for decoupled in [false, true] {
+        let mut model = affine(&device);
+        let grads = grads_for(&model, 0);
+        let config = AdamConfig::default();
+        let mut opt: Box<dyn Optimizer> = if decoupled {
+            Box::new(AdamW::new(config))
+        } else {
+            Box::new(Adam::new(config))
+        };
+        opt.step(&mut model, &grads).unwrap();
+        let trace = lazy::trace_text(&model.w).unwrap();
+        assert_eq!(trace.matches("AdamUpdate").count(), 1, "{trace}");
+        assert!(!trace.contains("Sqrt"), "{trace}");
+        lazy::mark_step();
+    }
+}

@@ -1,10 +1,10 @@
-//! CPU kernels of the training ops: dropout and the squared norm of a
-//! tensor list.
+//! CPU kernels of the training ops: dropout, the squared norm of a
+//! tensor list and Adam's one-pass update.
 //!
-//! Both are deterministic whatever the thread count: dropout's mask is a
+//! All are deterministic whatever the thread count: dropout's mask is a
 //! function of each element's index alone (see `creation.rs` for the
-//! Philox stream), and the squared norm adds fixed-size chunks' partial
-//! sums in chunk order.
+//! Philox stream), the squared norm adds fixed-size chunks' partial sums
+//! in chunk order, and Adam's update is elementwise.
 
 use super::creation::Stream;
 use super::elementwise::{reusable, Real};
@@ -12,7 +12,7 @@ use super::{out_meta, take};
 use crate::{with_float_type, Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
 use smallvec::smallvec;
 use stagecraft_ops::Attrs;
-use stagecraft_tensor::{DenseHostTensor, Error, Result, Scalar, TensorMetadata};
+use stagecraft_tensor::{DenseHostTensor, Element, Error, Result, Scalar, TensorMetadata};
 use std::sync::Arc;
 
 /// Elements per parallel task and per partial sum (a multiple of four,
@@ -22,6 +22,7 @@ const CHUNK: usize = 1 << 14;
 pub(crate) fn register(registry: &mut KernelRegistry) {
     registry.add(&stagecraft_ops::DROPOUT, dropout_factory);
     registry.add(&stagecraft_ops::SQUARED_NORM, squared_norm_factory);
+    registry.add(&stagecraft_ops::ADAM_UPDATE, adam_update_factory);
 }
 
 fn no_kernel(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Error {
@@ -174,6 +175,193 @@ fn squared_sum<T: Real>(values: &[T]) -> f64 {
     partials.iter().sum()
 }
 
+// ---------------------------------------------------------------------------
+// AdamUpdate.
+
+/// The arithmetic of Adam's update in one float type.
+trait AdamFloat:
+    Element
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+{
+    /// `x` rounded to this type once.
+    fn of(x: f64) -> Self;
+    /// The correctly rounded square root (one instruction per vector).
+    fn root(self) -> Self;
+}
+
+impl AdamFloat for f32 {
+    #[inline(always)]
+    fn of(x: f64) -> f32 {
+        x as f32
+    }
+    #[inline(always)]
+    fn root(self) -> f32 {
+        self.sqrt()
+    }
+}
+
+impl AdamFloat for f64 {
+    #[inline(always)]
+    fn of(x: f64) -> f64 {
+        x
+    }
+    #[inline(always)]
+    fn root(self) -> f64 {
+        self.sqrt()
+    }
+}
+
+/// An update's constants, each rounded to the element type as
+/// `stagecraft::optim` rounds them for its separate ops.
+#[derive(Clone, Copy)]
+struct AdamCoefs<T> {
+    b1: T,
+    c1: T,
+    b2: T,
+    c2: T,
+    eps: T,
+    /// Adam's L2 term; `None` for 0 (then the gradient is used as it is:
+    /// `g + p * 0` would turn an infinite parameter into NaN).
+    weight_decay: Option<T>,
+    lr: T,
+    bias1: T,
+    bias2: T,
+    decay: T,
+}
+
+/// One element: `(p', m', v')`, each operation rounded as the separate
+/// ops round it, in the order `ADAM_UPDATE`'s documentation writes.
+#[inline(always)]
+fn adam_element<T: AdamFloat>(k: &AdamCoefs<T>, p: T, g: T, m: T, v: T) -> (T, T, T) {
+    let g = match k.weight_decay {
+        Some(wd) => g + p * wd,
+        None => g,
+    };
+    let m = m * k.b1 + g * k.c1;
+    let v = v * k.b2 + (g * g) * k.c2;
+    let direction = (m / k.bias1) / ((v / k.bias2).root() + k.eps);
+    (p * k.decay - direction * k.lr, m, v)
+}
+
+/// Elements of `p`, `m`, `v` updated in place from `g`.
+#[inline(always)]
+fn adam_in_place<T: AdamFloat>(k: &AdamCoefs<T>, p: &mut [T], m: &mut [T], v: &mut [T], g: &[T]) {
+    for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+        (*p, *m, *v) = adam_element(k, *p, g, *m, *v);
+    }
+}
+
+/// [`adam_in_place`] compiled for the kernels' instruction set: the loop
+/// is multiplies, adds, divisions and square roots, each one IEEE
+/// operation per lane on every instruction set, so the bits do not
+/// change with it.
+fn adam_in_place_on<T: AdamFloat>(
+    isa: super::fused::Isa,
+    k: &AdamCoefs<T>,
+    p: &mut [T],
+    m: &mut [T],
+    v: &mut [T],
+    g: &[T],
+) {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn avx2<T: AdamFloat>(k: &AdamCoefs<T>, p: &mut [T], m: &mut [T], v: &mut [T], g: &[T]) {
+        adam_in_place(k, p, m, v, g)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn avx512<T: AdamFloat>(k: &AdamCoefs<T>, p: &mut [T], m: &mut [T], v: &mut [T], g: &[T]) {
+        adam_in_place(k, p, m, v, g)
+    }
+    match isa {
+        super::fused::Isa::Baseline => adam_in_place(k, p, m, v, g),
+        // SAFETY: `isa()` reported AVX2, all `avx2` is compiled to use.
+        #[cfg(target_arch = "x86_64")]
+        super::fused::Isa::Avx2 => unsafe { avx2(k, p, m, v, g) },
+        // SAFETY: as above, for AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        super::fused::Isa::Avx512 => unsafe { avx512(k, p, m, v, g) },
+    }
+}
+
+fn adam_update_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<Kernel> {
+    let hyper = [
+        attrs.float("beta1")?,
+        attrs.float("beta2")?,
+        attrs.float("eps")?,
+        attrs.float("weight_decay")?,
+    ];
+    match super::first_dtype(inputs)? {
+        stagecraft_tensor::DType::F32 => Ok(adam_update_kernel::<f32>(hyper)),
+        stagecraft_tensor::DType::F64 => Ok(adam_update_kernel::<f64>(hyper)),
+        _ => Err(no_kernel(attrs, inputs)),
+    }
+}
+
+/// The kernel for `[beta1, beta2, eps, weight_decay]`.
+fn adam_update_kernel<T: AdamFloat>(hyper: [f64; 4]) -> Kernel {
+    let [beta1, beta2, eps, weight_decay] = hyper;
+    Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
+        let [p, g, m, v, lr, bias1, bias2, decay] = take(inputs)?;
+        let meta = out_meta(ctx)?;
+        let scalar = |t: &DenseHostTensor| -> Result<T> {
+            t.as_slice::<T>()?
+                .first()
+                .copied()
+                .ok_or_else(|| Error::internal("AdamUpdate: a rank-0 input without its element"))
+        };
+        let k = AdamCoefs {
+            b1: T::of(beta1),
+            c1: T::of(1.0 - beta1),
+            b2: T::of(beta2),
+            c2: T::of(1.0 - beta2),
+            eps: T::of(eps),
+            weight_decay: (weight_decay != 0.0).then(|| T::of(weight_decay)),
+            lr: scalar(&lr)?,
+            bias1: scalar(&bias1)?,
+            bias2: scalar(&bias2)?,
+            decay: scalar(&decay)?,
+        };
+        // The outputs take the inputs' buffers where nothing else holds
+        // them (a lazy step's state), else copies of them.
+        let own = |x: DenseHostTensor| -> Result<DenseHostTensor> {
+            if reusable(&x, meta) {
+                return Ok(x);
+            }
+            let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
+            out.as_mut_slice::<T>()?.copy_from_slice(x.as_slice::<T>()?);
+            Ok(out)
+        };
+        let (mut p, mut m, mut v) = (own(p)?, own(m)?, own(v)?);
+        let (ps, ms, vs, gs) = (
+            p.as_mut_slice::<T>()?,
+            m.as_mut_slice::<T>()?,
+            v.as_mut_slice::<T>()?,
+            g.as_slice::<T>()?,
+        );
+        let isa = super::fused::isa();
+        if ps.len() > PARALLEL_THRESHOLD {
+            let parts = ps
+                .chunks_mut(CHUNK)
+                .zip(ms.chunks_mut(CHUNK))
+                .zip(vs.chunks_mut(CHUNK))
+                .zip(gs.chunks(CHUNK));
+            crate::pool::for_each_item_init(
+                parts,
+                gs.len().div_ceil(CHUNK),
+                || (),
+                |(), (((p, m), v), g)| adam_in_place_on(isa, &k, p, m, v, g),
+            );
+        } else {
+            adam_in_place_on(isa, &k, ps, ms, vs, gs);
+        }
+        Ok(smallvec![p, m, v])
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,6 +478,239 @@ mod tests {
             let slices: Vec<&[f64]> = inputs.iter().map(|v| v.as_slice()).collect();
             let want = reference::squared_norm(&slices, dtype);
             assert_eq!(values(&got), vec![want], "{dtype}");
+        }
+    }
+
+    /// Elementwise `op` of two tensors by the registry's own kernel.
+    fn binary(
+        op: stagecraft_ops::BinaryOp,
+        a: &DenseHostTensor,
+        b: &DenseHostTensor,
+    ) -> DenseHostTensor {
+        run(op.def(), vec![a.clone(), b.clone()], &OpAttrs::new()).unwrap()
+    }
+
+    /// Adam's update by the separate ops' kernels, as `stagecraft::optim`
+    /// wrote it before `AdamUpdate`: `(p', m', v')`.
+    fn adam_by_separate_ops(
+        [p, g, m, v]: [&DenseHostTensor; 4],
+        [lr, bias1, bias2, decay]: [&DenseHostTensor; 4],
+        [beta1, beta2, eps, wd]: [f64; 4],
+    ) -> [DenseHostTensor; 3] {
+        use stagecraft_ops::{BinaryOp as B, UnaryOp};
+        let dtype = p.metadata().dtype;
+        let c = |x: f64| tensor(dtype, &[x], &[]);
+        let g = if wd != 0.0 {
+            binary(B::Add, g, &binary(B::Mul, p, &c(wd)))
+        } else {
+            g.clone()
+        };
+        let m = binary(
+            B::Add,
+            &binary(B::Mul, m, &c(beta1)),
+            &binary(B::Mul, &g, &c(1.0 - beta1)),
+        );
+        let gg = binary(B::Mul, &g, &g);
+        let v = binary(
+            B::Add,
+            &binary(B::Mul, v, &c(beta2)),
+            &binary(B::Mul, &gg, &c(1.0 - beta2)),
+        );
+        let root = run(
+            UnaryOp::Sqrt.def(),
+            vec![binary(B::Div, &v, bias2)],
+            &OpAttrs::new(),
+        )
+        .unwrap();
+        let direction = binary(
+            B::Div,
+            &binary(B::Div, &m, bias1),
+            &binary(B::Add, &root, &c(eps)),
+        );
+        let p = binary(
+            B::Sub,
+            &binary(B::Mul, p, decay),
+            &binary(B::Mul, &direction, lr),
+        );
+        [p, m, v]
+    }
+
+    fn adam_by_kernel(
+        inputs: [DenseHostTensor; 8],
+        [beta1, beta2, eps, wd]: [f64; 4],
+    ) -> Vec<DenseHostTensor> {
+        let def = &stagecraft_ops::ADAM_UPDATE;
+        let mut attrs = OpAttrs::new();
+        attrs
+            .set_float("beta1", beta1)
+            .set_float("beta2", beta2)
+            .set_float("eps", eps)
+            .set_float("weight_decay", wd);
+        let metas: Vec<TensorMetadata> = inputs.iter().map(|t| t.metadata().clone()).collect();
+        let out_meta = def.infer(&metas, &attrs).unwrap();
+        let kernel = crate::registry().get(def).unwrap()(&Attrs::new(&attrs, def), &metas).unwrap();
+        let ctx = KernelContext {
+            attrs: Attrs::new(&attrs, def),
+            outputs: &out_meta,
+        };
+        kernel(inputs.into_iter().collect(), &ctx)
+            .unwrap()
+            .into_vec()
+    }
+
+    fn bits(t: &DenseHostTensor) -> Vec<u64> {
+        match t.metadata().dtype {
+            DType::F32 => t
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| u64::from(x.to_bits()))
+                .collect(),
+            _ => t
+                .as_slice::<f64>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn adam_update_gives_the_separate_ops_bits() {
+        // Across the parallel threshold, with a ragged end; zeros, signed
+        // zeros, infinities, NaN and values whose squares overflow f32.
+        let n = if cfg!(miri) { 41 } else { 2 * CHUNK + 7 };
+        let special = [
+            0.0,
+            -0.0,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+            3e19,
+            -2e-30,
+        ];
+        let value = |i: usize, salt: u64| -> f64 {
+            if i % 97 < special.len() && salt == 1 {
+                return special[i % 97];
+            }
+            let h = (i as u64 ^ salt).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 11;
+            (h as f64 / (1u64 << 53) as f64 - 0.5) * 4.0
+        };
+        for dtype in [DType::F32, DType::F64] {
+            for hyper in [[0.9, 0.99, 1e-8, 0.0], [0.8, 0.999, 1e-6, 0.1]] {
+                for decay in [1.0, 0.9999] {
+                    let vec = |salt| {
+                        tensor(
+                            dtype,
+                            &(0..n).map(|i| value(i, salt)).collect::<Vec<_>>(),
+                            &[n],
+                        )
+                    };
+                    let (p, g) = (vec(1), vec(2));
+                    let m = vec(3);
+                    // v is a running mean of squares: non-negative.
+                    let v = tensor(
+                        dtype,
+                        &(0..n).map(|i| value(i, 4).abs()).collect::<Vec<_>>(),
+                        &[n],
+                    );
+                    let s = |x: f64| tensor(dtype, &[x], &[]);
+                    let scalars = [
+                        s(1e-3),
+                        s(1.0 - 0.9f64.powi(3)),
+                        s(1.0 - 0.99f64.powi(3)),
+                        s(decay),
+                    ];
+                    let want = adam_by_separate_ops(
+                        [&p, &g, &m, &v],
+                        [&scalars[0], &scalars[1], &scalars[2], &scalars[3]],
+                        hyper,
+                    );
+                    // Shared inputs (copied) and unique ones (updated in place).
+                    let kept = [p.clone(), m.clone(), v.clone()];
+                    let [lr, b1, b2, d] = scalars;
+                    let shared = adam_by_kernel(
+                        [
+                            p.clone(),
+                            g.clone(),
+                            m.clone(),
+                            v.clone(),
+                            lr.clone(),
+                            b1.clone(),
+                            b2.clone(),
+                            d.clone(),
+                        ],
+                        hyper,
+                    );
+                    let unique = adam_by_kernel([p, g, m, v, lr, b1, b2, d], hyper);
+                    for k in 0..3 {
+                        assert_eq!(
+                            bits(&shared[k]),
+                            bits(&want[k]),
+                            "{dtype} {hyper:?} output {k}"
+                        );
+                        assert_eq!(
+                            bits(&unique[k]),
+                            bits(&want[k]),
+                            "{dtype} {hyper:?} output {k}"
+                        );
+                    }
+                    // The shared inputs were not written.
+                    assert_ne!(bits(&kept[0]), bits(&shared[0]));
+                    assert_eq!(bits(&kept[0]), bits(&vec(1)));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn adam_update_loops_agree_on_every_instruction_set() {
+        let n = if cfg!(miri) { 33 } else { 1000 };
+        let xs: Vec<f32> = (0..n)
+            .map(|i| ((i * 37) % 101) as f32 / 13.0 - 3.0)
+            .collect();
+        let k = AdamCoefs {
+            b1: 0.9f32,
+            c1: 0.1,
+            b2: 0.999,
+            c2: 1.0 - 0.999f64 as f32,
+            eps: 1e-8,
+            weight_decay: Some(0.01),
+            lr: 3e-4,
+            bias1: 0.19,
+            bias2: 0.002,
+            decay: 0.99999,
+        };
+        let run_on = |isa| {
+            let (mut p, mut m) = (xs.clone(), xs.iter().map(|x| x * 0.5).collect::<Vec<_>>());
+            let mut v: Vec<f32> = xs.iter().map(|x| x * x).collect();
+            adam_in_place_on(isa, &k, &mut p, &mut m, &mut v, &xs);
+            (p, m, v)
+        };
+        let baseline = run_on(super::super::fused::Isa::Baseline);
+        let mut isas = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::isa::IsaLevel;
+            let level = crate::isa::detected();
+            if level >= IsaLevel::Avx2 {
+                isas.push(super::super::fused::Isa::Avx2);
+            }
+            if level >= IsaLevel::Avx512 {
+                isas.push(super::super::fused::Isa::Avx512);
+            }
+        }
+        if isas.is_empty() {
+            println!("skipped: this CPU (or Miri) has no AVX2 to compare with baseline");
+        }
+        for isa in isas {
+            let got = run_on(isa);
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same(&got.0, &baseline.0) && same(&got.1, &baseline.1) && same(&got.2, &baseline.2),
+                "{isa:?}"
+            );
         }
     }
 }

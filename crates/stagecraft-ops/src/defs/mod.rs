@@ -110,6 +110,7 @@ const OTHER_OPS: &[&OpDef] = &[
     // training
     &DROPOUT,
     &SQUARED_NORM,
+    &ADAM_UPDATE,
     &GELU_WITH_DERIVATIVE,
     // side effects
     &PRINT,

@@ -1,6 +1,6 @@
 //! Ops only training uses: dropout from the counter-based random stream,
-//! and the squared norm over a list of tensors that gradient clipping
-//! reduces in one kernel.
+//! the squared norm over a list of tensors that gradient clipping reduces
+//! in one kernel, and Adam's update of one parameter in one pass.
 
 use super::{one, require_float};
 use crate::attrs::AttrKind;
@@ -111,6 +111,91 @@ fn squared_norm_grad(b: &mut dyn GradBuilder, ctx: &GradContext<'_>) -> Result<I
     Ok(grads)
 }
 
+/// One Adam or AdamW step of one parameter, in one pass over its elements:
+/// the new parameter and both moments from the parameter, its gradient and
+/// the old moments (`stagecraft::optim` uses it where the device has a
+/// kernel for it). Written as separate elementwise ops, the update is
+/// three kernels (the moments are both results and inputs of the
+/// parameter's update, so fusion cannot merge them) and reads the moments
+/// twice; its step is memory-bound (docs/performance.md).
+///
+/// Inputs: `param`, `grad`, `m`, `v` of one float dtype and shape, and
+/// four rank-0 tensors of that dtype, so that a schedule changes values,
+/// not the op: `lr`, `bias1 = 1 - beta1^t`, `bias2 = 1 - beta2^t` and
+/// `decay` (AdamW's `1 - lr * weight_decay`; 1 for none). Attributes:
+/// `beta1`, `beta2`, `eps`, and `weight_decay`, Adam's L2 term added to
+/// the gradient (0 for AdamW). With `b1 = beta1`, `c1 = 1 - beta1` (each
+/// rounded to the dtype once), likewise `b2`, `c2`, each step rounded as
+/// the separate ops would:
+///
+/// ```text
+/// g  = weight_decay == 0 ? grad : grad + param * weight_decay
+/// m' = m * b1 + g * c1
+/// v' = v * b2 + (g * g) * c2
+/// p' = param * decay - (m' / bias1) / (sqrt(v' / bias2) + eps) * lr
+/// ```
+///
+/// Outputs: `p'`, `m'`, `v'`, bit for bit what those ops give. An
+/// optimizer's update is not differentiated: the op has no gradient.
+pub static ADAM_UPDATE: OpDef = OpDef {
+    name: "AdamUpdate",
+    inputs: &["param", "grad", "m", "v", "lr", "bias1", "bias2", "decay"],
+    variadic: false,
+    outputs: 3,
+    attrs: &[
+        AttrSpec::required("beta1", AttrKind::Float),
+        AttrSpec::required("beta2", AttrKind::Float),
+        AttrSpec::required("eps", AttrKind::Float),
+        AttrSpec::optional("weight_decay", AttrKind::Float, AttrDefault::Float(0.0)),
+    ],
+    kind: OpKind::Other,
+    effect: Effect::Pure,
+    shape_kind: ShapeKind::Static,
+    metadata: adam_update_meta,
+    grad: None,
+};
+
+fn adam_update_meta(inputs: &[TensorMetadata], attrs: &Attrs<'_>) -> Result<OutputMetas> {
+    let param = &inputs[0];
+    if !matches!(param.dtype, DType::F32 | DType::F64) {
+        return Err(Error::dtype(format!(
+            "param must be f32 or f64, got {param}"
+        )));
+    }
+    for (name, x) in ["grad", "m", "v"].iter().zip(&inputs[1..4]) {
+        if x != param {
+            return Err(Error::shape(format!(
+                "{name} is {x} but param is {param}: they must match"
+            )));
+        }
+    }
+    for (name, x) in ["lr", "bias1", "bias2", "decay"].iter().zip(&inputs[4..8]) {
+        if x.dtype != param.dtype || x.shape.rank() != 0 {
+            return Err(Error::shape(format!(
+                "{name} must be a rank-0 {} tensor, got {x}",
+                param.dtype
+            )));
+        }
+    }
+    for beta in ["beta1", "beta2"] {
+        let b = attrs.float(beta)?;
+        if !(0.0..1.0).contains(&b) {
+            return Err(Error::attribute(format!(
+                "{beta} must lie in [0, 1), got {b}"
+            )));
+        }
+    }
+    for name in ["eps", "weight_decay"] {
+        let x = attrs.float(name)?;
+        if !(x.is_finite() && x >= 0.0) {
+            return Err(Error::attribute(format!(
+                "{name} must be finite and non-negative, got {x}"
+            )));
+        }
+    }
+    Ok(smallvec![param.clone(), param.clone(), param.clone()])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,5 +250,39 @@ mod tests {
             .unwrap_err();
         assert!(err.to_string().contains("xs[1]"), "{err}");
         assert!(SQUARED_NORM.infer(&[m(DType::I64, &[3])], &a).is_err());
+    }
+
+    #[test]
+    fn adam_update_checks_its_inputs_and_attributes() {
+        let mut a = OpAttrs::new();
+        a.set_float("beta1", 0.9)
+            .set_float("beta2", 0.999)
+            .set_float("eps", 1e-8);
+        let p = m(DType::F32, &[3, 4]);
+        let s = m(DType::F32, &[]);
+        let mut inputs = vec![p.clone(), p.clone(), p.clone(), p.clone()];
+        inputs.extend([s.clone(), s.clone(), s.clone(), s.clone()]);
+        let out = ADAM_UPDATE.infer(&inputs, &a).unwrap();
+        assert_eq!(out.len(), 3);
+        assert!(out.iter().all(|o| *o == p));
+        let mut wrong = inputs.clone();
+        wrong[2] = m(DType::F32, &[4, 3]);
+        let err = ADAM_UPDATE.infer(&wrong, &a).unwrap_err();
+        assert!(err.to_string().contains("m is"), "{err}");
+        let mut wrong = inputs.clone();
+        wrong[5] = m(DType::F32, &[1]);
+        let err = ADAM_UPDATE.infer(&wrong, &a).unwrap_err();
+        assert!(err.to_string().contains("bias1"), "{err}");
+        let ints: Vec<_> = inputs
+            .iter()
+            .map(|x| m(DType::I32, x.shape.dims()))
+            .collect();
+        assert!(ADAM_UPDATE.infer(&ints, &a).is_err());
+        a.set_float("beta2", 1.0);
+        let err = ADAM_UPDATE.infer(&inputs, &a).unwrap_err();
+        assert!(err.to_string().contains("beta2"), "{err}");
+        a.set_float("beta2", 0.999).set_float("weight_decay", -1.0);
+        let err = ADAM_UPDATE.infer(&inputs, &a).unwrap_err();
+        assert!(err.to_string().contains("weight_decay"), "{err}");
     }
 }

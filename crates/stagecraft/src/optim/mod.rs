@@ -15,6 +15,11 @@
 //! compile. Those values are computed on the host in f64 and rounded to
 //! f32 once.
 //!
+//! On the CPU (eager, or as the lazy device's target) Adam and AdamW
+//! update each parameter with one `AdamUpdate` op, a single pass over the
+//! parameter, its gradient and both moments with the same roundings as
+//! the separate ops; elsewhere they run the separate ops.
+//!
 //! ```
 //! use stagecraft::nn::{join, Module, ModuleExt};
 //! use stagecraft::optim::{AdamConfig, AdamW, Cosine, LrSchedule, Optimizer};
@@ -54,6 +59,9 @@ pub use schedule::{Constant, Cosine, LinearWarmup, LrSchedule, StepDecay};
 
 use crate::nn::Module;
 use crate::{Device, Error, Gradients, Result, Tensor};
+use stagecraft_ops as ops;
+use stagecraft_ops::OpAttrs;
+use stagecraft_tensor::{DType, Location};
 use std::collections::HashMap;
 use std::fmt;
 
@@ -461,11 +469,22 @@ impl AdamCore {
         let host = |group: &GroupOptions, lr: f64, t: u64| {
             let lr = lr * group.lr_scale;
             let t = t as f64;
-            let mut v = vec![lr, 1.0 - b1.powf(t), 1.0 - b2.powf(t)];
-            if decoupled {
-                v.push(1.0 - lr * group.weight_decay);
-            }
-            v
+            // The last value is AdamW's shrink factor, 1 for Adam (a
+            // multiplication by 1 changes no bits).
+            let decay = if decoupled {
+                1.0 - lr * group.weight_decay
+            } else {
+                1.0
+            };
+            vec![lr, 1.0 - b1.powf(t), 1.0 - b2.powf(t), decay]
+        };
+        let hyper = {
+            let mut attrs = OpAttrs::new();
+            attrs
+                .set_float("beta1", b1)
+                .set_float("beta2", b2)
+                .set_float("eps", c.eps);
+            attrs
         };
         let (b1_f, one_minus_b1) = (b1 as f32, (1.0 - b1) as f32);
         let (b2_f, one_minus_b2) = (b2 as f32, (1.0 - b2) as f32);
@@ -473,6 +492,26 @@ impl AdamCore {
         self.state
             .step(model, grads, 2, host, |p, g, bufs, s, group| {
                 let wd = group.weight_decay;
+                if runs_adam_update(&p.device()) {
+                    // One pass over the parameter's elements: the same
+                    // operations as below, in one kernel.
+                    let mut attrs = hyper.clone();
+                    if !decoupled {
+                        attrs.set_float("weight_decay", wd);
+                    }
+                    let args = [p, &g, &bufs[0], &bufs[1], &s[0], &s[1], &s[2], &s[3]]
+                        .iter()
+                        .map(|t| t.handle.clone())
+                        .collect();
+                    let location = Location::caller();
+                    let outs =
+                        crate::tensor::run_handles(&ops::ADAM_UPDATE, args, &attrs, location);
+                    if let [p, m, v] = &outs[..] {
+                        bufs[0] = Tensor::from_handle(m.clone());
+                        bufs[1] = Tensor::from_handle(v.clone());
+                        return Tensor::from_handle(p.clone());
+                    }
+                }
                 let g = if !decoupled && wd != 0.0 {
                     g + p * wd as f32
                 } else {
@@ -493,6 +532,17 @@ impl AdamCore {
                 p - direction * &s[0]
             })
     }
+}
+
+/// Whether parameters on `device` are updated by the one-pass
+/// `AdamUpdate` kernel: the CPU has one, on its own or as a lazy device's
+/// target; a GPU runs the separate ops (without a kernel it would copy the
+/// state to the CPU and back every step).
+fn runs_adam_update(device: &Device) -> bool {
+    let target = device.lazy_target().unwrap_or(*device);
+    !target.is_remote()
+        && stagecraft_runtime::kernels::kernel_for(&ops::ADAM_UPDATE, target.kind(), &[DType::F32])
+            .is_some()
 }
 
 /// Adam (Kingma & Ba) with weight decay as an L2 term in the gradient, as
