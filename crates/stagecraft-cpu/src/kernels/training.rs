@@ -8,11 +8,12 @@
 
 use super::creation::Stream;
 use super::elementwise::{reusable, Real};
+use super::transformer::Lane;
 use super::{out_meta, take};
 use crate::{with_float_type, Inputs, Kernel, KernelContext, KernelRegistry, PARALLEL_THRESHOLD};
 use smallvec::smallvec;
 use stagecraft_ops::Attrs;
-use stagecraft_tensor::{DenseHostTensor, Element, Error, Result, Scalar, TensorMetadata};
+use stagecraft_tensor::{DenseHostTensor, Error, Result, Scalar, TensorMetadata};
 use std::sync::Arc;
 
 /// Elements per parallel task and per partial sum (a multiple of four,
@@ -178,42 +179,6 @@ fn squared_sum<T: Real>(values: &[T]) -> f64 {
 // ---------------------------------------------------------------------------
 // AdamUpdate.
 
-/// The arithmetic of Adam's update in one float type.
-trait AdamFloat:
-    Element
-    + std::ops::Add<Output = Self>
-    + std::ops::Sub<Output = Self>
-    + std::ops::Mul<Output = Self>
-    + std::ops::Div<Output = Self>
-{
-    /// `x` rounded to this type once.
-    fn of(x: f64) -> Self;
-    /// The correctly rounded square root (one instruction per vector).
-    fn root(self) -> Self;
-}
-
-impl AdamFloat for f32 {
-    #[inline(always)]
-    fn of(x: f64) -> f32 {
-        x as f32
-    }
-    #[inline(always)]
-    fn root(self) -> f32 {
-        self.sqrt()
-    }
-}
-
-impl AdamFloat for f64 {
-    #[inline(always)]
-    fn of(x: f64) -> f64 {
-        x
-    }
-    #[inline(always)]
-    fn root(self) -> f64 {
-        self.sqrt()
-    }
-}
-
 /// An update's constants, each rounded to the element type as
 /// `stagecraft::optim` rounds them for its separate ops.
 #[derive(Clone, Copy)]
@@ -235,7 +200,7 @@ struct AdamCoefs<T> {
 /// One element: `(p', m', v')`, each operation rounded as the separate
 /// ops round it, in the order `ADAM_UPDATE`'s documentation writes.
 #[inline(always)]
-fn adam_element<T: AdamFloat>(k: &AdamCoefs<T>, p: T, g: T, m: T, v: T) -> (T, T, T) {
+fn adam_element<T: Lane>(k: &AdamCoefs<T>, p: T, g: T, m: T, v: T) -> (T, T, T) {
     let g = match k.weight_decay {
         Some(wd) => g + p * wd,
         None => g,
@@ -246,44 +211,63 @@ fn adam_element<T: AdamFloat>(k: &AdamCoefs<T>, p: T, g: T, m: T, v: T) -> (T, T
     (p * k.decay - direction * k.lr, m, v)
 }
 
-/// Elements of `p`, `m`, `v` updated in place from `g`.
+/// The old parameter and moments, when they are not the outputs'
+/// buffers themselves.
+type AdamSources<'a, T> = Option<[&'a [T]; 3]>;
+
+/// Writes `(p', m', v')` into `p`, `m`, `v`, from `g` and either `old`
+/// (shared inputs, left as they are) or the outputs' own values (updated
+/// in place).
 #[inline(always)]
-fn adam_in_place<T: AdamFloat>(k: &AdamCoefs<T>, p: &mut [T], m: &mut [T], v: &mut [T], g: &[T]) {
-    for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-        (*p, *m, *v) = adam_element(k, *p, g, *m, *v);
+fn adam_loop<T: Lane>(
+    k: &AdamCoefs<T>,
+    [p, m, v]: [&mut [T]; 3],
+    old: AdamSources<'_, T>,
+    g: &[T],
+) {
+    let outs = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g);
+    match old {
+        None => {
+            for (((p, m), v), &g) in outs {
+                (*p, *m, *v) = adam_element(k, *p, g, *m, *v);
+            }
+        }
+        Some([p0, m0, v0]) => {
+            for ((((p, m), v), &g), ((&p0, &m0), &v0)) in outs.zip(p0.iter().zip(m0).zip(v0)) {
+                (*p, *m, *v) = adam_element(k, p0, g, m0, v0);
+            }
+        }
     }
 }
 
-/// [`adam_in_place`] compiled for the kernels' instruction set: the loop
-/// is multiplies, adds, divisions and square roots, each one IEEE
-/// operation per lane on every instruction set, so the bits do not
-/// change with it.
-fn adam_in_place_on<T: AdamFloat>(
+/// [`adam_loop`] compiled for the kernels' instruction set: the loop is
+/// multiplies, adds, divisions and square roots, each one IEEE operation
+/// per lane on every instruction set, so the bits do not change with it.
+fn adam_loop_on<T: Lane>(
     isa: super::fused::Isa,
     k: &AdamCoefs<T>,
-    p: &mut [T],
-    m: &mut [T],
-    v: &mut [T],
+    outs: [&mut [T]; 3],
+    old: AdamSources<'_, T>,
     g: &[T],
 ) {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    fn avx2<T: AdamFloat>(k: &AdamCoefs<T>, p: &mut [T], m: &mut [T], v: &mut [T], g: &[T]) {
-        adam_in_place(k, p, m, v, g)
+    fn avx2<T: Lane>(k: &AdamCoefs<T>, outs: [&mut [T]; 3], old: AdamSources<'_, T>, g: &[T]) {
+        adam_loop(k, outs, old, g)
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    fn avx512<T: AdamFloat>(k: &AdamCoefs<T>, p: &mut [T], m: &mut [T], v: &mut [T], g: &[T]) {
-        adam_in_place(k, p, m, v, g)
+    fn avx512<T: Lane>(k: &AdamCoefs<T>, outs: [&mut [T]; 3], old: AdamSources<'_, T>, g: &[T]) {
+        adam_loop(k, outs, old, g)
     }
     match isa {
-        super::fused::Isa::Baseline => adam_in_place(k, p, m, v, g),
+        super::fused::Isa::Baseline => adam_loop(k, outs, old, g),
         // SAFETY: `isa()` reported AVX2, all `avx2` is compiled to use.
         #[cfg(target_arch = "x86_64")]
-        super::fused::Isa::Avx2 => unsafe { avx2(k, p, m, v, g) },
+        super::fused::Isa::Avx2 => unsafe { avx2(k, outs, old, g) },
         // SAFETY: as above, for AVX-512F.
         #[cfg(target_arch = "x86_64")]
-        super::fused::Isa::Avx512 => unsafe { avx512(k, p, m, v, g) },
+        super::fused::Isa::Avx512 => unsafe { avx512(k, outs, old, g) },
     }
 }
 
@@ -302,7 +286,7 @@ fn adam_update_factory(attrs: &Attrs<'_>, inputs: &[TensorMetadata]) -> Result<K
 }
 
 /// The kernel for `[beta1, beta2, eps, weight_decay]`.
-fn adam_update_kernel<T: AdamFloat>(hyper: [f64; 4]) -> Kernel {
+fn adam_update_kernel<T: Lane>(hyper: [f64; 4]) -> Kernel {
     let [beta1, beta2, eps, weight_decay] = hyper;
     Arc::new(move |inputs: Inputs, ctx: &KernelContext<'_>| {
         let [p, g, m, v, lr, bias1, bias2, decay] = take(inputs)?;
@@ -325,17 +309,24 @@ fn adam_update_kernel<T: AdamFloat>(hyper: [f64; 4]) -> Kernel {
             bias2: scalar(&bias2)?,
             decay: scalar(&decay)?,
         };
-        // The outputs take the inputs' buffers where nothing else holds
-        // them (a lazy step's state), else copies of them.
-        let own = |x: DenseHostTensor| -> Result<DenseHostTensor> {
-            if reusable(&x, meta) {
-                return Ok(x);
-            }
-            let mut out = DenseHostTensor::for_overwrite(meta.clone())?;
-            out.as_mut_slice::<T>()?.copy_from_slice(x.as_slice::<T>()?);
-            Ok(out)
+        // A lazy step's state is held by nothing else: the outputs take
+        // its buffers and the update runs in place. Otherwise the old
+        // values stay as they are and the outputs are fresh.
+        let in_place = [&p, &m, &v].iter().all(|x| reusable(x, meta));
+        let (mut p, mut m, mut v, old) = if in_place {
+            (p, m, v, None)
+        } else {
+            let fresh = || DenseHostTensor::for_overwrite(meta.clone());
+            (fresh()?, fresh()?, fresh()?, Some([p, m, v]))
         };
-        let (mut p, mut m, mut v) = (own(p)?, own(m)?, own(v)?);
+        let old = match &old {
+            Some([p0, m0, v0]) => Some([
+                p0.as_slice::<T>()?,
+                m0.as_slice::<T>()?,
+                v0.as_slice::<T>()?,
+            ]),
+            None => None,
+        };
         let (ps, ms, vs, gs) = (
             p.as_mut_slice::<T>()?,
             m.as_mut_slice::<T>()?,
@@ -343,20 +334,24 @@ fn adam_update_kernel<T: AdamFloat>(hyper: [f64; 4]) -> Kernel {
             g.as_slice::<T>()?,
         );
         let isa = super::fused::isa();
-        if ps.len() > PARALLEL_THRESHOLD {
+        if gs.len() > PARALLEL_THRESHOLD {
             let parts = ps
                 .chunks_mut(CHUNK)
                 .zip(ms.chunks_mut(CHUNK))
                 .zip(vs.chunks_mut(CHUNK))
-                .zip(gs.chunks(CHUNK));
+                .enumerate();
             crate::pool::for_each_item_init(
                 parts,
                 gs.len().div_ceil(CHUNK),
                 || (),
-                |(), (((p, m), v), g)| adam_in_place_on(isa, &k, p, m, v, g),
+                |(), (c, ((p, m), v))| {
+                    let range = c * CHUNK..c * CHUNK + p.len();
+                    let old = old.map(|o| o.map(|x| &x[range.clone()]));
+                    adam_loop_on(isa, &k, [p, m, v], old, &gs[range]);
+                },
             );
         } else {
-            adam_in_place_on(isa, &k, ps, ms, vs, gs);
+            adam_loop_on(isa, &k, [ps, ms, vs], old, gs);
         }
         Ok(smallvec![p, m, v])
     })
@@ -684,7 +679,13 @@ mod tests {
         let run_on = |isa| {
             let (mut p, mut m) = (xs.clone(), xs.iter().map(|x| x * 0.5).collect::<Vec<_>>());
             let mut v: Vec<f32> = xs.iter().map(|x| x * x).collect();
-            adam_in_place_on(isa, &k, &mut p, &mut m, &mut v, &xs);
+            let (p0, m0, v0) = (p.clone(), m.clone(), v.clone());
+            adam_loop_on(isa, &k, [&mut p, &mut m, &mut v], None, &xs);
+            // The same update into fresh outputs, the old values read apart.
+            let mut fresh = [vec![0.0; n], vec![0.0; n], vec![0.0; n]];
+            let [fp, fm, fv] = &mut fresh;
+            adam_loop_on(isa, &k, [fp, fm, fv], Some([&p0, &m0, &v0]), &xs);
+            assert_eq!([&p, &m, &v], [&fresh[0], &fresh[1], &fresh[2]], "{isa:?}");
             (p, m, v)
         };
         let baseline = run_on(super::super::fused::Isa::Baseline);

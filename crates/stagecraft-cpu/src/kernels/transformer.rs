@@ -38,7 +38,7 @@ use stagecraft_ops::{ignore_index, Attrs, LossReduction};
 use stagecraft_tensor::{
     DType, DenseHostTensor, Element, Error, ErrorKind, Result, Shape, TensorMetadata,
 };
-use std::ops::{Add, Mul, Sub};
+use std::ops::{Add, Div, Mul, Sub};
 use std::sync::Arc;
 
 pub(crate) fn register(registry: &mut KernelRegistry) {
@@ -62,12 +62,21 @@ const MAX_BLOCKS: usize = 32;
 
 /// The type per-element arithmetic runs in: f32 or f64.
 pub(crate) trait Lane:
-    Element + Copy + Send + Sync + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self>
+    Element
+    + Copy
+    + Send
+    + Sync
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
 {
     /// `v` rounded to this type.
     fn of(v: f64) -> Self;
     /// The value as f64 (exact).
     fn wide(self) -> f64;
+    /// The correctly rounded square root (one instruction per vector).
+    fn root(self) -> Self;
 }
 
 impl Lane for f32 {
@@ -79,6 +88,10 @@ impl Lane for f32 {
     fn wide(self) -> f64 {
         self as f64
     }
+    #[inline(always)]
+    fn root(self) -> f32 {
+        self.sqrt()
+    }
 }
 
 impl Lane for f64 {
@@ -89,6 +102,10 @@ impl Lane for f64 {
     #[inline(always)]
     fn wide(self) -> f64 {
         self
+    }
+    #[inline(always)]
+    fn root(self) -> f64 {
+        self.sqrt()
     }
 }
 
