@@ -21,7 +21,10 @@
 //! `O /= l` and `L = m + ln l`. With causal
 //! masking the key blocks past the block's last query are skipped, and in
 //! the block on the diagonal the masked scores are `-∞` before the maximum
-//! and exact zeros after the exponential.
+//! and exact zeros after the exponential. Of that block, the quadrant of
+//! its first [`SPLIT`] queries against its later keys is masked whole and
+//! not computed at all, in either pass ([`diagonal_gemm`]): at the GPT
+//! step's `T = 64`, a quarter of the products.
 //!
 //! **Backward**, one task per (unit, group of key blocks): `Δ = rowsum(dO ∘
 //! O)` first, then for each key block `j` of the group, over the query
@@ -61,7 +64,7 @@ use half::{bf16, f16};
 use smallvec::smallvec;
 use stagecraft_ops::{attention_geometry, AttentionGeometry, Attrs};
 use stagecraft_tensor::{DType, DenseHostTensor, Error, Result, TensorMetadata};
-use std::ops::{Add, Div, Mul, Sub};
+use std::ops::{Add, Div, Mul, Range, Sub};
 use std::sync::Arc;
 
 pub(crate) fn register(registry: &mut KernelRegistry) {
@@ -83,6 +86,13 @@ pub const BLOCK_Q: usize = 64;
 /// transposed queries (or keys) and the rows of the other operand stay in
 /// a core's L1 and L2 while a block pair is multiplied.
 pub const BLOCK_K: usize = 64;
+
+/// Where the block on a causal diagonal (its first key is its first
+/// query) is cut: the queries before it see none of the keys from it on,
+/// so of the block's four quadrants that one is skipped, a quarter of its
+/// products (see [`diagonal_gemm`]).
+const SPLIT: usize = BLOCK_Q / 2;
+const _: () = assert!(SPLIT.is_multiple_of(LANES) && BLOCK_K == BLOCK_Q);
 
 /// Rows of a register tile (see the module documentation).
 const ROWS: usize = 4;
@@ -466,6 +476,75 @@ fn block_gemm<T: Float, I: Isa, const W: usize, const H: usize>(
     }
 }
 
+impl<'a, T> Product<'a, T> {
+    /// The product of `A`'s `rows` and `B`'s `cols` over the `inner`
+    /// range of their shared dimension; its output starts at row
+    /// `rows.start`, column `cols.start` of the whole one's.
+    fn part(&self, rows: Range<usize>, cols: Range<usize>, inner: Range<usize>) -> Product<'a, T> {
+        let a = match self.a_layout {
+            Layout::Rows(ld) => &self.a[rows.start * ld + inner.start..],
+            Layout::Columns(ld) => &self.a[inner.start * ld + rows.start..],
+        };
+        Product {
+            m: rows.len(),
+            n: cols.len(),
+            k: inner.len(),
+            a,
+            a_layout: self.a_layout,
+            b: &self.b[inner.start * self.ldb + cols.start..],
+            ldb: self.ldb,
+            readable: self.readable - cols.start,
+        }
+    }
+}
+
+/// What a block product's rows run over, on the diagonal of a causal
+/// attention, and where the other side of the mask lies: along its
+/// columns or along the dimension it sums over.
+#[derive(Clone, Copy)]
+enum Diagonal {
+    /// Rows are queries; keys are the columns.
+    QueriesByKeyColumns,
+    /// Rows are queries; the product sums over keys.
+    QueriesOverKeys,
+    /// Rows are keys; queries are the columns.
+    KeysByQueryColumns,
+    /// Rows are keys; the product sums over queries.
+    KeysOverQueries,
+}
+
+/// `c (+)= A·B` for a block on a causal diagonal, of more than [`SPLIT`]
+/// queries and keys: without the quadrant of the queries before `SPLIT`
+/// against the keys from `SPLIT` on, none of whose scores is seen (where
+/// `A` or `B` holds probabilities, they are zeros there; where they are
+/// the scores, they are never read). That quadrant of the output is left
+/// as it was.
+#[inline(always)]
+fn diagonal_gemm<T: Float, I: Isa>(
+    p: &Product<'_, T>,
+    c: &mut [T],
+    ldc: usize,
+    accumulate: bool,
+    roles: Diagonal,
+) {
+    let (m, n, k) = (p.m, p.n, p.k);
+    // The two parts as (rows, columns, inner).
+    let parts = match roles {
+        // The earlier queries against the earlier keys, the later ones
+        // against all.
+        Diagonal::QueriesByKeyColumns => [(0..SPLIT, 0..SPLIT, 0..k), (SPLIT..m, 0..n, 0..k)],
+        Diagonal::QueriesOverKeys => [(0..SPLIT, 0..n, 0..SPLIT), (SPLIT..m, 0..n, 0..k)],
+        // The earlier keys against all queries, the later ones against
+        // the later queries.
+        Diagonal::KeysByQueryColumns => [(0..SPLIT, 0..n, 0..k), (SPLIT..m, SPLIT..n, 0..k)],
+        Diagonal::KeysOverQueries => [(0..SPLIT, 0..n, 0..k), (SPLIT..m, 0..n, SPLIT..k)],
+    };
+    for (rows, cols, inner) in parts {
+        let at = rows.start * ldc + cols.start;
+        T::gemm::<I>(&p.part(rows, cols, inner), &mut c[at..], ldc, accumulate);
+    }
+}
+
 /// Every row of the product against `cols` columns from `b` on.
 #[inline(always)]
 fn tile_rows<T: Float, I: Isa, const W: usize>(
@@ -726,6 +805,9 @@ fn forward_block<T: Float, I: Isa>(
     let mut j0 = 0;
     while j0 < key_end {
         let bc = BLOCK_K.min(key_end - j0);
+        // The causal diagonal (blocks start at multiples of both sizes,
+        // so only `j0 == i0` is masked in part, and then `bc <= br`).
+        let diagonal = g.causal && j0 == i0 && bc > SPLIT;
         let scores = Product {
             m: bc,
             n: br,
@@ -736,7 +818,11 @@ fn forward_block<T: Float, I: Isa>(
             ldb: BLOCK_Q,
             readable: BLOCK_Q,
         };
-        T::gemm::<I>(&scores, st, BLOCK_Q, false);
+        if diagonal {
+            diagonal_gemm::<T, I>(&scores, st, BLOCK_Q, false, Diagonal::KeysByQueryColumns);
+        } else {
+            T::gemm::<I>(&scores, st, BLOCK_Q, false);
+        }
         // Key j is masked for the queries before it: lanes `..j - i0`.
         let hidden = |jj: usize| {
             if g.causal {
@@ -755,11 +841,13 @@ fn forward_block<T: Float, I: Isa>(
         // A chunk of LANES queries (a vector or two) at a time, so that
         // its running maximum and sum stay in registers over the block's
         // keys (kept in arrays, they were loaded and stored at every key).
-        // Lanes past `br` compute on stale scores and are never read.
+        // Lanes past `br` compute on stale scores and are never read, and
+        // on the diagonal the queries before `SPLIT` stop at its keys.
         for c0 in (0..br).step_by(LANES) {
             let at = |jj: usize| jj * BLOCK_Q + c0..jj * BLOCK_Q + c0 + LANES;
+            let keys = if diagonal && c0 < SPLIT { SPLIT } else { bc };
             let mut block_max = [T::NEG_INFINITY; LANES];
-            for jj in 0..bc {
+            for jj in 0..keys {
                 let row = <&[T; LANES]>::try_from(&st[at(jj)]).expect("LANES scores");
                 for (m, &x) in block_max.iter_mut().zip(row) {
                     *m = m.larger(x);
@@ -777,7 +865,7 @@ fn forward_block<T: Float, I: Isa>(
                 shift[l] = base;
             }
             let mut block_sum = [T::ZERO; LANES];
-            for jj in 0..bc {
+            for jj in 0..keys {
                 let row = <&mut [T; LANES]>::try_from(&mut st[at(jj)]).expect("LANES scores");
                 for ((x, &base), s) in row.iter_mut().zip(&shift).zip(block_sum.iter_mut()) {
                     let p = (*x - base).exp::<I>();
@@ -807,7 +895,11 @@ fn forward_block<T: Float, I: Isa>(
             ldb: head.ld_v,
             readable: dv,
         };
-        T::gemm::<I>(&values, o, ld_o, true);
+        if diagonal {
+            diagonal_gemm::<T, I>(&values, o, ld_o, true, Diagonal::QueriesOverKeys);
+        } else {
+            T::gemm::<I>(&values, o, ld_o, true);
+        }
         j0 += bc;
     }
     for ii in 0..br {
@@ -1128,6 +1220,15 @@ fn backward_task<T: Float, I: Isa>(
         let mut i0 = first_query;
         while i0 < g.t {
             let br = BLOCK_Q.min(g.t - i0);
+            // The causal diagonal: the first query block, `i0 == j0`.
+            let diagonal = g.causal && i0 == j0 && br > SPLIT && bc > SPLIT;
+            let gemm = |p: &Product<'_, T>, c: &mut [T], ldc, accumulate, roles| {
+                if diagonal {
+                    diagonal_gemm::<T, I>(p, c, ldc, accumulate, roles);
+                } else {
+                    T::gemm::<I>(p, c, ldc, accumulate);
+                }
+            };
             let scores = Product {
                 m: br,
                 n: bc,
@@ -1138,7 +1239,7 @@ fn backward_task<T: Float, I: Isa>(
                 ldb: BLOCK_K,
                 readable: BLOCK_K,
             };
-            T::gemm::<I>(&scores, p, BLOCK_K, false);
+            gemm(&scores, p, BLOCK_K, false, Diagonal::QueriesByKeyColumns);
             for ii in 0..br {
                 let i = i0 + ii;
                 let seen = if g.causal {
@@ -1165,7 +1266,7 @@ fn backward_task<T: Float, I: Isa>(
                 ldb: ld_v,
                 readable: dv,
             };
-            T::gemm::<I>(&values, dvb, ld_v, true);
+            gemm(&values, dvb, ld_v, true, Diagonal::KeysOverQueries);
             // dP = dO·Vᵀ
             let weights = Product {
                 m: br,
@@ -1177,13 +1278,15 @@ fn backward_task<T: Float, I: Isa>(
                 ldb: BLOCK_K,
                 readable: BLOCK_K,
             };
-            T::gemm::<I>(&weights, ds, BLOCK_K, false);
-            // dS = scale·P ∘ (dP − Δ)
+            gemm(&weights, ds, BLOCK_K, false, Diagonal::QueriesByKeyColumns);
+            // dS = scale·P ∘ (dP − Δ), on the diagonal only where dP was
+            // computed.
             for ii in 0..br {
                 let centre = delta[i0 + ii];
+                let keys = if diagonal && ii < SPLIT { SPLIT } else { bc };
                 let (ds, p) = (
-                    &mut ds[ii * BLOCK_K..ii * BLOCK_K + bc],
-                    &p[ii * BLOCK_K..ii * BLOCK_K + bc],
+                    &mut ds[ii * BLOCK_K..ii * BLOCK_K + keys],
+                    &p[ii * BLOCK_K..ii * BLOCK_K + keys],
                 );
                 for (x, &y) in ds.iter_mut().zip(p) {
                     *x = y * (*x - centre) * scale;
@@ -1200,7 +1303,13 @@ fn backward_task<T: Float, I: Isa>(
                 ldb: ld_qk,
                 readable: d,
             };
-            T::gemm::<I>(&to_queries, &mut dq[i0 * ld_qk..], ld_qk, true);
+            gemm(
+                &to_queries,
+                &mut dq[i0 * ld_qk..],
+                ld_qk,
+                true,
+                Diagonal::QueriesOverKeys,
+            );
             // dK += dSᵀ·Q
             let to_keys = Product {
                 m: bc,
@@ -1212,7 +1321,7 @@ fn backward_task<T: Float, I: Isa>(
                 ldb: ld_qk,
                 readable: d,
             };
-            T::gemm::<I>(&to_keys, dk, ld_qk, true);
+            gemm(&to_keys, dk, ld_qk, true, Diagonal::KeysOverQueries);
             i0 += br;
         }
     }
