@@ -23,7 +23,7 @@
 //! the block on the diagonal the masked scores are `-∞` before the maximum
 //! and exact zeros after the exponential. Of that block, the quadrant of
 //! its first [`SPLIT`] queries against its later keys is masked whole and
-//! not computed at all, in either pass ([`diagonal_gemm`]): at the GPT
+//! not computed at all, in either pass ([`causal_gemm`]): at the GPT
 //! step's `T = 64`, a quarter of the products.
 //!
 //! **Backward**, one task per (unit, group of key blocks): `Δ = rowsum(dO ∘
@@ -90,7 +90,7 @@ pub const BLOCK_K: usize = 64;
 /// Where the block on a causal diagonal (its first key is its first
 /// query) is cut: the queries before it see none of the keys from it on,
 /// so of the block's four quadrants that one is skipped, a quarter of its
-/// products (see [`diagonal_gemm`]).
+/// products (see [`causal_gemm`]).
 const SPLIT: usize = BLOCK_Q / 2;
 const _: () = assert!(SPLIT.is_multiple_of(LANES) && BLOCK_K == BLOCK_Q);
 
@@ -513,20 +513,23 @@ enum Diagonal {
     KeysOverQueries,
 }
 
-/// `c (+)= A·B` for a block on a causal diagonal, of more than [`SPLIT`]
-/// queries and keys: without the quadrant of the queries before `SPLIT`
-/// against the keys from `SPLIT` on, none of whose scores is seen (where
-/// `A` or `B` holds probabilities, they are zeros there; where they are
-/// the scores, they are never read). That quadrant of the output is left
-/// as it was.
+/// `c (+)= A·B`; for a block `on_diagonal` of a causal attention (more
+/// than [`SPLIT`] queries and keys), without the quadrant of the queries
+/// before `SPLIT` against the keys from `SPLIT` on, none of whose scores
+/// is seen (where `A` or `B` holds probabilities, they are zeros there;
+/// where they are the scores, they are never read). That quadrant of the
+/// output is left as it was.
 #[inline(always)]
-fn diagonal_gemm<T: Float, I: Isa>(
+fn causal_gemm<T: Float, I: Isa>(
     p: &Product<'_, T>,
     c: &mut [T],
     ldc: usize,
     accumulate: bool,
-    roles: Diagonal,
+    (on_diagonal, roles): (bool, Diagonal),
 ) {
+    if !on_diagonal {
+        return T::gemm::<I>(p, c, ldc, accumulate);
+    }
     let (m, n, k) = (p.m, p.n, p.k);
     // The two parts as (rows, columns, inner).
     let parts = match roles {
@@ -818,11 +821,13 @@ fn forward_block<T: Float, I: Isa>(
             ldb: BLOCK_Q,
             readable: BLOCK_Q,
         };
-        if diagonal {
-            diagonal_gemm::<T, I>(&scores, st, BLOCK_Q, false, Diagonal::KeysByQueryColumns);
-        } else {
-            T::gemm::<I>(&scores, st, BLOCK_Q, false);
-        }
+        causal_gemm::<T, I>(
+            &scores,
+            st,
+            BLOCK_Q,
+            false,
+            (diagonal, Diagonal::KeysByQueryColumns),
+        );
         // Key j is masked for the queries before it: lanes `..j - i0`.
         let hidden = |jj: usize| {
             if g.causal {
@@ -895,11 +900,13 @@ fn forward_block<T: Float, I: Isa>(
             ldb: head.ld_v,
             readable: dv,
         };
-        if diagonal {
-            diagonal_gemm::<T, I>(&values, o, ld_o, true, Diagonal::QueriesOverKeys);
-        } else {
-            T::gemm::<I>(&values, o, ld_o, true);
-        }
+        causal_gemm::<T, I>(
+            &values,
+            o,
+            ld_o,
+            true,
+            (diagonal, Diagonal::QueriesOverKeys),
+        );
         j0 += bc;
     }
     for ii in 0..br {
@@ -1223,11 +1230,7 @@ fn backward_task<T: Float, I: Isa>(
             // The causal diagonal: the first query block, `i0 == j0`.
             let diagonal = g.causal && i0 == j0 && br > SPLIT && bc > SPLIT;
             let gemm = |p: &Product<'_, T>, c: &mut [T], ldc, accumulate, roles| {
-                if diagonal {
-                    diagonal_gemm::<T, I>(p, c, ldc, accumulate, roles);
-                } else {
-                    T::gemm::<I>(p, c, ldc, accumulate);
-                }
+                causal_gemm::<T, I>(p, c, ldc, accumulate, (diagonal, roles))
             };
             let scores = Product {
                 m: br,
